@@ -1,0 +1,37 @@
+"""eqtrain: an Equinox-based, functional training toolkit for JAX.
+
+The whole run is one immutable pytree (`TrainState`); pure step builders advance it
+(`train_step`, `eval_step`); `jit` compiles a step over the state's array leaves; and
+`fit` drives it, calling plain-callable hooks between steps.
+"""
+
+from . import hooks as hooks
+from ._errors import (
+    ConfigError as ConfigError,
+    EqtrainError as EqtrainError,
+    StopTraining as StopTraining,
+    StructureError as StructureError,
+)
+from ._hooks import (
+    Scheduled as Scheduled,
+    StateUnavailableError as StateUnavailableError,
+    StepInfo as StepInfo,
+    StopKind as StopKind,
+    StopReason as StopReason,
+    at as at,
+    at_end as at_end,
+    every as every,
+    every_seconds as every_seconds,
+)
+from ._jit import Jitted as Jitted, jit as jit
+from ._loop import Checkpointer as Checkpointer, FitResult as FitResult, fit as fit
+from ._precision import Precision as Precision
+from ._state import TrainState as TrainState, trainable_mask as trainable_mask
+from ._step import (
+    batch_weight as batch_weight,
+    eval_step as eval_step,
+    train_step as train_step,
+)
+
+
+__version__ = "0.1.0"

@@ -1,0 +1,25 @@
+"""The eqtrain error family: every error we raise on purpose subclasses `EqtrainError`."""
+
+
+class EqtrainError(Exception):
+    """Base class of the errors eqtrain raises on purpose."""
+
+
+class ConfigError(EqtrainError, ValueError):
+    """A builder or function was given a value it cannot use."""
+
+
+class StructureError(EqtrainError, ValueError):
+    """A pytree did not have the structure that was expected (e.g. a step changed it)."""
+
+
+class StopTraining(Exception):  # noqa: N818 -- a request, not an error
+    """Raise from a hook to stop `fit` cleanly after the current step.
+
+    `fit` catches it, records a `StopReason` of kind ``"hook"`` with the message,
+    runs the final hooks and the checkpointer, and returns normally.
+    """
+
+    def __init__(self, message: str = "a hook requested a stop"):
+        super().__init__(message)
+        self.message = message

@@ -1,0 +1,237 @@
+"""`eqtrain.jit`: compile a step over the *array leaves* of the state with `jax.jit`.
+
+The state is partitioned once into array leaves and static structure; the static part
+is closed over, and only a flat list of arrays crosses the jit boundary (with donation
+and, when given, shardings). This keeps JAX's asynchronous dispatch: unlike
+`eqx.filter_jit`, nothing here waits for the result or re-walks the module tree.
+"""
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.tree_util as jtu
+from jax.sharding import Sharding
+
+from ._errors import StructureError
+from ._types import Batch
+
+
+def _differences(expected: list[Any], got: list[Any], paths: list[str]) -> str:
+    lines = []
+    for path, a, b in zip(paths, expected, got, strict=False):
+        if a is not b and not _same_static(a, b):
+            lines.append(f"  {path}: {_short(a)} -> {_short(b)}")
+        if len(lines) == 5:
+            break
+    return "\n".join(lines)
+
+
+def _short(x: Any) -> str:
+    if eqx.is_array(x) or isinstance(x, jax.ShapeDtypeStruct):
+        return f"array{tuple(x.shape)} {x.dtype}"
+    text = repr(x)
+    return text if len(text) < 60 else text[:57] + "..."
+
+
+def _same_static(a: Any, b: Any) -> bool:
+    try:
+        return bool(a == b)
+    except Exception:
+        return False
+
+
+class _Layout:
+    """How one state structure splits into array leaves and static leaves."""
+
+    def __init__(self, treedef: Any, leaves: list[Any]):
+        self.treedef = treedef
+        self.is_array = [eqx.is_array(x) for x in leaves]
+        self.statics = [None if a else x for a, x in zip(self.is_array, leaves, strict=True)]
+        self.num_arrays = sum(self.is_array)
+
+    def matches(self, treedef: Any, leaves: list[Any]) -> bool:
+        if treedef != self.treedef:
+            return False
+        for a, s, x in zip(self.is_array, self.statics, leaves, strict=True):
+            if a != eqx.is_array(x) or (not a and s is not x and not _same_static(s, x)):
+                return False
+        return True
+
+    def arrays(self, leaves: list[Any]) -> list[Any]:
+        return [x for a, x in zip(self.is_array, leaves, strict=True) if a]
+
+    def rebuild(self, arrays: Sequence[Any]) -> Any:
+        it = iter(arrays)
+        return self.treedef.unflatten(
+            [next(it) if a else s for a, s in zip(self.is_array, self.statics, strict=True)]
+        )
+
+
+class Jitted:
+    """A step compiled by `eqtrain.jit`. Call it like the step it wraps.
+
+    `jitted(state, batch)` returns what the step returns. For the hot loop, `fit`
+    uses `prepare(state)` once and then `call_flat(arrays, batch)`, which hands only
+    flat lists of arrays back and forth.
+
+    Attributes:
+        num_traces: how many times the step has been traced (1 in a healthy loop;
+            tests use it to prove there is no retrace).
+    """
+
+    def __init__(
+        self,
+        fn: Callable[..., Any],
+        *,
+        donate: bool = True,
+        shardings: tuple[Any, Any] | None = None,
+    ):
+        self.fn = fn
+        self.donate = donate
+        self.shardings = shardings
+        self.num_traces = 0
+        self._layout: _Layout | None = None
+        self._jitted: Any = None
+        self._mode: str | None = None  # "step": returns (state, aux); "fn": anything
+        self._out_static: Any = None
+
+    def __repr__(self) -> str:
+        return f"eqtrain.jit({getattr(self.fn, '__name__', self.fn)!r}, donate={self.donate})"
+
+    # -- the hot path -------------------------------------------------------------
+    def prepare(self, state: Any) -> tuple[list[Any], _Layout]:
+        """Partition `state` once; returns its array leaves and its layout."""
+        leaves, treedef = jtu.tree_flatten(state)
+        if self._layout is None or not self._layout.matches(treedef, leaves):
+            self._layout = _Layout(treedef, leaves)
+            self._jitted = self._build(self._layout)
+            self._mode = None
+        return self._layout.arrays(leaves), self._layout
+
+    def call_flat(self, arrays: list[Any], batch: Batch) -> Any:
+        """Run on the array leaves of a prepared state.
+
+        Returns `(new_arrays, aux)` for a step (a function returning a state of the
+        same structure and something else), or the function's output otherwise.
+        """
+        out = self._jitted(arrays, batch)
+        if self._mode == "fn":
+            return eqx.combine(out, self._out_static)
+        return out
+
+    def __call__(self, state: Any, batch: Batch) -> Any:
+        arrays, layout = self.prepare(state)
+        out = self.call_flat(arrays, batch)
+        if self._mode == "step":
+            new_arrays, aux = out
+            return layout.rebuild(new_arrays), aux
+        return out
+
+    @property
+    def mode(self) -> str | None:
+        """`"step"` once traced on a `(state, batch) -> (state, aux)` function."""
+        return self._mode
+
+    # -- building -----------------------------------------------------------------
+    def _build(self, layout: _Layout) -> Any:
+        def flat_fn(arrays: list[Any], batch: Batch) -> Any:
+            self.num_traces += 1
+            out = self.fn(layout.rebuild(arrays), batch)
+            if isinstance(out, tuple) and len(out) == 2:
+                new_leaves, new_def = jtu.tree_flatten(out[0])
+                if new_def == layout.treedef:
+                    self._check_same_static(layout, new_leaves)
+                    self._mode = "step"
+                    return layout.arrays(new_leaves), out[1]
+            if self.donate:
+                raise StructureError(
+                    f"{self!r}: with donate=True the function must return "
+                    "`(state, metrics)` with `state` structured exactly like its "
+                    "input; it returned something else. For evaluation-style "
+                    "functions use `eqtrain.jit(fn, donate=False)`."
+                )
+            self._mode = "fn"
+            dynamic, self._out_static = eqx.partition(out, eqx.is_array)
+            return dynamic
+
+        kwargs: dict[str, Any] = {}
+        if self.donate:
+            kwargs["donate_argnums"] = (0,)
+        if self.shardings is not None:
+            state_sh, batch_sh = self.shardings
+            flat_sh = self._flat_shardings(layout, state_sh)
+            kwargs["in_shardings"] = (flat_sh, batch_sh)
+            if self.donate:  # a step: pin the state's output layout too
+                kwargs["out_shardings"] = (flat_sh, None)
+        return jax.jit(flat_fn, **kwargs)
+
+    def _check_same_static(self, layout: _Layout, new_leaves: list[Any]) -> None:
+        for a, s, x in zip(layout.is_array, layout.statics, new_leaves, strict=True):
+            bad = (a and not eqx.is_array(x)) or (
+                not a and (eqx.is_array(x) or (s is not x and not _same_static(s, x)))
+            )
+            if bad:
+                paths = [
+                    jtu.keystr(p)
+                    for p, _ in jtu.tree_flatten_with_path(layout.rebuild([None] * layout.num_arrays))[0]
+                ]
+                old = [
+                    s if not a else jax.ShapeDtypeStruct((), "float32")
+                    for a, s in zip(layout.is_array, layout.statics, strict=True)
+                ]
+                raise StructureError(
+                    f"{self!r}: the step changed the static part of the state "
+                    "(non-array leaves must come out as they went in). First "
+                    f"differences:\n{_differences(old, new_leaves, paths)}"
+                )
+
+    @staticmethod
+    def _flat_shardings(layout: _Layout, state_sh: Any) -> Any:
+        if state_sh is None or isinstance(state_sh, Sharding):
+            return state_sh
+        flat = jtu.tree_leaves(state_sh, is_leaf=lambda x: isinstance(x, Sharding))
+        if len(flat) != layout.num_arrays:
+            raise StructureError(
+                f"state shardings have {len(flat)} leaves but the state has "
+                f"{layout.num_arrays} arrays. Build them from the state, e.g. "
+                "`jax.tree.map(lambda x: sharding_for(x), eqx.filter(state, "
+                "eqx.is_array))`."
+            )
+        return flat
+
+
+def jit(
+    fn: Callable[..., Any],
+    *,
+    donate: bool = True,
+    shardings: tuple[Any, Any] | None = None,
+) -> Jitted:
+    """Compile a step for the training loop.
+
+    The state (first argument) is partitioned into array leaves and static
+    structure; the static part is closed over and `jax.jit` sees only a flat list of
+    arrays, which it donates when `donate=True`. Dispatch stays asynchronous.
+
+    Args:
+        fn: `fn(state, batch)`. With `donate=True` it must return
+            `(new_state, metrics)` with `new_state` structured like `state`
+            (e.g. a step from `train_step`). With `donate=False` it may return
+            any pytree (e.g. an `eval_step`).
+        donate: donate the state's buffers to the step (halves peak memory). The
+            arrays of the state you pass in are consumed: keep using the returned
+            state.
+        shardings: `(state_shardings, batch_shardings)`: `state_shardings` is one
+            `Sharding` for every array or a pytree of them shaped like
+            `eqx.filter(state, eqx.is_array)`; `batch_shardings` is a `Sharding`
+            or a pytree prefix of the batch. `None` lets JAX follow the inputs.
+
+    Returns:
+        A `Jitted` callable with the same call signature as `fn`.
+
+    Example:
+        >>> step = eqtrain.jit(eqtrain.train_step(loss_fn, optimizer))  # doctest: +SKIP
+        >>> state, metrics = step(state, batch)                           # doctest: +SKIP
+    """
+    return Jitted(fn, donate=donate, shardings=shardings)

@@ -1,0 +1,463 @@
+"""`fit`: the one impure loop. It feeds batches to a compiled step, keeps the host one
+step ahead of the device, calls hooks, evaluates, and turns every way a run can end
+into a `StopReason`.
+"""
+
+import dataclasses
+import math
+import os
+import signal
+import sys
+import threading
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any, Protocol
+
+import jax
+import numpy as np
+
+from ._errors import ConfigError, StopTraining
+from ._hooks import (
+    Hook,
+    Scheduled,
+    StepInfo,
+    StopKind,
+    StopReason,
+    as_scheduled,
+    now,
+)
+from ._jit import Jitted, jit
+from ._state import TrainState
+from ._types import Batch
+
+
+class Checkpointer(Protocol):
+    """What `fit(..., checkpointer=...)` needs from a checkpointer.
+
+    `due(step)` is asked after every step (before the next is dispatched);
+    `save(info, final=False)` then receives the exact state. When `fit` stops, for
+    any `StopReason`, it calls `save(info, final=True)` exactly once with the final
+    state, then `close()` (which should wait for asynchronous writes).
+    """
+
+    def due(self, step: int) -> bool: ...
+
+    def save(self, info: StepInfo, *, final: bool) -> None: ...
+
+    def close(self) -> None: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class FitResult:
+    """What `fit` returns.
+
+    Attributes:
+        state: the final `TrainState`.
+        stop_reason: why the loop stopped.
+        history: one dict per completed step: `{"step": k, **metrics}`, with
+            `eval/...` entries on evaluation steps (oldest dropped beyond
+            `fit(..., history=N)`).
+    """
+
+    state: TrainState
+    stop_reason: StopReason
+    history: list[dict[str, Any]]
+
+    @property
+    def metrics(self) -> dict[str, Any]:
+        """The last completed step's metrics (empty if no step ran)."""
+        return self.history[-1] if self.history else {}
+
+
+TOKEN_KEYS = ("tokens", "input_ids")
+
+
+def count_tokens(batch: Batch) -> int | None:
+    """Tokens in a batch: the size of its `tokens`/`input_ids` entry (shape only,
+    no device access), or `None` when there is none."""
+    if isinstance(batch, Mapping):
+        for name in TOKEN_KEYS:
+            if name in batch:
+                return int(math.prod(np.shape(batch[name])))
+    return None
+
+
+def _to_host(metrics: Mapping[str, Any]) -> dict[str, Any]:
+    host = jax.device_get(dict(metrics))
+    out: dict[str, Any] = {}
+    for name, value in host.items():
+        value = np.asarray(value)
+        out[name] = value.item() if value.ndim == 0 else value.tolist()
+    return out
+
+
+class _Signals:
+    """Turn the first SIGINT/SIGTERM into a stop request; a second one aborts."""
+
+    def __init__(self, enabled: bool):
+        self.enabled = enabled and threading.current_thread() is threading.main_thread()
+        self.received: int | None = None
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> "_Signals":
+        if self.enabled:
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self._previous[sig] = signal.getsignal(sig)
+                signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if self.received is not None:
+            if signum == signal.SIGINT:
+                raise KeyboardInterrupt
+            raise SystemExit(128 + signum)
+        self.received = signum
+        print(
+            f"\n[eqtrain] {signal.Signals(signum).name} received: stopping after the "
+            "current step (send it again to abort without saving).",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    def __exit__(self, *exc: Any) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+
+@dataclasses.dataclass
+class _Pending:
+    """A dispatched step whose metrics have not been read yet."""
+
+    step: int
+    metrics: Any
+    due: list[Scheduled]
+    data_time: float
+    tokens: int | None
+
+
+def _check_args(num_steps: Any, eval_every: Any, eval_data: Any, eval_step: Any) -> None:
+    if not isinstance(num_steps, int) or num_steps < 0:
+        raise ConfigError(f"`num_steps` must be an int >= 0; got {num_steps!r}.")
+    if eval_every is not None:
+        if not isinstance(eval_every, int) or eval_every < 1:
+            raise ConfigError(f"`eval_every` must be an int >= 1; got {eval_every!r}.")
+        if eval_step is None or eval_data is None:
+            raise ConfigError(
+                "`eval_every` needs both `eval_step=` and `eval_data=` (a re-iterable "
+                "of batches, e.g. a list or a loader)."
+            )
+    if eval_data is not None and iter(eval_data) is eval_data:
+        raise ConfigError(
+            "`eval_data` must be re-iterable (it is read at every evaluation), but "
+            "an iterator was given. Pass a list or a loader object instead."
+        )
+
+
+class _Loop:
+    """The state of one `fit` call; kept out of `fit` to give its parts names."""
+
+    def __init__(
+        self,
+        step: Jitted,
+        *,
+        num_steps: int,
+        hooks: Sequence[Scheduled],
+        evaluator: Jitted | None,
+        eval_data: Iterable[Batch] | None,
+        eval_every: int | None,
+        checkpointer: Checkpointer | None,
+        time_limit: float | None,
+        kill_switch: str | os.PathLike[str] | None,
+        history: int | None,
+        signals: _Signals,
+        eval_at_end: bool = True,
+    ):
+        self.step = step
+        self.num_steps = num_steps
+        self.loop_hooks = [h for h in hooks if h.when != "end"]
+        self.end_hooks = [h for h in hooks if h.when == "end"]
+        self.evaluator = evaluator
+        self.eval_data = eval_data
+        self.eval_every = eval_every
+        self.eval_at_end = eval_at_end
+        self.checkpointer = checkpointer
+        self.time_limit = time_limit
+        self.kill_switch = None if kill_switch is None else os.fspath(kill_switch)
+        self.history: list[dict[str, Any]] = []
+        self.history_limit = history
+        self.signals = signals
+        self.stop_on_nonfinite = getattr(step.fn, "nonfinite", None) == "stop"
+        self.hook_stop: StopReason | None = None
+        self.nonfinite_at: int | None = None
+        self.last_eval_step: int | None = None
+        self.last_skipped = 0.0
+        self.start = now()
+        self.last_done = self.start
+
+    # -- stop conditions --------------------------------------------------------
+    def stop_reason(self, done: int) -> StopReason | None:
+        if self.nonfinite_at is not None:
+            return StopReason(
+                StopKind.NONFINITE,
+                self.nonfinite_at,
+                f"non-finite loss or gradients at step {self.nonfinite_at}; the "
+                "returned state is the last finite one",
+            )
+        if self.hook_stop is not None:
+            return self.hook_stop
+        if self.signals.received is not None:
+            name = signal.Signals(self.signals.received).name
+            return StopReason(StopKind.SIGNAL, done, name)
+        if done >= self.num_steps:
+            return StopReason(StopKind.MAX_STEPS, done, f"reached {self.num_steps} steps")
+        if self.time_limit is not None and now() - self.start >= self.time_limit:
+            return StopReason(
+                StopKind.TIME_LIMIT, done, f"time limit of {self.time_limit:g}s reached"
+            )
+        if self.kill_switch is not None and os.path.exists(self.kill_switch):
+            return StopReason(StopKind.KILL_SWITCH, done, f"found {self.kill_switch}")
+        return None
+
+    # -- per-step work ----------------------------------------------------------
+    def needs_sync(self, step: int, due: list[Scheduled]) -> bool:
+        return (
+            any(h.uses_state for h in due)
+            or self.eval_due(step)
+            or (self.checkpointer is not None and self.checkpointer.due(step))
+        )
+
+    def eval_due(self, step: int) -> bool:
+        return self.eval_every is not None and step % self.eval_every == 0
+
+    def finish(self, pending: _Pending, state: TrainState | None) -> StepInfo:
+        """Read a step's metrics, then run its evaluation, hooks and checkpoint."""
+        metrics = _to_host(pending.metrics)
+        done = now()
+        step_time, self.last_done = done - self.last_done, done
+        self.watch_nonfinite(pending.step, metrics)
+        if state is not None and self.eval_due(pending.step):
+            metrics.update(self.evaluate(state))
+            self.last_eval_step = pending.step
+        info = StepInfo(
+            step=pending.step,
+            metrics=metrics,
+            num_steps=self.num_steps,
+            step_time=step_time,
+            data_time=pending.data_time,
+            tokens=pending.tokens,
+            tokens_per_second=(
+                None if pending.tokens is None or step_time <= 0 else pending.tokens / step_time
+            ),
+            elapsed=done - self.start,
+            _state=state,
+        )
+        self.record(info)
+        self.run_hooks(pending.due, info)
+        if state is not None and self.checkpointer is not None:
+            if self.checkpointer.due(pending.step):
+                self.checkpointer.save(info, final=False)
+        return info
+
+    def watch_nonfinite(self, step: int, metrics: dict[str, Any]) -> None:
+        skipped = metrics.get("skipped")
+        if isinstance(skipped, float | int) and skipped > self.last_skipped:
+            self.last_skipped = skipped
+            if self.stop_on_nonfinite and self.nonfinite_at is None:
+                self.nonfinite_at = step
+
+    def record(self, info: StepInfo) -> None:
+        self.history.append({"step": info.step, **info.metrics})
+        if self.history_limit is not None and len(self.history) > self.history_limit:
+            del self.history[0]
+
+    def run_hooks(self, hooks: Iterable[Hook], info: StepInfo) -> None:
+        for hook in hooks:
+            try:
+                hook(info)
+            except StopTraining as request:
+                if self.hook_stop is None:
+                    self.hook_stop = StopReason(StopKind.HOOK, info.step, request.message)
+
+    def evaluate(self, state: TrainState) -> dict[str, float]:
+        """Average the eval metrics over `eval_data`, weighted by `weight`."""
+        assert self.evaluator is not None and self.eval_data is not None
+        arrays, _ = self.evaluator.prepare(state)
+        outputs = [self.evaluator.call_flat(arrays, batch) for batch in self.eval_data]
+        if not outputs:
+            raise ConfigError("`eval_data` yielded no batches; evaluation needs at least one.")
+        host = [_to_host(m) for m in outputs]
+        weights = np.array([m.get("weight", 1.0) for m in host], np.float64)
+        total = float(weights.sum())
+        scale = weights / total if total > 0 else np.full(len(host), 1.0 / len(host))
+        averaged = {
+            f"eval/{name}": float(sum(s * m[name] for s, m in zip(scale, host, strict=True)))
+            for name in host[0]
+            if name != "weight"
+        }
+        averaged["eval/weight"] = total
+        return averaged
+
+
+def fit(
+    state: TrainState,
+    step: Callable[..., Any] | Jitted,
+    data: Iterable[Batch],
+    *,
+    num_steps: int,
+    hooks: Sequence[Hook | Scheduled] = (),
+    eval_step: Callable[..., Any] | Jitted | None = None,
+    eval_data: Iterable[Batch] | None = None,
+    eval_every: int | None = None,
+    eval_at_end: bool = True,
+    checkpointer: Checkpointer | None = None,
+    time_limit: float | None = None,
+    kill_switch: str | os.PathLike[str] | None = None,
+    handle_signals: bool = True,
+    history: int | None = None,
+) -> FitResult:
+    """Train `state` with `step` on `data` until a stop condition holds.
+
+    The host stays one step ahead of the device: it dispatches step k+1 before it
+    reads step k's metrics, so the device never waits for Python between steps. A
+    hook that uses the state (the default for plain callables), an evaluation or a
+    checkpoint due at step k makes the loop wait for step k before dispatching k+1,
+    so they see the exact state of step k; hooks with `uses_state = False` (the
+    built-in loggers) run one step late and never make the loop wait.
+
+    Args:
+        state: the initial (or restored) state. With a donating step (the default),
+            its arrays are consumed: use `FitResult.state` afterwards.
+        step: a step from `train_step`, or the same compiled with `eqtrain.jit`
+            (a plain function is compiled with `eqtrain.jit(step)`).
+        data: an iterable of batches; running out stops the run
+            (`"data_exhausted"`).
+        num_steps: the step count at which to stop (absolute: a state restored at
+            step 400 with `num_steps=1000` runs 600 more steps).
+        hooks: callables `hook(info)`; a plain callable runs after every step, or
+            wrap it with `every`, `at`, `every_seconds`, `at_end`. Raise
+            `StopTraining` from a hook to stop after the current step.
+        eval_step: `eval_step(loss_fn)` (compiled with `eqtrain.jit(...,
+            donate=False)` if it is a plain function).
+        eval_data: a re-iterable of eval batches (a list, or a loader).
+        eval_every: evaluate after every `eval_every` steps; metrics are averaged
+            over `eval_data` weighted by `weight` and reported as `eval/<name>`.
+        eval_at_end: also evaluate when the run ends by reaching `num_steps` or
+            running out of data (if it did not just evaluate).
+        checkpointer: see `Checkpointer`; saved when due, and once at any stop.
+        time_limit: stop after this many seconds of wall-clock time.
+        kill_switch: stop when this file exists (checked after every step).
+        handle_signals: make the first SIGINT/SIGTERM a clean stop (the current
+            step finishes, final hooks and the checkpointer run); a second one
+            aborts. Previous handlers are restored on exit. Only in the main
+            thread.
+        history: keep at most this many entries in `FitResult.history`
+            (default: all).
+
+    Returns:
+        A `FitResult` with the final state, the `StopReason` and the history.
+    """
+    _check_args(num_steps, eval_every, eval_data, eval_step)
+    if time_limit is not None and not time_limit > 0:
+        raise ConfigError(f"`time_limit` must be > 0 seconds; got {time_limit!r}.")
+    compiled = step if isinstance(step, Jitted) else jit(step)
+    evaluator = None
+    if eval_step is not None:
+        evaluator = eval_step if isinstance(eval_step, Jitted) else jit(eval_step, donate=False)
+    scheduled = [as_scheduled(h) for h in hooks]
+    first = int(jax.device_get(state.step))
+    arrays, layout = compiled.prepare(state)
+    iterator = iter(data)
+
+    with _Signals(handle_signals) as signals:
+        loop = _Loop(
+            compiled,
+            num_steps=num_steps,
+            hooks=scheduled,
+            evaluator=evaluator,
+            eval_data=eval_data,
+            eval_every=eval_every,
+            checkpointer=checkpointer,
+            time_limit=time_limit,
+            kill_switch=kill_switch,
+            history=history,
+            signals=signals,
+            eval_at_end=eval_at_end,
+        )
+        for hook in scheduled:
+            hook.start(loop.start)
+        try:
+            arrays, reason = _run(loop, compiled, arrays, layout, iterator, first)
+            final = layout.rebuild(arrays)
+            info = _final_info(loop, final, reason, first)
+            loop.run_hooks(loop.end_hooks, info)
+            if checkpointer is not None:
+                checkpointer.save(info, final=True)
+        finally:
+            for hook in scheduled:
+                hook.close()
+            if checkpointer is not None and callable(getattr(checkpointer, "close", None)):
+                checkpointer.close()
+    return FitResult(state=final, stop_reason=reason, history=loop.history)
+
+
+def _run(
+    loop: _Loop,
+    compiled: Jitted,
+    arrays: list[Any],
+    layout: Any,
+    iterator: Any,
+    done: int,
+) -> tuple[list[Any], StopReason]:
+    """The step loop proper. Returns the final arrays and the stop reason."""
+    pending: _Pending | None = None
+    while True:
+        reason = loop.stop_reason(done)
+        if reason is not None:
+            break
+        waited = now()
+        try:
+            batch = next(iterator)
+        except StopIteration:
+            reason = StopReason(StopKind.DATA_EXHAUSTED, done, "the data iterable ran out")
+            break
+        waited = now() - waited
+        arrays, metrics = compiled.call_flat(arrays, batch)  # dispatch step done+1
+        done += 1
+        due = [h for h in loop.loop_hooks if h.due(done, now())]
+        current = _Pending(done, metrics, due, waited, count_tokens(batch))
+        if pending is not None:  # read step done-1 while step `done` runs
+            loop.finish(pending, None)
+        pending = current
+        if loop.needs_sync(done, due):
+            loop.finish(pending, layout.rebuild(arrays))
+            pending = None
+    if pending is not None:
+        loop.finish(pending, layout.rebuild(arrays))
+    return arrays, reason
+
+
+def _final_info(loop: _Loop, state: TrainState, reason: StopReason, first: int) -> StepInfo:
+    """The info for `at_end` hooks and the final save; evaluates at a natural end."""
+    done = int(jax.device_get(state.step))
+    last = loop.history[-1] if loop.history else None
+    metrics = {k: v for k, v in last.items() if k != "step"} if last else {}
+    natural = reason.kind in (StopKind.MAX_STEPS, StopKind.DATA_EXHAUSTED)
+    if (
+        loop.eval_at_end
+        and natural
+        and loop.evaluator is not None
+        and loop.eval_data is not None
+        and loop.last_eval_step != done
+    ):
+        evaluated = loop.evaluate(state)
+        metrics.update(evaluated)
+        if last is not None and last["step"] == done:
+            last.update(evaluated)
+        loop.last_eval_step = done
+    return StepInfo(
+        step=done,
+        metrics=metrics,
+        num_steps=loop.num_steps,
+        elapsed=now() - loop.start,
+        stop_reason=reason,
+        _state=state,
+    )
