@@ -10,7 +10,7 @@ import signal
 import sys
 import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import jax
 import numpy as np
@@ -30,6 +30,7 @@ from ._state import TrainState
 from ._types import Batch
 
 
+@runtime_checkable
 class Checkpointer(Protocol):
     """What `fit(..., checkpointer=...)` needs from a checkpointer.
 

@@ -187,7 +187,7 @@ def train_step(
     *,
     accumulate: int = 1,
     precision: Precision | str | None = None,
-    nonfinite: NonFinite = "skip",
+    nonfinite: str = "skip",
     ema: float | None = None,
     schedule: optax.Schedule | None = None,
 ) -> Callable[[TrainState, Batch], tuple[TrainState, Metrics]]:
@@ -248,7 +248,7 @@ def train_step(
         loss, aux, weight, grads, model_state = grad_fn(
             params, static, batch, step_key, state.model_state
         )
-        grad_norm = optax.global_norm(grads)
+        grad_norm = optax.tree.norm(grads)
         updates, opt_state = optimizer.update(grads, state.opt_state, params)
         new_params = optax.apply_updates(params, updates)
         new = dataclasses.replace(

@@ -1,0 +1,63 @@
+import os
+
+
+# Must happen before JAX touches a device: 8 simulated CPU devices for sharding tests.
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import equinox as eqx  # noqa: E402
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import jax.random as jr  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+
+jax.config.update("jax_numpy_rank_promotion", "raise")
+
+
+class Regressor(eqx.Module):
+    """A tiny MLP with a frozen-able input scale, used across tests."""
+
+    mlp: eqx.nn.MLP
+    scale: jax.Array
+
+    def __init__(self, key, width=16, dtype=jnp.float32):
+        self.mlp = eqx.nn.MLP(4, 1, width, 2, key=key, dtype=dtype)
+        self.scale = jnp.ones((4,), dtype)
+
+    def __call__(self, x):
+        return self.mlp(x * self.scale)[0]
+
+
+def mse_loss(model, batch, key):
+    pred = jax.vmap(model)(batch["x"])
+    err = (pred - batch["y"]) ** 2
+    if "loss_mask" in batch:
+        mask = batch["loss_mask"]
+        loss = jnp.sum(err * mask) / jnp.maximum(jnp.sum(mask), 1.0)
+    else:
+        loss = jnp.mean(err)
+    return loss, {"mae": jnp.mean(jnp.abs(pred - batch["y"]))}
+
+
+def make_batches(n, batch_size=8, seed=0, mask=False):
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(n):
+        x = rng.normal(size=(batch_size, 4)).astype(np.float32)
+        b = {"x": x, "y": (x @ np.arange(1, 5, dtype=np.float32)).astype(np.float32)}
+        if mask:
+            b["loss_mask"] = (rng.random(batch_size) < 0.6).astype(np.float32)
+        out.append(b)
+    return out
+
+
+@pytest.fixture
+def model():
+    return Regressor(jr.key(0))
+
+
+@pytest.fixture
+def batches():
+    return make_batches(64)
