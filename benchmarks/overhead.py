@@ -31,6 +31,7 @@ Usage (CPU):
 import argparse
 import dataclasses
 import io
+import itertools
 import json
 import math
 import statistics
@@ -69,7 +70,7 @@ class Config:
 
 CONFIGS = {
     "base": Config("base", vocab=256, dim=256, hidden=704, layers=4, heads=4, seq=128,
-                   batch=8),
+                   batch=4),
     "many_small_leaves": Config("many_small_leaves", vocab=256, dim=64, hidden=176,
                                 layers=24, heads=2, seq=64, batch=4),
 }  # fmt: skip
@@ -197,20 +198,24 @@ def raw_jit(step: Callable, state: eqtrain.TrainState) -> Callable:
     return jax.jit(flat_step, donate_argnums=0)
 
 
-def run_raw(jitted: Callable, state: eqtrain.TrainState, batches: list) -> float:
-    """Seconds for the raw loop over `batches`, waiting only at the end."""
+def run_raw(
+    jitted: Callable, state: eqtrain.TrainState, batches: list
+) -> tuple[float, float]:
+    """Seconds for the raw loop over `batches`, waiting only at the end, and the
+    last loss."""
     start = time.perf_counter()
     arrays, metrics = array_leaves(state), None
     for batch in batches:
         arrays, metrics = jitted(arrays, batch)
     jax.block_until_ready((arrays, metrics))
-    return time.perf_counter() - start
+    return time.perf_counter() - start, float(metrics["loss"])
 
 
 def run_fit(
     compiled: eqtrain.Jitted, state: eqtrain.TrainState, batches: list, log: Path
-) -> float:
-    """Seconds for `eqtrain.fit` over `batches` with a progress bar and JSONL log."""
+) -> tuple[float, float]:
+    """Seconds for `eqtrain.fit` over `batches` with a progress bar and JSONL log,
+    and the last loss."""
     hooks = [
         eqtrain.hooks.ProgressBar(stream=io.StringIO()),
         eqtrain.hooks.JsonlWriter(log),
@@ -221,7 +226,7 @@ def run_fit(
     elapsed = time.perf_counter() - start
     if result.stop_reason.kind != "max_steps" or len(result.history) != len(batches):
         raise RuntimeError(f"fit stopped early: {result.stop_reason}")
-    return elapsed
+    return elapsed, result.metrics["loss"]
 
 
 # -- the benchmark ------------------------------------------------------------------
@@ -234,50 +239,76 @@ def make_batches(cfg: Config, steps: int, seed: int = 0) -> list[dict[str, np.nd
     ]
 
 
-def make_state(cfg: Config, optimizer: optax.GradientTransformation):
+def make_state(
+    cfg: Config, optimizer: optax.GradientTransformation
+) -> eqtrain.TrainState:
     """A fresh state (the same each time): the steps donate the previous one."""
     return eqtrain.TrainState.create(Llama(cfg, jr.key(0)), optimizer, key=1)
 
 
+def time_rounds(
+    runners: dict[str, Callable], new_state: Callable, batches: list, *, rounds: int
+) -> dict[str, list[tuple[float, float]]]:
+    """`(seconds, last loss)` of each runner per round, alternating which goes first
+    (ABBA...) so that drifts in machine speed hit both alike."""
+    results: dict[str, list[tuple[float, float]]] = {name: [] for name in runners}
+    for r in range(rounds):
+        order = list(runners) if r % 2 == 0 else list(reversed(runners))
+        for name in order:
+            results[name].append(runners[name](new_state(), batches))
+    return results
+
+
 def benchmark(cfg: Config, steps: int, rounds: int, warmup: int) -> dict[str, Any]:
+    """Warm up and time both loops on `cfg`; returns the JSON record."""
     optimizer = optax.adamw(1e-3, weight_decay=0.1)
     step = eqtrain.train_step(loss_fn, optimizer)
+    new_state = lambda: make_state(cfg, optimizer)
     batches = make_batches(cfg, steps)
-    state = make_state(cfg, optimizer)
-    params = sum(x.size for x in array_leaves(state.params))
-    leaves = len(array_leaves(state))
+    state = new_state()
     raw, compiled = raw_jit(step, state), eqtrain.jit(step)
-    tokens = steps * cfg.batch * cfg.seq
-    rates: dict[str, list[float]] = {"raw": [], "eqtrain": []}
 
     with tempfile.TemporaryDirectory() as tmp:
-        logs = iter(Path(tmp) / f"run{i}.jsonl" for i in range(2 * rounds + 1))
-        run = {
+        logs = (Path(tmp) / f"run{i}.jsonl" for i in itertools.count())
+        runners = {
             "raw": lambda s, b: run_raw(raw, s, b),
             "eqtrain": lambda s, b: run_fit(compiled, s, b, next(logs)),
         }
-        for name in ("raw", "eqtrain"):  # compile and warm up
-            run[name](make_state(cfg, optimizer), batches[:warmup])
-        for r in range(rounds):
-            order = ("raw", "eqtrain") if r % 2 == 0 else ("eqtrain", "raw")
-            for name in order:
-                seconds = run[name](make_state(cfg, optimizer), batches)
-                rates[name].append(tokens / seconds)
-        print(f"[{cfg.name}] tokens/s per round: {rates}", file=sys.stderr)
+        for run in runners.values():  # compile and warm up, untimed
+            run(new_state(), batches[:warmup])
+        results = time_rounds(runners, new_state, batches, rounds=rounds)
 
-    if compiled.num_traces != 1:
-        print(f"warning: eqtrain.jit traced {compiled.num_traces}x", file=sys.stderr)
+    tokens = steps * cfg.batch * cfg.seq
+    rates = {k: [tokens / seconds for seconds, _ in v] for k, v in results.items()}
+    _check(cfg.name, compiled, results, rates)
     raw_rate = statistics.median(rates["raw"])
     eqtrain_rate = statistics.median(rates["eqtrain"])
     return {
         "config": cfg.name,
-        "params": int(params),
-        "leaves": leaves,
+        "params": int(sum(x.size for x in array_leaves(state.params))),
+        "leaves": len(array_leaves(state)),
         "steps": steps,
         "raw_tokens_per_s": round(raw_rate, 1),
         "eqtrain_tokens_per_s": round(eqtrain_rate, 1),
         "ratio": round(eqtrain_rate / raw_rate, 4),
     }
+
+
+def _check(name: str, compiled: eqtrain.Jitted, results: dict, rates: dict) -> None:
+    """On stderr: per-round rates, and warnings if the loops did different work."""
+    shown = {k: [round(r) for r in v] for k, v in rates.items()}
+    print(f"[{name}] tokens/s per round: {shown}", file=sys.stderr)
+    losses = {loss for v in results.values() for _, loss in v}
+    if max(losses) - min(losses) > 1e-4 * max(1.0, abs(max(losses))):
+        print(
+            f"[{name}] warning: the loops ended on different losses {losses}",
+            file=sys.stderr,
+        )
+    if compiled.num_traces != 1:
+        print(
+            f"[{name}] warning: eqtrain.jit traced {compiled.num_traces}x",
+            file=sys.stderr,
+        )
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

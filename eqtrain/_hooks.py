@@ -55,7 +55,9 @@ class StepInfo:
 
     Attributes:
         step: number of completed steps, **1-based**: after the first step of a
-            fresh run `step == 1`; it equals `int(info.state.step)`.
+            fresh run `step == 1`; it equals `int(info.state.step)` (except after
+            a non-finite step under `nonfinite="stop"`, where the state is the
+            last finite one and is not advanced).
         metrics: host metrics of that step (Python floats): the step's own
             (`loss`, `grad_norm`, ...) and, on evaluation steps, `eval/...`.
         num_steps: the step count at which `fit` will stop (for ETAs).
@@ -183,7 +185,7 @@ def at(steps: Iterable[int], hook: Hook, *, uses_state: bool | None = None) -> S
 
 
 def every_seconds(
-    seconds: float, hook: Hook, *, uses_state: bool | None = None
+    seconds: float | int, hook: Hook, *, uses_state: bool | None = None
 ) -> Scheduled:
     """Run `hook` after the first step completed once `seconds` have passed since
     its last run (or since `fit` started)."""

@@ -166,7 +166,7 @@ class _Loop:
         eval_data: Iterable[Batch] | None,
         eval_every: int | None,
         checkpointer: Checkpointer | None,
-        time_limit: float | None,
+        time_limit: float | int | None,
         kill_switch: str | os.PathLike[str] | None,
         history: int | None,
         signals: _Signals,
@@ -253,7 +253,7 @@ class _Loop:
         )
         self.record(info)
         self.run_hooks(pending.due, info)
-        if state is not None and self.checkpointer is not None:
+        if state is not None and self.checkpointer is not None and self.nonfinite_at is None:
             if self.checkpointer.due(pending.step):
                 self.checkpointer.save(info, final=False)
         return info
@@ -310,7 +310,7 @@ def fit(
     eval_every: int | None = None,
     eval_at_end: bool = True,
     checkpointer: Checkpointer | None = None,
-    time_limit: float | None = None,
+    time_limit: float | int | None = None,
     kill_switch: str | os.PathLike[str] | None = None,
     handle_signals: bool = True,
     history: int | None = None,
