@@ -1,4 +1,4 @@
-"""The eqtrain error family: every error we raise on purpose subclasses `EqtrainError`."""
+"""The eqtrain error family: errors raised on purpose subclass `EqtrainError`."""
 
 
 class EqtrainError(Exception):
@@ -10,7 +10,7 @@ class ConfigError(EqtrainError, ValueError):
 
 
 class StructureError(EqtrainError, ValueError):
-    """A pytree did not have the structure that was expected (e.g. a step changed it)."""
+    """A pytree did not have the expected structure (e.g. a step changed it)."""
 
 
 class StopTraining(Exception):  # noqa: N818 -- a request, not an error

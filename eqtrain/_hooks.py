@@ -176,7 +176,9 @@ def every(n: int, hook: Hook, *, uses_state: bool | None = None) -> Scheduled:
     return Scheduled(hook, "every", n=n, uses_state=_flag(hook, uses_state))
 
 
-def at(steps: Iterable[int], hook: Hook, *, uses_state: bool | None = None) -> Scheduled:
+def at(
+    steps: Iterable[int], hook: Hook, *, uses_state: bool | None = None
+) -> Scheduled:
     """Run `hook` after each of the given (1-based) steps."""
     chosen = frozenset(int(s) for s in steps)
     if any(s < 1 for s in chosen):

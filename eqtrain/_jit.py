@@ -48,14 +48,18 @@ class _Layout:
     def __init__(self, treedef: Any, leaves: list[Any]):
         self.treedef = treedef
         self.is_array = [eqx.is_array(x) for x in leaves]
-        self.statics = [None if a else x for a, x in zip(self.is_array, leaves, strict=True)]
+        self.statics = [
+            None if a else x for a, x in zip(self.is_array, leaves, strict=True)
+        ]
         self.num_arrays = sum(self.is_array)
 
     def matches(self, treedef: Any, leaves: list[Any]) -> bool:
         if treedef != self.treedef:
             return False
         for a, s, x in zip(self.is_array, self.statics, leaves, strict=True):
-            if a != eqx.is_array(x) or (not a and s is not x and not _same_static(s, x)):
+            if a != eqx.is_array(x) or (
+                not a and s is not x and not _same_static(s, x)
+            ):
                 return False
         return True
 
@@ -65,7 +69,10 @@ class _Layout:
     def rebuild(self, arrays: Sequence[Any]) -> Any:
         it = iter(arrays)
         return self.treedef.unflatten(
-            [next(it) if a else s for a, s in zip(self.is_array, self.statics, strict=True)]
+            [
+                next(it) if a else s
+                for a, s in zip(self.is_array, self.statics, strict=True)
+            ]
         )
 
 
@@ -98,7 +105,8 @@ class Jitted:
         self._out_static: Any = None
 
     def __repr__(self) -> str:
-        return f"eqtrain.jit({getattr(self.fn, '__name__', self.fn)!r}, donate={self.donate})"
+        name = getattr(self.fn, "__name__", self.fn)
+        return f"eqtrain.jit({name!r}, donate={self.donate})"
 
     # -- the hot path -------------------------------------------------------------
     def prepare(self, state: Any) -> tuple[list[Any], _Layout]:
@@ -175,7 +183,9 @@ class Jitted:
             if bad:
                 paths = [
                     jtu.keystr(p)
-                    for p, _ in jtu.tree_flatten_with_path(layout.rebuild([None] * layout.num_arrays))[0]
+                    for p, _ in jtu.tree_flatten_with_path(
+                        layout.rebuild([None] * layout.num_arrays)
+                    )[0]
                 ]
                 old = [
                     s if not a else jax.ShapeDtypeStruct((), "float32")
@@ -232,6 +242,6 @@ def jit(
 
     Example:
         >>> step = eqtrain.jit(eqtrain.train_step(loss_fn, optimizer))  # doctest: +SKIP
-        >>> state, metrics = step(state, batch)                           # doctest: +SKIP
+        >>> state, metrics = step(state, batch)  # doctest: +SKIP
     """
     return Jitted(fn, donate=donate, shardings=shardings)

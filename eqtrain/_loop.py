@@ -135,7 +135,9 @@ class _Pending:
     tokens: int | None
 
 
-def _check_args(num_steps: Any, eval_every: Any, eval_data: Any, eval_step: Any) -> None:
+def _check_args(
+    num_steps: Any, eval_every: Any, eval_data: Any, eval_step: Any
+) -> None:
     if not isinstance(num_steps, int) or num_steps < 0:
         raise ConfigError(f"`num_steps` must be an int >= 0; got {num_steps!r}.")
     if eval_every is not None:
@@ -209,7 +211,9 @@ class _Loop:
             name = signal.Signals(self.signals.received).name
             return StopReason(StopKind.SIGNAL, done, name)
         if done >= self.num_steps:
-            return StopReason(StopKind.MAX_STEPS, done, f"reached {self.num_steps} steps")
+            return StopReason(
+                StopKind.MAX_STEPS, done, f"reached {self.num_steps} steps"
+            )
         if self.time_limit is not None and now() - self.start >= self.time_limit:
             return StopReason(
                 StopKind.TIME_LIMIT, done, f"time limit of {self.time_limit:g}s reached"
@@ -246,14 +250,20 @@ class _Loop:
             data_time=pending.data_time,
             tokens=pending.tokens,
             tokens_per_second=(
-                None if pending.tokens is None or step_time <= 0 else pending.tokens / step_time
+                None
+                if pending.tokens is None or step_time <= 0
+                else pending.tokens / step_time
             ),
             elapsed=done - self.start,
             _state=state,
         )
         self.record(info)
         self.run_hooks(pending.due, info)
-        if state is not None and self.checkpointer is not None and self.nonfinite_at is None:
+        if (
+            state is not None
+            and self.checkpointer is not None
+            and self.nonfinite_at is None
+        ):
             if self.checkpointer.due(pending.step):
                 self.checkpointer.save(info, final=False)
         return info
@@ -276,7 +286,9 @@ class _Loop:
                 hook(info)
             except StopTraining as request:
                 if self.hook_stop is None:
-                    self.hook_stop = StopReason(StopKind.HOOK, info.step, request.message)
+                    self.hook_stop = StopReason(
+                        StopKind.HOOK, info.step, request.message
+                    )
 
     def evaluate(self, state: TrainState) -> dict[str, float]:
         """Average the eval metrics over `eval_data`, weighted by `weight`."""
@@ -284,13 +296,17 @@ class _Loop:
         arrays, _ = self.evaluator.prepare(state)
         outputs = [self.evaluator.call_flat(arrays, batch) for batch in self.eval_data]
         if not outputs:
-            raise ConfigError("`eval_data` yielded no batches; evaluation needs at least one.")
+            raise ConfigError(
+                "`eval_data` yielded no batches; evaluation needs at least one."
+            )
         host = [_to_host(m) for m in outputs]
         weights = np.array([m.get("weight", 1.0) for m in host], np.float64)
         total = float(weights.sum())
         scale = weights / total if total > 0 else np.full(len(host), 1.0 / len(host))
         averaged = {
-            f"eval/{name}": float(sum(s * m[name] for s, m in zip(scale, host, strict=True)))
+            f"eval/{name}": float(
+                sum(s * m[name] for s, m in zip(scale, host, strict=True))
+            )
             for name in host[0]
             if name != "weight"
         }
@@ -362,7 +378,9 @@ def fit(
     compiled = step if isinstance(step, Jitted) else jit(step)
     evaluator = None
     if eval_step is not None:
-        evaluator = eval_step if isinstance(eval_step, Jitted) else jit(eval_step, donate=False)
+        evaluator = (
+            eval_step if isinstance(eval_step, Jitted) else jit(eval_step, donate=False)
+        )
     scheduled = [as_scheduled(h) for h in hooks]
     first = int(jax.device_get(state.step))
     arrays, layout = compiled.prepare(state)
@@ -395,7 +413,9 @@ def fit(
         finally:
             for hook in scheduled:
                 hook.close()
-            if checkpointer is not None and callable(getattr(checkpointer, "close", None)):
+            if checkpointer is not None and callable(
+                getattr(checkpointer, "close", None)
+            ):
                 checkpointer.close()
     return FitResult(state=final, stop_reason=reason, history=loop.history)
 
@@ -418,7 +438,9 @@ def _run(
         try:
             batch = next(iterator)
         except StopIteration:
-            reason = StopReason(StopKind.DATA_EXHAUSTED, done, "the data iterable ran out")
+            reason = StopReason(
+                StopKind.DATA_EXHAUSTED, done, "the data iterable ran out"
+            )
             break
         waited = now() - waited
         arrays, metrics = compiled.call_flat(arrays, batch)  # dispatch step done+1
@@ -436,7 +458,9 @@ def _run(
     return arrays, reason
 
 
-def _final_info(loop: _Loop, state: TrainState, reason: StopReason, first: int) -> StepInfo:
+def _final_info(
+    loop: _Loop, state: TrainState, reason: StopReason, first: int
+) -> StepInfo:
     """The info for `at_end` hooks and the final save; evaluates at a natural end."""
     done = int(jax.device_get(state.step))
     last = loop.history[-1] if loop.history else None

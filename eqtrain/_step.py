@@ -153,7 +153,9 @@ def _accumulated(
             compute, params, static, first, keys[0], model_state
         )
         f32 = lambda s: jnp.zeros(s.shape, jnp.promote_types(s.dtype, jnp.float32))
-        zeros = jtu.tree_map(f32, (shapes.loss, shapes.aux, shapes.weight, shapes.grads))
+        zeros = jtu.tree_map(
+            f32, (shapes.loss, shapes.aux, shapes.weight, shapes.grads)
+        )
 
         def body(carry, xs):
             (loss_sum, aux_sum, w_sum, g_sum), mstate = carry
@@ -172,9 +174,7 @@ def _accumulated(
         # A batch whose weights are all zero contributes nothing (not NaN).
         safe = jnp.where(w_sum > 0, w_sum, 1.0)
         mean = lambda v: v / safe
-        grads = jtu.tree_map(
-            lambda g, p: mean(g).astype(p.dtype), g_sum, shapes.grads
-        )
+        grads = jtu.tree_map(lambda g, p: mean(g).astype(p.dtype), g_sum, shapes.grads)
         aux = jtu.tree_map(mean, aux_sum)
         return mean(loss_sum), aux, w_sum, grads, mstate
 
@@ -336,7 +336,9 @@ def eval_step(
         if policy is not None:
             model, inputs = policy.cast_model(model), policy.cast_inputs(batch)
         if state.model_state is not None:
-            loss, aux, _ = loss_fn(model, inputs, state.key, model_state=state.model_state)
+            loss, aux, _ = loss_fn(
+                model, inputs, state.key, model_state=state.model_state
+            )
         else:
             loss, aux = loss_fn(model, inputs, state.key)
         aux = {k: jnp.asarray(v, jnp.float32) for k, v in dict(aux).items()}
@@ -345,4 +347,3 @@ def eval_step(
         return {"loss": jnp.asarray(loss, jnp.float32), **aux, "weight": weight}
 
     return evaluate
-

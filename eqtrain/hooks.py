@@ -117,7 +117,7 @@ class ConsoleLogger:
 
     uses_state = False
 
-    def __init__(self, keys: tuple[str, ...] | None = None, stream: IO[str] | None = None):
+    def __init__(self, keys: tuple[str, ...] | None = None, stream: Any = None):
         self.keys = keys
         self.stream = stream
 
@@ -145,7 +145,7 @@ class ProgressBar:
         self,
         *,
         plain_every: int | None = None,
-        stream: IO[str] | None = None,
+        stream: Any = None,
         force_terminal: bool | None = None,
     ):
         self.plain_every = plain_every
@@ -208,7 +208,8 @@ class ProgressBar:
             if info.step % every == 0 or final:
                 eta = ""
                 if info.step and info.elapsed and info.num_steps > info.step:
-                    eta = f" | eta {(info.num_steps - info.step) * info.elapsed / info.step:.0f}s"
+                    left = (info.num_steps - info.step) * info.elapsed / info.step
+                    eta = f" | eta {left:.0f}s"
                 stream = self.stream or sys.stderr
                 print(format_line(info) + eta, file=stream, flush=True)
             return

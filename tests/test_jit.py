@@ -81,7 +81,9 @@ def test_step_changing_static_structure_is_named(batches):
     def bad(state, batch):
         new, m = step(state, batch)
         mlp = eqx.tree_at(lambda l: l.activation, new.model.mlp, jax.nn.tanh)
-        return dataclasses.replace(new, model=eqx.tree_at(lambda m: m.mlp, new.model, mlp)), m
+        return dataclasses.replace(
+            new, model=eqx.tree_at(lambda m: m.mlp, new.model, mlp)
+        ), m
 
     with pytest.raises(StructureError, match="activation"):
         eqtrain.jit(bad)(state, batches[0])
@@ -104,7 +106,9 @@ def test_shardings_data_parallel_on_8_devices(batches):
     by_data = NamedSharding(mesh, P("data"))
     opt = optax.sgd(0.1)
     model = Regressor(jr.key(0))
-    ref_state, ref_m = eqtrain.train_step(mse_loss, opt)(TrainState.create(model, opt, key=0), batches[0])
+    ref_state, ref_m = eqtrain.train_step(mse_loss, opt)(
+        TrainState.create(model, opt, key=0), batches[0]
+    )
 
     state = TrainState.create(model, opt, key=0)
     state = jax.device_put(eqx.filter(state, eqx.is_array), replicated)
@@ -123,4 +127,6 @@ def test_per_leaf_shardings_must_match(batches):
     mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
     state, step = _setup()
     with pytest.raises(StructureError, match="arrays"):
-        eqtrain.jit(step, shardings=([NamedSharding(mesh, P())], None))(state, batches[0])
+        eqtrain.jit(step, shardings=([NamedSharding(mesh, P())], None))(
+            state, batches[0]
+        )

@@ -1,18 +1,15 @@
 """Tests for `fit`: stop reasons, hook schedules, evaluation, checkpointer calls, and
 the asynchronous (one-step-ahead) dispatch."""
 
-import dataclasses
 import json
 import os
 import signal
 import subprocess
 import sys
 import textwrap
-import threading
 import time
 
 import equinox as eqx
-import jax
 import jax.numpy as jnp
 import jax.random as jr
 import numpy as np
@@ -99,7 +96,9 @@ def test_num_steps_is_absolute_and_resume_is_exact(step, batches):
     assert losses == [h["loss"] for h in straight.history]
     # already there: no step runs, final hooks still see the state
     seen = []
-    again = eqtrain.fit(second.state, step, batches, num_steps=8, hooks=[at_end(seen.append)])
+    again = eqtrain.fit(
+        second.state, step, batches, num_steps=8, hooks=[at_end(seen.append)]
+    )
     assert again.history == [] and again.stop_reason.kind == "max_steps"
     assert seen[0].step == 8 and int(seen[0].state.step) == 8
 
@@ -124,10 +123,17 @@ def test_time_limit(step, batches):
 def test_kill_switch(step, batches, tmp_path):
     switch = tmp_path / "STOP"
     result = eqtrain.fit(
-        fresh_state(), step, batches, num_steps=50, kill_switch=switch,
+        fresh_state(),
+        step,
+        batches,
+        num_steps=50,
+        kill_switch=switch,
         hooks=[at([3], lambda info: switch.touch())],
     )
-    assert result.stop_reason.kind == "kill_switch" and str(switch) in result.stop_reason.message
+    assert (
+        result.stop_reason.kind == "kill_switch"
+        and str(switch) in result.stop_reason.message
+    )
     assert result.stop_reason.step == 3 and int(result.state.step) == 3
 
 
@@ -186,7 +192,10 @@ def test_other_exceptions_propagate_and_hooks_close(step, batches):
 def test_schedules(step, batches):
     calls = {"every": [], "at": [], "end": [], "plain": []}
     result = eqtrain.fit(
-        fresh_state(), step, batches, num_steps=10,
+        fresh_state(),
+        step,
+        batches,
+        num_steps=10,
         hooks=[
             every(3, lambda i: calls["every"].append(i.step)),
             at([2, 5, 99], lambda i: calls["at"].append(i.step)),
@@ -209,8 +218,13 @@ def test_every_seconds(step, batches):
             time.sleep(0.03)
             yield b
 
-    eqtrain.fit(fresh_state(), step, slow(), num_steps=20,
-                hooks=[every_seconds(0.1, lambda i: seen.append(i.step))])
+    eqtrain.fit(
+        fresh_state(),
+        step,
+        slow(),
+        num_steps=20,
+        hooks=[every_seconds(0.1, lambda i: seen.append(i.step))],
+    )
     assert 1 <= len(seen) < 20 and seen == sorted(seen)
 
 
@@ -236,8 +250,13 @@ def test_state_hooks_see_exact_state_metrics_hooks_cannot(step, batches):
         info.state  # noqa: B018
 
     with pytest.raises(eqtrain.StateUnavailableError, match="uses_state"):
-        eqtrain.fit(fresh_state(), step, batches, num_steps=4,
-                    hooks=[every(1, peeks, uses_state=False)])
+        eqtrain.fit(
+            fresh_state(),
+            step,
+            batches,
+            num_steps=4,
+            hooks=[every(1, peeks, uses_state=False)],
+        )
 
 
 def heavy_loss(model, batch, key):
@@ -273,7 +292,9 @@ def test_loop_dispatches_next_step_before_reading_current(batches, monkeypatch):
     original_read = loop_module._to_host
 
     def spy_read(metrics):
-        events.append(("read", next(i + 1 for i, m in enumerate(dispatched) if m is metrics)))
+        events.append(
+            ("read", next(i + 1 for i, m in enumerate(dispatched) if m is metrics))
+        )
         return original_read(metrics)
 
     monkeypatch.setattr(step, "call_flat", spy_call)
@@ -287,7 +308,10 @@ def test_loop_dispatches_next_step_before_reading_current(batches, monkeypatch):
     assert events == expected + [("read", 8)]
     # Step k had not finished when step k+1 was dispatched: the loop did not wait.
     # (Step 1 includes compilation and may finish first; steps 2.. are ~50 ms each.)
-    assert sum(not r for r in ready_at_next_dispatch[1:]) >= len(ready_at_next_dispatch[1:]) - 1
+    assert (
+        sum(not r for r in ready_at_next_dispatch[1:])
+        >= len(ready_at_next_dispatch[1:]) - 1
+    )
 
 
 def test_state_hook_makes_the_loop_wait_only_where_due(batches, monkeypatch):
@@ -297,17 +321,36 @@ def test_state_hook_makes_the_loop_wait_only_where_due(batches, monkeypatch):
     events = []
     original_call = step.call_flat
     monkeypatch.setattr(
-        step, "call_flat", lambda a, b: (events.append("dispatch"), original_call(a, b))[1]
+        step,
+        "call_flat",
+        lambda a, b: (events.append("dispatch"), original_call(a, b))[1],
     )
     original_read = loop_module._to_host
     monkeypatch.setattr(
         loop_module, "_to_host", lambda m: (events.append("read"), original_read(m))[1]
     )
-    eqtrain.fit(fresh_state(), step, batches, num_steps=6,
-                hooks=[every(3, lambda info: info.state)])
+    eqtrain.fit(
+        fresh_state(),
+        step,
+        batches,
+        num_steps=6,
+        hooks=[every(3, lambda info: info.state)],
+    )
     # steps 1-2 pipelined; step 3 synced (hook uses the state); 4-5 pipelined; 6 synced
-    assert events == ["dispatch", "dispatch", "read", "dispatch", "read", "read",
-                      "dispatch", "dispatch", "read", "dispatch", "read", "read"]
+    assert events == [
+        "dispatch",
+        "dispatch",
+        "read",
+        "dispatch",
+        "read",
+        "read",
+        "dispatch",
+        "dispatch",
+        "read",
+        "dispatch",
+        "read",
+        "read",
+    ]
 
 
 def test_evaluation_weighted_and_prefixed(step, evaluate, batches):
@@ -319,8 +362,14 @@ def test_evaluation_weighted_and_prefixed(step, evaluate, batches):
             seen[info.step] = info.metrics
 
     result = eqtrain.fit(
-        fresh_state(), step, batches, num_steps=10, eval_step=evaluate,
-        eval_data=eval_data, eval_every=4, hooks=[spy],
+        fresh_state(),
+        step,
+        batches,
+        num_steps=10,
+        eval_step=evaluate,
+        eval_data=eval_data,
+        eval_every=4,
+        hooks=[spy],
     )
     assert sorted(seen) == [4, 8]  # the end-of-run eval comes after the hooks
     assert "eval/loss" in result.history[-1]  # ... and is recorded at step 10
@@ -328,7 +377,7 @@ def test_evaluation_weighted_and_prefixed(step, evaluate, batches):
     state = result.state
     ms = [eqtrain.eval_step(mse_loss)(state, b) for b in eval_data]
     w = np.array([float(m["weight"]) for m in ms])
-    expect = sum(wi * float(m["loss"]) for wi, m in zip(w, ms)) / w.sum()
+    expect = sum(wi * float(m["loss"]) for wi, m in zip(w, ms, strict=True)) / w.sum()
     np.testing.assert_allclose(result.history[-1]["eval/loss"], expect, rtol=1e-5)
     assert result.history[-1]["eval/weight"] == w.sum()
     assert set(seen[4]) >= {"loss", "eval/loss", "eval/mae", "eval/weight"}
@@ -338,8 +387,15 @@ def test_eval_arguments_checked(step, batches):
     with pytest.raises(eqtrain.ConfigError, match="eval_data"):
         eqtrain.fit(fresh_state(), step, batches, num_steps=2, eval_every=1)
     with pytest.raises(eqtrain.ConfigError, match="re-iterable"):
-        eqtrain.fit(fresh_state(), step, batches, num_steps=2, eval_every=1,
-                    eval_step=eqtrain.eval_step(mse_loss), eval_data=iter(batches))
+        eqtrain.fit(
+            fresh_state(),
+            step,
+            batches,
+            num_steps=2,
+            eval_every=1,
+            eval_step=eqtrain.eval_step(mse_loss),
+            eval_data=iter(batches),
+        )
     with pytest.raises(eqtrain.ConfigError, match="num_steps"):
         eqtrain.fit(fresh_state(), step, batches, num_steps=-1)
 
@@ -372,12 +428,17 @@ def _run_with_reason(kind, step, batches, tmp_path):
 
 
 @pytest.mark.parametrize(
-    "kind", ["max_steps", "data_exhausted", "kill_switch", "hook", "nonfinite", "time_limit"]
+    "kind",
+    ["max_steps", "data_exhausted", "kill_switch", "hook", "nonfinite", "time_limit"],
 )
-def test_checkpointer_saves_when_due_and_once_at_every_stop(kind, step, batches, tmp_path):
+def test_checkpointer_saves_when_due_and_once_at_every_stop(
+    kind, step, batches, tmp_path
+):
     data, hooks, kwargs = _run_with_reason(kind, step, batches, tmp_path)
     ckpt = FakeCheckpointer(every_n=2)
-    result = eqtrain.fit(fresh_state(), step, data, hooks=hooks, checkpointer=ckpt, **kwargs)
+    result = eqtrain.fit(
+        fresh_state(), step, data, hooks=hooks, checkpointer=ckpt, **kwargs
+    )
     assert result.stop_reason.kind == kind
     assert all(s == k and s % 2 == 0 for s, k, _ in ckpt.saves)
     assert len(ckpt.finals) == 1 and ckpt.closed == 1
@@ -390,7 +451,10 @@ def test_previous_signal_handlers_restored(step, batches):
     def mine(signum, frame):
         pass
 
-    old_int, old_term = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
+    old_int, old_term = (
+        signal.getsignal(signal.SIGINT),
+        signal.getsignal(signal.SIGTERM),
+    )
     signal.signal(signal.SIGTERM, mine)
     try:
         eqtrain.fit(fresh_state(), step, batches, num_steps=2)
@@ -450,8 +514,11 @@ def _spawn(tmp_path, mode):
     env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(__file__)))
     env["XLA_FLAGS"] = ""
     return subprocess.Popen(
-        [sys.executable, str(script), mode], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-        text=True, env=env,
+        [sys.executable, str(script), mode],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
     )
 
 
@@ -462,7 +529,9 @@ def _wait_for(proc, prefix, deadline):
             break
         if line.startswith(prefix):
             return line
-    raise AssertionError(f"child never printed {prefix!r}; stderr:\n{proc.stderr.read()[-3000:]}")
+    raise AssertionError(
+        f"child never printed {prefix!r}; stderr:\n{proc.stderr.read()[-3000:]}"
+    )
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
@@ -472,8 +541,8 @@ def test_signal_stops_cleanly_in_a_real_process(sig, tmp_path):
     try:
         _wait_for(proc, "STEP 5", deadline)
         proc.send_signal(sig)
-        final = json.loads(_wait_for(proc, "FINAL", deadline)[len("FINAL "):])
-        result = json.loads(_wait_for(proc, "RESULT", deadline)[len("RESULT "):])
+        final = json.loads(_wait_for(proc, "FINAL", deadline)[len("FINAL ") :])
+        result = json.loads(_wait_for(proc, "RESULT", deadline)[len("RESULT ") :])
         assert proc.wait(timeout=60) == 0
     finally:
         proc.kill()

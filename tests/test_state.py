@@ -34,7 +34,10 @@ def test_trainable_filter_callable_and_prefix(model):
     assert mu.scale is None and mu.mlp.layers[0].weight is None
 
     by_ndim = TrainState.create(
-        model, optax.sgd(0.1), key=0, trainable=lambda x: eqx.is_array(x) and x.ndim == 2
+        model,
+        optax.sgd(0.1),
+        key=0,
+        trainable=lambda x: eqx.is_array(x) and x.ndim == 2,
     )
     assert all(p.ndim == 2 for p in jtu.tree_leaves(by_ndim.params))
 
@@ -54,7 +57,8 @@ def test_bad_filter_spec_is_a_config_error(model):
 
 def test_abstract_init_allocates_nothing(model):
     abstract = eqx.filter_eval_shape(
-        lambda m: TrainState.create(m, optax.adamw(1e-3), key=jr.key(0), ema=True), model
+        lambda m: TrainState.create(m, optax.adamw(1e-3), key=jr.key(0), ema=True),
+        model,
     )
     assert isinstance(abstract.step, jax.ShapeDtypeStruct)
     assert isinstance(abstract.model.scale, jax.ShapeDtypeStruct)
@@ -66,7 +70,9 @@ def test_abstract_model_still_masks_floating_leaves(model):
     # eqx.is_array is False for ShapeDtypeStruct: the mask must still see floats.
     abstract_model = eqx.filter_eval_shape(Regressor, jr.key(0))
     mask = eqtrain.trainable_mask(abstract_model, True)
-    assert sum(jtu.tree_leaves(mask)) == len(jtu.tree_leaves(eqx.filter(model, eqx.is_inexact_array)))
+    assert sum(jtu.tree_leaves(mask)) == len(
+        jtu.tree_leaves(eqx.filter(model, eqx.is_inexact_array))
+    )
 
 
 def test_ema_model_and_error(model):
@@ -75,7 +81,7 @@ def test_ema_model_and_error(model):
     # the EMA is a copy, not an alias (donation would otherwise free it twice)
     assert state.ema.scale is not state.model.scale
     with pytest.raises(ConfigError, match="ema=True"):
-        TrainState.create(model, optax.adam(1e-3), key=0).ema_model
+        _ = TrainState.create(model, optax.adam(1e-3), key=0).ema_model
 
 
 def test_state_is_an_immutable_pytree(model):

@@ -42,7 +42,9 @@ def bn_loss(model, batch, key, *, model_state):
 
 def _case_plain():
     opt = optax.adam(1e-2)
-    return TrainState.create(Regressor(jr.key(0)), opt, key=0), eqtrain.train_step(mse_loss, opt)
+    return TrainState.create(Regressor(jr.key(0)), opt, key=0), eqtrain.train_step(
+        mse_loss, opt
+    )
 
 
 def _case_accumulate():
@@ -122,9 +124,7 @@ def _arrays(tree):
 
 
 def _shapes(tree):
-    return jtu.tree_map(
-        lambda x: (x.shape, x.dtype) if eqx.is_array(x) else x, tree
-    )
+    return jtu.tree_map(lambda x: (x.shape, x.dtype) if eqx.is_array(x) else x, tree)
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
@@ -191,7 +191,9 @@ def test_accumulation_equals_full_batch_token_weighted(n):
         TrainState.create(model, opt, key=0), batch
     )
     np.testing.assert_allclose(acc_m["loss"], full_m["loss"], rtol=1e-5, atol=1e-6)
-    np.testing.assert_allclose(acc_m["grad_norm"], full_m["grad_norm"], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(
+        acc_m["grad_norm"], full_m["grad_norm"], rtol=1e-5, atol=1e-6
+    )
     assert float(acc_m["weight"]) == float(batch["loss_mask"].sum())
     for a, b in zip(_arrays(acc_state.model), _arrays(full_state.model), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
@@ -207,7 +209,9 @@ def test_accumulation_weight_from_aux():
     opt = optax.sgd(0.1)
     model = Regressor(jr.key(1))
     renamed = {"x": batch["x"], "y": batch["y"], "loss_mask": batch["loss_mask"]}
-    s1, m1 = eqtrain.train_step(loss_with_weight, opt)(TrainState.create(model, opt, key=0), renamed)
+    s1, m1 = eqtrain.train_step(loss_with_weight, opt)(
+        TrainState.create(model, opt, key=0), renamed
+    )
     s4, m4 = eqtrain.train_step(loss_with_weight, opt, accumulate=4)(
         TrainState.create(model, opt, key=0), renamed
     )
@@ -255,7 +259,10 @@ def test_bf16_policy_close_to_f32(batches):
         # bf16 has an 8-bit mantissa: ~1e-2 relative agreement is what it can give.
         np.testing.assert_allclose(m16["loss"], m32["loss"], rtol=2e-2)
     # parameters, gradients and optimizer state stay f32 under the policy
-    assert all(x.dtype == jnp.float32 for x in jtu.tree_leaves(eqx.filter(s16.model, eqx.is_inexact_array)))
+    assert all(
+        x.dtype == jnp.float32
+        for x in jtu.tree_leaves(eqx.filter(s16.model, eqx.is_inexact_array))
+    )
     assert m16["loss"].dtype == jnp.float32
     for a, b in zip(_arrays(s16.model), _arrays(s32.model), strict=True):
         np.testing.assert_allclose(a, b, rtol=2e-2, atol=2e-2)
@@ -270,7 +277,9 @@ def test_bf16_policy_computes_in_bf16(model, batches):
         return mse_loss(model, batch, key)
 
     opt = optax.sgd(0.1)
-    eqtrain.train_step(spy_loss, opt, precision="bf16")(TrainState.create(model, opt, key=0), batches[0])
+    eqtrain.train_step(spy_loss, opt, precision="bf16")(
+        TrainState.create(model, opt, key=0), batches[0]
+    )
     assert seen == {"w": jnp.bfloat16, "x": jnp.bfloat16}
 
 
@@ -313,7 +322,10 @@ def test_nonfinite_stop_freezes_whole_state(batches):
     good, _ = step(state, batches[0])
     bad, m = step(good, _nan_batch(batches[1]))
     assert int(m["skipped"]) == 1
-    assert eqx.tree_equal(eqx.filter(bad, eqx.is_array), eqx.filter(dataclasses.replace(good, skipped=bad.skipped), eqx.is_array))
+    assert eqx.tree_equal(
+        eqx.filter(bad, eqx.is_array),
+        eqx.filter(dataclasses.replace(good, skipped=bad.skipped), eqx.is_array),
+    )
     # latched: a later finite batch does not move it either
     later, m = step(bad, batches[2])
     assert int(m["skipped"]) == 1 and int(later.step) == int(good.step)
@@ -323,7 +335,9 @@ def test_nonfinite_stop_freezes_whole_state(batches):
 def test_nonfinite_ignore_applies_update(batches):
     opt = optax.sgd(0.1)
     state = TrainState.create(Regressor(jr.key(0)), opt, key=0)
-    new, m = eqtrain.train_step(mse_loss, opt, nonfinite="ignore")(state, _nan_batch(batches[0]))
+    new, m = eqtrain.train_step(mse_loss, opt, nonfinite="ignore")(
+        state, _nan_batch(batches[0])
+    )
     assert int(m["skipped"]) == 0
     assert np.isnan(np.asarray(new.model.mlp.layers[0].weight)).all()
 
@@ -333,7 +347,9 @@ def test_ema_tracks_weights(batches):
     w0 = state.model.mlp.layers[0].weight
     new, _ = step(state, batches[0])
     w1 = new.model.mlp.layers[0].weight
-    np.testing.assert_allclose(new.ema.mlp.layers[0].weight, 0.9 * w0 + 0.1 * w1, rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(
+        new.ema.mlp.layers[0].weight, 0.9 * w0 + 0.1 * w1, rtol=1e-6, atol=1e-7
+    )
 
 
 def test_stateful_model_updates_state(batches):

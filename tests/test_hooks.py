@@ -1,0 +1,128 @@
+"""The built-in hooks: JSONL metrics, progress bar, console logger."""
+
+import io
+import json
+
+import jax.random as jr
+import optax
+import pytest
+
+import eqtrain
+from eqtrain import StepInfo, StopKind, StopReason, TrainState, at_end, every
+from eqtrain.hooks import ConsoleLogger, JsonlWriter, ProgressBar, format_line
+
+from .conftest import Regressor, mse_loss
+
+
+OPT = optax.inject_hyperparams(optax.adam)(learning_rate=1e-2)
+
+
+@pytest.fixture(scope="module")
+def step():
+    return eqtrain.jit(eqtrain.train_step(mse_loss, OPT))
+
+
+def _tokens_batches(batches):
+    # a `tokens` entry makes the loop report tokens/s (its shape is all it reads)
+    import numpy as np
+
+    return [dict(b, tokens=np.zeros((8, 16), np.int32)) for b in batches]
+
+
+def test_jsonl_writer_lines_fields_and_resume(step, batches, tmp_path):
+    path = tmp_path / "run" / "metrics.jsonl"
+    writer = JsonlWriter(path)
+    state = TrainState.create(Regressor(jr.key(0)), OPT, key=0)
+    result = eqtrain.fit(
+        state,
+        step,
+        _tokens_batches(batches),
+        num_steps=5,
+        hooks=[writer, at_end(writer)],
+    )
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [line["step"] for line in lines] == [1, 2, 3, 4, 5, 5]
+    first = lines[0]
+    for key in (
+        "time",
+        "loss",
+        "grad_norm",
+        "learning_rate",
+        "skipped",
+        "weight",
+        "mae",
+        "step_time",
+        "data_time",
+        "tokens_per_second",
+    ):
+        assert key in first, key
+    assert first["tokens_per_second"] > 0 and first["learning_rate"] == pytest.approx(
+        1e-2
+    )
+    assert lines[-1]["stop_reason"] == "max_steps"
+    # resuming appends to the same file
+    writer2 = JsonlWriter(path)
+    eqtrain.fit(result.state, step, batches, num_steps=7, hooks=[writer2])
+    steps = [json.loads(line)["step"] for line in path.read_text().splitlines()]
+    assert steps[-2:] == [6, 7]
+
+
+def test_jsonl_writes_nonfinite_as_strings(tmp_path):
+    writer = JsonlWriter(tmp_path / "m.jsonl")
+    writer(
+        StepInfo(step=1, metrics={"loss": float("nan"), "g": float("inf")}, num_steps=3)
+    )
+    writer.close()
+    line = json.loads((tmp_path / "m.jsonl").read_text())
+    assert line["loss"] == "nan" and line["g"] == "inf"
+
+
+def test_console_logger_format():
+    out = io.StringIO()
+    info = StepInfo(
+        step=10,
+        metrics={"loss": 2.34119, "learning_rate": 1e-3, "eval/loss": 2.5},
+        num_steps=100,
+        tokens_per_second=12345.0,
+    )
+    ConsoleLogger(stream=out)(info)
+    assert (
+        out.getvalue()
+        == "step 10/100 | loss 2.3412 | lr 0.0010 | eval/loss 2.5000 | 12.3k tok/s\n"
+    )
+    assert format_line(info, ("loss",)) == "step 10/100 | loss 2.3412 | 12.3k tok/s"
+
+
+def test_progress_bar_plain_when_not_a_tty(step, batches):
+    out = io.StringIO()
+    bar = ProgressBar(stream=out, plain_every=4)
+    state = TrainState.create(Regressor(jr.key(0)), OPT, key=0)
+    eqtrain.fit(state, step, batches, num_steps=10, hooks=[bar])
+    lines = out.getvalue().splitlines()
+    assert [line.split("|")[0].strip() for line in lines] == [
+        "step 4/10",
+        "step 8/10",
+        "step 10/10",
+    ]
+    assert "eta" in lines[0] and "loss" in lines[0]
+
+
+def test_progress_bar_rich_on_a_terminal(step, batches):
+    out = io.StringIO()
+    bar = ProgressBar(stream=out, force_terminal=True)
+    state = TrainState.create(Regressor(jr.key(0)), OPT, key=0)
+    eqtrain.fit(state, step, _tokens_batches(batches), num_steps=6, hooks=[bar])
+    text = out.getvalue()
+    assert "6/6" in text and "loss" in text and "tok/s" in text
+
+
+def test_builtin_hooks_never_need_the_state():
+    for hook in (JsonlWriter("x"), ConsoleLogger(), ProgressBar()):
+        assert hook.uses_state is False
+        assert every(5, hook).uses_state is False
+
+
+def test_stop_reason_str():
+    reason = StopReason(StopKind.SIGNAL, 12, "SIGTERM")
+    assert str(reason) == "signal at step 12: SIGTERM"
+    assert reason.kind == "signal"
