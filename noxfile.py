@@ -1,0 +1,71 @@
+"""Sessions mirror CI one to one. `nox -s tests` is what `.ci/run` runs (via the
+README's test command); the others are on demand."""
+
+import nox
+
+
+nox.options.sessions = ["lint", "tests"]
+nox.options.default_venv_backend = "venv"
+
+FAKE_DEVICES = {
+    "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
+    "JAX_PLATFORMS": "cpu",
+}
+
+
+@nox.session
+def tests(session: nox.Session) -> None:
+    """The default suite (everything not marked slow)."""
+    session.install("-e", ".[test]")
+    session.run(
+        "pytest", "-m", "not slow", "--durations=10", *session.posargs, env=FAKE_DEVICES
+    )
+
+
+@nox.session
+def slow(session: nox.Session) -> None:
+    """Long tests only."""
+    session.install("-e", ".[test]")
+    session.run("pytest", "-m", "slow", *session.posargs, env=FAKE_DEVICES)
+
+
+@nox.session
+def lint(session: nox.Session) -> None:
+    session.install("ruff==0.17.6")
+    session.run("ruff", "format", "--check", ".")
+    session.run("ruff", "check", ".")
+
+
+@nox.session
+def examples(session: nox.Session) -> None:
+    """Each example script with --smoke."""
+    session.install("-e", ".")
+    import pathlib
+
+    for script in sorted(pathlib.Path("examples").glob("*.py")):
+        session.run(
+            "python",
+            str(script),
+            "--smoke",
+            "--run-dir",
+            f".nox/runs/{script.stem}",
+            env={"JAX_PLATFORMS": "cpu"},
+        )
+
+
+@nox.session
+def docs(session: nox.Session) -> None:
+    session.install("-e", ".[docs]")
+    session.run("mkdocs", "build", "--strict")
+
+
+@nox.session
+def benchmarks(session: nox.Session) -> None:
+    """The overhead benchmark (prints JSON lines with ratios)."""
+    session.install("-e", ".")
+    session.run(
+        "python",
+        "benchmarks/overhead.py",
+        *session.posargs,
+        env={"JAX_PLATFORMS": "cpu"},
+    )

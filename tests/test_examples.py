@@ -1,0 +1,28 @@
+"""Every example runs end to end with --smoke (in a subprocess, as a user would)."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+
+EXAMPLES = sorted((Path(__file__).parent.parent / "examples").glob("*.py"))
+
+
+@pytest.mark.parametrize("script", EXAMPLES, ids=lambda p: p.name)
+def test_example_smoke(script, tmp_path):
+    env = dict(os.environ, XLA_FLAGS="", JAX_PLATFORMS="cpu")
+    proc = subprocess.run(
+        [sys.executable, str(script), "--smoke", "--run-dir", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "stopped: max_steps" in proc.stdout
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    assert json.loads(lines[-1])["step"] > 0

@@ -1,0 +1,30 @@
+"""The repository keeps its promises: CI runs the README's test command."""
+
+import re
+from pathlib import Path
+
+
+ROOT = Path(__file__).parent.parent
+
+
+def _bash_blocks(text):
+    return re.findall(r"```bash\n(.*?)```", text, flags=re.S)
+
+
+def test_ci_runs_exactly_the_readme_test_command():
+    blocks = _bash_blocks((ROOT / "README.md").read_text())
+    test_command = blocks[1].strip()
+    ci_lines = [
+        line.strip()
+        for line in (ROOT / ".ci" / "run").read_text().splitlines()
+        if line.strip() and not line.startswith("#")
+    ]
+    assert test_command in ci_lines
+
+
+def test_readme_first_command_runs_the_main_job():
+    first = _bash_blocks((ROOT / "README.md").read_text())[0].strip()
+    script = re.search(r"(examples/\S+\.py)|eqtrain fit", first)
+    assert script is not None
+    if script.group(1):
+        assert (ROOT / script.group(1)).exists()
