@@ -148,6 +148,11 @@ def _check_args(
                 "`eval_every` needs both `eval_step=` and `eval_data=` (a re-iterable "
                 "of batches, e.g. a list or a loader)."
             )
+    if (eval_step is None) != (eval_data is None):
+        raise ConfigError(
+            "evaluation needs both `eval_step=` and `eval_data=`; got only "
+            f"`{'eval_step' if eval_data is None else 'eval_data'}`."
+        )
     if eval_data is not None and iter(eval_data) is eval_data:
         raise ConfigError(
             "`eval_data` must be re-iterable (it is read at every evaluation), but "
@@ -188,11 +193,9 @@ class _Loop:
         self.history: list[dict[str, Any]] = []
         self.history_limit = history
         self.signals = signals
-        self.stop_on_nonfinite = getattr(step.fn, "nonfinite", None) == "stop"
         self.hook_stop: StopReason | None = None
         self.nonfinite_at: int | None = None
         self.last_eval_step: int | None = None
-        self.last_skipped = 0.0
         self.start = now()
         self.last_done = self.start
 
@@ -269,11 +272,9 @@ class _Loop:
         return info
 
     def watch_nonfinite(self, step: int, metrics: dict[str, Any]) -> None:
-        skipped = metrics.get("skipped")
-        if isinstance(skipped, float | int) and skipped > self.last_skipped:
-            self.last_skipped = skipped
-            if self.stop_on_nonfinite and self.nonfinite_at is None:
-                self.nonfinite_at = step
+        # Steps built with nonfinite="stop" report `halted` once the state froze.
+        if metrics.get("halted") and self.nonfinite_at is None:
+            self.nonfinite_at = step
 
     def record(self, info: StepInfo) -> None:
         self.history.append({"step": info.step, **info.metrics})

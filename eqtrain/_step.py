@@ -222,7 +222,8 @@ def train_step(
         `step(state, batch) -> (state, metrics)`. `metrics` holds `loss`,
         `grad_norm` (before any clipping inside the optimizer), `learning_rate`
         (when known), `skipped` (cumulative count of non-finite steps), `weight`
-        (tokens or examples in the batch) and every entry of `aux`, all as device
+        (tokens or examples in the batch), with `nonfinite="stop"` also `halted`
+        (1 once the state is frozen), and every entry of `aux`, all as device
         scalars.
     """
     if not isinstance(accumulate, int) or accumulate < 1:
@@ -272,9 +273,10 @@ def train_step(
         if learning_rate is not None:
             metrics["learning_rate"] = learning_rate
         metrics["weight"] = weight
+        if nonfinite == "stop":  # `fit` stops at the first step reporting this
+            metrics["halted"] = (new.skipped > 0).astype(jnp.int32)
         return new, {**metrics, **aux}
 
-    step.nonfinite = nonfinite  # type: ignore[attr-defined]  # read by `fit`
     return step
 
 

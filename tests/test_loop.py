@@ -383,6 +383,19 @@ def test_evaluation_weighted_and_prefixed(step, evaluate, batches):
     assert set(seen[4]) >= {"loss", "eval/loss", "eval/mae", "eval/weight"}
 
 
+def test_nonfinite_stop_survives_wrapping_the_step(batches):
+    inner = eqtrain.train_step(mse_loss, OPT, nonfinite="stop")
+
+    def wrapped(state, batch):  # user code around the builder's step
+        return inner(state, batch)
+
+    data = list(batches[:10])
+    data[2] = dict(data[2], y=np.full_like(data[2]["y"], np.nan))
+    result = eqtrain.fit(fresh_state(), wrapped, data, num_steps=10)
+    assert result.stop_reason.kind == "nonfinite" and result.stop_reason.step == 3
+    assert int(result.state.step) == 2
+
+
 def test_eval_arguments_checked(step, batches):
     with pytest.raises(eqtrain.ConfigError, match="eval_data"):
         eqtrain.fit(fresh_state(), step, batches, num_steps=2, eval_every=1)
@@ -395,6 +408,14 @@ def test_eval_arguments_checked(step, batches):
             eval_every=1,
             eval_step=eqtrain.eval_step(mse_loss),
             eval_data=iter(batches),
+        )
+    with pytest.raises(eqtrain.ConfigError, match="only `eval_step`"):
+        eqtrain.fit(
+            fresh_state(),
+            step,
+            batches,
+            num_steps=2,
+            eval_step=eqtrain.eval_step(mse_loss),
         )
     with pytest.raises(eqtrain.ConfigError, match="num_steps"):
         eqtrain.fit(fresh_state(), step, batches, num_steps=-1)
