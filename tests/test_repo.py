@@ -28,3 +28,40 @@ def test_readme_first_command_runs_the_main_job():
     assert script is not None
     if script.group(1):
         assert (ROOT / script.group(1)).exists()
+
+
+def test_docs_build_strict(tmp_path):
+    import subprocess
+    import sys
+
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "mkdocs",
+            "build",
+            "--strict",
+            "-q",
+            "-d",
+            str(tmp_path),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_docstring_examples_run():
+    import doctest
+    import importlib
+    import pkgutil
+
+    import eqtrain
+
+    failed = 0
+    for mod in pkgutil.iter_modules(eqtrain.__path__):
+        module = importlib.import_module(f"eqtrain.{mod.name}")
+        failed += doctest.testmod(module, optionflags=doctest.ELLIPSIS).failed
+    assert failed == 0
