@@ -126,3 +126,38 @@ def test_stop_reason_str():
     reason = StopReason(StopKind.SIGNAL, 12, "SIGTERM")
     assert str(reason) == "signal at step 12: SIGTERM"
     assert reason.kind == "signal"
+
+
+from hypothesis import given, settings, strategies as st  # noqa: E402
+
+
+@settings(derandomize=True, deadline=None, max_examples=30)
+@given(n=st.integers(1, 50), last=st.integers(1, 300))
+def test_every_is_due_exactly_on_multiples(n, last):
+    sched = every(n, print)
+    assert [k for k in range(1, last + 1) if sched.due(k, 0.0)] == list(
+        range(n, last + 1, n)
+    )
+
+
+@settings(derandomize=True, deadline=None, max_examples=30)
+@given(steps=st.sets(st.integers(1, 200), max_size=10))
+def test_at_is_due_exactly_on_its_steps(steps):
+    sched = eqtrain.at(steps, print)
+    assert {k for k in range(1, 201) if sched.due(k, 0.0)} == steps
+
+
+@settings(derandomize=True, deadline=None, max_examples=30)
+@given(
+    period=st.floats(0.5, 10),
+    gaps=st.lists(st.floats(0.0, 3.0), min_size=1, max_size=40),
+)
+def test_every_seconds_never_fires_faster_than_its_period(period, gaps):
+    sched = eqtrain.every_seconds(period, print)
+    sched.start(0.0)
+    t, fired = 0.0, [0.0]
+    for gap in gaps:
+        t += gap
+        if sched.due(1, t):
+            fired.append(t)
+    assert all(b - a >= period - 1e-9 for a, b in zip(fired, fired[1:], strict=False))
