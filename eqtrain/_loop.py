@@ -82,12 +82,16 @@ def count_tokens(batch: Batch) -> int | None:
     return None
 
 
-def _to_host(metrics: Mapping[str, Any]) -> dict[str, Any]:
-    host = jax.device_get(dict(metrics))
-    out: dict[str, Any] = {}
-    for name, value in host.items():
-        value = np.asarray(value)
-        out[name] = value.item() if value.ndim == 0 else value.tolist()
+def _to_host(metrics: list[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """Fetch several steps' metrics with one transfer, as Python numbers."""
+    host = jax.device_get([dict(m) for m in metrics])
+    out = []
+    for step_metrics in host:
+        values = {}
+        for name, value in step_metrics.items():
+            value = np.asarray(value)
+            values[name] = value.item() if value.ndim == 0 else value.tolist()
+        out.append(values)
     return out
 
 
@@ -133,6 +137,7 @@ class _Pending:
     due: list[Scheduled]
     data_time: float
     tokens: int | None
+    dispatched: float
 
 
 def _check_args(
@@ -178,6 +183,8 @@ class _Loop:
         history: int | None,
         signals: _Signals,
         eval_at_end: bool = True,
+        read_every: int = 1,
+        read_seconds: float = 0.0,
     ):
         self.step = step
         self.num_steps = num_steps
@@ -187,6 +194,8 @@ class _Loop:
         self.eval_data = eval_data
         self.eval_every = eval_every
         self.eval_at_end = eval_at_end
+        self.read_every = read_every
+        self.read_seconds = read_seconds
         self.checkpointer = checkpointer
         self.time_limit = time_limit
         self.kill_switch = None if kill_switch is None else os.fspath(kill_switch)
@@ -236,40 +245,58 @@ class _Loop:
     def eval_due(self, step: int) -> bool:
         return self.eval_every is not None and step % self.eval_every == 0
 
-    def finish(self, pending: _Pending, state: TrainState | None) -> StepInfo:
-        """Read a step's metrics, then run its evaluation, hooks and checkpoint."""
-        metrics = _to_host(pending.metrics)
+    def should_read(self, unread: list[_Pending]) -> bool:
+        """Read metrics that are `read_every` steps or `read_seconds` old."""
+        return len(unread) >= self.read_every or (
+            now() - unread[0].dispatched >= self.read_seconds
+        )
+
+    def read(self, pendings: list[_Pending], state: TrainState | None) -> None:
+        """Read the metrics of `pendings` in one transfer, then run each step's
+        evaluation, hooks and checkpoint in order. `state` is the state after the
+        last of them (`None` when it was already donated to a later step)."""
+        host = _to_host([p.metrics for p in pendings])
         done = now()
-        step_time, self.last_done = done - self.last_done, done
+        step_time = (done - self.last_done) / len(pendings)
+        self.last_done = done
+        for i, (pending, metrics) in enumerate(zip(pendings, host, strict=True)):
+            last = i == len(pendings) - 1
+            self.complete(pending, metrics, step_time, state if last else None, done)
+        if state is not None:  # the device idled for this work: don't bill a step
+            self.last_done = now()
+
+    def complete(
+        self,
+        pending: _Pending,
+        metrics: dict[str, Any],
+        step_time: float,
+        state: TrainState | None,
+        done: float,
+    ) -> None:
         self.watch_nonfinite(pending.step, metrics)
         if state is not None and self.eval_due(pending.step):
             metrics.update(self.evaluate(state))
             self.last_eval_step = pending.step
+        tokens = pending.tokens
         info = StepInfo(
             step=pending.step,
             metrics=metrics,
             num_steps=self.num_steps,
             step_time=step_time,
             data_time=pending.data_time,
-            tokens=pending.tokens,
+            tokens=tokens,
             tokens_per_second=(
-                None
-                if pending.tokens is None or step_time <= 0
-                else pending.tokens / step_time
+                None if tokens is None or step_time <= 0 else tokens / step_time
             ),
             elapsed=done - self.start,
             _state=state,
         )
         self.record(info)
         self.run_hooks(pending.due, info)
-        if (
-            state is not None
-            and self.checkpointer is not None
-            and self.nonfinite_at is None
-        ):
-            if self.checkpointer.due(pending.step):
-                self.checkpointer.save(info, final=False)
-        return info
+        ckpt = self.checkpointer
+        if state is not None and ckpt is not None and self.nonfinite_at is None:
+            if ckpt.due(pending.step):
+                ckpt.save(info, final=False)
 
     def watch_nonfinite(self, step: int, metrics: dict[str, Any]) -> None:
         # Steps built with nonfinite="stop" report `halted` once the state froze.
@@ -300,7 +327,7 @@ class _Loop:
             raise ConfigError(
                 "`eval_data` yielded no batches; evaluation needs at least one."
             )
-        host = [_to_host(m) for m in outputs]
+        host = _to_host(outputs)
         weights = np.array([m.get("weight", 1.0) for m in host], np.float64)
         total = float(weights.sum())
         scale = weights / total if total > 0 else np.full(len(host), 1.0 / len(host))
@@ -331,6 +358,8 @@ def fit(
     kill_switch: str | os.PathLike[str] | None = None,
     handle_signals: bool = True,
     history: int | None = None,
+    read_every: int = 10,
+    read_seconds: float | int = 0.5,
 ) -> FitResult:
     """Train `state` with `step` on `data` until a stop condition holds.
 
@@ -369,11 +398,20 @@ def fit(
             thread.
         history: keep at most this many entries in `FitResult.history`
             (default: all).
+        read_every: metrics that no state-using work needs are read from the
+            device in batches, one transfer for up to `read_every` steps...
+        read_seconds: ...or for the steps dispatched over `read_seconds`,
+            whichever comes first. Metrics-only hooks (`uses_state = False`) thus
+            run for every due step, in order, a little late; a step that needs
+            the state reads everything before it. `read_every=1` reads each
+            step's metrics as soon as the next step is dispatched.
 
     Returns:
         A `FitResult` with the final state, the `StopReason` and the history.
     """
     _check_args(num_steps, eval_every, eval_data, eval_step)
+    if not isinstance(read_every, int) or read_every < 1:
+        raise ConfigError(f"`read_every` must be an int >= 1; got {read_every!r}.")
     if time_limit is not None and not time_limit > 0:
         raise ConfigError(f"`time_limit` must be > 0 seconds; got {time_limit!r}.")
     compiled = step if isinstance(step, Jitted) else jit(step)
@@ -401,6 +439,8 @@ def fit(
             history=history,
             signals=signals,
             eval_at_end=eval_at_end,
+            read_every=read_every,
+            read_seconds=read_seconds,
         )
         for hook in scheduled:
             hook.start(loop.start)
@@ -430,7 +470,7 @@ def _run(
     done: int,
 ) -> tuple[list[Any], StopReason]:
     """The step loop proper. Returns the final arrays and the stop reason."""
-    pending: _Pending | None = None
+    unread: list[_Pending] = []  # dispatched steps whose metrics were not read yet
     while True:
         reason = loop.stop_reason(done)
         if reason is not None:
@@ -443,19 +483,28 @@ def _run(
                 StopKind.DATA_EXHAUSTED, done, "the data iterable ran out"
             )
             break
-        waited = now() - waited
+        dispatched = now()
         arrays, metrics = compiled.call_flat(arrays, batch)  # dispatch step done+1
         done += 1
-        due = [h for h in loop.loop_hooks if h.due(done, now())]
-        current = _Pending(done, metrics, due, waited, count_tokens(batch))
-        if pending is not None:  # read step done-1 while step `done` runs
-            loop.finish(pending, None)
-        pending = current
-        if loop.needs_sync(done, due):
-            loop.finish(pending, layout.rebuild(arrays))
-            pending = None
-    if pending is not None:
-        loop.finish(pending, layout.rebuild(arrays))
+        due = [h for h in loop.loop_hooks if h.due(done, dispatched)]
+        current = _Pending(
+            done, metrics, due, dispatched - waited, count_tokens(batch), dispatched
+        )
+        if loop.needs_sync(done, due):  # wait for this step: its state is needed
+            loop.read([*unread, current], layout.rebuild(arrays))
+            unread = []
+        elif unread and loop.should_read(unread):  # older steps, while this one runs
+            loop.read(unread, None)
+            unread = [current]
+        else:
+            unread.append(current)
+    if unread:
+        loop.read(unread, layout.rebuild(arrays))
+    # A non-finite step seen only in this last read still explains the end: the
+    # state froze there, whatever stopped the loop afterwards.
+    frozen = loop.stop_reason(done)
+    if frozen is not None and frozen.kind == StopKind.NONFINITE:
+        reason = frozen
     return arrays, reason
 
 

@@ -268,17 +268,11 @@ def heavy_loss(model, batch, key):
     return loss + 1e-9 * jnp.mean(x), aux
 
 
-def test_loop_dispatches_next_step_before_reading_current(batches, monkeypatch):
-    """The host stays one step ahead: step k+1 is dispatched while step k still runs,
-    and step k's metrics are read only after that dispatch."""
+def _spy_on(step, monkeypatch):
+    """Record the loop's dispatches and metric reads, in order."""
     import eqtrain._loop as loop_module
 
-    heavy = np.full((768, 768), 1.0 / 768, np.float32)
-    data = [dict(b, heavy=heavy) for b in batches[:8]]
-    step = eqtrain.jit(eqtrain.train_step(heavy_loss, OPT))
-    events, dispatched = [], []
-    ready_at_next_dispatch = []
-
+    events, dispatched, ready_at_next_dispatch = [], [], []
     original_call = step.call_flat
 
     def spy_call(arrays, batch):
@@ -291,44 +285,63 @@ def test_loop_dispatches_next_step_before_reading_current(batches, monkeypatch):
 
     original_read = loop_module._to_host
 
-    def spy_read(metrics):
-        events.append(
-            ("read", next(i + 1 for i, m in enumerate(dispatched) if m is metrics))
-        )
-        return original_read(metrics)
+    def spy_read(metrics_list):
+        if any(m is d for m in metrics_list for d in dispatched):
+            index = [
+                next(i + 1 for i, d in enumerate(dispatched) if d is m)
+                for m in metrics_list
+            ]
+            events.append(("read", index))
+        return original_read(metrics_list)
 
     monkeypatch.setattr(step, "call_flat", spy_call)
     monkeypatch.setattr(loop_module, "_to_host", spy_read)
+    return events, ready_at_next_dispatch
+
+
+def test_loop_dispatches_next_step_before_reading_current(batches, monkeypatch):
+    """The host stays one step ahead: step k+1 is dispatched while step k still runs,
+    and step k's metrics are read only after that dispatch."""
+    heavy = np.full((768, 768), 1.0 / 768, np.float32)
+    data = [dict(b, heavy=heavy) for b in batches[:8]]
+    step = eqtrain.jit(eqtrain.train_step(heavy_loss, OPT))
+    events, ready_at_next_dispatch = _spy_on(step, monkeypatch)
     log = every(1, lambda info: None, uses_state=False)
-    eqtrain.fit(fresh_state(), step, data, num_steps=8, hooks=[log])
+    eqtrain.fit(fresh_state(), step, data, num_steps=8, hooks=[log], read_every=1)
 
     expected = [("dispatch", 1)]
     for k in range(2, 9):
-        expected += [("dispatch", k), ("read", k - 1)]
-    assert events == expected + [("read", 8)]
+        expected += [("dispatch", k), ("read", [k - 1])]
+    assert events == expected + [("read", [8])]
     # Step k had not finished when step k+1 was dispatched: the loop did not wait.
     # (Step 1 includes compilation and may finish first; steps 2.. are ~50 ms each.)
-    assert (
-        sum(not r for r in ready_at_next_dispatch[1:])
-        >= len(ready_at_next_dispatch[1:]) - 1
+    later = ready_at_next_dispatch[1:]
+    assert sum(not r for r in later) >= len(later) - 1
+
+
+def test_metrics_are_read_in_batches(batches, monkeypatch):
+    step = eqtrain.jit(eqtrain.train_step(mse_loss, OPT))
+    events, _ = _spy_on(step, monkeypatch)
+    seen = []
+    log = every(1, lambda info: seen.append(info.step), uses_state=False)
+    result = eqtrain.fit(
+        fresh_state(),
+        step,
+        batches,
+        num_steps=10,
+        hooks=[log],
+        read_every=4,
+        read_seconds=1e9,
     )
+    reads = [e[1] for e in events if e[0] == "read"]
+    assert reads == [[1, 2, 3, 4], [5, 6, 7, 8], [9, 10]]
+    assert events.index(("read", [1, 2, 3, 4])) == events.index(("dispatch", 5)) + 1
+    assert seen == list(range(1, 11)) and len(result.history) == 10
 
 
 def test_state_hook_makes_the_loop_wait_only_where_due(batches, monkeypatch):
-    import eqtrain._loop as loop_module
-
     step = eqtrain.jit(eqtrain.train_step(mse_loss, OPT))
-    events = []
-    original_call = step.call_flat
-    monkeypatch.setattr(
-        step,
-        "call_flat",
-        lambda a, b: (events.append("dispatch"), original_call(a, b))[1],
-    )
-    original_read = loop_module._to_host
-    monkeypatch.setattr(
-        loop_module, "_to_host", lambda m: (events.append("read"), original_read(m))[1]
-    )
+    events, _ = _spy_on(step, monkeypatch)
     eqtrain.fit(
         fresh_state(),
         step,
@@ -336,20 +349,16 @@ def test_state_hook_makes_the_loop_wait_only_where_due(batches, monkeypatch):
         num_steps=6,
         hooks=[every(3, lambda info: info.state)],
     )
-    # steps 1-2 pipelined; step 3 synced (hook uses the state); 4-5 pipelined; 6 synced
+    # steps 1-3 dispatched back to back; step 3 waited for (its hook uses the state)
     assert events == [
-        "dispatch",
-        "dispatch",
-        "read",
-        "dispatch",
-        "read",
-        "read",
-        "dispatch",
-        "dispatch",
-        "read",
-        "dispatch",
-        "read",
-        "read",
+        ("dispatch", 1),
+        ("dispatch", 2),
+        ("dispatch", 3),
+        ("read", [1, 2, 3]),
+        ("dispatch", 4),
+        ("dispatch", 5),
+        ("dispatch", 6),
+        ("read", [4, 5, 6]),
     ]
 
 
