@@ -26,7 +26,10 @@ def tests(session: nox.Session) -> None:
 def slow(session: nox.Session) -> None:
     """Long tests only."""
     session.install("-e", ".[test]")
-    session.run("pytest", "-m", "slow", *session.posargs, env=FAKE_DEVICES)
+    # exit code 5 = no test collected: there may be no slow test yet
+    session.run(
+        "pytest", "-m", "slow", *session.posargs, env=FAKE_DEVICES, success_codes=[0, 5]
+    )
 
 
 @nox.session

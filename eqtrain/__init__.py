@@ -8,6 +8,7 @@ The whole run is one immutable pytree (`TrainState`); pure step builders advance
 from . import hooks as hooks
 from ._errors import (
     ConfigError as ConfigError,
+    DonatedStateError as DonatedStateError,
     EqtrainError as EqtrainError,
     StopTraining as StopTraining,
     StructureError as StructureError,

@@ -13,6 +13,10 @@ class StructureError(EqtrainError, ValueError):
     """A pytree did not have the expected structure (e.g. a step changed it)."""
 
 
+class DonatedStateError(EqtrainError, RuntimeError):
+    """A step was given a state whose arrays an earlier donating step consumed."""
+
+
 class StopTraining(Exception):  # noqa: N818 -- a request, not an error
     """Raise from a hook to stop `fit` cleanly after the current step.
 

@@ -88,8 +88,9 @@ class StepInfo:
         """The `TrainState` after this step (device arrays; reading them waits).
 
         Available to hooks that use the state (the default). A hook that declared
-        `uses_state = False` runs one step late, after the next step was already
-        dispatched and this state's buffers donated to it, so it cannot see it.
+        `uses_state = False` runs late (metrics are read in batches), after later
+        steps were dispatched and this state's buffers donated to them, so it
+        cannot see it.
         """
         if self._state is None:
             raise StateUnavailableError(

@@ -14,7 +14,7 @@ import jax
 import jax.tree_util as jtu
 from jax.sharding import Sharding
 
-from ._errors import StructureError
+from ._errors import DonatedStateError, StructureError
 from ._types import Batch
 
 
@@ -124,7 +124,12 @@ class Jitted:
         Returns `(new_arrays, aux)` for a step (a function returning a state of the
         same structure and something else), or the function's output otherwise.
         """
-        out = self._jitted(arrays, batch)
+        try:
+            out = self._jitted(arrays, batch)
+        except (RuntimeError, ValueError) as error:  # JAX raises either
+            if "deleted" in str(error) and self._layout is not None:
+                self._explain_deleted(arrays, error)
+            raise
         if self._mode == "fn":
             return eqx.combine(out, self._out_static)
         return out
@@ -136,6 +141,10 @@ class Jitted:
             new_arrays, aux = out
             return layout.rebuild(new_arrays), aux
         return out
+
+    def _explain_deleted(self, arrays: list[Any], error: Exception) -> None:
+        assert self._layout is not None
+        check_live(self._layout.rebuild(arrays), f"{self!r}")
 
     @property
     def mode(self) -> str | None:
@@ -210,6 +219,20 @@ class Jitted:
                 "eqx.is_array))`."
             )
         return flat
+
+
+def check_live(state: Any, user: str) -> None:
+    """Raise `DonatedStateError` naming the first array of `state` that was deleted
+    (donated to an earlier step)."""
+    for path, leaf in jtu.tree_flatten_with_path(state)[0]:
+        if isinstance(leaf, jax.Array) and leaf.is_deleted():
+            raise DonatedStateError(
+                f"the state given to {user} has deleted arrays (first: "
+                f"`{jtu.keystr(path)}`): an earlier step with donate=True consumed "
+                "them. Use the state that step (or `fit`) returned; to keep an input "
+                "state alive, copy it first or compile with "
+                "`eqtrain.jit(step, donate=False)`."
+            )
 
 
 def jit(

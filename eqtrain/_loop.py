@@ -25,7 +25,7 @@ from ._hooks import (
     as_scheduled,
     now,
 )
-from ._jit import Jitted, jit
+from ._jit import Jitted, check_live, jit
 from ._state import TrainState
 from ._types import Batch
 
@@ -368,7 +368,8 @@ def fit(
     hook that uses the state (the default for plain callables), an evaluation or a
     checkpoint due at step k makes the loop wait for step k before dispatching k+1,
     so they see the exact state of step k; hooks with `uses_state = False` (the
-    built-in loggers) run one step late and never make the loop wait.
+    built-in loggers) run a little late (metrics are read in batches) and never
+    make the loop wait.
 
     Args:
         state: the initial (or restored) state. With a donating step (the default),
@@ -421,6 +422,7 @@ def fit(
             eval_step if isinstance(eval_step, Jitted) else jit(eval_step, donate=False)
         )
     scheduled = [as_scheduled(h) for h in hooks]
+    check_live(state, "`fit`")
     first = int(jax.device_get(state.step))
     arrays, layout = compiled.prepare(state)
     iterator = iter(data)

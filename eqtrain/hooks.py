@@ -2,7 +2,8 @@
 
 Each is a plain callable `hook(info)`; schedule it with `eqtrain.every(n, hook)` or
 pass it as is (every step). They read only metrics (`uses_state = False`), so they
-run one step late and never make the loop wait for the device.
+run a little late (the loop reads metrics in batches) and never make the loop wait
+for the device.
 """
 
 import json

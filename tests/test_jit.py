@@ -39,6 +39,8 @@ def test_donation_consumes_input_and_never_retraces(batches):
         state, _ = compiled(state, b)
     assert compiled.num_traces == 1
     assert int(state.step) == 5
+    with pytest.raises(eqtrain.DonatedStateError, match=r"\.model\.mlp"):
+        compiled(old, batches[0])  # reusing a consumed state: a clear error
 
 
 def test_returns_without_waiting_for_the_device():

@@ -103,6 +103,13 @@ def test_num_steps_is_absolute_and_resume_is_exact(step, batches):
     assert seen[0].step == 8 and int(seen[0].state.step) == 8
 
 
+def test_reusing_a_consumed_state_is_a_clear_error(step, batches):
+    state = fresh_state()
+    eqtrain.fit(state, step, batches, num_steps=2)
+    with pytest.raises(eqtrain.DonatedStateError, match="fit"):
+        eqtrain.fit(state, step, batches, num_steps=2)
+
+
 def test_data_exhausted(step, batches):
     result = eqtrain.fit(fresh_state(), step, batches[:4], num_steps=100)
     assert result.stop_reason.kind == "data_exhausted" and result.stop_reason.step == 4
