@@ -184,7 +184,7 @@ class _Loop:
         signals: _Signals,
         eval_at_end: bool = True,
         read_every: int = 1,
-        read_seconds: float = 0.0,
+        read_seconds: float | int = 0.0,
     ):
         self.step = step
         self.num_steps = num_steps
@@ -413,6 +413,8 @@ def fit(
     _check_args(num_steps, eval_every, eval_data, eval_step)
     if not isinstance(read_every, int) or read_every < 1:
         raise ConfigError(f"`read_every` must be an int >= 1; got {read_every!r}.")
+    if not read_seconds >= 0:
+        raise ConfigError(f"`read_seconds` must be >= 0; got {read_seconds!r}.")
     if time_limit is not None and not time_limit > 0:
         raise ConfigError(f"`time_limit` must be > 0 seconds; got {time_limit!r}.")
     compiled = step if isinstance(step, Jitted) else jit(step)
