@@ -1,0 +1,31 @@
+"""Data for eqtrain: sources, tokenizers, text pipelines and a deterministic,
+resumable `Loader` with per-process slicing and prefetch.
+
+    docs = stdlib_corpus("train")                        # the built-in corpus
+    rows = chunk_documents(docs, ByteTokenizer(), seq_len=256)
+    loader = Loader(rows, batch_size=16, seed=0)         # resumable: loader.position
+"""
+
+from ._corpus import stdlib_corpus as stdlib_corpus, stdlib_files as stdlib_files
+from ._errors import (
+    DataError as DataError,
+    DataFileNotFoundError as DataFileNotFoundError,
+)
+from ._loader import Loader as Loader
+from ._sources import (
+    column as column,
+    from_files as from_files,
+    load_text_dir as load_text_dir,
+)
+from ._text import (
+    chat_examples as chat_examples,
+    chunk_documents as chunk_documents,
+    collate as collate,
+    encode_chat as encode_chat,
+    pack as pack,
+)
+from ._tokenizers import (
+    ByteTokenizer as ByteTokenizer,
+    HFTokenizer as HFTokenizer,
+    Tokenizer as Tokenizer,
+)

@@ -1,0 +1,431 @@
+"""`Loader`: deterministic, resumable batches over in-memory rows, per-process
+slicing, and background prefetch onto devices.
+
+The order of an epoch is a permutation drawn from `(seed, epoch)`, so the batch at
+position `(epoch, index)` is computed directly: restoring a position is O(1) in the
+number of batches already consumed.
+"""
+
+import weakref
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
+
+import jax
+import jax.tree_util as jtu
+import numpy as np
+
+from .._errors import ConfigError
+from ._errors import DataError
+from ._prefetch import Prefetcher
+
+
+Position = dict[str, int]
+Sharding = jax.sharding.Sharding | Mapping[str, jax.sharding.Sharding]
+
+
+class _Table:
+    """Rows of a source, fetched by index arrays."""
+
+    def __init__(self, source: Any):
+        if isinstance(source, Mapping):
+            self.kind = "arrays"
+            self.data: Any = {k: np.asarray(v) for k, v in source.items()}
+            if not self.data:
+                raise DataError("the source mapping has no arrays; pass at least one.")
+            lengths = {
+                k: (v.shape[0] if v.ndim else None) for k, v in self.data.items()
+            }
+            if len(set(lengths.values())) != 1 or None in lengths.values():
+                raise DataError(
+                    "the source arrays must share their leading length (one row per "
+                    f"example); got leading lengths {lengths}."
+                )
+            self.num_rows = next(iter(lengths.values()))
+        elif hasattr(source, "column_names") and hasattr(source, "__getitem__"):
+            self.kind = "dataset"  # a datasets.Dataset
+            self.data = source
+            self.num_rows = len(source)
+        elif isinstance(source, Sequence) and not isinstance(source, (str, bytes)):
+            self.kind = "sequence"
+            self.data = source
+            self.num_rows = len(source)
+        else:
+            raise ConfigError(
+                f"cannot load batches from a {type(source).__name__}. Pass a dict of "
+                "equal-length arrays (e.g. from `chunk_documents`/`pack`/`collate`), a "
+                "`datasets.Dataset`, or a list of examples with a `transform=`."
+            )
+        if self.num_rows == 0:
+            raise DataError(
+                "the source is empty (0 rows). Check the files or the filter that "
+                "produced it."
+            )
+
+    def take(self, indices: np.ndarray) -> Any:
+        if self.kind == "arrays":
+            return {k: v[indices] for k, v in self.data.items()}
+        if self.kind == "dataset":
+            return self.data[indices.tolist()]  # a dict of columns (lists)
+        return [self.data[i] for i in indices.tolist()]
+
+
+class Loader:
+    """Deterministic, resumable batches with per-process slicing and prefetch.
+
+    A **train** loader (`mode="train"`) walks epochs `0, 1, ...` (forever, or
+    `num_epochs`); epoch e visits the rows in the order of a permutation drawn from
+    `(seed, e)`, so every row appears once per epoch. `iter(loader)` continues from
+    `loader.position`, the number of batches already *yielded* (not prefetched):
+    a small JSON-able dict `{"epoch": e, "index": i}`. A loader built with that
+    position (or after `seek(position)`) yields exactly what the original would
+    have yielded next, without replaying anything.
+
+    An **eval** loader (`mode="eval"`) is finite and re-iterable: each `iter()` is
+    one full pass from the start, in order unless `shuffle=True`.
+
+    With P processes (`process_count`), each global batch of `batch_size` rows is
+    split into P equal slices and process p yields only slice p; all processes
+    agree on the order. A last, short global batch (`drop_last=False`) is padded to
+    full size with all-zero rows, which have `loss_mask` 0; a batch without
+    `loss_mask` then also gets `weights` (float32 [B], 0 on padding) so that
+    weighted averages stay exact and shapes stay static.
+
+    Args:
+        source: a dict of equal-length arrays (rows along axis 0), a
+            `datasets.Dataset`, or a sequence of examples (with `transform`).
+        batch_size: the global batch size B (all processes together).
+        mode: `"train"` or `"eval"` (see above).
+        seed: the data-order seed (independent of the model's key).
+        shuffle: permute each epoch (default: True for train, False for eval).
+        drop_last: drop a last, short batch (default: True for train, False for
+            eval, where it is padded instead).
+        num_epochs: train loaders stop after this many epochs (default: never).
+        position: where a train loader starts, as returned by `position`.
+        transform: applied to each process's fetched rows (a dict of arrays, a
+            dataset's dict of columns, or a list of examples) to make the batch,
+            e.g. `lambda ex: collate(ex, max_length=512)`.
+        sharding: place each batch on devices with this sharding (or a dict of
+            them, one per batch entry): `jax.device_put` in one process,
+            `jax.make_array_from_process_local_data` across several. Default:
+            numpy batches.
+        prefetch: batches prepared ahead in a background thread (0: none).
+        process_index: this process's slice (default `jax.process_index()`).
+        process_count: number of slices (default `jax.process_count()`); must
+            divide `batch_size`.
+
+    Raises:
+        DataError: the source is empty, or `batch_size` exceeds its rows with
+            `drop_last=True`.
+    """
+
+    def __init__(
+        self,
+        source: Any,
+        batch_size: int,
+        *,
+        mode: str = "train",
+        seed: int = 0,
+        shuffle: bool | None = None,
+        drop_last: bool | None = None,
+        num_epochs: int | None = None,
+        position: Mapping[str, int] | None = None,
+        transform: Callable[[Any], Any] | None = None,
+        sharding: Sharding | None = None,
+        prefetch: int = 2,
+        process_index: int | None = None,
+        process_count: int | None = None,
+    ):
+        if mode not in ("train", "eval"):
+            raise ConfigError(f"`mode` must be 'train' or 'eval'; got {mode!r}.")
+        self._table = _Table(source)
+        self.mode = mode
+        self.batch_size = _positive("batch_size", batch_size)
+        self.seed = seed
+        self.shuffle = mode == "train" if shuffle is None else shuffle
+        self.drop_last = mode == "train" if drop_last is None else drop_last
+        if num_epochs is not None:
+            _positive("num_epochs", num_epochs)
+            if mode == "eval":
+                raise ConfigError(
+                    "`num_epochs` is for train loaders; an eval loader makes one pass "
+                    "per `iter()`."
+                )
+        self.num_epochs = num_epochs
+        self.transform = transform
+        self.sharding = sharding
+        if not isinstance(prefetch, int) or prefetch < 0:
+            raise ConfigError(f"`prefetch` must be an int >= 0; got {prefetch!r}.")
+        self.prefetch = prefetch
+        self.process_count = _positive(
+            "process_count",
+            jax.process_count() if process_count is None else process_count,
+        )
+        self.process_index = (
+            jax.process_index() if process_index is None else process_index
+        )
+        self._check_processes()
+        self.local_batch_size = self.batch_size // self.process_count
+        rows = self._table.num_rows
+        self.num_batches = (
+            rows // self.batch_size if self.drop_last else -(-rows // self.batch_size)
+        )
+        if self.num_batches == 0:
+            raise DataError(
+                f"batch_size={self.batch_size} is larger than the data ({rows} rows), "
+                "so drop_last=True leaves no batch. Use a batch size <= "
+                f"{rows}, more data, or drop_last=False."
+            )
+        self._pads = not self.drop_last and rows % self.batch_size != 0
+        self._position = (0, 0)
+        self._active: weakref.ref[_LoaderIterator] | None = None
+        if position is not None:
+            if mode == "eval":
+                raise ConfigError("an eval loader always starts at the beginning.")
+            self.seek(position)
+
+    # -- positions -------------------------------------------------------------
+    @property
+    def position(self) -> Position:
+        """Batches yielded so far, as `{"epoch": e, "index": i}`: the next batch is
+        batch i of epoch e. Save it with the model; pass it back as `position=`."""
+        if self.mode == "eval":
+            raise ConfigError(
+                "an eval loader has no position: each `iter()` is a full pass."
+            )
+        epoch, index = self._position
+        return {"epoch": epoch, "index": index}
+
+    def seek(self, position: Mapping[str, int]) -> None:
+        """Continue from `position` (from `Loader.position`); stops any running
+        iterator of this loader (its prefetched batches belong to the old one)."""
+        if self.mode == "eval":
+            raise ConfigError("an eval loader always starts at the beginning.")
+        self._position = self._normalized(position)
+        self._supersede()
+
+    def _normalized(self, position: Mapping[str, int]) -> tuple[int, int]:
+        try:
+            epoch, index = position["epoch"], position["index"]
+        except (KeyError, TypeError):
+            raise ConfigError(
+                f"a position is a dict {{'epoch': e, 'index': i}}; got {position!r}."
+            ) from None
+        valid = (
+            isinstance(epoch, int)
+            and isinstance(index, int)
+            and epoch >= 0
+            and 0 <= index <= self.num_batches
+        )
+        if not valid:
+            raise ConfigError(
+                f"position {dict(position)} is outside this loader, which has "
+                f"{self.num_batches} batches per epoch (index 0..{self.num_batches}). "
+                "Was it saved with another data, batch size or process count?"
+            )
+        return (epoch + 1, 0) if index == self.num_batches else (epoch, index)
+
+    def __len__(self) -> int:
+        """Batches per epoch (per pass for an eval loader)."""
+        return self.num_batches
+
+    # -- iteration --------------------------------------------------------------
+    def __iter__(self) -> "_LoaderIterator":
+        if self.mode == "eval":
+            return _LoaderIterator(self, self._batches((0, 0), 1), tracked=False)
+        self._supersede()
+        it = _LoaderIterator(
+            self, self._batches(self._position, self.num_epochs), tracked=True
+        )
+        self._active = weakref.ref(it)
+        return it
+
+    def peek(self) -> Any:
+        """The batch the next `next()` would yield, without advancing (e.g. to
+        initialise a model's shapes)."""
+        if self.mode == "eval":
+            start, epochs = (0, 0), 1
+        else:
+            start, epochs = self._position, self.num_epochs
+        for batch, _ in self._batches(start, epochs):
+            return batch
+        raise DataError(
+            f"the loader is past its last epoch ({self.num_epochs}); nothing to peek."
+        )
+
+    def close(self) -> None:
+        """Stop the running iterator of this train loader (and its prefetch
+        thread). The position stays: a later `iter()` continues from it. Dropping
+        an iterator stops its thread too; `close` does it at once."""
+        self._supersede()
+
+    def _supersede(self) -> None:
+        previous = self._active() if self._active is not None else None
+        if previous is not None:
+            previous._superseded()
+        self._active = None
+
+    def _batches(
+        self, start: tuple[int, int], num_epochs: int | None
+    ) -> Iterator[tuple[Any, tuple[int, int]]]:
+        """`(batch, position after it)` from `start`; runs in the prefetch thread."""
+        epoch, index = start
+        while num_epochs is None or epoch < num_epochs:
+            order = self.epoch_order(epoch)
+            for i in range(index, self.num_batches):
+                batch = self._batch(order, i)
+                after = (epoch, i + 1) if i + 1 < self.num_batches else (epoch + 1, 0)
+                yield batch, after
+            epoch, index = epoch + 1, 0
+
+    def epoch_order(self, epoch: int) -> np.ndarray:
+        """The order of the rows in `epoch`: a permutation drawn from
+        `(seed, epoch)` (or `arange` without shuffling)."""
+        rows = self._table.num_rows
+        if not self.shuffle:
+            return np.arange(rows)
+        return np.random.default_rng([self.seed, epoch]).permutation(rows)
+
+    def _batch(self, order: np.ndarray, index: int) -> Any:
+        """Batch `index` of the epoch whose order is `order`: this process's slice,
+        transformed, padded and placed."""
+        b, p = self.local_batch_size, self.process_index
+        rows = order[index * self.batch_size : (index + 1) * self.batch_size]
+        local = rows[p * b : (p + 1) * b]  # may be short (or empty) on a last batch
+        if len(local):
+            batch = self._transformed(self._table.take(local))
+        else:  # this process's slice is all padding: zero rows of the right shapes
+            batch = jtu.tree_map(
+                lambda x: np.zeros_like(x[:0]),
+                self._transformed(self._table.take(order[:1])),
+            )
+        if self._pads:
+            batch = _padded(batch, len(local), b)
+        return self._placed(batch)
+
+    def _transformed(self, rows: Any) -> Any:
+        if self.transform is not None:
+            return self.transform(rows)
+        if self._table.kind == "dataset":
+            return {k: np.asarray(v) for k, v in rows.items()}
+        if self._table.kind == "sequence":
+            return np.asarray(rows)
+        return rows
+
+    def _placed(self, batch: Any) -> Any:
+        if self.sharding is None:
+            return batch
+        if jax.process_count() == 1:
+            return jax.device_put(batch, self.sharding)
+        shardings = self.sharding
+        if isinstance(shardings, jax.sharding.Sharding):
+            shardings = jtu.tree_map(lambda _: self.sharding, batch)
+        return jtu.tree_map(
+            lambda x, s: jax.make_array_from_process_local_data(
+                s, x, (self.batch_size, *np.shape(x)[1:])
+            ),
+            batch,
+            shardings,
+        )
+
+    def _check_processes(self) -> None:
+        count, index = self.process_count, self.process_index
+        if not isinstance(index, int) or not 0 <= index < count:
+            raise ConfigError(
+                f"`process_index` must be in [0, {count}); got {index!r}."
+            )
+        if self.batch_size % count:
+            raise ConfigError(
+                f"`batch_size` ({self.batch_size}) must be a multiple of the process "
+                f"count ({count}): each process reads batch_size / process_count "
+                "rows of every global batch."
+            )
+
+    def __repr__(self) -> str:
+        where = "" if self.mode == "eval" else f", position={self.position}"
+        return (
+            f"Loader(rows={self._table.num_rows}, batch_size={self.batch_size}, "
+            f"mode={self.mode!r}, batches={self.num_batches}{where})"
+        )
+
+
+class _LoaderIterator:
+    """One pass over a `Loader`, possibly prefetched; updates a train loader's
+    position as each batch is yielded."""
+
+    def __init__(
+        self,
+        loader: Loader,
+        batches: Iterator[tuple[Any, tuple[int, int]]],
+        *,
+        tracked: bool,
+    ):
+        self._loader = loader
+        self._tracked = tracked
+        self._state = "open"
+        self._batches = batches
+        self._prefetcher = (
+            Prefetcher(batches, loader.prefetch) if loader.prefetch > 0 else None
+        )
+
+    def __iter__(self) -> "_LoaderIterator":
+        return self
+
+    def __next__(self) -> Any:
+        if self._state == "superseded":
+            raise DataError(
+                "this loader iterator was superseded by a newer `iter(loader)` or "
+                "`loader.seek(...)`; iterate the newest one (a train loader has one "
+                "position, so only one iterator can advance it)."
+            )
+        if self._state == "closed":
+            raise StopIteration
+        try:
+            if self._prefetcher is not None:
+                batch, after = self._prefetcher.get()
+            else:
+                batch, after = next(self._batches)
+        except BaseException:
+            self.close()
+            raise
+        if self._tracked:
+            self._loader._position = after
+        return batch
+
+    def close(self) -> None:
+        """Stop prefetching; the iterator then ends. Safe to call twice."""
+        if self._state == "open":
+            self._state = "closed"
+        if self._prefetcher is not None:
+            self._prefetcher.close()
+
+    def _superseded(self) -> None:
+        self.close()
+        self._state = "superseded"
+
+    def __del__(self) -> None:
+        if getattr(self, "_prefetcher", None) is not None:
+            self._prefetcher.close()
+
+
+def _padded(batch: Any, real: int, size: int) -> Any:
+    """`batch` (of `real` rows) padded to `size` rows with zeros; adds `weights`
+    to a mapping without a `loss_mask`."""
+    if isinstance(batch, Mapping) and "loss_mask" not in batch:
+        batch = {**batch, "weights": np.ones(real, np.float32)}
+
+    def pad(x: Any) -> np.ndarray:
+        x = np.asarray(x)
+        if x.shape[0] != real:
+            raise DataError(
+                f"`transform` returned a leaf with leading size {x.shape[0]} for "
+                f"{real} rows; each batch entry must have one row per example."
+            )
+        return np.concatenate([x, np.zeros((size - real, *x.shape[1:]), x.dtype)])
+
+    return jtu.tree_map(pad, batch)
+
+
+def _positive(name: str, value: Any) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ConfigError(f"`{name}` must be an int >= 1; got {value!r}.")
+    return value

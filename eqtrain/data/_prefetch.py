@@ -1,0 +1,102 @@
+"""Background prefetch: a daemon thread fills a bounded queue from a generator.
+
+The thread holds only the generator, the queue and a stop event, never the
+consumer-side iterator, so an iterator dropped mid-epoch is garbage-collected and
+its `__del__` stops the thread.
+"""
+
+import queue
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+
+_ITEM, _END, _ERROR = "item", "end", "error"
+_POLL = 0.05  # seconds between checks of the stop event while the queue is full
+
+
+class Prefetcher:
+    """Run `source` in a thread, up to `size` items ahead of `get()`.
+
+    `get()` returns the next item, raises `StopIteration` at the end, and re-raises
+    (once) any exception the thread met. `close()` stops the thread and waits for
+    it; it is idempotent and also runs when the prefetcher is collected.
+    """
+
+    def __init__(self, source: Iterator[Any], size: int):
+        self._queue: queue.Queue[tuple[str, Any]] = queue.Queue(maxsize=size)
+        self._stop = threading.Event()
+        self._done = False
+        self._thread = threading.Thread(
+            target=_fill,
+            args=(source, self._queue, self._stop),
+            name="eqtrain-prefetch",
+            daemon=True,
+        )
+        self._thread.start()
+
+    def get(self) -> Any:
+        if self._done:
+            raise StopIteration
+        while True:
+            try:
+                kind, value = self._queue.get(timeout=1.0)
+                break
+            except queue.Empty:
+                if not self._thread.is_alive() and self._queue.empty():
+                    self._done = True
+                    raise RuntimeError(
+                        "the prefetch thread ended without a result (was it closed?)"
+                    ) from None
+        if kind == _ITEM:
+            return value
+        self._done = True
+        self._thread.join()
+        if kind == _ERROR:
+            raise value
+        raise StopIteration
+
+    def close(self) -> None:
+        self._done = True
+        self._stop.set()
+        if threading.current_thread() is self._thread:  # collected by its own thread
+            return
+        while self._thread.is_alive():
+            try:  # unblock a producer waiting on a full queue
+                while True:
+                    self._queue.get_nowait()
+            except queue.Empty:
+                pass
+            self._thread.join(timeout=_POLL)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def __del__(self) -> None:
+        self.close()
+
+
+def _put(q: queue.Queue, item: tuple[str, Any], stop: threading.Event) -> bool:
+    """Put `item` unless asked to stop first; returns whether it was put."""
+    while not stop.is_set():
+        try:
+            q.put(item, timeout=_POLL)
+            return True
+        except queue.Full:
+            continue
+    return False
+
+
+def _fill(source: Iterator[Any], q: queue.Queue, stop: threading.Event) -> None:
+    try:
+        for item in source:
+            if not _put(q, (_ITEM, item), stop):
+                return
+        _put(q, (_END, None), stop)
+    except BaseException as error:  # handed to the consumer, which re-raises it
+        _put(q, (_ERROR, error), stop)
+    finally:
+        close = getattr(source, "close", None)
+        if close is not None:
+            close()

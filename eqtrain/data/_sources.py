@@ -1,0 +1,165 @@
+"""Where examples come from: local files through `datasets`' own loaders, a
+directory of text files, and named columns/fields of any of them."""
+
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from .._errors import ConfigError
+from ._errors import (
+    DataError,
+    DataFileNotFoundError,
+    PathLike,
+    check_exists,
+    missing_field,
+)
+
+
+# File suffix -> the `datasets` packaged builder that reads it.
+FORMATS = {
+    ".json": "json",
+    ".jsonl": "json",
+    ".parquet": "parquet",
+    ".csv": "csv",
+    ".txt": "text",
+    ".text": "text",
+}
+
+
+def from_files(
+    paths: PathLike | Sequence[PathLike],
+    format: str | None = None,
+    *,
+    cache_dir: PathLike | None = None,
+) -> Any:
+    """Read local files into one `datasets.Dataset`, in the order given.
+
+    Uses `datasets.load_dataset(format, data_files=...)`, whose packaged builders
+    (`json`, `parquet`, `csv`, `text`) read local files only; nothing is
+    downloaded. A JSON Lines file gives one row per line; a `text` file one row
+    (column `"text"`) per line.
+
+    Args:
+        paths: one path or a list of paths (all of one format).
+        format: `"json"` (also for `.jsonl`), `"parquet"`, `"csv"` or `"text"`;
+            inferred from the suffix when omitted.
+        cache_dir: where `datasets` keeps its Arrow cache (its default otherwise).
+
+    Raises:
+        DataFileNotFoundError: a path does not exist.
+        DataError: the files hold no rows, or do not parse as `format`.
+    """
+    import datasets
+
+    if isinstance(paths, (str, os.PathLike)):
+        paths = [paths]
+    files = [os.fspath(p) for p in paths]
+    if not files:
+        raise ConfigError("`from_files` needs at least one path; got none.")
+    for path in files:
+        check_exists(path, "data file")
+    format = format or _infer_format(files)
+    if all(os.path.getsize(f) == 0 for f in files):
+        raise DataError(
+            f"the files {files} are empty (0 bytes). Point `from_files` at files "
+            "that hold rows."
+        )
+    try:
+        dataset = datasets.load_dataset(
+            format,
+            data_files=files,
+            split="train",
+            cache_dir=None if cache_dir is None else os.fspath(cache_dir),
+        )
+    except (ValueError, TypeError, KeyError, OSError, StopIteration) as error:
+        raise DataError(
+            f"could not read {files} as {format!r}: {error}. Check the files' "
+            "contents and `format=`."
+        ) from error
+    except Exception as error:  # datasets wraps parse errors in DatasetGenerationError
+        if type(error).__name__ != "DatasetGenerationError":
+            raise
+        raise DataError(
+            f"could not read {files} as {format!r}: {error.__cause__ or error}. "
+            "Check the files' contents and `format=`."
+        ) from error
+    if len(dataset) == 0:
+        raise DataError(
+            f"the files {files} hold no rows. Point `from_files` at non-empty files."
+        )
+    return dataset
+
+
+def _infer_format(files: list[str]) -> str:
+    found = {FORMATS.get(Path(f).suffix.lower()) for f in files}
+    if None in found or len(found) != 1:
+        suffixes = sorted({Path(f).suffix or "(none)" for f in files})
+        raise ConfigError(
+            f"cannot infer one format from the suffixes {suffixes}; known suffixes: "
+            f"{sorted(FORMATS)}. Pass `format=` ('json', 'parquet', 'csv' or 'text')."
+        )
+    return found.pop()  # type: ignore[return-value]
+
+
+def load_text_dir(directory: PathLike, *, pattern: str = "**/*.txt") -> list[str]:
+    """The text files under `directory` matching `pattern`, one document each.
+
+    Files are ordered by their path relative to `directory` (as POSIX strings), so
+    the order is the same on every machine; they are read as UTF-8 (undecodable
+    bytes replaced).
+
+    Raises:
+        DataFileNotFoundError: `directory` does not exist.
+        DataError: no file matches `pattern`.
+    """
+    check_exists(directory, "text directory")
+    root = Path(directory)
+    if not root.is_dir():
+        raise DataFileNotFoundError(
+            f"{root} is a file, not a directory. Pass the directory holding the text "
+            "files, or read single files with `from_files(path, 'text')`."
+        )
+    files = sorted(
+        (p for p in root.glob(pattern) if p.is_file()),
+        key=lambda p: p.relative_to(root).as_posix(),
+    )
+    if not files:
+        raise DataError(
+            f"no file under {root} matches {pattern!r}. Pass `pattern=` (a glob such "
+            "as '**/*.md') or another directory."
+        )
+    return [read_text(p) for p in files]
+
+
+def read_text(path: Path) -> str:
+    return path.read_bytes().decode("utf-8", errors="replace")
+
+
+def column(data: Any, name: str) -> list[Any]:
+    """Column `name` of a `datasets.Dataset`, a mapping of arrays, or a list of
+    records (dicts), as a list.
+
+    Raises:
+        DataError: there is no such column (the error lists those there are), or
+            the data is empty.
+    """
+    if isinstance(data, Mapping):
+        available = list(data)
+        if name not in data:
+            raise missing_field(name, available, "the data")
+        values = list(data[name])
+    elif hasattr(data, "column_names"):  # datasets.Dataset
+        if name not in data.column_names:
+            raise missing_field(name, list(data.column_names), "the dataset")
+        values = list(data[name])
+    else:
+        records = list(data)
+        for i, record in enumerate(records):
+            if not isinstance(record, Mapping) or name not in record:
+                keys = list(record) if isinstance(record, Mapping) else []
+                raise missing_field(name, keys, f"record {i}")
+        values = [record[name] for record in records]
+    if not values:
+        raise DataError(f"the data is empty: column {name!r} has no rows.")
+    return values
