@@ -25,7 +25,12 @@ from ._hooks import (
     every_seconds as every_seconds,
 )
 from ._jit import Jitted as Jitted, jit as jit
-from ._loop import Checkpointer as Checkpointer, FitResult as FitResult, fit as fit
+from ._loop import (
+    Checkpointer as Checkpointer,
+    FitResult as FitResult,
+    evaluate as evaluate,
+    fit as fit,
+)
 from ._precision import Precision as Precision
 from ._state import TrainState as TrainState, trainable_mask as trainable_mask
 from ._step import (

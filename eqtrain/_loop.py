@@ -319,27 +319,58 @@ class _Loop:
                     )
 
     def evaluate(self, state: TrainState) -> dict[str, float]:
-        """Average the eval metrics over `eval_data`, weighted by `weight`."""
         assert self.evaluator is not None and self.eval_data is not None
-        arrays, _ = self.evaluator.prepare(state)
-        outputs = [self.evaluator.call_flat(arrays, batch) for batch in self.eval_data]
-        if not outputs:
-            raise ConfigError(
-                "`eval_data` yielded no batches; evaluation needs at least one."
-            )
-        host = _to_host(outputs)
-        weights = np.array([m.get("weight", 1.0) for m in host], np.float64)
-        total = float(weights.sum())
-        scale = weights / total if total > 0 else np.full(len(host), 1.0 / len(host))
-        averaged = {
-            f"eval/{name}": float(
-                sum(s * m[name] for s, m in zip(scale, host, strict=True))
-            )
-            for name in host[0]
-            if name != "weight"
-        }
-        averaged["eval/weight"] = total
-        return averaged
+        return evaluate(state, self.evaluator, self.eval_data)
+
+
+def evaluate(
+    state: TrainState,
+    eval_step: Callable[..., Any] | Jitted,
+    data: Iterable[Batch],
+    *,
+    prefix: str = "eval/",
+) -> dict[str, float]:
+    """Evaluate `state` on every batch of `data`; average weighted by `weight`.
+
+    This is what `fit` does at each evaluation, available on its own (e.g. to
+    evaluate a restored state).
+
+    Args:
+        state: the state to evaluate (not consumed).
+        eval_step: from `eval_step(loss_fn)`, plain or compiled with
+            `eqtrain.jit(..., donate=False)` (plain ones are compiled here).
+        data: an iterable of batches (read once, in full).
+        prefix: put before every metric name.
+
+    Returns:
+        `{prefix + name: mean}` for each metric, the mean weighted by each batch's
+        `weight` (tokens or examples), and `prefix + "weight"`: the total weight.
+    """
+    compiled = (
+        eval_step if isinstance(eval_step, Jitted) else jit(eval_step, donate=False)
+    )
+    if compiled.donate:
+        raise ConfigError(
+            "`evaluate` needs an evaluation step compiled with donate=False: a "
+            "donating one would consume the state."
+        )
+    arrays, _ = compiled.prepare(state)
+    outputs = [compiled.call_flat(arrays, batch) for batch in data]
+    if not outputs:
+        raise ConfigError("the eval data yielded no batches; evaluation needs one.")
+    host = _to_host(outputs)
+    weights = np.array([m.get("weight", 1.0) for m in host], np.float64)
+    total = float(weights.sum())
+    scale = weights / total if total > 0 else np.full(len(host), 1.0 / len(host))
+    averaged = {
+        f"{prefix}{name}": float(
+            sum(s * m[name] for s, m in zip(scale, host, strict=True))
+        )
+        for name in host[0]
+        if name != "weight"
+    }
+    averaged[f"{prefix}weight"] = total
+    return averaged
 
 
 def fit(

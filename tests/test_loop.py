@@ -412,6 +412,27 @@ def test_nonfinite_stop_survives_wrapping_the_step(batches):
     assert int(result.state.step) == 2
 
 
+def test_evaluate_standalone_matches_fit(step, evaluate, batches):
+    eval_data = make_batches(3, batch_size=8, seed=7, mask=True)
+    result = eqtrain.fit(
+        fresh_state(),
+        step,
+        batches,
+        num_steps=4,
+        eval_step=evaluate,
+        eval_data=eval_data,
+        eval_every=4,
+    )
+    alone = eqtrain.evaluate(result.state, eqtrain.eval_step(mse_loss), eval_data)
+    assert alone == pytest.approx(
+        {k: v for k, v in result.history[-1].items() if k.startswith("eval/")}
+    )
+    with pytest.raises(eqtrain.ConfigError, match="donate=False"):
+        eqtrain.evaluate(
+            result.state, eqtrain.jit(eqtrain.eval_step(mse_loss)), eval_data
+        )
+
+
 def test_eval_arguments_checked(step, batches):
     with pytest.raises(eqtrain.ConfigError, match="eval_data"):
         eqtrain.fit(fresh_state(), step, batches, num_steps=2, eval_every=1)
