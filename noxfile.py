@@ -16,7 +16,7 @@ FAKE_DEVICES = {
 @nox.session
 def tests(session: nox.Session) -> None:
     """The default suite (everything not marked slow)."""
-    session.install("-e", ".[test]")
+    session.install("-e", ".[test,hf]")
     session.run(
         "pytest", "-m", "not slow", "--durations=10", *session.posargs, env=FAKE_DEVICES
     )
@@ -25,7 +25,7 @@ def tests(session: nox.Session) -> None:
 @nox.session
 def slow(session: nox.Session) -> None:
     """Long tests only."""
-    session.install("-e", ".[test]")
+    session.install("-e", ".[test,hf]")
     # exit code 5 = no test collected: there may be no slow test yet
     session.run(
         "pytest", "-m", "slow", *session.posargs, env=FAKE_DEVICES, success_codes=[0, 5]

@@ -26,18 +26,3 @@ def test_overhead_quick():
         assert r["raw_tokens_per_s"] > 0 and r["eqtrain_tokens_per_s"] > 0
         assert r["ratio"] > 0
     assert "warning" not in proc.stderr  # same losses, a single trace
-
-
-def test_data_quick():
-    env = dict(os.environ, XLA_FLAGS="", JAX_PLATFORMS="cpu")
-    proc = subprocess.run(
-        [sys.executable, str(BENCHMARKS / "data.py"), "--quick"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=env,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    (record,) = [json.loads(line) for line in proc.stdout.splitlines()]
-    assert record["loader_tokens_per_s"] > 0 and record["list_tokens_per_s"] > 0
-    assert "warning" not in proc.stderr  # both paths fed the same batches

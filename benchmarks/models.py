@@ -1,0 +1,255 @@
+"""Training throughput of `eqtrain.models.Llama` against transformers'
+`LlamaForCausalLM` in PyTorch, on the same configuration and batches.
+
+- eqtrain: `eqtrain.jit(eqtrain.train_step(causal_lm_loss, optax.adamw(...)))`,
+  a plain loop that waits for the device only at the end of a run;
+- torch: `LlamaForCausalLM` (transformers' default attention, SDPA) in eager mode,
+  `torch.optim.AdamW`, `torch.set_num_threads(--threads)`, the same cross-entropy
+  over `targets` (no internal shift).
+
+Both start from the same weights (copied from the JAX model into torch, which also
+checks that the two compute the same loss: `first_loss_diff`), run in f32 and are
+warmed up before timing; rounds alternate (ABBA) in one process. It prints one
+JSON line:
+
+    {"config", "params", "batch", "seq", "threads", "remat", "scan_layers",
+     "steps", "rounds",
+     "eqtrain_tokens_per_s", "torch_tokens_per_s", "ratio", "first_loss_diff"}
+
+with the median tokens/s of each and `ratio` = the median over rounds of
+eqtrain / torch within a round (> 1: eqtrain is faster). Per-round rates go to
+stderr.
+
+Usage (CPU; needs `pip install torch==2.13.0 transformers`):
+
+    JAX_PLATFORMS=cpu .venv/bin/python benchmarks/models.py [--steps 8]
+        [--rounds 3] [--batch 16] [--seq 256] [--threads 2] [--remat none]
+        [--no-scan-layers] [--quick]
+"""
+
+import argparse
+import dataclasses
+import json
+import statistics
+import sys
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import jax.random as jr
+import numpy as np
+import optax
+
+import eqtrain
+from eqtrain.losses import causal_lm_loss
+from eqtrain.models import Llama, LlamaConfig, num_params
+
+
+CONFIG = LlamaConfig(
+    vocab_size=2048,
+    hidden_size=256,
+    intermediate_size=704,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    max_position_embeddings=1024,
+)  # 4.3M parameters, the size of the design's performance notes
+QUICK = LlamaConfig(
+    vocab_size=128,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+)
+LR, WEIGHT_DECAY = 1e-3, 0.1
+
+
+def make_batches(cfg: LlamaConfig, n: int, batch: int, seq: int) -> list[dict]:
+    rng = np.random.default_rng(0)
+    out = []
+    for _ in range(n):
+        tokens = rng.integers(0, cfg.vocab_size, (batch, seq + 1), dtype=np.int32)
+        out.append(
+            {
+                "tokens": tokens[:, :-1],
+                "targets": tokens[:, 1:],
+                "loss_mask": np.ones((batch, seq), np.float32),
+            }
+        )
+    return out
+
+
+# -- eqtrain -----------------------------------------------------------------------
+class JaxRunner:
+    def __init__(self, model: Llama, batches: list[dict]):
+        self.model = model
+        self.optimizer = optax.adamw(LR, weight_decay=WEIGHT_DECAY)
+        step = eqtrain.train_step(causal_lm_loss, self.optimizer)
+        self.step = eqtrain.jit(step, donate=True)
+        self.batches = [jax.device_put(b) for b in batches]
+
+    def fresh(self) -> eqtrain.TrainState:
+        model = jax.tree_util.tree_map(jnp.copy, self.model)  # the steps donate it
+        return eqtrain.TrainState.create(model, self.optimizer, key=0)
+
+    def run(self, n: int) -> tuple[float, float]:
+        """Seconds for `n` steps from the initial weights, and the first loss."""
+        state = self.fresh()
+        jax.block_until_ready(state)
+        start = time.perf_counter()
+        first = None
+        for batch in self.batches[:n]:
+            state, metrics = self.step(state, batch)
+            first = metrics["loss"] if first is None else first
+        jax.block_until_ready(state)
+        return time.perf_counter() - start, float(first)  # type: ignore[arg-type]
+
+
+# -- torch -------------------------------------------------------------------------
+def to_torch(model: Llama, cfg: LlamaConfig) -> Any:
+    """transformers' `LlamaForCausalLM` with the JAX model's weights (our Linear
+    weights are `[out, in]` like PyTorch's, so this is a rename)."""
+    import torch
+    import transformers
+
+    hf_cfg = transformers.LlamaConfig(
+        vocab_size=cfg.vocab_size,
+        hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.num_hidden_layers,
+        num_attention_heads=cfg.num_attention_heads,
+        num_key_value_heads=cfg.kv_heads,
+        head_dim=cfg.head_size,
+        rms_norm_eps=cfg.rms_norm_eps,
+        rope_theta=cfg.rope_theta,
+        tie_word_embeddings=cfg.tie_word_embeddings,
+        max_position_embeddings=cfg.max_position_embeddings,
+    )
+    hf = transformers.LlamaForCausalLM(hf_cfg).float()
+    flat = {
+        jax.tree_util.keystr(path, simple=True, separator="."): np.asarray(leaf)
+        for path, leaf in jax.tree_util.tree_leaves_with_path(model)
+    }
+    state = {}
+    for name, value in flat.items():
+        if name.startswith("layers."):
+            for i in range(cfg.num_hidden_layers):
+                state[f"model.layers.{i}.{name[7:]}"] = value[i]
+        elif name.startswith("lm_head."):
+            state[name] = value
+        else:
+            state[f"model.{name}"] = value
+    tensors = {k: torch.from_numpy(np.array(v)) for k, v in state.items()}
+    missing, unexpected = hf.load_state_dict(tensors, strict=False)
+    missing = [k for k in missing if not k.endswith("rotary_emb.inv_freq")]
+    if missing or unexpected:
+        raise RuntimeError(f"weight copy: missing {missing}, unexpected {unexpected}")
+    return hf
+
+
+class TorchRunner:
+    def __init__(self, model: Llama, cfg: LlamaConfig, batches: list[dict]):
+        import torch
+
+        self.torch = torch
+        self.hf = to_torch(model, cfg)
+        self.state = {k: v.clone() for k, v in self.hf.state_dict().items()}
+        self.hf.train()
+        self.batches = [
+            {k: torch.from_numpy(v).long() for k, v in b.items() if k != "loss_mask"}
+            for b in batches
+        ]
+        self.vocab = cfg.vocab_size
+
+    def run(self, n: int) -> tuple[float, float]:
+        """Seconds for `n` steps from the initial weights, and the first loss."""
+        torch = self.torch
+        self.hf.load_state_dict(self.state)
+        opt = torch.optim.AdamW(self.hf.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
+        start = time.perf_counter()
+        first = None
+        for batch in self.batches[:n]:
+            logits = self.hf(input_ids=batch["tokens"]).logits
+            loss = torch.nn.functional.cross_entropy(
+                logits.reshape(-1, self.vocab), batch["targets"].reshape(-1)
+            )
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            first = float(loss.detach()) if first is None else first
+        return time.perf_counter() - start, float(first)  # type: ignore[arg-type]
+
+
+# -- the benchmark -----------------------------------------------------------------
+def benchmark(args: argparse.Namespace) -> dict[str, Any]:
+    import torch
+
+    torch.set_num_threads(args.threads)
+    base = QUICK if args.quick else CONFIG
+    cfg = dataclasses.replace(base, remat=args.remat, scan_layers=args.scan_layers)
+    model = Llama(cfg, jr.key(0))
+    batches = make_batches(cfg, args.steps, args.batch, args.seq)
+    runners = {
+        "eqtrain": JaxRunner(model, batches).run,
+        "torch": TorchRunner(model, cfg, batches).run,
+    }
+    firsts = {}
+    for name, run in runners.items():  # compile and warm up, untimed
+        _, firsts[name] = run(args.warmup)
+    rates: dict[str, list[float]] = {name: [] for name in runners}
+    tokens = args.steps * args.batch * args.seq
+    for r in range(args.rounds):
+        for name in list(runners) if r % 2 == 0 else list(reversed(runners)):
+            seconds, _ = runners[name](args.steps)
+            rates[name].append(tokens / seconds)
+    shown = {k: [round(x) for x in v] for k, v in rates.items()}
+    print(f"tokens/s per round: {shown}", file=sys.stderr)
+    paired = [e / t for e, t in zip(rates["eqtrain"], rates["torch"], strict=True)]
+    return {
+        "config": "quick" if args.quick else "llama_4m",
+        "params": num_params(model),
+        "batch": args.batch,
+        "seq": args.seq,
+        "threads": args.threads,
+        "remat": args.remat,
+        "scan_layers": args.scan_layers,
+        "steps": args.steps,
+        "rounds": args.rounds,
+        "eqtrain_tokens_per_s": round(statistics.median(rates["eqtrain"]), 1),
+        "torch_tokens_per_s": round(statistics.median(rates["torch"]), 1),
+        "ratio": round(statistics.median(paired), 4),
+        "first_loss_diff": abs(firsts["eqtrain"] - firsts["torch"]),
+    }
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=None, help="timed steps per run")
+    parser.add_argument("--rounds", type=int, default=None, help="runs of each")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed steps first")
+    parser.add_argument("--batch", type=int, default=None)
+    parser.add_argument("--seq", type=int, default=None)
+    parser.add_argument("--threads", type=int, default=2, help="torch threads")
+    parser.add_argument("--remat", default="none", help="eqtrain's remat policy")
+    parser.add_argument(
+        "--scan-layers",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="eqtrain: lax.scan over layers (--no-scan-layers unrolls them)",
+    )
+    parser.add_argument("--quick", action="store_true", help="tiny smoke test")
+    args = parser.parse_args(argv)
+    args.steps = args.steps or (3 if args.quick else 8)
+    args.rounds = args.rounds or (2 if args.quick else 3)
+    args.batch = args.batch or (2 if args.quick else 16)
+    args.seq = args.seq or (16 if args.quick else 256)
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    print(json.dumps(benchmark(parse_args(argv))), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,240 @@
+"""GPT-2: learned positions, LayerNorm, fused-qkv attention and a GELU MLP, with a
+head tied to the token embedding; Hugging Face's math and parameter names.
+
+Builds on the layers in `eqtrain.models._layers`.
+"""
+
+import dataclasses
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.random as jr
+from jaxtyping import Array, Float, Int, PRNGKeyArray
+
+from .._errors import ConfigError
+from ._layers import (
+    Embedding,
+    LayerNorm,
+    Linear,
+    as_dtype,
+    attention,
+    check_remat,
+    default_positions,
+    residual_scale,
+    run_layers,
+    stack_layers,
+    with_config_options,
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class GPT2Config:
+    """Shape and options of a `GPT2`. Field names and defaults follow Hugging Face's
+    `GPT2Config` (GPT-2 small); the activation is always `"gelu_new"` (tanh GELU),
+    the head is always tied, and there is no dropout.
+
+    Attributes:
+        vocab_size: number of token ids.
+        n_positions: number of learned positions (longest sequence).
+        n_embd: width of the residual stream.
+        n_layer: number of blocks.
+        n_head: attention heads (`n_embd` must be a multiple).
+        n_inner: MLP width (`None`: `4 * n_embd`).
+        layer_norm_epsilon: epsilon of every LayerNorm.
+        initializer_range: standard deviation of the normal initialisation
+            (residual output projections get `/ sqrt(2 * n_layer)`, as GPT-2).
+        param_dtype, remat, scan_layers, attention_impl: as in `LlamaConfig`.
+    """
+
+    vocab_size: int = 50257
+    n_positions: int = 1024
+    n_embd: int = 768
+    n_layer: int = 12
+    n_head: int = 12
+    n_inner: int | None = None
+    layer_norm_epsilon: float | int = 1e-5
+    initializer_range: float | int = 0.02
+    param_dtype: str = "float32"
+    remat: str = "none"
+    scan_layers: bool = True
+    attention_impl: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.n_embd % self.n_head:
+            raise ConfigError(
+                f"`n_embd` {self.n_embd} must be a multiple of `n_head` {self.n_head}."
+            )
+        if self.attention_impl not in (None, "xla", "cudnn"):
+            raise ConfigError(
+                "`attention_impl` must be None, 'xla' or 'cudnn'; got "
+                f"{self.attention_impl!r}."
+            )
+        check_remat(self.remat)
+        as_dtype(self.param_dtype)
+
+    @property
+    def inner_size(self) -> int:
+        """`n_inner`, resolved."""
+        return self.n_inner or 4 * self.n_embd
+
+
+RUNTIME_OPTIONS = frozenset({"remat", "scan_layers", "attention_impl"})
+
+
+class GPT2Attention(eqx.Module):
+    """Causal self-attention with fused q/k/v (`attn` in HF)."""
+
+    c_attn: Linear
+    c_proj: Linear
+    n_head: int = eqx.field(static=True)
+
+    def __init__(self, config: GPT2Config, key: PRNGKeyArray):
+        ka, kp = jr.split(key)
+        d, std = config.n_embd, config.initializer_range
+        dtype = as_dtype(config.param_dtype)
+        self.c_attn = Linear(d, 3 * d, use_bias=True, std=std, dtype=dtype, key=ka)
+        std_out = std * residual_scale(config.n_layer)
+        self.c_proj = Linear(d, d, use_bias=True, std=std_out, dtype=dtype, key=kp)
+        self.n_head = config.n_head
+
+    def __call__(
+        self,
+        x: Float[Array, "seq embd"],
+        *,
+        segment_ids: Int[Array, " seq"] | None,
+        implementation: str | None,
+    ) -> Float[Array, "seq embd"]:
+        seq, d = x.shape
+        qkv = self.c_attn(x).reshape(seq, 3, self.n_head, d // self.n_head)
+        out = attention(
+            qkv[:, 0],
+            qkv[:, 1],
+            qkv[:, 2],
+            segment_ids=segment_ids,
+            sliding_window=None,
+            implementation=implementation,
+        )
+        return self.c_proj(out.reshape(seq, d))
+
+
+class GPT2MLP(eqx.Module):
+    """`c_proj(gelu_tanh(c_fc(x)))`."""
+
+    c_fc: Linear
+    c_proj: Linear
+
+    def __init__(self, config: GPT2Config, key: PRNGKeyArray):
+        kf, kp = jr.split(key)
+        d, f, std = config.n_embd, config.inner_size, config.initializer_range
+        dtype = as_dtype(config.param_dtype)
+        self.c_fc = Linear(d, f, use_bias=True, std=std, dtype=dtype, key=kf)
+        std_out = std * residual_scale(config.n_layer)
+        self.c_proj = Linear(f, d, use_bias=True, std=std_out, dtype=dtype, key=kp)
+
+    def __call__(self, x: Float[Array, "seq embd"]) -> Float[Array, "seq embd"]:
+        return self.c_proj(jax.nn.gelu(self.c_fc(x), approximate=True))
+
+
+class GPT2Block(eqx.Module):
+    """Pre-norm block: `x + attn(ln_1(x))`, then `x + mlp(ln_2(x))`."""
+
+    ln_1: LayerNorm
+    attn: GPT2Attention
+    ln_2: LayerNorm
+    mlp: GPT2MLP
+
+    def __init__(self, config: GPT2Config, key: PRNGKeyArray):
+        ka, km = jr.split(key)
+        dtype = as_dtype(config.param_dtype)
+        norm = lambda: LayerNorm(
+            config.n_embd, eps=config.layer_norm_epsilon, dtype=dtype
+        )
+        self.ln_1 = norm()
+        self.attn = GPT2Attention(config, ka)
+        self.ln_2 = norm()
+        self.mlp = GPT2MLP(config, km)
+
+    def __call__(self, x: Float[Array, "seq embd"], **attn: Any) -> Array:
+        x = x + self.attn(self.ln_1(x), **attn)
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT2(eqx.Module):
+    """GPT-2 over one sequence: `tokens: [seq] -> logits: [seq, vocab]`.
+
+    Parameter paths mirror Hugging Face's `GPT2LMHeadModel` (without its
+    `transformer.` prefix): `wte.weight`, `wpe.weight`, `h.ln_1.{weight,bias}`,
+    `h.attn.c_attn.{weight,bias}`, `h.attn.c_proj`, `h.ln_2`, `h.mlp.c_fc`,
+    `h.mlp.c_proj`, `ln_f`; the head is `wte` (tied). Every array under `h` has a
+    leading axis of size `n_layer`. Linear weights are `[out, in]` (PyTorch's
+    `nn.Linear`), so an export transposes them into HF's `Conv1D` `[in, out]`.
+    """
+
+    wte: Embedding
+    wpe: Embedding
+    h: GPT2Block
+    ln_f: LayerNorm
+    config: GPT2Config = eqx.field(static=True)
+
+    def __init__(self, config: GPT2Config, key: PRNGKeyArray):
+        kt, kp, kh = jr.split(key, 3)
+        dtype = as_dtype(config.param_dtype)
+        d, std = config.n_embd, config.initializer_range
+        self.wte = Embedding(config.vocab_size, d, std=std, dtype=dtype, key=kt)
+        self.wpe = Embedding(config.n_positions, d, std=std, dtype=dtype, key=kp)
+        self.h = stack_layers(lambda k: GPT2Block(config, k), config.n_layer, kh)
+        self.ln_f = LayerNorm(d, eps=config.layer_norm_epsilon, dtype=dtype)
+        self.config = config
+
+    def __call__(
+        self,
+        tokens: Int[Array, " seq"],
+        *,
+        segment_ids: Int[Array, " seq"] | None = None,
+        positions: Int[Array, " seq"] | None = None,
+        key: PRNGKeyArray | None = None,
+    ) -> Float[Array, "seq vocab"]:
+        """Logits for every position of one sequence (`jax.vmap` for a batch).
+
+        Arguments as for `Llama.__call__`: with `segment_ids`, attention stays
+        within each segment and learned positions restart at 0 per segment.
+        """
+        del key
+        config = self.config
+        if (
+            segment_ids is None
+            and positions is None
+            and (tokens.shape[0] > config.n_positions)
+        ):
+            raise ConfigError(
+                f"a sequence of {tokens.shape[0]} tokens is longer than GPT-2's "
+                f"{config.n_positions} learned positions (`n_positions`). Truncate "
+                "it, or build the model with a larger `n_positions`."
+            )
+        positions = default_positions(tokens.shape[0], segment_ids, positions)
+        x = self.wte(tokens) + self.wpe(positions)
+        attn = dict(segment_ids=segment_ids, implementation=config.attention_impl)
+        x = run_layers(
+            self.h,
+            x,
+            lambda block, h: block(h, **attn),
+            scan=config.scan_layers,
+            remat=config.remat,
+        )
+        return self.wte.attend(self.ln_f(x))
+
+    def with_options(self, **changes: Any) -> "GPT2":
+        """The same parameters with other runtime options (`remat`, `scan_layers`,
+        `attention_impl`)."""
+        return with_config_options(self, RUNTIME_OPTIONS, **changes)
+
+
+def flops_per_token(config: GPT2Config, seq_len: int) -> float:
+    """Training FLOPs per token: `6 * N + 12 * L * d * T`, as for
+    `eqtrain.models.llama.flops_per_token` (`N`: the blocks' matmul weights plus the
+    tied head `vocab * d`; `T = seq_len`)."""
+    d, f = config.n_embd, config.inner_size
+    per_layer = 4 * d * d + 2 * d * f
+    n = config.n_layer * per_layer + config.vocab_size * d
+    return float(6 * n + 12 * config.n_layer * d * seq_len)

@@ -1,0 +1,351 @@
+"""The Llama family of decoders (Llama, Mistral, Qwen2 by configuration): RMSNorm,
+rotary embeddings, grouped-query attention and a SwiGLU MLP, with Hugging Face's
+math and parameter names so that import and export are plain renames.
+
+Builds on the layers in `eqtrain.models._layers`.
+"""
+
+import dataclasses
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.random as jr
+from jaxtyping import Array, Float, Int, PRNGKeyArray
+
+from .._errors import ConfigError
+from ._layers import (
+    Embedding,
+    Linear,
+    RMSNorm,
+    apply_rope,
+    as_dtype,
+    attention,
+    check_remat,
+    default_positions,
+    rope_cos_sin,
+    run_layers,
+    stack_layers,
+    with_config_options,
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class LlamaConfig:
+    """Shape and options of a `Llama`. Field names follow Hugging Face's
+    `LlamaConfig`; the defaults are Hugging Face's (Llama-2-7B's shape).
+
+    Mistral: set `sliding_window`. Qwen2: `attention_bias=True, o_proj_bias=False`
+    and `tie_word_embeddings` as the checkpoint says.
+
+    Attributes:
+        vocab_size: number of token ids.
+        hidden_size: width of the residual stream.
+        intermediate_size: width of the SwiGLU MLP.
+        num_hidden_layers: number of decoder layers.
+        num_attention_heads: query heads.
+        num_key_value_heads: key/value heads (`None`: as many as query heads; 1:
+            multi-query attention). Must divide `num_attention_heads`.
+        head_dim: width of one head (`None`: `hidden_size // num_attention_heads`);
+            may differ from that.
+        rms_norm_eps: epsilon of every RMSNorm.
+        rope_theta: base of the rotary frequencies.
+        attention_bias: biases on the q, k, v and o projections (HF Llama).
+        o_proj_bias: bias on the o projection (`None`: as `attention_bias`; Qwen2
+            has q/k/v biases only, i.e. `False`).
+        mlp_bias: biases on the MLP projections.
+        tie_word_embeddings: the output head is the input embedding (no `lm_head`).
+        sliding_window: each position attends to at most this many positions,
+            itself included (Mistral); `None` for full causal attention.
+        max_position_embeddings: longest sequence the model is meant for (recorded
+            for export; RoPE itself has no table).
+        initializer_range: standard deviation of the normal initialisation.
+        param_dtype: dtype of the parameters (`"float32"`, `"bfloat16"`, ...).
+            Compute dtype is the precision policy's business (`train_step`).
+        remat: per-layer rematerialisation policy: `"none"`, `"full"`, `"dots"`,
+            `"dots_no_batch"`, `"nothing_saveable"` (see `REMAT_POLICIES`).
+        scan_layers: run the layers with `lax.scan` (compile time flat in depth);
+            `False` unrolls a Python loop.
+        attention_impl: `implementation` for `jax.nn.dot_product_attention`:
+            `None` (XLA), `"xla"` or `"cudnn"` (the fused GPU kernel; bf16/f16).
+    """
+
+    vocab_size: int = 32000
+    hidden_size: int = 4096
+    intermediate_size: int = 11008
+    num_hidden_layers: int = 32
+    num_attention_heads: int = 32
+    num_key_value_heads: int | None = None
+    head_dim: int | None = None
+    rms_norm_eps: float | int = 1e-6
+    rope_theta: float | int = 10000.0
+    attention_bias: bool = False
+    o_proj_bias: bool | None = None
+    mlp_bias: bool = False
+    tie_word_embeddings: bool = False
+    sliding_window: int | None = None
+    max_position_embeddings: int = 2048
+    initializer_range: float | int = 0.02
+    param_dtype: str = "float32"
+    remat: str = "none"
+    scan_layers: bool = True
+    attention_impl: str | None = None
+
+    def __post_init__(self) -> None:
+        heads, kv = self.num_attention_heads, self.kv_heads
+        if heads % kv:
+            raise ConfigError(
+                f"`num_key_value_heads` must divide `num_attention_heads`; got "
+                f"{kv} and {heads}. Use e.g. num_key_value_heads=1 (MQA) or a "
+                f"divisor of {heads} (GQA)."
+            )
+        if self.head_size % 2:
+            raise ConfigError(
+                f"rotary embeddings need an even `head_dim`; got {self.head_size}."
+            )
+        if self.head_dim is None and self.hidden_size % heads:
+            raise ConfigError(
+                f"`hidden_size` {self.hidden_size} is not a multiple of "
+                f"`num_attention_heads` {heads}; set `head_dim` explicitly."
+            )
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ConfigError(
+                f"`sliding_window` must be >= 1 or None; got {self.sliding_window}."
+            )
+        if self.attention_impl not in (None, "xla", "cudnn"):
+            raise ConfigError(
+                "`attention_impl` must be None, 'xla' or 'cudnn'; got "
+                f"{self.attention_impl!r}."
+            )
+        check_remat(self.remat)
+        as_dtype(self.param_dtype)
+
+    @property
+    def kv_heads(self) -> int:
+        """`num_key_value_heads`, resolved."""
+        return self.num_key_value_heads or self.num_attention_heads
+
+    @property
+    def head_size(self) -> int:
+        """`head_dim`, resolved."""
+        return self.head_dim or self.hidden_size // self.num_attention_heads
+
+
+RUNTIME_OPTIONS = frozenset({"remat", "scan_layers", "attention_impl"})
+"""Config fields that `Llama.with_options` may change on an existing model."""
+
+
+class LlamaAttention(eqx.Module):
+    """Grouped-query self-attention with rotary embeddings (`self_attn` in HF)."""
+
+    q_proj: Linear
+    k_proj: Linear
+    v_proj: Linear
+    o_proj: Linear
+    num_heads: int = eqx.field(static=True)
+    num_kv_heads: int = eqx.field(static=True)
+    head_dim: int = eqx.field(static=True)
+
+    def __init__(self, config: LlamaConfig, key: PRNGKeyArray):
+        kq, kk, kv, ko = jr.split(key, 4)
+        self.num_heads, self.num_kv_heads = config.num_attention_heads, config.kv_heads
+        self.head_dim = config.head_size
+        d = config.hidden_size
+        q_out = self.num_heads * self.head_dim
+        kv_out = self.num_kv_heads * self.head_dim
+        o_bias = config.attention_bias
+        if config.o_proj_bias is not None:
+            o_bias = config.o_proj_bias
+        opts = dict(std=config.initializer_range, dtype=as_dtype(config.param_dtype))
+        bias = config.attention_bias
+        self.q_proj = Linear(d, q_out, use_bias=bias, key=kq, **opts)
+        self.k_proj = Linear(d, kv_out, use_bias=bias, key=kk, **opts)
+        self.v_proj = Linear(d, kv_out, use_bias=bias, key=kv, **opts)
+        self.o_proj = Linear(q_out, d, use_bias=o_bias, key=ko, **opts)
+
+    def __call__(
+        self,
+        x: Float[Array, "seq hidden"],
+        cos: Float[Array, "seq head_dim"],
+        sin: Float[Array, "seq head_dim"],
+        *,
+        segment_ids: Int[Array, " seq"] | None,
+        sliding_window: int | None,
+        implementation: str | None,
+    ) -> Float[Array, "seq hidden"]:
+        seq = x.shape[0]
+        q = self.q_proj(x).reshape(seq, self.num_heads, self.head_dim)
+        k = self.k_proj(x).reshape(seq, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).reshape(seq, self.num_kv_heads, self.head_dim)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        out = attention(
+            q,
+            k,
+            v,
+            segment_ids=segment_ids,
+            sliding_window=sliding_window,
+            implementation=implementation,
+        )
+        return self.o_proj(out.reshape(seq, self.num_heads * self.head_dim))
+
+
+class LlamaMLP(eqx.Module):
+    """SwiGLU: `down_proj(silu(gate_proj(x)) * up_proj(x))`."""
+
+    gate_proj: Linear
+    up_proj: Linear
+    down_proj: Linear
+
+    def __init__(self, config: LlamaConfig, key: PRNGKeyArray):
+        kg, ku, kd = jr.split(key, 3)
+        d, f = config.hidden_size, config.intermediate_size
+        opts = dict(
+            use_bias=config.mlp_bias,
+            std=config.initializer_range,
+            dtype=as_dtype(config.param_dtype),
+        )
+        self.gate_proj = Linear(d, f, key=kg, **opts)
+        self.up_proj = Linear(d, f, key=ku, **opts)
+        self.down_proj = Linear(f, d, key=kd, **opts)
+
+    def __call__(self, x: Float[Array, "seq hidden"]) -> Float[Array, "seq hidden"]:
+        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class LlamaDecoderLayer(eqx.Module):
+    """Pre-norm block: `x + attn(norm(x))`, then `x + mlp(norm(x))`."""
+
+    input_layernorm: RMSNorm
+    self_attn: LlamaAttention
+    post_attention_layernorm: RMSNorm
+    mlp: LlamaMLP
+
+    def __init__(self, config: LlamaConfig, key: PRNGKeyArray):
+        ka, km = jr.split(key)
+        dtype = as_dtype(config.param_dtype)
+        norm = lambda: RMSNorm(config.hidden_size, eps=config.rms_norm_eps, dtype=dtype)
+        self.input_layernorm = norm()
+        self.self_attn = LlamaAttention(config, ka)
+        self.post_attention_layernorm = norm()
+        self.mlp = LlamaMLP(config, km)
+
+    def __call__(self, x: Float[Array, "seq hidden"], **attn: Any) -> Array:
+        x = x + self.self_attn(self.input_layernorm(x), **attn)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Llama(eqx.Module):
+    """A Llama-family decoder over one sequence: `tokens [seq] -> logits [seq, vocab]`.
+
+    Parameter paths mirror Hugging Face's `LlamaForCausalLM` (without its `model.`
+    prefix): `embed_tokens.weight`, `layers.self_attn.{q,k,v,o}_proj.weight`,
+    `layers.mlp.{gate,up,down}_proj.weight`, `layers.input_layernorm.weight`,
+    `layers.post_attention_layernorm.weight`, `norm.weight`, `lm_head.weight`
+    (`None` when tied). Linear weights are `[out, in]` as in PyTorch. The layers
+    are one stacked module: every array under `layers` has a leading axis of size
+    `num_hidden_layers` (layer `i` is `layers.*[i]`).
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> from eqtrain.models import Llama, LlamaConfig
+        >>> config = LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32,
+        ...                      num_hidden_layers=2, num_attention_heads=4,
+        ...                      num_key_value_heads=2)
+        >>> model = Llama(config, jax.random.key(0))
+        >>> model(jnp.arange(5)).shape
+        (5, 32)
+    """
+
+    embed_tokens: Embedding
+    layers: LlamaDecoderLayer
+    norm: RMSNorm
+    lm_head: Linear | None
+    config: LlamaConfig = eqx.field(static=True)
+
+    def __init__(self, config: LlamaConfig, key: PRNGKeyArray):
+        ke, kl, kh = jr.split(key, 3)
+        dtype = as_dtype(config.param_dtype)
+        d, std = config.hidden_size, config.initializer_range
+        self.embed_tokens = Embedding(
+            config.vocab_size, d, std=std, dtype=dtype, key=ke
+        )
+        self.layers = stack_layers(
+            lambda k: LlamaDecoderLayer(config, k), config.num_hidden_layers, kl
+        )
+        self.norm = RMSNorm(d, eps=config.rms_norm_eps, dtype=dtype)
+        self.lm_head = None
+        if not config.tie_word_embeddings:
+            self.lm_head = Linear(
+                d, config.vocab_size, use_bias=False, std=std, dtype=dtype, key=kh
+            )
+        self.config = config
+
+    def __call__(
+        self,
+        tokens: Int[Array, " seq"],
+        *,
+        segment_ids: Int[Array, " seq"] | None = None,
+        positions: Int[Array, " seq"] | None = None,
+        key: PRNGKeyArray | None = None,
+    ) -> Float[Array, "seq vocab"]:
+        """Logits for every position of one sequence (`jax.vmap` for a batch).
+
+        Args:
+            tokens: token ids.
+            segment_ids: for packed rows, the example each token belongs to (1, 2,
+                3, ...; padding 0). A position attends only to earlier-or-same
+                positions of its own segment, and rotary positions restart at 0
+                in every segment, so each example's logits equal those of the
+                example alone.
+            positions: explicit rotary positions (default: as described above).
+            key: unused (the model has no dropout); accepted for the common
+                `model(x, key=...)` convention.
+        """
+        del key
+        config = self.config
+        positions = default_positions(tokens.shape[0], segment_ids, positions)
+        cos, sin = rope_cos_sin(positions, config.head_size, config.rope_theta)
+        attn = dict(
+            segment_ids=segment_ids,
+            sliding_window=config.sliding_window,
+            implementation=config.attention_impl,
+        )
+        x = self.embed_tokens(tokens)
+        x = run_layers(
+            self.layers,
+            x,
+            lambda layer, h: layer(h, cos=cos, sin=sin, **attn),
+            scan=config.scan_layers,
+            remat=config.remat,
+        )
+        x = self.norm(x)
+        if self.lm_head is None:
+            return self.embed_tokens.attend(x)
+        return self.lm_head(x)
+
+    def with_options(self, **changes: Any) -> "Llama":
+        """The same parameters with other runtime options (`remat`, `scan_layers`,
+        `attention_impl`), e.g. `model.with_options(remat="full")`."""
+        return with_config_options(self, RUNTIME_OPTIONS, **changes)
+
+
+def flops_per_token(config: LlamaConfig, seq_len: int) -> float:
+    """Training FLOPs per token (forward and backward) for sequences of `seq_len`.
+
+    `6 * N + 12 * L * H * d_head * T`, the convention of PaLM (appendix B) and
+    nanoGPT: `N` counts the weights of every matmul (the layers' projections and
+    the output head, tied or not; not the embedding lookup, norms or biases), each
+    costing 2 FLOPs per token forward and 4 backward. The attention term counts
+    `q @ k.T` and `probs @ v` (2 * 2 * H * d_head * T forward, times 3) over
+    `T = min(seq_len, sliding_window)` keys, without halving for causality, as
+    MFU is usually reported.
+    """
+    d, f = config.hidden_size, config.intermediate_size
+    q, kv = config.num_attention_heads * config.head_size, config.kv_heads
+    kv *= config.head_size
+    per_layer = d * q + 2 * d * kv + q * d + 3 * d * f
+    n = config.num_hidden_layers * per_layer + config.vocab_size * d
+    span = seq_len
+    if config.sliding_window is not None:
+        span = min(seq_len, config.sliding_window)
+    return float(6 * n + 12 * config.num_hidden_layers * q * span)

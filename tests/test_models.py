@@ -1,0 +1,488 @@
+"""Models: shapes and dtypes, Hugging Face math (against NumPy references of HF's
+formulas), packing, scan vs unrolled, rematerialisation, FLOPs."""
+
+import dataclasses
+import math
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import jax.random as jr
+import jax.tree_util as jtu
+import numpy as np
+import pytest
+
+from eqtrain import ConfigError
+from eqtrain.models import (
+    GPT2,
+    GPT2Config,
+    Llama,
+    LlamaConfig,
+    MLPClassifier,
+    MLPConfig,
+    gpt2,
+    llama,
+    mlp,
+    num_params,
+)
+from eqtrain.models._layers import apply_rope, attention, rope_cos_sin
+
+
+TINY = LlamaConfig(
+    vocab_size=37,
+    hidden_size=16,
+    intermediate_size=24,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    rope_theta=100.0,  # large angles at short lengths: a layout bug shows
+)
+TINY_GPT2 = GPT2Config(vocab_size=37, n_positions=32, n_embd=16, n_layer=2, n_head=2)
+
+VARIANTS = {
+    "mha": dict(num_key_value_heads=None),
+    "gqa": dict(num_key_value_heads=2),
+    "mqa": dict(num_key_value_heads=1),
+    "head_dim": dict(head_dim=6),
+    "qkv_bias": dict(attention_bias=True, o_proj_bias=False),
+    "all_bias": dict(attention_bias=True, mlp_bias=True),
+    "tied": dict(tie_word_embeddings=True),
+    "sliding_window": dict(sliding_window=3),
+    "bf16": dict(param_dtype="bfloat16"),
+}
+
+RTOL, ATOL = 1e-5, 1e-6
+
+
+def _tokens(n, seed=0, vocab=37):
+    return jnp.asarray(np.random.default_rng(seed).integers(0, vocab, n), jnp.int32)
+
+
+def _randomize(model, seed=1, scale=0.3):
+    """Non-trivial norms and biases (init sets them to 1 and 0)."""
+    leaves, treedef = jtu.tree_flatten(model)
+    rng = np.random.default_rng(seed)
+    new = []
+    for x in leaves:
+        if eqx.is_inexact_array(x):
+            x = x + jnp.asarray(scale * rng.normal(size=x.shape), x.dtype)
+        new.append(x)
+    return jtu.tree_unflatten(treedef, new)
+
+
+# -- NumPy references of Hugging Face's formulas ------------------------------------
+def _np(x):
+    return np.asarray(x, np.float64)
+
+
+def np_rms_norm(x, w, eps):
+    return w * (x / np.sqrt(np.mean(x * x, -1, keepdims=True) + eps))
+
+
+def np_rotate_half(x):
+    half = x.shape[-1] // 2
+    return np.concatenate([-x[..., half:], x[..., :half]], -1)
+
+
+def np_rope(x, positions, theta):
+    """HF `apply_rotary_pos_emb` on `x: [seq, heads, head_dim]`."""
+    d = x.shape[-1]
+    inv_freq = 1.0 / theta ** (np.arange(0, d, 2) / d)
+    freqs = np.outer(positions, inv_freq)
+    emb = np.concatenate([freqs, freqs], -1)
+    cos, sin = np.cos(emb)[:, None, :], np.sin(emb)[:, None, :]
+    return x * cos + np_rotate_half(x) * sin
+
+
+def np_attention(q, k, v, window=None):
+    """HF eager attention: `repeat_kv` (contiguous groups), causal, softmax."""
+    seq, heads, d = q.shape
+    k = np.repeat(k, heads // k.shape[1], axis=1)
+    v = np.repeat(v, heads // v.shape[1], axis=1)
+    scores = np.einsum("thd,shd->hts", q, k) / math.sqrt(d)
+    i, j = np.arange(seq)[:, None], np.arange(seq)[None, :]
+    allowed = j <= i
+    if window is not None:
+        allowed &= i - j < window
+    scores = np.where(allowed[None], scores, -np.inf)
+    probs = np.exp(scores - scores.max(-1, keepdims=True))
+    probs /= probs.sum(-1, keepdims=True)
+    return np.einsum("hts,shd->thd", probs, v)
+
+
+def np_linear(x, lin, i):
+    y = x @ _np(lin.weight[i]).T
+    return y if lin.bias is None else y + _np(lin.bias[i])
+
+
+def np_llama(model, tokens, cfg=None):
+    cfg = cfg or model.config
+    seq, hd = len(tokens), cfg.head_size
+    x = _np(model.embed_tokens.weight)[np.asarray(tokens)]
+    pos = np.arange(seq)
+    for i in range(cfg.num_hidden_layers):
+        L = model.layers
+        a = L.self_attn
+        h = np_rms_norm(x, _np(L.input_layernorm.weight[i]), cfg.rms_norm_eps)
+        q = np_linear(h, a.q_proj, i).reshape(seq, -1, hd)
+        k = np_linear(h, a.k_proj, i).reshape(seq, -1, hd)
+        v = np_linear(h, a.v_proj, i).reshape(seq, -1, hd)
+        q, k = np_rope(q, pos, cfg.rope_theta), np_rope(k, pos, cfg.rope_theta)
+        o = np_attention(q, k, v, cfg.sliding_window).reshape(seq, -1)
+        x = x + np_linear(o, a.o_proj, i)
+        h = np_rms_norm(x, _np(L.post_attention_layernorm.weight[i]), cfg.rms_norm_eps)
+        m = L.mlp
+        g, u = np_linear(h, m.gate_proj, i), np_linear(h, m.up_proj, i)
+        x = x + np_linear(g / (1 + np.exp(-g)) * u, m.down_proj, i)
+    x = np_rms_norm(x, _np(model.norm.weight), cfg.rms_norm_eps)
+    head = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
+    return x @ _np(head).T
+
+
+def np_layer_norm(x, w, b, eps):
+    mu = x.mean(-1, keepdims=True)
+    return (x - mu) / np.sqrt(((x - mu) ** 2).mean(-1, keepdims=True) + eps) * w + b
+
+
+def np_gelu_new(x):
+    return 0.5 * x * (1 + np.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x**3)))
+
+
+def np_gpt2(model, tokens):
+    cfg = model.config
+    seq, d, nh = len(tokens), cfg.n_embd, cfg.n_head
+    x = _np(model.wte.weight)[np.asarray(tokens)] + _np(model.wpe.weight)[:seq]
+    eps = cfg.layer_norm_epsilon
+    for i in range(cfg.n_layer):
+        b = model.h
+        h = np_layer_norm(x, _np(b.ln_1.weight[i]), _np(b.ln_1.bias[i]), eps)
+        qkv = np_linear(h, b.attn.c_attn, i)  # HF: split(n_embd) into q | k | v
+        q, k, v = (t.reshape(seq, nh, d // nh) for t in np.split(qkv, 3, -1))
+        x = x + np_linear(np_attention(q, k, v).reshape(seq, d), b.attn.c_proj, i)
+        h = np_layer_norm(x, _np(b.ln_2.weight[i]), _np(b.ln_2.bias[i]), eps)
+        x = x + np_linear(np_gelu_new(np_linear(h, b.mlp.c_fc, i)), b.mlp.c_proj, i)
+    x = np_layer_norm(x, _np(model.ln_f.weight), _np(model.ln_f.bias), eps)
+    return x @ _np(model.wte.weight).T
+
+
+# -- shapes, dtypes, structure -------------------------------------------------------
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_llama_variants_shapes_and_dtypes(name):
+    cfg = dataclasses.replace(TINY, **VARIANTS[name])
+    model = Llama(cfg, jr.key(0))
+    logits = model(_tokens(7))
+    dtype = jnp.bfloat16 if name == "bf16" else jnp.float32
+    assert logits.shape == (7, cfg.vocab_size) and logits.dtype == dtype
+    assert bool(jnp.all(jnp.isfinite(logits)))
+    attn = model.layers.self_attn
+    hd, kv = cfg.head_size, cfg.kv_heads
+    assert attn.q_proj.weight.shape == (2, cfg.num_attention_heads * hd, 16)
+    assert attn.k_proj.weight.shape == (2, kv * hd, 16)
+    assert attn.o_proj.weight.shape == (2, 16, cfg.num_attention_heads * hd)
+    assert (attn.q_proj.bias is not None) == cfg.attention_bias
+    assert (attn.o_proj.bias is not None) == (name == "all_bias")
+    assert (model.lm_head is None) == cfg.tie_word_embeddings
+    for leaf in jtu.tree_leaves(eqx.filter(model, eqx.is_array)):
+        assert leaf.dtype == dtype
+
+
+@pytest.mark.parametrize("name", ["gqa", "mqa", "head_dim", "qkv_bias", "tied"])
+def test_llama_matches_numpy_reference_of_hf_math(name):
+    cfg = dataclasses.replace(TINY, **VARIANTS[name])
+    model = _randomize(Llama(cfg, jr.key(0)))
+    tokens = _tokens(8)
+    np.testing.assert_allclose(
+        model(tokens), np_llama(model, tokens), rtol=1e-4, atol=1e-5
+    )  # f32 model vs f64 reference: accumulated rounding over two layers
+
+
+def test_llama_sliding_window_matches_reference():
+    model = _randomize(Llama(dataclasses.replace(TINY, sliding_window=3), jr.key(0)))
+    tokens = _tokens(9)
+    np.testing.assert_allclose(
+        model(tokens), np_llama(model, tokens), rtol=1e-4, atol=1e-5
+    )
+    full = dataclasses.replace(TINY, sliding_window=None)
+    unwindowed = np_llama(model, tokens, full)
+    # The window matters from position 3 on, not before.
+    np.testing.assert_allclose(model(tokens)[:3], unwindowed[:3], rtol=1e-4, atol=1e-5)
+    assert not np.allclose(model(tokens)[3:], unwindowed[3:], atol=1e-3)
+
+
+def test_gpt2_shapes_and_matches_numpy_reference():
+    model = _randomize(GPT2(TINY_GPT2, jr.key(0)))
+    tokens = _tokens(8)
+    logits = model(tokens)
+    assert logits.shape == (8, 37) and logits.dtype == jnp.float32
+    assert model.h.attn.c_attn.weight.shape == (2, 48, 16)
+    np.testing.assert_allclose(logits, np_gpt2(model, tokens), rtol=1e-4, atol=1e-5)
+
+
+def test_gpt2_rejects_sequences_longer_than_its_positions():
+    model = GPT2(dataclasses.replace(TINY_GPT2, n_positions=4), jr.key(0))
+    with pytest.raises(ConfigError, match="n_positions"):
+        model(_tokens(5))
+
+
+def test_gpt2_bf16():
+    model = GPT2(dataclasses.replace(TINY_GPT2, param_dtype="bfloat16"), jr.key(0))
+    assert model(_tokens(5)).dtype == jnp.bfloat16
+
+
+def test_mlp_classifier_shapes_and_dropout():
+    cfg = MLPConfig(in_features=5, num_classes=3, hidden_sizes=(8, 8), dropout=0.5)
+    model = MLPClassifier(cfg, jr.key(0))
+    x = jnp.linspace(-1.0, 1.0, 5)
+    out = model(x)
+    assert out.shape == (3,) and out.dtype == jnp.float32
+    np.testing.assert_array_equal(model(x), out)  # no key: deterministic
+    a, b = model(x, key=jr.key(1)), model(x, key=jr.key(2))
+    assert not np.allclose(a, b)  # dropout on with a key
+    frozen = eqx.nn.inference_mode(model)
+    np.testing.assert_array_equal(frozen(x, key=jr.key(1)), out)
+    linear = MLPClassifier(MLPConfig(5, 3, hidden_sizes=[]), jr.key(0))
+    assert linear(x).shape == (3,) and len(linear.layers) == 1
+    bf16 = MLPClassifier(dataclasses.replace(cfg, param_dtype="bf16"), jr.key(0))
+    assert bf16(x.astype(jnp.bfloat16)).dtype == jnp.bfloat16
+
+
+# -- HF layouts of RoPE and GQA ------------------------------------------------------
+def test_rope_rotates_halves_like_hf():
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(6, 3, 8)).astype(np.float32)
+    positions = np.array([0, 1, 2, 3, 7, 11])
+    cos, sin = rope_cos_sin(jnp.asarray(positions), 8, 10000.0)
+    got = apply_rope(jnp.asarray(x), cos, sin)
+    np.testing.assert_allclose(got, np_rope(_np(x), positions, 10000.0), 1e-5, 1e-5)
+    # The interleaved (GPT-J) layout would differ: the check can tell them apart.
+    pairs = x.reshape(6, 3, 4, 2)
+    assert not np.allclose(got, np_rope(_np(pairs[..., ::-1].reshape(x.shape)),
+                                        positions, 10000.0), atol=1e-3)  # fmt: skip
+
+
+def test_gqa_groups_query_heads_contiguously():
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.normal(size=(5, n, 4)).astype(np.float32) for n in (6, 2, 2))
+    got = attention(
+        *(jnp.asarray(t) for t in (q, k, v)),
+        segment_ids=None,
+        sliding_window=None,
+        implementation=None,
+    )
+    np.testing.assert_allclose(got, np_attention(_np(q), _np(k), _np(v)), RTOL, 1e-5)
+    tiled = np_attention(_np(q), np.tile(_np(k), (1, 3, 1)), np.tile(_np(v), (1, 3, 1)))
+    assert not np.allclose(got, tiled, atol=1e-3)  # query head h uses kv h // 3
+
+
+# -- packing ---------------------------------------------------------------------------
+SEGMENTS = np.array([1] * 5 + [2] * 4 + [3] * 3 + [0] * 2, np.int32)
+
+
+@pytest.mark.parametrize(
+    "model",
+    [
+        Llama(TINY, jr.key(0)),
+        Llama(dataclasses.replace(TINY, sliding_window=3), jr.key(0)),
+        GPT2(TINY_GPT2, jr.key(0)),
+    ],
+    ids=["llama", "llama_sliding_window", "gpt2"],
+)
+def test_packed_row_equals_examples_alone(model):
+    tokens = _tokens(len(SEGMENTS), seed=3)
+    packed = model(tokens, segment_ids=jnp.asarray(SEGMENTS))
+    for s in (1, 2, 3):
+        idx = np.flatnonzero(SEGMENTS == s)
+        alone = model(tokens[idx])
+        np.testing.assert_allclose(packed[idx], alone, rtol=RTOL, atol=1e-5)
+
+
+# -- scan, remat -----------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "model",
+    [
+        Llama(dataclasses.replace(TINY, num_hidden_layers=3), jr.key(0)),
+        GPT2(TINY_GPT2, jr.key(0)),
+    ],
+    ids=["llama", "gpt2"],
+)
+def test_scan_equals_unrolled(model):
+    tokens, segs = _tokens(6), jnp.asarray([1, 1, 1, 2, 2, 2])
+    unrolled = model.with_options(scan_layers=False)
+    assert model.config.scan_layers and not unrolled.config.scan_layers
+    np.testing.assert_allclose(
+        model(tokens, segment_ids=segs),
+        unrolled(tokens, segment_ids=segs),
+        rtol=RTOL,
+        atol=ATOL,
+    )
+
+
+def _grads(model, tokens):
+    loss = lambda m: jnp.mean(jax.nn.log_softmax(m(tokens))[:, 0])
+    return eqx.filter_jit(eqx.filter_grad(loss))(model)
+
+
+@pytest.mark.parametrize(
+    "scan, policies", [(True, ("full", "dots", "dots_no_batch")), (False, ("full",))]
+)
+def test_remat_gives_identical_gradients(scan, policies):
+    model = Llama(TINY, jr.key(0)).with_options(scan_layers=scan)
+    tokens = _tokens(6)
+    reference = _grads(model, tokens)
+    for policy in policies:
+        grads = _grads(model.with_options(remat=policy), tokens)
+        for a, b in zip(
+            jtu.tree_leaves(reference), jtu.tree_leaves(grads), strict=True
+        ):
+            np.testing.assert_allclose(a, b, rtol=RTOL, atol=ATOL)
+
+
+def test_with_options_rejects_shape_changes():
+    model = Llama(TINY, jr.key(0))
+    with pytest.raises(ConfigError, match="changes only"):
+        model.with_options(hidden_size=32)
+    assert model.with_options(remat="full").embed_tokens is model.embed_tokens
+
+
+# -- config validation ---------------------------------------------------------------
+@pytest.mark.parametrize(
+    "changes, match",
+    [
+        (dict(num_key_value_heads=3), "must divide"),
+        (dict(head_dim=5), "even `head_dim`"),
+        (dict(remat="everything"), "`remat` must be one of"),
+        (dict(param_dtype="float8"), "`param_dtype` must be one of"),
+        (dict(sliding_window=0), "`sliding_window`"),
+        (dict(attention_impl="flash"), "`attention_impl`"),
+    ],
+)
+def test_llama_config_errors(changes, match):
+    with pytest.raises(ConfigError, match=match):
+        dataclasses.replace(TINY, **changes)
+
+
+def test_other_config_errors():
+    with pytest.raises(ConfigError, match="multiple of `n_head`"):
+        GPT2Config(n_embd=10, n_head=3)
+    with pytest.raises(ConfigError, match="`activation`"):
+        MLPConfig(4, 2, activation="swish")
+    with pytest.raises(ConfigError, match="`dropout`"):
+        MLPConfig(4, 2, dropout=1.0)
+
+
+# -- FLOPs -----------------------------------------------------------------------------
+def test_flops_per_token():
+    base = llama.flops_per_token(TINY, 128)
+    assert base > 6 * num_params(Llama(TINY, jr.key(0))) * 0.5
+    deeper = dataclasses.replace(TINY, num_hidden_layers=4)
+    assert llama.flops_per_token(deeper, 128) > base
+    assert llama.flops_per_token(TINY, 256) > base
+    windowed = dataclasses.replace(TINY, sliding_window=64)
+    assert llama.flops_per_token(windowed, 256) == llama.flops_per_token(TINY, 64)
+    # Llama-2-7B at 4k context: about 6 * 6.7e9 + attention.
+    assert 4.0e10 < llama.flops_per_token(LlamaConfig(), 4096) < 5.0e10
+
+    g = gpt2.flops_per_token(TINY_GPT2, 64)
+    assert 0 < g < gpt2.flops_per_token(TINY_GPT2, 128)
+    deeper_gpt2 = dataclasses.replace(TINY_GPT2, n_layer=4)
+    assert gpt2.flops_per_token(deeper_gpt2, 64) > g
+    assert mlp.flops_per_token(MLPConfig(4, 3, hidden_sizes=(8,))) == 6 * (32 + 24)
+
+
+# -- against transformers itself (when installed: `pip install -e .[hf]`) ------------
+def _hf_state(model, prefix, transpose=()):
+    """Our leaves as an HF state dict: stacked layers unstacked under `prefix`."""
+    import torch
+
+    state = {}
+    for path, leaf in jtu.tree_leaves_with_path(model):
+        name = jtu.keystr(path, simple=True, separator=".")
+        value = np.array(leaf, np.float32)
+        head, _, rest = name.partition(".")
+        if head in ("layers", "h"):
+            for i in range(value.shape[0]):
+                v = (
+                    value[i].T
+                    if rest.endswith(transpose) and value[i].ndim == 2
+                    else value[i]
+                )
+                state[f"{prefix}{head}.{i}.{rest}"] = torch.from_numpy(np.array(v))
+        elif head == "lm_head":
+            state[name] = torch.from_numpy(value)
+        else:
+            state[prefix + name] = torch.from_numpy(value)
+    return state
+
+
+def _hf_logits(hf, state, tokens):
+    import torch
+
+    missing, unexpected = hf.load_state_dict(state, strict=False)
+    missing = [k for k in missing if k != "lm_head.weight" and "inv_freq" not in k]
+    assert not missing and not unexpected, (missing, unexpected)
+    hf.eval()
+    with torch.no_grad():
+        ids = torch.from_numpy(np.asarray(tokens, np.int64))[None]
+        return hf(input_ids=ids).logits[0].numpy()
+
+
+@pytest.mark.parametrize(
+    "family, changes",
+    [
+        ("llama", dict(attention_bias=True, head_dim=6)),
+        ("llama", dict(num_key_value_heads=1, tie_word_embeddings=True)),
+        ("qwen2", dict(attention_bias=True, o_proj_bias=False)),
+        ("mistral", dict(sliding_window=3)),
+    ],
+)
+def test_llama_family_matches_transformers(family, changes):
+    pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    cfg = dataclasses.replace(TINY, **changes)
+    model = _randomize(Llama(cfg, jr.key(0)))
+    kwargs = dict(
+        vocab_size=cfg.vocab_size,
+        hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.num_hidden_layers,
+        num_attention_heads=cfg.num_attention_heads,
+        num_key_value_heads=cfg.kv_heads,
+        head_dim=cfg.head_size,
+        rms_norm_eps=cfg.rms_norm_eps,
+        rope_theta=cfg.rope_theta,
+        tie_word_embeddings=cfg.tie_word_embeddings,
+        attn_implementation="eager",
+    )
+    if family == "llama":
+        hf_cfg = transformers.LlamaConfig(attention_bias=cfg.attention_bias, **kwargs)
+        hf = transformers.LlamaForCausalLM(hf_cfg)
+    elif family == "qwen2":
+        hf = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**kwargs))
+    else:
+        hf_cfg = transformers.MistralConfig(sliding_window=cfg.sliding_window, **kwargs)
+        hf = transformers.MistralForCausalLM(hf_cfg)
+    tokens = _tokens(9)
+    expected = _hf_logits(hf, _hf_state(model, "model."), tokens)
+    np.testing.assert_allclose(model(tokens), expected, rtol=1e-4, atol=1e-5)
+
+
+def test_gpt2_matches_transformers():
+    pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    model = _randomize(GPT2(TINY_GPT2, jr.key(0)))
+    c = TINY_GPT2
+    hf_cfg = transformers.GPT2Config(
+        vocab_size=c.vocab_size,
+        n_positions=c.n_positions,
+        n_embd=c.n_embd,
+        n_layer=c.n_layer,
+        n_head=c.n_head,
+        layer_norm_epsilon=c.layer_norm_epsilon,
+        attn_implementation="eager",
+    )
+    hf = transformers.GPT2LMHeadModel(hf_cfg)
+    # HF's Conv1D stores [in, out]: our [out, in] weights are transposed.
+    state = _hf_state(model, "transformer.", transpose=(".weight",))
+    tokens = _tokens(9)
+    expected = _hf_logits(hf, state, tokens)
+    np.testing.assert_allclose(model(tokens), expected, rtol=1e-4, atol=1e-5)
