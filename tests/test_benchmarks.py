@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 
 BENCHMARKS = Path(__file__).parent.parent / "benchmarks"
 
@@ -26,3 +28,19 @@ def test_overhead_quick():
         assert r["raw_tokens_per_s"] > 0 and r["eqtrain_tokens_per_s"] > 0
         assert r["ratio"] > 0
     assert "warning" not in proc.stderr  # same losses, a single trace
+
+
+def test_models_quick():
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    env = dict(os.environ, XLA_FLAGS="", JAX_PLATFORMS="cpu")
+    proc = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "models.py"), "--quick"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    record = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert record["config"] == "quick" and record["ratio"] > 0
