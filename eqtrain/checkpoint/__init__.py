@@ -1,0 +1,21 @@
+"""Checkpoints on Orbax: the state's arrays (OCDBT), the data position and a run
+manifest per step, saved asynchronously by `Checkpointer` (for `fit`), restored with
+`restore` / `restore_or_init` into an abstract template, with resharding.
+
+    state, step = restore_or_init(run_dir, init, resume="auto", data=loader)
+    ckpt = Checkpointer(run_dir, every_steps=500, keep_last=3, data=loader)
+    eqtrain.fit(state, step_fn, loader, num_steps=10_000, checkpointer=ckpt)
+"""
+
+from ._errors import (
+    CheckpointError as CheckpointError,
+    CheckpointWarning as CheckpointWarning,
+    IncompatibleCheckpointError as IncompatibleCheckpointError,
+)
+from ._manager import Checkpointer as Checkpointer
+from ._restore import (
+    Restored as Restored,
+    restore as restore,
+    restore_or_init as restore_or_init,
+)
+from ._storage import list_steps as list_steps

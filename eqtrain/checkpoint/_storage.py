@@ -1,0 +1,93 @@
+"""The checkpoint directory on disk: finding step directories, reading the JSON
+items, and deleting steps safely (rename out of the way first, then delete)."""
+
+import json
+import os
+import shutil
+import uuid
+from pathlib import Path
+from typing import Any
+
+from ._errors import CheckpointError
+
+
+CHECKPOINTS = "checkpoints"
+STATE = "state"
+DATA = "data_position"
+MANIFEST = "manifest"
+DATA_FILE = "data_position.json"
+MANIFEST_FILE = "manifest.json"
+DELETING = ".eqtrain-deleting"
+
+
+def checkpoints_dir(run_dir: str | os.PathLike[str]) -> Path:
+    return Path(run_dir) / CHECKPOINTS
+
+
+def steps(directory: Path) -> list[int]:
+    """Committed steps in a checkpoints directory, ascending. Orbax renames
+    `<step>.orbax-checkpoint-tmp-*` to `<step>` only once the save is complete,
+    so torn saves (and steps being deleted) are not listed."""
+    if not directory.is_dir():
+        return []
+    return sorted(
+        int(p.name) for p in directory.iterdir() if p.name.isdigit() and p.is_dir()
+    )
+
+
+def has_leftovers(directory: Path) -> bool:
+    """Torn saves or interrupted deletions (anything that is not a step)."""
+    return directory.is_dir() and any(
+        not p.name.isdigit() for p in directory.iterdir() if p.is_dir()
+    )
+
+
+def remove_step(directory: Path, step: int) -> None:
+    """Delete a step so that a kill at any moment leaves it either complete under
+    its name or gone: rename it to a non-step name first, then delete that."""
+    doomed = directory / f"{step}{DELETING}-{uuid.uuid4().hex[:8]}"
+    os.rename(directory / str(step), doomed)
+    shutil.rmtree(doomed, ignore_errors=True)
+
+
+def clean_leftovers(directory: Path) -> list[str]:
+    """Delete interrupted deletions and torn saves; returns their names."""
+    removed = []
+    if not directory.is_dir():
+        return removed
+    for p in directory.iterdir():
+        if p.is_dir() and (DELETING in p.name or ".orbax-checkpoint-tmp" in p.name):
+            shutil.rmtree(p, ignore_errors=True)
+            removed.append(p.name)
+    return removed
+
+
+def read_json(step_dir: Path, item: str, filename: str) -> Any:
+    path = step_dir / item / filename
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"cannot read {path}: {e}") from e
+
+
+def resolve(path: str | os.PathLike[str]) -> tuple[Path, int | None]:
+    """(checkpoints directory, step or None) for a run directory, a checkpoints
+    directory or one step's directory."""
+    p = Path(path)
+    if (p / CHECKPOINTS).is_dir():
+        return p / CHECKPOINTS, None
+    if p.name.isdigit() and (p / STATE).exists():
+        return p.parent, int(p.name)
+    if p.is_dir():
+        return p, None
+    raise CheckpointError(
+        f"{p} does not exist: expected a run directory (holding `{CHECKPOINTS}/`), "
+        "a checkpoints directory, or one step's directory."
+    )
+
+
+def list_steps(path: str | os.PathLike[str]) -> list[int]:
+    """Committed checkpoint steps of a run directory (or checkpoints directory)."""
+    directory, _ = resolve(path)
+    return steps(directory)

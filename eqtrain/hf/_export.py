@@ -1,0 +1,257 @@
+"""`export`: an eqtrain model as the directory `save_pretrained` would write
+(config.json, generation_config.json, safetensors, tokenizer files), atomically.
+Builds on the key maps of `_maps` and the writer of `_safetensors`.
+"""
+
+import json
+import os
+import re
+import shutil
+import tempfile
+from typing import Any
+
+import jax
+import numpy as np
+
+from .._errors import ConfigError
+from ..models._layers import as_dtype
+from . import _maps, _safetensors
+from ._errors import HFExportExistsError
+
+
+SAFE_NAME = "model.safetensors"
+INDEX_NAME = "model.safetensors.index.json"
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
+_UNITS.update(KIB=2**10, MIB=2**20, GIB=2**30, TIB=2**40)
+
+
+def export(
+    model: Any,
+    config: Any = None,
+    out_dir: str | os.PathLike[str] = "hf",
+    *,
+    dtype: str | None = None,
+    max_shard_size: str | int = "5GB",
+    tokenizer: Any = None,
+    bos_token_id: int | None = None,
+    eos_token_id: int | None = None,
+    model_type: str | None = None,
+    overwrite: bool = False,
+) -> str:
+    """Write `model` as a Hugging Face checkpoint directory that
+    `transformers.AutoModelForCausalLM.from_pretrained(out_dir)` loads exactly.
+
+    Args:
+        model: a `Llama` or `GPT2` (stacked layers).
+        config: its config (`None`: `model.config`).
+        out_dir: the directory to create; written to a temporary sibling and
+            renamed, so it is either complete or absent.
+        dtype: dtype of the written tensors (`"float32"`, `"bfloat16"`,
+            `"float16"`; `None`: the model's parameter dtype).
+        max_shard_size: above this (`"5GB"`, `"500MB"`, `"2GiB"` or bytes), write
+            shards `model-0000k-of-0000n.safetensors` and an index.
+        tokenizer: an `eqtrain.data.HFTokenizer` (its files are written) or any
+            object with `bos_id`/`eos_id` (e.g. `ByteTokenizer`: ids only).
+        bos_token_id, eos_token_id: override the tokenizer's ids.
+        model_type: `"llama"`, `"mistral"`, `"qwen2"` or `"gpt2"`; `None` infers
+            it: a `GPT2Config` is `gpt2`; a `LlamaConfig` with q/k/v biases and
+            `o_proj_bias=False` is `qwen2`, else with a `sliding_window`
+            `mistral`, else `llama`. A type that cannot express the config (e.g.
+            Mistral with biases) raises `ConfigError`.
+        overwrite: replace an existing export at `out_dir`.
+
+    Returns:
+        `out_dir` as a string.
+    """
+    config = model.config if config is None else config
+    model_type = _maps.infer_model_type(config, model_type)
+    arch = _maps.ARCHS[model_type]
+    out_dir = os.fspath(out_dir)
+    _check_target(out_dir, overwrite)
+    tensors = hf_tensors(model, arch, dtype)
+    dtype_name = _dtype_name(next(iter(tensors.values())).dtype)
+    bos, eos = _special_ids(tokenizer, bos_token_id, eos_token_id)
+    files = {
+        "config.json": _maps.hf_config(config, model_type, dtype_name, bos, eos),
+        "generation_config.json": _maps.generation_config(bos, eos),
+    }
+    limit = parse_size(max_shard_size)
+    with _atomic_dir(out_dir, overwrite) as tmp:
+        for name, content in files.items():
+            _write_json(os.path.join(tmp, name), content)
+        _write_weights(tmp, tensors, limit)
+        if tokenizer is not None and hasattr(tokenizer, "_tok"):
+            _write_tokenizer(tmp, tokenizer)
+    return out_dir
+
+
+def hf_tensors(
+    model: Any, arch: _maps.Arch, dtype: str | None
+) -> dict[str, np.ndarray]:
+    """The model's arrays under Hugging Face names and layouts (host NumPy)."""
+    target = None if dtype is None else as_dtype(dtype, field="dtype")
+    num_layers = _num_layers(model.config)
+    out: dict[str, np.ndarray] = {}
+    for path, leaf in _maps.leaves(model):
+        value = np.asarray(jax.device_get(leaf))
+        if target is not None and value.dtype != target:
+            value = value.astype(target)
+        names = _maps.hf_names(arch, path, num_layers)
+        if len(names) == 1 and not path.startswith(arch.layers + "."):
+            out[names[0]] = np.ascontiguousarray(value)
+            continue
+        for i, name in enumerate(names):
+            layer = value[i].T if _maps.is_conv1d(arch, path) else value[i]
+            out[name] = np.ascontiguousarray(layer)
+    return out
+
+
+def _num_layers(config: Any) -> int:
+    return getattr(config, "num_hidden_layers", None) or config.n_layer
+
+
+def _dtype_name(dtype: Any) -> str:
+    for name in _maps.DTYPE_NAMES:
+        if np.dtype(as_dtype(name)) == dtype:
+            return name
+    raise ConfigError(
+        f"cannot export parameters of dtype {dtype}; pass dtype='float32', "
+        "'bfloat16' or 'float16'."
+    )
+
+
+def _special_ids(
+    tokenizer: Any, bos: int | None, eos: int | None
+) -> tuple[int | None, int | None]:
+    if tokenizer is not None:
+        bos = getattr(tokenizer, "bos_id", None) if bos is None else bos
+        eos = getattr(tokenizer, "eos_id", None) if eos is None else eos
+    return bos, eos
+
+
+def parse_size(size: str | int) -> int:
+    """`"5GB"` (10**9), `"2GiB"` (2**30), `"500MB"` or a byte count, in bytes."""
+    if isinstance(size, int):
+        return size
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", size)
+    unit = match.group(2).upper() if match else None
+    if match is None or unit not in _UNITS:
+        raise ConfigError(
+            f"`max_shard_size` must be bytes or a size like '5GB', '500MB', '2GiB'; "
+            f"got {size!r}."
+        )
+    return int(float(match.group(1)) * _UNITS[unit])
+
+
+def _shards(tensors: dict[str, np.ndarray], limit: int) -> list[list[str]]:
+    """Greedy split in name order, as `save_pretrained`: a new shard when the next
+    tensor would pass `limit` (a tensor larger than `limit` gets its own)."""
+    shards: list[list[str]] = [[]]
+    size = 0
+    for name in sorted(tensors):
+        nbytes = tensors[name].nbytes
+        if shards[-1] and size + nbytes > limit:
+            shards.append([])
+            size = 0
+        shards[-1].append(name)
+        size += nbytes
+    return shards
+
+
+def _write_weights(directory: str, tensors: dict[str, np.ndarray], limit: int) -> None:
+    meta = {"format": "pt"}
+    shards = _shards(tensors, limit)
+    if len(shards) == 1:
+        _safetensors.write(os.path.join(directory, SAFE_NAME), tensors, meta)
+        return
+    weight_map = {}
+    for k, names in enumerate(shards, 1):
+        file = f"model-{k:05d}-of-{len(shards):05d}.safetensors"
+        _safetensors.write(
+            os.path.join(directory, file), {n: tensors[n] for n in names}, meta
+        )
+        weight_map.update(dict.fromkeys(names, file))
+    index = {
+        "metadata": {
+            "total_parameters": int(sum(t.size for t in tensors.values())),
+            "total_size": int(sum(t.nbytes for t in tensors.values())),
+        },
+        "weight_map": dict(sorted(weight_map.items())),
+    }
+    _write_json(os.path.join(directory, INDEX_NAME), index)
+
+
+def _write_tokenizer(directory: str, tokenizer: Any) -> None:
+    """tokenizer.json and a `tokenizer_config.json` for `PreTrainedTokenizerFast`."""
+    tok = tokenizer._tok
+    tok.save(os.path.join(directory, "tokenizer.json"))
+    names = {}
+    for kind in ("bos", "eos", "pad"):
+        token_id = getattr(tokenizer, f"{kind}_id", None)
+        if token_id is not None:
+            names[f"{kind}_token"] = tok.id_to_token(token_id)
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", **names}
+    _write_json(os.path.join(directory, "tokenizer_config.json"), config)
+
+
+def _write_json(path: str, content: Any) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(content, f, indent=2, sort_keys=False)
+        f.write("\n")
+
+
+# -- atomic directory replacement ----------------------------------------------------
+def _looks_like_export(path: str) -> bool:
+    return not os.listdir(path) or os.path.exists(os.path.join(path, "config.json"))
+
+
+def _check_target(out_dir: str, overwrite: bool) -> None:
+    if not os.path.lexists(out_dir):
+        return
+    if not os.path.isdir(out_dir):
+        raise HFExportExistsError(
+            f"{out_dir} exists and is not a directory; pick another export path."
+        )
+    if not overwrite and os.listdir(out_dir):
+        raise HFExportExistsError(
+            f"{out_dir} exists; pass overwrite=True to replace it, or export to a "
+            "new directory."
+        )
+    if not _looks_like_export(out_dir):
+        raise HFExportExistsError(
+            f"{out_dir} is not empty and holds no config.json, so it does not look "
+            "like an earlier export; refusing to replace it even with "
+            "overwrite=True. Export to a new directory."
+        )
+
+
+class _atomic_dir:  # noqa: N801 -- used as a context manager
+    """A temporary sibling of `out_dir`, renamed onto it on success."""
+
+    def __init__(self, out_dir: str, overwrite: bool):
+        self.out_dir, self.overwrite = os.path.abspath(out_dir), overwrite
+        self.tmp = ""
+
+    def __enter__(self) -> str:
+        parent, name = os.path.split(self.out_dir)
+        os.makedirs(parent, exist_ok=True)
+        self.tmp = tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=parent)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(self.tmp, 0o777 & ~umask)  # mkdtemp's 0700 is for secrets
+        return self.tmp
+
+    def __exit__(self, kind: Any, value: Any, tb: Any) -> None:
+        if kind is not None:
+            shutil.rmtree(self.tmp, ignore_errors=True)
+            return
+        old = None
+        if os.path.lexists(self.out_dir):
+            # Move the old export out of the way first: `out_dir` then never holds
+            # a mix of two exports (a crash between the renames leaves the old one
+            # at `<tmp>.old`).
+            old = self.tmp + ".old"
+            os.rename(self.out_dir, old)
+        os.rename(self.tmp, self.out_dir)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)

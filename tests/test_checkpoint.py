@@ -1,0 +1,312 @@
+import json
+import warnings
+from pathlib import Path
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import jax.random as jr
+import numpy as np
+import optax
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import eqtrain
+from eqtrain.checkpoint import (
+    Checkpointer,
+    CheckpointError,
+    CheckpointWarning,
+    IncompatibleCheckpointError,
+    list_steps,
+    restore,
+    restore_or_init,
+)
+from eqtrain.data import Loader
+
+from .conftest import Regressor, make_batches, mse_loss
+
+
+OPT = optax.adam(1e-2)
+
+
+def init(width=16):
+    return eqtrain.TrainState.create(Regressor(jr.key(0), width), OPT, key=0, ema=True)
+
+
+def arrays(state):
+    out = []
+    for x in jax.tree.leaves(eqx.filter(state, eqx.is_array)):
+        if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
+            x = jax.random.key_data(x)
+        out.append(np.asarray(x))
+    return out
+
+
+def assert_same(a, b):
+    xs, ys = arrays(a), arrays(b)
+    assert len(xs) == len(ys)
+    for x, y in zip(xs, ys, strict=True):
+        assert x.dtype == y.dtype and np.array_equal(x, y)
+
+
+def rows(n=64):
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(n, 4)).astype(np.float32)
+    return {"x": x, "y": (x @ np.arange(1, 5, dtype=np.float32)).astype(np.float32)}
+
+
+def info(state, step, metrics=None, stop_reason=None):
+    return eqtrain.StepInfo(
+        step=step,
+        metrics=metrics or {},
+        num_steps=100,
+        stop_reason=stop_reason,
+        _state=state,
+    )
+
+
+def train(state, loader_or_batches, num_steps, ckpt=None, **kw):
+    return eqtrain.fit(
+        state,
+        eqtrain.train_step(mse_loss, OPT, ema=0.9),
+        loader_or_batches,
+        num_steps=num_steps,
+        checkpointer=ckpt,
+        **kw,
+    )
+
+
+def test_roundtrip_with_position_and_manifest(tmp_path):
+    loader = Loader(rows(), 8, seed=1)
+    ckpt = Checkpointer(tmp_path, every_steps=3, data=loader, config={"lr": 0.01})
+    result = train(init(), loader, 5, ckpt)
+    assert list_steps(tmp_path) == [3, 5]
+    restored = restore(tmp_path, init)
+    assert restored.step == 5
+    assert_same(restored.state, result.state)
+    assert restored.data_position == {"epoch": 0, "index": 5}
+    m = restored.manifest
+    assert m["config"] == {"lr": 0.01} and m["step"] == 5 and m["final"]
+    assert m["stop_reason"]["kind"] == "max_steps"
+    assert set(m["versions"]) >= {
+        "eqtrain",
+        "jax",
+        "equinox",
+        "optax",
+        "orbax-checkpoint",
+    }
+    assert "git_revision" in m and m["metrics"]["loss"] == result.history[-1]["loss"]
+    at3 = restore(tmp_path, init, step=3)
+    assert at3.data_position == {"epoch": 0, "index": 3} and int(at3.state.step) == 3
+    # Plain files: JSON items, no pickle anywhere.
+    step_dir = tmp_path / "checkpoints" / "5"
+    assert json.loads((step_dir / "data_position" / "data_position.json").read_text())
+    files = [p.name for p in step_dir.rglob("*")]
+    assert not any(f.endswith((".pkl", ".pickle")) for f in files)
+
+
+def test_plain_orbax_reads_it(tmp_path):
+    import orbax.checkpoint as ocp
+
+    ckpt = Checkpointer(tmp_path, every_steps=2)
+    result = train(init(), make_batches(2), 2, ckpt)
+    with ocp.StandardCheckpointer() as c:
+        tree = c.restore(tmp_path / "checkpoints" / "2" / "state")
+    np.testing.assert_array_equal(tree["step"], 2)
+    np.testing.assert_array_equal(tree["model"]["scale"], result.state.model.scale)
+    assert tree["key"].dtype == np.uint32
+
+
+def test_final_save_always_and_dedupe(tmp_path):
+    def stop_at_3(i):
+        if i.step == 3:
+            raise eqtrain.StopTraining("enough")
+
+    ckpt = Checkpointer(tmp_path, every_steps=10)
+    train(init(), make_batches(10), 10, ckpt, hooks=[stop_at_3])
+    assert list_steps(tmp_path) == [3]
+    m = restore(tmp_path, init).manifest
+    assert m["stop_reason"] == {"kind": "hook", "step": 3, "message": "enough"}
+    ckpt = Checkpointer(tmp_path / "b", every_steps=2)
+    train(init(), make_batches(4), 4, ckpt)
+    assert len(ckpt.blocking_times) == 2  # the final save at step 4 was a no-op
+
+
+def test_due_every_minutes(tmp_path):
+    ckpt = Checkpointer(tmp_path, every_minutes=0.001)
+    assert not Checkpointer(tmp_path, every_steps=5).due(3)
+    import time
+
+    time.sleep(0.1)
+    assert ckpt.due(1)
+
+
+def _save_steps(ckpt, steps, metric=None):
+    state = init()
+    for s in steps:
+        metrics = {} if metric is None else {"eval/loss": metric(s)}
+        ckpt.save(info(state, s, metrics), final=False)
+    ckpt.close()
+
+
+def test_keep_last(tmp_path):
+    _save_steps(Checkpointer(tmp_path, keep_last=2), range(1, 7))
+    assert list_steps(tmp_path) == [5, 6]
+
+
+def test_keep_every(tmp_path):
+    _save_steps(Checkpointer(tmp_path, keep_last=1, keep_every=3), range(1, 8))
+    assert list_steps(tmp_path) == [3, 6, 7]
+
+
+def test_keep_best(tmp_path):
+    losses = {1: 5.0, 2: 1.0, 3: 4.0, 4: 0.5, 5: 3.0, 6: 2.0, 7: float("nan")}
+    _save_steps(
+        Checkpointer(tmp_path, keep_last=1, best="eval/loss", keep_best=2),
+        range(1, 8),
+        losses.get,
+    )
+    assert list_steps(tmp_path) == [2, 4, 7]
+    _save_steps(
+        Checkpointer(tmp_path / "max", keep_last=1, best="eval/loss", best_mode="max"),
+        range(1, 7),
+        losses.get,
+    )
+    assert list_steps(tmp_path / "max") == [1, 6]
+
+
+def test_pruning_renames_before_deleting(tmp_path, monkeypatch):
+    import shutil
+
+    seen = []
+    monkeypatch.setattr(shutil, "rmtree", lambda p, **kw: seen.append(Path(p).name))
+    _save_steps(Checkpointer(tmp_path, keep_last=1), [1, 2])
+    assert seen and all(not n.isdigit() and ".eqtrain-deleting" in n for n in seen)
+    assert list_steps(tmp_path) == [2]  # the half-deleted step is not a step
+
+
+def test_resume_policies(tmp_path):
+    loader = Loader(rows(), 8, seed=1)
+    train(init(), loader, 4, Checkpointer(tmp_path, every_steps=2, data=loader))
+    # never: refuses; overwrite: deletes.
+    with pytest.raises(CheckpointError, match="resume='never'"):
+        restore_or_init(tmp_path, init, resume="never")
+    # a fresh Checkpointer over the old run refuses to mix.
+    with pytest.raises(CheckpointError, match="mix two runs"):
+        train(init(), make_batches(4), 4, Checkpointer(tmp_path, every_steps=2))
+    # auto: continues, with the data position.
+    fresh = Loader(rows(), 8, seed=1)
+    state, step = restore_or_init(tmp_path, init, data=fresh)
+    assert step == 4 and int(state.step) == 4 and fresh.position["index"] == 4
+    # a path: restores from another run's step.
+    state, step = restore_or_init(
+        tmp_path / "other", init, resume=tmp_path / "checkpoints" / "2"
+    )
+    assert step == 2
+    state, step = restore_or_init(tmp_path, init, resume="never", overwrite=True)
+    assert step is None and list_steps(tmp_path) == []
+    state, step = restore_or_init(tmp_path / "new", init)
+    assert step is None and int(state.step) == 0
+
+
+def test_torn_save_ignored_and_cleaned(tmp_path):
+    train(init(), make_batches(2), 2, Checkpointer(tmp_path, every_steps=2))
+    torn = tmp_path / "checkpoints" / "3.orbax-checkpoint-tmp-1234"
+    (torn / "state").mkdir(parents=True)
+    (torn / "state" / "garbage").write_bytes(b"\0" * 10)
+    assert restore(tmp_path, init).step == 2
+    Checkpointer(tmp_path)
+    assert not torn.exists()
+
+
+def _corrupt(step_dir, how):
+    if how == "truncate":
+        for f in (step_dir / "state").rglob("d/*"):
+            if f.is_file():
+                f.write_bytes(f.read_bytes()[:7])
+    else:
+        (step_dir / "manifest" / "manifest.json").unlink()
+
+
+@pytest.mark.parametrize("how", ["truncate", "delete"])
+def test_corrupted_latest_falls_back(tmp_path, how):
+    result = train(init(), make_batches(4), 4, Checkpointer(tmp_path, every_steps=2))
+    good = restore(tmp_path, init, step=2).state
+    _corrupt(tmp_path / "checkpoints" / "4", how)
+    with pytest.warns(CheckpointWarning, match=r"checkpoints/4"):
+        restored = restore(tmp_path, init)
+    assert restored.step == 2
+    assert_same(restored.state, good)
+    del result
+
+
+def test_nothing_readable_is_an_error(tmp_path):
+    train(init(), make_batches(2), 2, Checkpointer(tmp_path, every_steps=1))
+    for s in (1, 2):
+        _corrupt(tmp_path / "checkpoints" / str(s), "truncate")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", CheckpointWarning)
+        with pytest.raises(CheckpointError, match="Refusing to start over"):
+            restore_or_init(tmp_path, init)
+
+
+def test_incompatible_names_leaves(tmp_path):
+    train(init(), make_batches(2), 2, Checkpointer(tmp_path, every_steps=2))
+    with pytest.raises(IncompatibleCheckpointError) as e:
+        restore(tmp_path, lambda: init(width=8))
+    msg = str(e.value)
+    assert "model.mlp.layers.0.weight" in msg and "(16, 4)" in msg and "(8, 4)" in msg
+    no_ema = lambda: eqtrain.TrainState.create(Regressor(jr.key(0)), OPT, key=0)
+    with pytest.raises(IncompatibleCheckpointError, match="ema.*not in the model"):
+        restore(tmp_path, no_ema)
+
+
+class Wide(eqx.Module):
+    w: jax.Array
+    b: jax.Array
+
+
+def wide_state():
+    model = Wide(jnp.arange(64.0 * 8).reshape(64, 8), jnp.ones(3))
+    return eqtrain.TrainState.create(model, optax.adam(1e-3), key=1)
+
+
+def _spread(mesh):
+    def sharding(path, leaf):
+        if leaf.ndim and leaf.shape[0] % 8 == 0:
+            return NamedSharding(mesh, P("data"))
+        return NamedSharding(mesh, P())
+
+    return sharding
+
+
+def test_reshard_8_to_1_and_1_to_8(tmp_path):
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+    state = wide_state()
+    sharded = placed(state, _spread(mesh))
+    assert len(sharded.model.w.sharding.device_set) == 8
+    ck = Checkpointer(tmp_path / "eight")
+    ck.save(info(sharded, 1), final=True)
+    ck.close()
+    assert restore(tmp_path / "eight", wide_state).manifest["mesh"] == {"data": 8}
+    one = restore(tmp_path / "eight", wide_state).state  # default: one device
+    assert len(one.model.w.sharding.device_set) == 1
+    assert_same(one, state)
+    ck = Checkpointer(tmp_path / "one")
+    ck.save(info(state, 1), final=True)
+    ck.close()
+    eight = restore(tmp_path / "one", wide_state, shardings=_spread(mesh)).state
+    assert eight.model.w.sharding.spec == P("data")
+    assert len(eight.opt_state[0].mu.w.sharding.device_set) == 8
+    assert_same(eight, state)
+
+
+def placed(state, sharding_fn):
+    from eqtrain.checkpoint._tree import array_leaves, path_name
+
+    paths, leaves = array_leaves(state)
+    placed = iter(
+        jax.device_put(x, sharding_fn(path_name(p), x))
+        for p, x in zip(paths, leaves, strict=True)
+    )
+    return jax.tree.map(lambda x: next(placed) if eqx.is_array(x) else x, state)
