@@ -98,6 +98,7 @@ class Checkpointer:
         self._last_step: int | None = None
         self._last_time = time.monotonic()
         self.blocking_times: list[float] = []
+        self._deleting: list[Any] = []  # background deletions of pruned steps
         """Seconds each `save` kept the caller (the training loop) waiting."""
 
     @property
@@ -160,6 +161,9 @@ class Checkpointer:
             self._prune()
             self._manager.close()
             self._manager = None
+        for thread in self._deleting:
+            thread.join()
+        self._deleting.clear()
 
     # -- internals -------------------------------------------------------------
     def _open(self) -> ocp.CheckpointManager:
@@ -196,7 +200,10 @@ class Checkpointer:
         keep = self.policy.keep(committed, self._scores)
         doomed = [s for s in committed if s not in keep]
         for step in doomed:
-            _storage.remove_step(self.directory, step)
+            # Rename now (safe against kills), delete in the background: removing
+            # hundreds of MB would otherwise block the training loop.
+            thread = _storage.remove_step(self.directory, step, background=True)
+            self._deleting.append(thread)
             self._scores.pop(step, None)
         if doomed and self._manager is not None:
             self._manager.reload()

@@ -4,6 +4,7 @@ items, and deleting steps safely (rename out of the way first, then delete)."""
 import json
 import os
 import shutil
+import threading
 import uuid
 from pathlib import Path
 from typing import Any
@@ -42,12 +43,29 @@ def has_leftovers(directory: Path) -> bool:
     )
 
 
-def remove_step(directory: Path, step: int) -> None:
+def remove_step(directory: Path, step: int, *, background: bool = False) -> Any:
     """Delete a step so that a kill at any moment leaves it either complete under
-    its name or gone: rename it to a non-step name first, then delete that."""
+    its name or gone: rename it to a non-step name first, then delete that.
+
+    The rename is what makes it safe, and it is instant; with `background=True`
+    the deletion of the renamed directory (hundreds of MB) runs in a thread, which
+    is returned so that the caller can join it. A deletion cut short by a kill is
+    finished by `clean_leftovers`.
+    """
     doomed = directory / f"{step}{DELETING}-{uuid.uuid4().hex[:8]}"
     os.rename(directory / str(step), doomed)
-    shutil.rmtree(doomed, ignore_errors=True)
+    if not background:
+        shutil.rmtree(doomed, ignore_errors=True)
+        return None
+    thread = threading.Thread(
+        target=shutil.rmtree,
+        args=(doomed,),
+        kwargs={"ignore_errors": True},
+        name="eqtrain-prune",
+        daemon=True,
+    )
+    thread.start()
+    return thread
 
 
 def clean_leftovers(directory: Path) -> list[str]:
