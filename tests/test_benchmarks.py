@@ -12,35 +12,32 @@ import pytest
 BENCHMARKS = Path(__file__).parent.parent / "benchmarks"
 
 
-def test_overhead_quick():
+def _quick(script: str) -> tuple[list[dict], str]:
+    """Run `benchmarks/<script> --quick` on CPU; its JSON records and its stderr."""
     env = dict(os.environ, XLA_FLAGS="", JAX_PLATFORMS="cpu")
     proc = subprocess.run(
-        [sys.executable, str(BENCHMARKS / "overhead.py"), "--quick"],
+        [sys.executable, str(BENCHMARKS / script), "--quick"],
         capture_output=True,
         text=True,
         timeout=300,
         env=env,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    records = [json.loads(line) for line in proc.stdout.splitlines()]
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    return [json.loads(line) for line in lines], proc.stderr
+
+
+def test_overhead_quick():
+    records, stderr = _quick("overhead.py")
     assert [r["config"] for r in records] == ["base", "many_small_leaves"]
     for r in records:
         assert r["raw_tokens_per_s"] > 0 and r["eqtrain_tokens_per_s"] > 0
         assert r["ratio"] > 0
-    assert "warning" not in proc.stderr  # same losses, a single trace
+    assert "warning" not in stderr  # same losses, a single trace
 
 
 def test_models_quick():
     pytest.importorskip("torch")
     pytest.importorskip("transformers")
-    env = dict(os.environ, XLA_FLAGS="", JAX_PLATFORMS="cpu")
-    proc = subprocess.run(
-        [sys.executable, str(BENCHMARKS / "models.py"), "--quick"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=env,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    record = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert record["config"] == "quick" and record["ratio"] > 0
+    records, _ = _quick("models.py")
+    assert records[-1]["config"] == "quick" and records[-1]["ratio"] > 0

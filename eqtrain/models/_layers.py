@@ -253,6 +253,16 @@ def check_remat(name: str) -> None:
         )
 
 
+def check_options(*, attention_impl: str | None, remat: str, param_dtype: Any) -> None:
+    """Validate the runtime options the model configs share."""
+    if attention_impl not in (None, "xla", "cudnn"):
+        raise ConfigError(
+            f"`attention_impl` must be None, 'xla' or 'cudnn'; got {attention_impl!r}."
+        )
+    check_remat(remat)
+    as_dtype(param_dtype)
+
+
 LayerT = TypeVar("LayerT", bound=eqx.Module)
 
 

@@ -19,7 +19,7 @@ from ._layers import (
     Linear,
     as_dtype,
     attention,
-    check_remat,
+    check_options,
     default_positions,
     residual_scale,
     run_layers,
@@ -65,13 +65,11 @@ class GPT2Config:
             raise ConfigError(
                 f"`n_embd` {self.n_embd} must be a multiple of `n_head` {self.n_head}."
             )
-        if self.attention_impl not in (None, "xla", "cudnn"):
-            raise ConfigError(
-                "`attention_impl` must be None, 'xla' or 'cudnn'; got "
-                f"{self.attention_impl!r}."
-            )
-        check_remat(self.remat)
-        as_dtype(self.param_dtype)
+        check_options(
+            attention_impl=self.attention_impl,
+            remat=self.remat,
+            param_dtype=self.param_dtype,
+        )
 
     @property
     def inner_size(self) -> int:

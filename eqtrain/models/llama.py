@@ -21,7 +21,7 @@ from ._layers import (
     apply_rope,
     as_dtype,
     attention,
-    check_remat,
+    check_options,
     default_positions,
     rope_cos_sin,
     run_layers,
@@ -112,13 +112,11 @@ class LlamaConfig:
             raise ConfigError(
                 f"`sliding_window` must be >= 1 or None; got {self.sliding_window}."
             )
-        if self.attention_impl not in (None, "xla", "cudnn"):
-            raise ConfigError(
-                "`attention_impl` must be None, 'xla' or 'cudnn'; got "
-                f"{self.attention_impl!r}."
-            )
-        check_remat(self.remat)
-        as_dtype(self.param_dtype)
+        check_options(
+            attention_impl=self.attention_impl,
+            remat=self.remat,
+            param_dtype=self.param_dtype,
+        )
 
     @property
     def kv_heads(self) -> int:
