@@ -67,6 +67,10 @@ class StepInfo:
         tokens: tokens in this step's batch, or `None` when the batch has no
             `tokens`/`input_ids` entry.
         tokens_per_second: `tokens / step_time`, or `None`.
+        tokens_seen: tokens trained on so far (including `fit(tokens_seen=...)`
+            from before a resume), or `None` when batches have no tokens.
+        mfu: model FLOPs utilisation, `tokens_per_second * flops_per_token /
+            peak_flops`, when `fit` was given both; else `None`.
         elapsed: seconds since `fit` started.
         stop_reason: set only for the final call (`at_end` hooks and the
             checkpointer's final save).
@@ -79,6 +83,8 @@ class StepInfo:
     data_time: float = 0.0
     tokens: int | None = None
     tokens_per_second: float | None = None
+    tokens_seen: int | None = None
+    mfu: float | None = None
     elapsed: float = 0.0
     stop_reason: StopReason | None = None
     _state: Any = dataclasses.field(default=None, repr=False, compare=False)

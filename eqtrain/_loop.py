@@ -185,8 +185,14 @@ class _Loop:
         eval_at_end: bool = True,
         read_every: int = 1,
         read_seconds: float | int = 0.0,
+        flops_per_token: float | int | None = None,
+        peak_flops: float | int | None = None,
+        tokens_seen: int = 0,
     ):
         self.step = step
+        self.flops_per_token = flops_per_token
+        self.peak_flops = peak_flops
+        self.tokens_seen = tokens_seen
         self.num_steps = num_steps
         self.loop_hooks = [h for h in hooks if h.when != "end"]
         self.end_hooks = [h for h in hooks if h.when == "end"]
@@ -278,6 +284,9 @@ class _Loop:
             metrics.update(self.evaluate(state))
             self.last_eval_step = pending.step
         tokens = pending.tokens
+        rate = None if tokens is None or step_time <= 0 else tokens / step_time
+        if tokens is not None:
+            self.tokens_seen += tokens
         info = StepInfo(
             step=pending.step,
             metrics=metrics,
@@ -285,9 +294,9 @@ class _Loop:
             step_time=step_time,
             data_time=pending.data_time,
             tokens=tokens,
-            tokens_per_second=(
-                None if tokens is None or step_time <= 0 else tokens / step_time
-            ),
+            tokens_per_second=rate,
+            tokens_seen=self.tokens_seen if tokens is not None else None,
+            mfu=self.mfu(rate),
             elapsed=done - self.start,
             _state=state,
         )
@@ -297,6 +306,11 @@ class _Loop:
         if state is not None and ckpt is not None and self.nonfinite_at is None:
             if ckpt.due(pending.step):
                 ckpt.save(info, final=False)
+
+    def mfu(self, tokens_per_second: float | None) -> float | None:
+        if None in (tokens_per_second, self.flops_per_token, self.peak_flops):
+            return None
+        return tokens_per_second * self.flops_per_token / self.peak_flops
 
     def watch_nonfinite(self, step: int, metrics: dict[str, Any]) -> None:
         # Steps built with nonfinite="stop" report `halted` once the state froze.
@@ -391,6 +405,9 @@ def fit(
     history: int | None = None,
     read_every: int = 10,
     read_seconds: float | int = 0.5,
+    flops_per_token: float | int | None = None,
+    peak_flops: float | int | None = None,
+    tokens_seen: int = 0,
 ) -> FitResult:
     """Train `state` with `step` on `data` until a stop condition holds.
 
@@ -437,6 +454,13 @@ def fit(
             run for every due step, in order, a little late; a step that needs
             the state reads everything before it. `read_every=1` reads each
             step's metrics as soon as the next step is dispatched.
+        flops_per_token: training FLOPs per token (forward and backward, e.g.
+            `eqtrain.models.llama.flops_per_token(config, seq_len)`); with
+            `peak_flops` it gives `StepInfo.mfu`.
+        peak_flops: the peak FLOP/s of all devices the step runs on together
+            (see `eqtrain.hooks.peak_flops` for known devices).
+        tokens_seen: tokens already trained on before this call (a resumed run
+            passes its count), the start of `StepInfo.tokens_seen`.
 
     Returns:
         A `FitResult` with the final state, the `StopReason` and the history.
@@ -476,6 +500,9 @@ def fit(
             eval_at_end=eval_at_end,
             read_every=read_every,
             read_seconds=read_seconds,
+            flops_per_token=flops_per_token,
+            peak_flops=peak_flops,
+            tokens_seen=tokens_seen,
         )
         for hook in scheduled:
             hook.start(loop.start)
@@ -567,6 +594,7 @@ def _final_info(
         step=done,
         metrics=metrics,
         num_steps=loop.num_steps,
+        tokens_seen=loop.tokens_seen or None,
         elapsed=now() - loop.start,
         stop_reason=reason,
         _state=state,

@@ -623,3 +623,27 @@ def test_second_sigint_aborts(tmp_path):
     finally:
         proc.kill()
     assert code != 0 and "KeyboardInterrupt" in err
+
+
+def test_tokens_seen_and_mfu(step, batches):
+    token_batches = [{**b, "tokens": np.zeros((8, 5), np.int32)} for b in batches]
+    seen = []
+    state = fresh_state()
+    eqtrain.fit(
+        state,
+        step,
+        token_batches[:3],
+        num_steps=3,
+        hooks=[lambda info: seen.append((info.tokens_seen, info))],
+        flops_per_token=6.0,
+        peak_flops=1e3,
+        tokens_seen=100,
+    )
+    assert [t for t, _ in seen] == [140, 180, 220]
+    for _, info in seen:
+        assert info.mfu == pytest.approx(info.tokens_per_second * 6.0 / 1e3)
+    # Without the FLOP figures there is no MFU, and batches without tokens count none.
+    state = fresh_state()
+    infos = []
+    eqtrain.fit(state, step, batches[:2], num_steps=2, hooks=[infos.append])
+    assert all(i.mfu is None and i.tokens_seen is None for i in infos)
