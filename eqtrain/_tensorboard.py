@@ -1,0 +1,127 @@
+"""`TensorBoardWriter`: a metrics-only hook that writes `StepInfo` scalars to
+TensorBoard event files, and `scalars`, the tag naming it shares with `WandbLogger`.
+"""
+
+import numbers
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from ._errors import ConfigError
+from ._hooks import StepInfo
+
+
+def _tag(name: str) -> str:
+    # A name with a "/" already names its group (`eval/loss`); the step's own
+    # metrics go under `train/` so that TensorBoard and W&B show `train/loss` next
+    # to `eval/loss`.
+    return name if "/" in name else f"train/{name}"
+
+
+def scalars(info: StepInfo) -> dict[str, float]:
+    """The scalars a logger writes for `info`, by tag.
+
+    - the step's metrics as `train/<name>` (`train/loss`, `train/grad_norm`, ...);
+      names that already hold a `/` keep it (`eval/loss`, `eval/weight`);
+    - `perf/step_time`, `perf/data_time` and, when known, `perf/tokens_per_second`,
+      `perf/tokens_seen`, `perf/mfu` (not on the final call, `info.stop_reason` set:
+      that repeats the last step and has no timings).
+
+    Non-numeric values (strings, lists) are left out; NaN and infinities are kept.
+    """
+    out = {
+        _tag(k): float(v)
+        for k, v in info.metrics.items()
+        if isinstance(v, numbers.Real)  # Python/NumPy floats and ints, bools
+    }
+    if info.stop_reason is None:
+        perf = {
+            "step_time": info.step_time,
+            "data_time": info.data_time,
+            "tokens_per_second": info.tokens_per_second,
+            "tokens_seen": info.tokens_seen,
+            "mfu": info.mfu,
+        }
+        out.update({f"perf/{k}": float(v) for k, v in perf.items() if v is not None})
+    return out
+
+
+class _Dedup:
+    """Drops what was already written at a step: the final call (`at_end`) repeats
+    the last step's metrics, and only its new entries (an end-of-run evaluation)
+    should be written again."""
+
+    def __init__(self) -> None:
+        self.step: int | None = None
+        self.written: set[str] = set()
+
+    def new(self, step: int, values: dict[str, float]) -> dict[str, float]:
+        if step != self.step:
+            self.step, self.written = step, set()
+        fresh = {k: v for k, v in values.items() if k not in self.written}
+        self.written.update(fresh)
+        return fresh
+
+
+class TensorBoardWriter:
+    """Write each step's scalars to TensorBoard event files in `log_dir`.
+
+    Tags: the step's metrics as `train/<name>` (`train/loss`, `train/grad_norm`,
+    `train/learning_rate`, ...); names that already hold a `/` as they are
+    (`eval/loss`); and `perf/step_time`, `perf/data_time`,
+    `perf/tokens_per_second`, `perf/tokens_seen`, `perf/mfu` when known. The global
+    step is `info.step` (1-based). Non-numeric metrics are skipped; NaN and
+    infinities are written as they are. Given also to `at_end`, the final call
+    writes only what the last step did not (an end-of-run evaluation).
+
+    The event file is created on the first call. Each writer starts a new file, so
+    a resumed run writing to the same `log_dir` adds to the earlier events.
+
+    Args:
+        log_dir: the run's TensorBoard directory (created if missing).
+        flush_secs: how often, in seconds, pending events are flushed to disk
+            (`close()` flushes the rest).
+
+    Raises:
+        ConfigError: tensorboardX is not installed.
+    """
+
+    uses_state = False
+
+    def __init__(
+        self, log_dir: str | os.PathLike[str], *, flush_secs: float | int = 30
+    ):
+        try:
+            import tensorboardX
+        except ImportError as e:
+            raise ConfigError(
+                "`TensorBoardWriter` needs tensorboardX, which is not installed: "
+                "`pip install 'eqtrain[tensorboard]'`."
+            ) from e
+        self._module: Any = tensorboardX
+        self.log_dir = Path(log_dir)
+        self.flush_secs = flush_secs
+        self._writer: Any = None
+        self._dedup = _Dedup()
+
+    def _open(self) -> Any:
+        # tensorboardX names files by the second and the host only and opens them
+        # with "wb": two writers started in the same second would share (and
+        # truncate) one file. A nanosecond suffix keeps them apart and in order.
+        suffix = f".{time.time_ns()}.{os.getpid()}"
+        return self._module.SummaryWriter(
+            str(self.log_dir), flush_secs=self.flush_secs, filename_suffix=suffix
+        )
+
+    def __call__(self, info: StepInfo) -> None:
+        if self._writer is None:
+            self._writer = self._open()
+        for tag, value in self._dedup.new(info.step, scalars(info)).items():
+            self._writer.add_scalar(tag, value, info.step)
+
+    def close(self) -> None:
+        if self._writer is not None:
+            self._writer.flush()
+            self._writer.close()
+            self._writer = None

@@ -1,0 +1,31 @@
+"""Typed run configuration for `eqtrain fit`: frozen dataclasses per TOML section
+(`model`, `data`, `optim`, `loop`, `checkpoint`, `mesh`, `log`, `export`, plus
+`run_dir` and `seed`), read from TOML files and `--set key=value` overrides.
+
+    config = eqtrain.config.load("run.toml", ["optim.lr=1e-4", "loop.steps=10_000"])
+    print(eqtrain.config.to_toml(config))
+"""
+
+from ._parse import (
+    Field as Field,
+    apply_overrides as apply_overrides,
+    explicit as explicit,
+    from_dict as from_dict,
+    load as load,
+    parse_duration as parse_duration,
+    read_toml as read_toml,
+    schema as schema,
+)
+from ._schema import (
+    CheckpointConfig as CheckpointConfig,
+    Config as Config,
+    DataConfig as DataConfig,
+    ExportConfig as ExportConfig,
+    LogConfig as LogConfig,
+    LoopConfig as LoopConfig,
+    MeshConfig as MeshConfig,
+    ModelConfig as ModelConfig,
+    OptimConfig as OptimConfig,
+)
+from ._toml import to_dict as to_dict, to_toml as to_toml
+from ._validate import validate as validate

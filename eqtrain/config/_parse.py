@@ -1,0 +1,370 @@
+"""Reading a `Config`: TOML files, `--set a.b=value` overrides, human-friendly
+values (`1e-4`, `10_000`, `"2h30m"`, `"5GB"`), and checks that name the field."""
+
+import dataclasses
+import difflib
+import math
+import os
+import re
+import tomllib
+import types
+import typing
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+from .._errors import ConfigError
+from ._schema import SECTIONS, Config
+
+
+def _did_you_mean(name: str, options: Iterable[str]) -> str:
+    close = difflib.get_close_matches(name, list(options), n=1, cutoff=0.6)
+    return f" Did you mean `{close[0]}`?" if close else ""
+
+
+@dataclasses.dataclass(frozen=True)
+class Field:
+    """One config key: its dotted name, Python type and checks."""
+
+    key: str
+    type: type
+    optional: bool
+    default: Any
+    help: str
+    choices: tuple[Any, ...] | None
+    min: float | int | None
+    max: float | int | None
+    kind: str | None
+
+    @property
+    def type_name(self) -> str:
+        name = {"duration": "duration", "size": "size", "path": "path"}.get(
+            self.kind or "", self.type.__name__
+        )
+        name = {"str": "string", "bool": "boolean", "int": "integer"}.get(name, name)
+        return f"{name} (optional)" if self.optional else name
+
+
+def _fields_of(cls: type, prefix: str) -> dict[str, Field]:
+    hints = typing.get_type_hints(cls)
+    out = {}
+    for f in dataclasses.fields(cls):
+        if f.name.startswith("_") or dataclasses.is_dataclass(hints[f.name]):
+            continue
+        tp = hints[f.name]
+        args = typing.get_args(tp) if isinstance(tp, types.UnionType) else ()
+        optional = type(None) in args
+        base = next(a for a in args if a is not type(None)) if args else tp
+        meta = f.metadata
+        out[prefix + f.name] = Field(
+            key=prefix + f.name,
+            type=base,
+            optional=optional,
+            default=f.default,
+            help=meta.get("help", ""),
+            choices=meta.get("choices"),
+            min=meta.get("min"),
+            max=meta.get("max"),
+            kind=meta.get("kind"),
+        )
+    return out
+
+
+def schema() -> dict[str, Field]:
+    """Every config key (`"seed"`, `"optim.lr"`, ...) with its type, default,
+    help text and checks, in TOML order."""
+    out = _fields_of(Config, "")
+    for section, cls in SECTIONS.items():
+        out.update(_fields_of(cls, section + "."))
+    return out
+
+
+# -- values -------------------------------------------------------------------
+_DURATION = re.compile(r"(\d+(?:\.\d*)?|\.\d+)\s*(d|h|m|min|s|sec|ms)?", re.IGNORECASE)
+_UNITS = {"d": 86400, "h": 3600, "m": 60, "min": 60, "s": 1, "sec": 1, "ms": 1e-3}
+
+
+def parse_duration(value: Any) -> float:
+    """Seconds from a number or a string like `"90"`, `"45s"`, `"10m"`, `"2h30m"`,
+    `"1.5h"`, `"1d"`.
+
+    >>> parse_duration("2h30m")
+    9000.0
+    """
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    if not isinstance(value, str):
+        raise ValueError("expected seconds or a duration like '2h30m'")
+    text = value.strip().replace(" ", "").replace("_", "")
+    if not text:
+        raise ValueError("empty duration")
+    total, pos = 0.0, 0
+    while pos < len(text):
+        match = _DURATION.match(text, pos)
+        if match is None:
+            raise ValueError("expected a duration like '90s', '10m', '2h30m' or '1d'")
+        unit = (match.group(2) or "s").lower()
+        total += float(match.group(1)) * _UNITS[unit]
+        pos = match.end()
+    return total
+
+
+_TRUE = ("true", "yes", "on", "1")
+_FALSE = ("false", "no", "off", "0")
+_NONE = ("none", "null", "")
+
+
+def _from_string(text: str, field: Field) -> Any:
+    """A `--set` value: a string read by the field's type."""
+    stripped = text.strip()
+    if stripped[:1] in ('"', "'") and stripped[-1:] == stripped[:1] and len(stripped) > 1:
+        return stripped[1:-1]  # a quoted string stays a string
+    if field.optional and stripped.lower() in _NONE:
+        return None
+    if field.type is bool:
+        if stripped.lower() in _TRUE + _FALSE:
+            return stripped.lower() in _TRUE
+        raise ValueError("expected true or false")
+    if field.type in (int, float) and field.kind != "duration":
+        try:
+            return int(stripped, 10)
+        except ValueError:
+            pass
+        try:
+            return float(stripped)
+        except ValueError:
+            raise ValueError(
+                "expected an integer" if field.type is int else "expected a number"
+            ) from None
+    return stripped
+
+
+def _coerce(value: Any, field: Field) -> Any:
+    """A TOML (or `--set`) value converted to the field's type, or ValueError."""
+    if value is None or (field.optional and field.type is str and value == ""):
+        if field.optional:
+            return None
+        raise ValueError("a value is required")
+    if field.kind == "duration":
+        return parse_duration(value)
+    if field.kind == "size":
+        from ..hf import parse_size
+
+        if isinstance(value, bool) or not isinstance(value, (int, str)):
+            raise ValueError("expected bytes or a size like '5GB'")
+        try:
+            parse_size(value)
+        except ConfigError as e:
+            raise ValueError("expected bytes or a size like '5GB' or '500MB'") from e
+        return value
+    if field.type is bool:
+        if not isinstance(value, bool):
+            raise ValueError("expected true or false")
+        return value
+    if field.type is int:
+        if isinstance(value, bool):
+            raise ValueError("expected an integer")
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        if not isinstance(value, int):
+            raise ValueError("expected an integer")
+        return value
+    if field.type is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ValueError("expected a number")
+        return float(value)
+    if not isinstance(value, str):
+        raise ValueError("expected a string")
+    return value
+
+
+def _check(value: Any, field: Field) -> None:
+    if value is None:
+        return
+    if field.choices is not None and value not in field.choices:
+        allowed = ", ".join(repr(c) for c in field.choices)
+        raise ConfigError(
+            f"`{field.key}` must be one of {allowed}; got {value!r}."
+            + _did_you_mean(str(value), [str(c) for c in field.choices])
+        )
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        if isinstance(value, float) and math.isnan(value):
+            raise ConfigError(f"`{field.key}` must be a number; got nan.")
+        if field.min is not None and value < field.min:
+            raise ConfigError(f"`{field.key}` must be >= {field.min}; got {value!r}.")
+        if field.max is not None and value > field.max:
+            raise ConfigError(f"`{field.key}` must be <= {field.max}; got {value!r}.")
+
+
+def convert(value: Any, field: Field, source: str) -> Any:
+    """`value` for `field`, checked; errors name the field, the source and what
+    is expected."""
+    try:
+        converted = _coerce(value, field)
+    except ValueError as e:
+        raise ConfigError(
+            f"`{field.key}` in {source}: {e}; got {value!r}. It is a "
+            f"{field.type_name}: {field.help}"
+        ) from None
+    _check(converted, field)
+    return converted
+
+
+# -- assembling a Config --------------------------------------------------------
+def from_dict(data: Mapping[str, Any], *, source: str = "the config") -> Config:
+    """A `Config` from nested dicts (a parsed TOML file): unknown sections and
+    keys are errors with a suggestion; values are converted and checked."""
+    fields = schema()
+    values: dict[str, Any] = {}
+    for key, value in _flatten(data, source):
+        if key not in fields:
+            raise ConfigError(_unknown_key(key, fields, source))
+        values[key] = convert(value, fields[key], source)
+    return build(values)
+
+
+def build(values: Mapping[str, Any], base: Config | None = None) -> Config:
+    """A `Config` with the given already-converted `{dotted key: value}` applied
+    on top of `base` (default: all defaults); remembers which keys were set."""
+    base = base if base is not None else Config()
+    top = {k: v for k, v in values.items() if "." not in k}
+    sections = {}
+    for name in SECTIONS:
+        changes = {
+            k.split(".", 1)[1]: v for k, v in values.items() if k.startswith(name + ".")
+        }
+        sections[name] = dataclasses.replace(getattr(base, name), **changes)
+    config = dataclasses.replace(base, **top, **sections)
+    object.__setattr__(config, "_explicit", explicit(base) | frozenset(values))
+    return config
+
+
+def explicit(config: Config) -> frozenset[str]:
+    """The dotted keys a file or an override set (as opposed to defaults)."""
+    return getattr(config, "_explicit", frozenset())
+
+
+def _flatten(data: Mapping[str, Any], source: str) -> list[tuple[str, Any]]:
+    out = []
+    for key, value in data.items():
+        if key in SECTIONS:
+            if not isinstance(value, Mapping):
+                raise ConfigError(
+                    f"`{key}` in {source} must be a table (a `[{key}]` section); "
+                    f"got {value!r}."
+                )
+            for sub, v in value.items():
+                if isinstance(v, Mapping):
+                    raise ConfigError(
+                        f"`{key}.{sub}` in {source} is a table, but [{key}] has no "
+                        "sub-sections; write its keys directly under it."
+                    )
+                out.append((f"{key}.{sub}", v))
+        else:
+            out.append((key, value))
+    return out
+
+
+def _unknown_key(key: str, fields: Mapping[str, Field], source: str) -> str:
+    section = key.split(".", 1)[0] if "." in key else None
+    if section is not None and section not in SECTIONS:
+        return (
+            f"unknown section `[{section}]` in {source}; the sections are "
+            f"{', '.join(SECTIONS)}." + _did_you_mean(section, SECTIONS)
+        )
+    if section is None:
+        known = [k for k in fields if "." not in k] + list(SECTIONS)
+        hint = _did_you_mean(key, known)
+        nested = [k for k in fields if k.split(".")[-1] == key]
+        if nested:
+            hint = f" Did you mean `{nested[0]}`?"
+        return (
+            f"unknown key `{key}` in {source}; top-level keys are "
+            f"{', '.join(known)}." + hint
+        )
+    keys = [k.split(".", 1)[1] for k in fields if k.startswith(section + ".")]
+    name = key.split(".", 1)[1]
+    hint = _did_you_mean(name, keys)
+    if not hint:  # maybe it belongs to another section
+        hint = _did_you_mean(key, list(fields)) or _did_you_mean(
+            name, [k for k in fields if k.endswith("." + name)]
+        )
+        other = [k for k in fields if k.split(".")[-1] == name]
+        if other:
+            hint = f" Did you mean `{other[0]}`?"
+    return (
+        f"unknown key `{name}` in [{section}] of {source}; its keys are "
+        f"{', '.join(keys)}." + hint
+    )
+
+
+def read_toml(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """A TOML file as dicts; a missing or malformed file is a `ConfigError`."""
+    path = Path(path)
+    if not path.exists():
+        raise ConfigError(
+            f"config file {path} does not exist. Pass the path of a TOML file, or "
+            "run `eqtrain fit` without one to use the built-in default."
+        )
+    if path.is_dir():
+        raise ConfigError(f"config file {path} is a directory; pass a TOML file.")
+    try:
+        with open(path, "rb") as f:
+            return tomllib.load(f)
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(
+            f"{path} is not valid TOML: {e}. Check the quoting and brackets there."
+        ) from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"{path} is not UTF-8 text; a TOML file is.") from None
+
+
+def parse_override(text: str) -> tuple[str, str]:
+    """`"a.b=value"` -> `("a.b", "value")`."""
+    key, sep, value = text.partition("=")
+    key = key.strip()
+    if not sep or not key:
+        raise ConfigError(
+            f"--set takes `key=value` (e.g. `--set optim.lr=1e-4`); got {text!r}."
+        )
+    return key, value
+
+
+def apply_overrides(config: Config, overrides: Iterable[str]) -> Config:
+    """`config` with `--set key=value` overrides applied (typed by the schema)."""
+    fields = schema()
+    values = {}
+    for text in overrides:
+        key, raw = parse_override(text)
+        if key not in fields:
+            raise ConfigError(_unknown_key(key, fields, "--set"))
+        field = fields[key]
+        try:
+            value = _from_string(raw, field)
+        except ValueError as e:
+            raise ConfigError(
+                f"`{key}` in --set: {e}; got {raw!r}. It is a {field.type_name}: "
+                f"{field.help}"
+            ) from None
+        values[key] = convert(value, field, "--set")
+    return build(values, config)
+
+
+def load(
+    path: str | os.PathLike[str] | None = None, overrides: Iterable[str] = ()
+) -> Config:
+    """The config of a run: defaults, then the TOML file at `path` (if any), then
+    `overrides` (`"optim.lr=1e-4"`), checked as a whole (`validate`).
+
+    Raises:
+        ConfigError: a missing or malformed file, an unknown key (with a
+            suggestion), a wrong type or an out-of-range value, naming the key.
+    """
+    from ._validate import validate
+
+    config = Config()
+    if path is not None:
+        config = from_dict(read_toml(path), source=str(path))
+    config = apply_overrides(config, overrides)
+    validate(config)
+    return config

@@ -1,0 +1,327 @@
+"""The run configuration: typed, frozen dataclasses, one per TOML section.
+
+Each field's metadata carries its help text and its checks (`choices`, `min`,
+`max`, `kind`), which drive parsing, validation, `eqtrain config --show` and the
+generated CLI reference alike, so they cannot drift apart.
+"""
+
+import dataclasses
+from typing import Any
+
+
+def setting(
+    default: Any,
+    help: str,
+    *,
+    choices: tuple[Any, ...] | None = None,
+    min: float | int | None = None,
+    max: float | int | None = None,
+    kind: str | None = None,
+) -> Any:
+    """A config field: its default, a help text and its checks.
+
+    `kind` refines how a value is read: `"duration"` (seconds, or a string like
+    `"2h30m"`), `"size"` (bytes, or `"5GB"`), `"path"` (relative paths are taken
+    from the run directory where the help says so).
+    """
+    meta = {"help": help, "choices": choices, "min": min, "max": max, "kind": kind}
+    return dataclasses.field(default=default, metadata=meta)
+
+
+ARCHS = ("llama", "mistral", "qwen2", "gpt2")
+OPTIMIZERS = ("adamw", "adam", "lion", "sgd", "adafactor")
+SCHEDULES = ("constant", "linear", "cosine", "wsd")
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    arch: str = setting(
+        "llama",
+        "Architecture: Llama, Mistral and Qwen2 share one implementation; GPT-2.",
+        choices=ARCHS,
+    )
+    init_from: str | None = setting(
+        None,
+        "Start from this Hugging Face directory (safetensors; e.g. written by "
+        "`save_pretrained` or `eqtrain export`). The architecture fields come "
+        "from its config.json; setting them too is an error.",
+        kind="path",
+    )
+    vocab_size: int | None = setting(
+        None, "Vocabulary size; unset: the tokenizer's.", min=1
+    )
+    hidden_size: int = setting(128, "Width of the residual stream.", min=1)
+    intermediate_size: int | None = setting(
+        None, "Width of the MLP; unset: 4 x hidden_size.", min=1
+    )
+    num_layers: int = setting(4, "Number of transformer blocks.", min=1)
+    num_heads: int = setting(4, "Attention (query) heads.", min=1)
+    num_kv_heads: int | None = setting(
+        2,
+        "Key/value heads (grouped-query attention; Llama family only); unset: "
+        "num_heads.",
+        min=1,
+    )
+    head_dim: int | None = setting(
+        None, "Size of each head; unset: hidden_size / num_heads.", min=1
+    )
+    max_seq_len: int | None = setting(
+        None, "Longest sequence (position table size); unset: data.seq_len.", min=1
+    )
+    rope_theta: float = setting(10000.0, "RoPE base (Llama family).", min=1)
+    norm_eps: float | None = setting(
+        None, "Epsilon of the norms; unset: 1e-6 (Llama family), 1e-5 (GPT-2).", min=0
+    )
+    tie_embeddings: bool = setting(
+        True, "Share the input embedding with the output head (Llama family)."
+    )
+    attention_bias: bool = setting(
+        False, "Biases on q/k/v projections (Qwen2 style; Llama family)."
+    )
+    mlp_bias: bool = setting(False, "Biases in the MLP (Llama family).")
+    sliding_window: int | None = setting(
+        None, "Sliding-window attention span (Mistral style).", min=1
+    )
+    init_std: float = setting(0.02, "Standard deviation of the initial weights.", min=0)
+    param_dtype: str = setting(
+        "float32", "Dtype the parameters are stored and updated in.", choices=DTYPES
+    )
+    remat: str = setting(
+        "none",
+        "Activation checkpointing of each block.",
+        choices=("none", "full", "dots", "dots_no_batch"),
+    )
+    scan_layers: bool = setting(
+        True, "Run the blocks with `lax.scan` (faster compiles) or unrolled."
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+    train: str = setting(
+        "stdlib",
+        "Training text: `stdlib` (the Python standard library's sources, built "
+        "in), a directory of text files, or a file (.txt, .json/.jsonl, .parquet, "
+        ".csv).",
+        kind="path",
+    )
+    eval: str = setting(
+        "auto",
+        "Evaluation text, as `train`; `auto`: the standard library's held-out "
+        "files when train = `stdlib`, else none; `none`: no evaluation.",
+        kind="path",
+    )
+    text_column: str = setting(
+        "text", "Column holding the text in .json/.jsonl/.parquet/.csv files."
+    )
+    pattern: str = setting(
+        "**/*.txt", "Glob of the files read from a directory of text files."
+    )
+    tokenizer: str = setting(
+        "auto",
+        "`byte` (UTF-8 bytes + 3 specials, 259 ids), a `tokenizer.json` file or a "
+        "directory holding one; `auto`: init_from's tokenizer.json when it has "
+        "one, else `byte`.",
+        kind="path",
+    )
+    seq_len: int = setting(128, "Tokens per training row.", min=2)
+    batch_size: int = setting(
+        16,
+        "Rows per optimizer step (the global batch; split into optim.accumulate "
+        "micro-batches).",
+        min=1,
+    )
+    eval_rows: int = setting(
+        128, "At most this many rows of the eval text are evaluated.", min=1
+    )
+    shuffle: bool = setting(True, "Shuffle the training rows every epoch.")
+    prefetch: int = setting(2, "Batches prepared ahead in a background thread.", min=0)
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimConfig:
+    name: str = setting("adamw", "The optimizer.", choices=OPTIMIZERS)
+    lr: float = setting(3e-3, "Peak learning rate.", min=0)
+    schedule: str = setting("cosine", "Learning-rate schedule.", choices=SCHEDULES)
+    warmup_steps: int = setting(
+        20, "Linear warmup from 0 to lr over this many steps.", min=0
+    )
+    final_lr: float = setting(
+        3e-4, "Learning rate at the last step (linear, cosine, wsd).", min=0
+    )
+    decay_steps: int | None = setting(
+        None, "wsd only: length of the final decay; unset: 10% of the steps.", min=1
+    )
+    weight_decay: float = setting(0.1, "Decoupled weight decay.", min=0)
+    no_decay: str = setting(
+        "(norm|bias|embed|wte|wpe|ln_)",
+        "Regex of parameter paths without weight decay (norms, biases, "
+        "embeddings); empty: decay all.",
+    )
+    clip_norm: float | None = setting(
+        1.0, "Clip gradients to this global norm; unset or 0: no clipping.", min=0
+    )
+    b1: float | None = setting(
+        None, "First-moment decay; unset: the optimizer's default.", min=0, max=1
+    )
+    b2: float | None = setting(
+        None, "Second-moment decay; unset: the optimizer's default.", min=0, max=1
+    )
+    eps: float | None = setting(
+        None, "Adam-style epsilon; unset: the optimizer's default.", min=0
+    )
+    momentum: float | None = setting(None, "sgd only: momentum.", min=0, max=1)
+    nesterov: bool = setting(False, "sgd only: Nesterov momentum.")
+    accumulate: int = setting(
+        1, "Micro-batches per step (gradient accumulation).", min=1
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class LoopConfig:
+    steps: int = setting(300, "Train until this step (absolute: resume counts).", min=1)
+    eval_every: int = setting(100, "Evaluate every this many steps; 0: never.", min=0)
+    eval_at_end: bool = setting(True, "Evaluate once more when the run ends.")
+    time_limit: float | None = setting(
+        None,
+        "Stop cleanly after this much wall-clock time (seconds or e.g. `2h30m`).",
+        min=0,
+        kind="duration",
+    )
+    kill_switch: str | None = setting(
+        "STOP",
+        "Stop cleanly when this file appears (relative to the run directory).",
+        kind="path",
+    )
+    precision: str = setting(
+        "float32",
+        "Compute precision: `bf16` computes in bfloat16 with float32 parameters.",
+        choices=("float32", "bf16"),
+    )
+    nonfinite: str = setting(
+        "stop",
+        "On a NaN/inf loss or gradient: `stop` (keep the last good state), "
+        "`skip` the update, or `ignore`.",
+        choices=("stop", "skip", "ignore"),
+    )
+    ema: float | None = setting(
+        None, "Keep an exponential moving average of the weights with this decay.",
+        min=0, max=1,
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointConfig:
+    every: int = setting(
+        100, "Save every this many steps (and always once at the end); 0: only "
+        "at the end.", min=0,
+    )
+    every_minutes: float | None = setting(
+        None, "Also save when this many minutes passed since the last save.", min=0
+    )
+    keep_last: int = setting(3, "Keep the newest this many checkpoints.", min=1)
+    keep_every: int | None = setting(
+        None, "Also keep every checkpoint whose step is a multiple of this.", min=1
+    )
+    best: str | None = setting(
+        None, "Also keep the best checkpoint by this metric, e.g. `eval/loss`."
+    )
+    best_mode: str = setting(
+        "min", "Whether a lower or a higher `best` metric is better.",
+        choices=("min", "max"),
+    )
+    resume: str = setting(
+        "auto",
+        "`auto`: continue from the run directory's latest checkpoint if any; "
+        "`never`: start fresh (refused if checkpoints exist); or a path to a "
+        "run, checkpoints or step directory to start from.",
+        kind="path",
+    )
+    async_save: bool = setting(True, "Write checkpoints in the background.")
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+    data: int = setting(
+        -1, "Data-parallel devices; -1: all devices the other axes leave.", min=-1
+    )
+    fsdp: int = setting(
+        1, "Devices parameters and optimizer state are sharded over (FSDP).", min=-1
+    )
+    tensor: int = setting(1, "Tensor-parallel devices.", min=-1)
+
+
+@dataclasses.dataclass(frozen=True)
+class LogConfig:
+    every: int = setting(
+        1, "Log metrics (JSONL, TensorBoard, W&B) every this many steps.", min=1
+    )
+    progress: str = setting(
+        "auto",
+        "`bar`: a live progress bar; `lines`: a line per log step; `none`; "
+        "`auto`: a bar on a terminal, else lines.",
+        choices=("auto", "bar", "lines", "none"),
+    )
+    tensorboard: bool = setting(
+        False, "Write TensorBoard event files to <run_dir>/tb (needs tensorboardX)."
+    )
+    wandb_project: str | None = setting(
+        None, "Log to this Weights & Biases project (needs wandb)."
+    )
+    wandb_mode: str = setting(
+        "online", "W&B mode.", choices=("online", "offline", "disabled")
+    )
+    wandb_name: str | None = setting(None, "W&B run name; unset: W&B picks one.")
+    peak_flops: float | None = setting(
+        None,
+        "Peak FLOP/s of one device, for MFU; unset: looked up for known "
+        "accelerators (none on CPU).",
+        min=0,
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class ExportConfig:
+    hf: str | None = setting(
+        "hf",
+        "Export the final model in Hugging Face format to this directory "
+        "(relative to the run directory); empty: no export.",
+        kind="path",
+    )
+    dtype: str | None = setting(
+        None, "Dtype of the exported tensors; unset: the parameters'.", choices=DTYPES
+    )
+    every: int = setting(
+        0, "Also export every this many steps to <hf>/step_<k>; 0: only at the end.",
+        min=0,
+    )
+    max_shard_size: str = setting(
+        "5GB", "Split the safetensors into shards above this size.", kind="size"
+    )
+    ema: bool = setting(False, "Export the EMA weights (needs loop.ema).")
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    run_dir: str = setting(
+        "runs/default",
+        "Where the run writes: config.toml, metrics.jsonl, checkpoints/, hf/, tb/.",
+        kind="path",
+    )
+    seed: int = setting(0, "Seed of the initial weights, the step keys and the data order.")
+    model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
+    data: DataConfig = dataclasses.field(default_factory=DataConfig)
+    optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
+    loop: LoopConfig = dataclasses.field(default_factory=LoopConfig)
+    checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
+    mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
+    log: LogConfig = dataclasses.field(default_factory=LogConfig)
+    export: ExportConfig = dataclasses.field(default_factory=ExportConfig)
+
+
+SECTIONS: dict[str, type] = {
+    f.name: f.type  # type: ignore[misc]
+    for f in dataclasses.fields(Config)
+    if dataclasses.is_dataclass(f.type)
+}

@@ -1,0 +1,63 @@
+"""Writing a `Config` as TOML (the resolved config of a run) and as plain dicts
+(for JSON manifests). Unset (`None`) values are written as comments, since TOML
+has no null; reading the file back gives the same config."""
+
+import dataclasses
+import json
+import math
+import textwrap
+from typing import Any
+
+from ._parse import schema
+from ._schema import SECTIONS, Config
+
+
+def to_dict(config: Config) -> dict[str, Any]:
+    """`{"run_dir": ..., "seed": ..., "model": {...}, ...}` with `None` for unset."""
+    out: dict[str, Any] = {}
+    for f in dataclasses.fields(config):
+        value = getattr(config, f.name)
+        out[f.name] = dataclasses.asdict(value) if f.name in SECTIONS else value
+    return out
+
+
+def _value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, float):
+        if math.isinf(value):
+            return "inf" if value > 0 else "-inf"
+        return repr(value)
+    if isinstance(value, int):
+        return str(value)
+    return json.dumps(value, ensure_ascii=False)  # a TOML basic string
+
+
+def to_toml(config: Config, *, comments: bool = True) -> str:
+    """The config as a TOML document; with `comments`, each key's help text is
+    written above it."""
+    fields = schema()
+    data = to_dict(config)
+    lines: list[str] = []
+
+    def emit(key: str, name: str, value: Any) -> None:
+        if comments:
+            help_text = fields[key].help
+            if fields[key].choices:
+                help_text += " One of: " + ", ".join(map(str, fields[key].choices))
+            wrapped = textwrap.wrap(help_text, 86)
+            lines.extend("# " + line for line in wrapped)
+        if value is None:
+            lines.append(f"# {name} =  (unset)")
+        else:
+            lines.append(f"{name} = {_value(value)}")
+
+    for name, value in data.items():
+        if name not in SECTIONS:
+            emit(name, name, value)
+    for section in SECTIONS:
+        lines.append("")
+        lines.append(f"[{section}]")
+        for name, value in data[section].items():
+            emit(f"{section}.{name}", name, value)
+    return "\n".join(lines) + "\n"
