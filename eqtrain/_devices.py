@@ -18,10 +18,10 @@ class _Peak:
     """Dense peak TFLOP/s of one device per matmul precision (`None`: unsupported or
     not published)."""
 
-    bf16: float | None
-    fp16: float | None
-    tf32: float | None = None
-    fp32: float | None = None
+    bf16: float | int | None
+    fp16: float | int | None
+    tf32: float | int | None = None
+    fp32: float | int | None = None
 
 
 def _sparse(tflops: float | int) -> float:

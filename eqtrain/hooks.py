@@ -1,4 +1,5 @@
-"""Built-in hooks: a JSONL metrics writer, a progress bar and a console logger.
+"""Built-in hooks: a JSONL metrics writer, a progress bar, a console logger, and
+writers for TensorBoard and Weights & Biases; `peak_flops` for MFU.
 
 Each is a plain callable `hook(info)`; schedule it with `eqtrain.every(n, hook)` or
 pass it as is (every step). They read only metrics (`uses_state = False`), so they
@@ -36,7 +37,9 @@ class JsonlWriter:
           `eval/...` on evaluation steps); NaN/inf are written as the strings
           `"nan"`, `"inf"`, `"-inf"`;
         - `step_time`, `data_time` (seconds) and, when the batch has tokens,
-          `tokens_per_second`;
+          `tokens_per_second` and `tokens_seen` (tokens trained on so far); `mfu`
+          (model FLOPs utilisation, a fraction) when `fit` was given
+          `flops_per_token` and `peak_flops`;
         - on the final line only, `stop_reason` (e.g. `"max_steps"`), when the
           writer is also given to `at_end`.
 
@@ -60,8 +63,9 @@ class JsonlWriter:
         else:
             record["step_time"] = info.step_time
             record["data_time"] = info.data_time
-            if info.tokens_per_second is not None:
-                record["tokens_per_second"] = info.tokens_per_second
+            for key in ("tokens_per_second", "tokens_seen", "mfu"):
+                if getattr(info, key) is not None:
+                    record[key] = getattr(info, key)
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()
 
@@ -89,8 +93,13 @@ def _rate(tokens_per_second: float | None) -> str:
     return f"{tokens_per_second:.0f} tok/s"
 
 
+def _mfu(mfu: float | None) -> str:
+    return "" if mfu is None else f"mfu {mfu:.1%}"
+
+
 def format_line(info: StepInfo, keys: tuple[str, ...] | None = None) -> str:
-    """`step 10/100 | loss 2.3412 | lr 1.000e-03 | 12.3k tok/s` for one step."""
+    """`step 10/100 | loss 2.3412 | lr 1.000e-03 | 12.3k tok/s | mfu 41.2%` for one
+    step (tokens/s and MFU when known)."""
     parts = [f"step {info.step}/{info.num_steps}"]
     names = keys or tuple(
         k
@@ -101,14 +110,12 @@ def format_line(info: StepInfo, keys: tuple[str, ...] | None = None) -> str:
     for name in names:
         if name in info.metrics:
             parts.append(f"{short.get(name, name)} {_fmt(info.metrics[name])}")
-    rate = _rate(info.tokens_per_second)
-    if rate:
-        parts.append(rate)
+    parts += [p for p in (_rate(info.tokens_per_second), _mfu(info.mfu)) if p]
     return " | ".join(parts)
 
 
 class ConsoleLogger:
-    """Print one line per call: step, loss, learning rate, eval loss, tokens/s.
+    """Print one line per call: step, loss, learning rate, eval loss, tokens/s, MFU.
 
     Args:
         keys: metric names to show (default: loss, grad_norm, learning_rate and
@@ -128,7 +135,7 @@ class ConsoleLogger:
 
 
 class ProgressBar:
-    """A `rich` progress bar: step, loss, tokens/s, elapsed and ETA.
+    """A `rich` progress bar: step, loss, tokens/s, MFU, elapsed and ETA.
 
     When the output is not a terminal (a log file, CI), it degrades to a plain
     line every `plain_every` steps (default: about every 5% of the run), so logs
@@ -200,6 +207,7 @@ class ProgressBar:
             for p in (
                 f"loss {_fmt(info.metrics['loss'])}" if "loss" in info.metrics else "",
                 _rate(info.tokens_per_second),
+                _mfu(info.mfu),
             )
             if p
         )
@@ -221,3 +229,11 @@ class ProgressBar:
             self._progress.stop()
             self._progress = None
         self._plain = None
+
+
+from ._devices import (  # noqa: E402
+    peak_flops as peak_flops,
+    total_peak_flops as total_peak_flops,
+)
+from ._tensorboard import TensorBoardWriter as TensorBoardWriter  # noqa: E402
+from ._wandb import WandbLogger as WandbLogger  # noqa: E402

@@ -18,4 +18,4 @@ from ._restore import (
     restore as restore,
     restore_or_init as restore_or_init,
 )
-from ._storage import list_steps as list_steps
+from ._storage import list_steps as list_steps, read_manifest as read_manifest

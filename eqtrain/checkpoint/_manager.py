@@ -85,7 +85,7 @@ class Checkpointer:
             best_mode=best_mode,
             keep_best=keep_best,
         )
-        self.directory = _storage.checkpoints_dir(run_dir)
+        self.directory = _storage.checkpoints_dir(run_dir).absolute()  # Orbax wants it
         self.data = data
         self.config = config
         self.async_save = async_save

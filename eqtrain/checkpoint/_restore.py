@@ -141,6 +141,7 @@ def restore_or_init(
     overwrite: bool = False,
     shardings: ShardingsArg = None,
     data: Any = None,
+    like: Any = None,
 ) -> tuple[Any, int | None]:
     """The state to train from, by an explicit resume policy.
 
@@ -156,6 +157,9 @@ def restore_or_init(
         shardings: target shardings of restored arrays, as in `restore` (a fresh
             `init()` places its own arrays).
         data: a train `Loader`: it is moved to the checkpoint's position (`seek`).
+        like: the structure to restore into (an abstract or concrete state, or a
+            function building one); default: `init`, evaluated abstractly. Pass
+            it when `init` is costly even abstractly (e.g. it reads weights).
 
     Returns:
         `(state, step)`, with `step` None when starting fresh.
@@ -179,14 +183,14 @@ def restore_or_init(
             if _storage.has_leftovers(directory):
                 _storage.clean_leftovers(directory)
             return init(), None
-        restored = restore(directory, init, shardings=shardings)
+        restored = restore(directory, init if like is None else like, shardings=shardings)
     else:
         if str(resume) in ("", "none", "latest"):
             raise ConfigError(
                 "`resume` must be 'auto', 'never' or a checkpoint path; got "
                 f"{resume!r}."
             )
-        restored = restore(resume, init, shardings=shardings)
+        restored = restore(resume, init if like is None else like, shardings=shardings)
     if data is not None and restored.data_position is not None:
         data.seek(restored.data_position)
     jax.block_until_ready(restored.state)

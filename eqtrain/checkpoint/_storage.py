@@ -22,7 +22,7 @@ DELETING = ".eqtrain-deleting"
 
 
 def checkpoints_dir(run_dir: str | os.PathLike[str]) -> Path:
-    return Path(run_dir) / CHECKPOINTS
+    return Path(run_dir).absolute() / CHECKPOINTS  # Orbax needs absolute paths
 
 
 def steps(directory: Path) -> list[int]:
@@ -92,7 +92,7 @@ def read_json(step_dir: Path, item: str, filename: str) -> Any:
 def resolve(path: str | os.PathLike[str]) -> tuple[Path, int | None]:
     """(checkpoints directory, step or None) for a run directory, a checkpoints
     directory or one step's directory."""
-    p = Path(path)
+    p = Path(path).absolute()
     if (p / CHECKPOINTS).is_dir():
         return p / CHECKPOINTS, None
     if p.name.isdigit() and (p / STATE).exists():
@@ -109,3 +109,22 @@ def list_steps(path: str | os.PathLike[str]) -> list[int]:
     """Committed checkpoint steps of a run directory (or checkpoints directory)."""
     directory, _ = resolve(path)
     return steps(directory)
+
+
+def read_manifest(path: str | os.PathLike[str], *, step: int | None = None) -> Any:
+    """The manifest (config, metrics, stop reason, versions, mesh, ...) of a
+    checkpoint: `path` a step directory, or a run/checkpoints directory with
+    `step` (default: the latest committed step).
+
+    Raises:
+        CheckpointError: no such directory, no checkpoint, or an unreadable
+            manifest.
+    """
+    directory, found = resolve(path)
+    step = step if step is not None else found
+    if step is None:
+        existing = steps(directory)
+        if not existing:
+            raise CheckpointError(f"{directory} holds no committed checkpoint.")
+        step = existing[-1]
+    return read_json(directory / str(step), MANIFEST, MANIFEST_FILE)

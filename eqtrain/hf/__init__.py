@@ -11,5 +11,5 @@ from ._errors import (
 )
 from ._export import export as export, parse_size as parse_size
 from ._hook import export_hook as export_hook
-from ._load import load as load
+from ._load import load as load, load_config as load_config
 from ._maps import ARCHS as ARCHS, infer_model_type as infer_model_type

@@ -57,6 +57,26 @@ def load(path: str | os.PathLike[str], *, dtype: str | None = None) -> tuple[Any
     return _fill(template, tensors, arch, config, path), config
 
 
+def load_config(path: str | os.PathLike[str], *, dtype: str | None = None) -> Any:
+    """The eqtrain config of a Hugging Face directory, from its config.json alone
+    (no tensors are read): what `load(path, dtype=dtype)[1]` returns, except that
+    `param_dtype` is `dtype` or the config's own `dtype`/`torch_dtype` (else
+    float32), not the stored tensors' dtype.
+
+    Raises:
+        HFFileNotFoundError, HFFormatError: as `load`.
+    """
+    path = os.fspath(path)
+    hf_config = _read_config(path)
+    declared = hf_config.get("dtype") or hf_config.get("torch_dtype")
+    param_dtype = dtype or (declared if declared in _maps.DTYPE_NAMES else "float32")
+    as_dtype(param_dtype, field="dtype")
+    _, config = _maps.eqtrain_config(
+        hf_config, os.path.join(path, "config.json"), param_dtype
+    )
+    return config
+
+
 def _read_config(path: str) -> dict[str, Any]:
     if not os.path.isdir(path):
         raise HFFileNotFoundError(

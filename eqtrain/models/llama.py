@@ -11,6 +11,7 @@ from typing import Any
 import equinox as eqx
 import jax
 import jax.random as jr
+from jax.sharding import PartitionSpec
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from .._errors import ConfigError
@@ -347,3 +348,32 @@ def flops_per_token(config: LlamaConfig, seq_len: int) -> float:
     if config.sliding_window is not None:
         span = min(seq_len, config.sliding_window)
     return float(6 * n + 12 * config.num_hidden_layers * q * span)
+
+
+def tensor_parallel_rules() -> list[tuple[str, PartitionSpec]]:
+    """Megatron-style tensor-parallel rules for `eqtrain.sharding` (Llama's paths).
+
+    Weights are `[out, in]` with a leading stacked-layer axis (`"layers"`, never
+    sharded). Column-parallel q/k/v/gate/up split their `out` dimension over
+    `tensor` (whole heads when `tensor` divides the head counts); row-parallel
+    o/down split their `in` dimension, so each layer needs one all-reduce after
+    attention and one after the MLP. The embedding and the head split the vocab.
+    Every other leaf under `layers` is only marked as stacked. FSDP is added by
+    `eqtrain.sharding.Rules` on a remaining dimension.
+    """
+    col, row, stacked = (
+        PartitionSpec("layers", "tensor", None),
+        PartitionSpec("layers", None, "tensor"),
+        PartitionSpec("layers", "tensor"),
+    )
+    layer = r"(^|\.)layers\."
+    return [
+        (layer + r"self_attn\.[qkv]_proj\.weight$", col),
+        (layer + r"self_attn\.[qkv]_proj\.bias$", stacked),
+        (layer + r"self_attn\.o_proj\.weight$", row),
+        (layer + r"mlp\.(gate|up)_proj\.weight$", col),
+        (layer + r"mlp\.(gate|up)_proj\.bias$", stacked),
+        (layer + r"mlp\.down_proj\.weight$", row),
+        (layer, PartitionSpec("layers")),  # norms, o/down biases: replicated
+        (r"(^|\.)(embed_tokens|lm_head)\.weight$", PartitionSpec("tensor", None)),
+    ]

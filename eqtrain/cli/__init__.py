@@ -1,0 +1,275 @@
+"""The `eqtrain` command: a thin Typer shell over `eqtrain.config` and
+`eqtrain.job`. Each command parses its arguments into a config and calls one
+library function; errors of ours exit with code 2 and one paragraph, no traceback.
+"""
+
+import contextlib
+import json
+import sys
+import textwrap
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from .._errors import EqtrainError
+
+
+app = typer.Typer(
+    name="eqtrain",
+    help="Train, evaluate, inspect and export eqtrain runs.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    context_settings={"help_option_names": ["-h", "--help"]},
+)
+
+EXIT_USAGE = 2
+
+SetOption = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--set",
+        "-s",
+        help="Override a config key, e.g. --set optim.lr=1e-4 (repeatable).",
+        metavar="KEY=VALUE",
+    ),
+]
+
+
+def _fail(message: str) -> None:
+    text = textwrap.fill(" ".join(message.split()), 100)
+    typer.echo(f"error: {text}", err=True)
+    raise typer.Exit(EXIT_USAGE)
+
+
+@contextlib.contextmanager
+def _errors() -> Iterator[None]:
+    """Our errors (bad config, files, checkpoints) become exit 2 with a message."""
+    try:
+        yield
+    except EqtrainError as e:
+        _fail(str(e))
+
+
+def _echo(text: str) -> None:
+    typer.echo(text, err=True)
+
+
+@app.command()
+def fit(
+    config: Annotated[
+        Path | None,
+        typer.Argument(help="A TOML config; none: the built-in default run.")
+    ] = None,
+    set_: SetOption = None,
+    dry_run: Annotated[
+        bool,
+        typer.Option(
+            "--dry-run",
+            help="Print the mesh, parameters, sharding and memory; do not train.",
+        ),
+    ] = False,
+    resume: Annotated[
+        str | None,
+        typer.Option(
+            help="auto | never | PATH of a run or checkpoint (default: "
+            "checkpoint.resume, itself 'auto').",
+        ),
+    ] = None,
+    run_dir: Annotated[
+        str | None, typer.Option(help="Where the run writes (overrides run_dir).")
+    ] = None,
+    overwrite: Annotated[
+        bool,
+        typer.Option(help="With --resume never: delete the run's old checkpoints."),
+    ] = False,
+) -> None:
+    """Train. With no CONFIG: a small byte-level Llama on the Python standard
+    library, on CPU, in a few minutes."""
+    from .. import config as config_lib, job
+
+    with _errors():
+        overrides = list(set_ or [])
+        if run_dir is not None:
+            overrides.append(f"run_dir={run_dir}")
+        cfg = config_lib.load(config, overrides)
+        if resume is not None and resume not in ("auto", "never"):
+            if not Path(resume).exists():
+                _fail(f"--resume {resume}: no such run or checkpoint directory.")
+        if dry_run:
+            typer.echo(job.report(cfg))
+            return
+        result = job.run(cfg, resume=resume, overwrite=overwrite, echo=_echo)
+    _summary(result)
+
+
+def _summary(result: Any) -> None:
+    fit_result = result.fit
+    metrics = fit_result.metrics
+    lines = [
+        f"stopped: {fit_result.stop_reason}",
+        "final: "
+        + "  ".join(
+            f"{k} {metrics[k]:.4f}"
+            for k in ("loss", "eval/loss", "eval/accuracy")
+            if isinstance(metrics.get(k), float)
+        ),
+        f"run directory:  {result.run_dir}",
+        f"  config:       {result.run_dir / 'config.toml'}",
+        f"  metrics:      {result.run_dir / 'metrics.jsonl'}",
+        f"  checkpoints:  {result.run_dir / 'checkpoints'}",
+    ]
+    if result.config.log.tensorboard:
+        lines.append(f"  tensorboard:  {result.run_dir / 'tb'}")
+    if result.export_dir is not None:
+        lines.append(f"  HF export:    {result.export_dir}")
+    lines.append(f"plot it:        eqtrain plot {result.run_dir}")
+    typer.echo("\n".join(lines))
+    if fit_result.stop_reason.kind == "nonfinite":
+        raise typer.Exit(1)
+
+
+@app.command(name="eval")
+def eval_(
+    path: Annotated[str, typer.Argument(help="A run directory or a checkpoint step.")],
+    set_: SetOption = None,
+) -> None:
+    """Evaluate a run's latest checkpoint (or the given step) on its eval data;
+    prints one JSON object."""
+    from .. import job
+
+    with _errors():
+        metrics = job.evaluate_run(path, list(set_ or []))
+    typer.echo(json.dumps(metrics))
+
+
+@app.command()
+def export(
+    path: Annotated[str, typer.Argument(help="A run directory or a checkpoint step.")],
+    out_dir: Annotated[str, typer.Argument(help="The Hugging Face directory to write.")],
+    dtype: Annotated[
+        str | None,
+        typer.Option(help="float32 | bfloat16 | float16 (default: the parameters')."),
+    ] = None,
+    ema: Annotated[bool, typer.Option(help="Export the EMA weights.")] = False,
+    overwrite: Annotated[
+        bool, typer.Option(help="Replace an existing export at OUT_DIR.")
+    ] = False,
+) -> None:
+    """Export a run's latest checkpoint (or the given step) in Hugging Face format
+    (safetensors, config.json, tokenizer)."""
+    from .. import job
+
+    with _errors():
+        out = job.export_run(path, out_dir, dtype=dtype, ema=ema, overwrite=overwrite)
+    typer.echo(f"exported to {out}")
+
+
+@app.command(name="import")
+def import_(
+    hf_dir: Annotated[str, typer.Argument(help="A Hugging Face model directory.")],
+    out: Annotated[str, typer.Argument(help="The new run directory to create.")],
+    config: Annotated[
+        Path | None,
+        typer.Option(help="A TOML config for the rest of the run (data, optim, ...)."),
+    ] = None,
+    set_: SetOption = None,
+    overwrite: Annotated[
+        bool, typer.Option(help="Replace an existing, non-empty OUT.")
+    ] = False,
+) -> None:
+    """Start a run from a Hugging Face model: its weights become OUT's step-0
+    checkpoint, ready for `eqtrain fit OUT/config.toml`."""
+    from .. import config as config_lib, job
+
+    with _errors():
+        cfg = config_lib.load(config, list(set_ or []))
+        run_dir = job.import_hf(hf_dir, out, config=cfg, overwrite=overwrite)
+    typer.echo(f"imported into {run_dir}; fine-tune with: eqtrain fit {run_dir}/config.toml")
+
+
+@app.command()
+def info(
+    path: Annotated[str, typer.Argument(help="A run directory or a checkpoint step.")],
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
+) -> None:
+    """Steps, checkpoints, metrics, export and config of a run."""
+    from .. import job
+
+    with _errors():
+        data = job.run_info(path)
+    if as_json:
+        typer.echo(json.dumps(data, indent=2))
+        return
+    typer.echo(_format_info(data))
+
+
+def _format_info(data: dict[str, Any]) -> str:
+    model = data["config"]["model"]
+    lines = [
+        f"run:          {data['run_dir']}",
+        f"model:        {model['arch']} ({model['num_layers']} layers, hidden "
+        f"{model['hidden_size']}, vocab {model['vocab_size'] or 'tokenizer'})",
+        f"trained:      {data['steps_trained']} / {data['target_steps']} steps",
+    ]
+    last = data["last_metrics"]
+    if last:
+        shown = {
+            k: v
+            for k, v in last.items()
+            if k in ("step", "loss", "eval/loss", "eval/accuracy", "stop_reason")
+        }
+        lines.append(f"last logged:  {json.dumps(shown)}")
+    lines.append(f"checkpoints:  {len(data['checkpoints'])}")
+    for c in data["checkpoints"]:
+        reason = (c.get("stop_reason") or {}).get("kind", "")
+        loss = (c.get("metrics") or {}).get("eval/loss")
+        extra = f"  eval/loss {loss:.4f}" if isinstance(loss, float) else ""
+        lines.append(f"  step {c['step']:>8}{extra}  {reason}".rstrip())
+    lines.append(f"HF export:    {data['export'] or '(none)'}")
+    return "\n".join(lines)
+
+
+@app.command()
+def plot(
+    run_dir: Annotated[str, typer.Argument(help="A run directory (metrics.jsonl).")],
+    output: Annotated[
+        str | None,
+        typer.Option("-o", "--output", help="The PNG to write (default: RUN_DIR/plot.png)."),
+    ] = None,
+) -> None:
+    """Loss (train and eval), learning rate and throughput curves as a PNG."""
+    from .. import plot as plot_lib
+
+    with _errors():
+        out = plot_lib.plot_run(run_dir, output)
+    typer.echo(f"wrote {out}")
+
+
+@app.command(name="config")
+def config_(
+    config: Annotated[
+        Path | None, typer.Argument(help="A TOML config; none: the defaults.")
+    ] = None,
+    show: Annotated[
+        bool, typer.Option("--show", help="Print the fully resolved config as TOML.")
+    ] = True,
+    set_: SetOption = None,
+) -> None:
+    """Print the fully resolved config (defaults, file and --set) as TOML."""
+    from .. import config as config_lib
+
+    with _errors():
+        cfg = config_lib.load(config, list(set_ or []))
+    if show:
+        typer.echo(config_lib.to_toml(cfg), nl=False)
+
+
+def main() -> None:
+    """The console entry point."""
+    app(prog_name="eqtrain")
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,18 @@
+"""The whole job `eqtrain fit` runs, as Python: `run(config)` assembles data,
+model, optimizer, mesh, resume, hooks, checkpoints, evaluation and export from a
+`Config` and calls `eqtrain.fit`. The CLI's other commands are here too.
+
+    config = eqtrain.config.load("run.toml", ["loop.steps=1000"])
+    result = eqtrain.job.run(config)
+"""
+
+from ._build import Job as Job, build as build
+from ._dry import report as report
+from ._inspect import (
+    evaluate_run as evaluate_run,
+    export_run as export_run,
+    import_hf as import_hf,
+    open_run as open_run,
+    run_info as run_info,
+)
+from ._run import RunResult as RunResult, run as run

@@ -1,0 +1,299 @@
+"""From a `Config` to the pieces of a run: tokenizer, model config, data rows,
+optimizer, loss and state builders. Everything that can be wrong with the config
+or its files fails here, before any compilation."""
+
+import dataclasses
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import equinox as eqx
+import jax.numpy as jnp
+import jax.random as jr
+import numpy as np
+
+from .. import data as data_lib, hf, models, optim
+from .._errors import ConfigError
+from .._state import TrainState
+from ..config import Config
+from ..data._sources import read_text
+from ..losses import causal_lm_loss
+
+
+Rows = dict[str, np.ndarray]
+
+
+@dataclasses.dataclass
+class Job:
+    """The pieces of a run, built from its config (no arrays allocated yet).
+
+    Attributes:
+        config: the resolved config (architecture fields filled in from
+            `model.init_from` when it is set).
+        tokenizer: a `ByteTokenizer` or `HFTokenizer`.
+        model_config: the model's `LlamaConfig` or `GPT2Config`.
+        model_type: the Hugging Face `model_type` an export writes.
+        optimizer: the optax transformation from the `optim` section.
+        loss_fn: the loss the steps differentiate.
+    """
+
+    config: Config
+    tokenizer: Any
+    model_config: Any
+    model_type: str
+    optimizer: Any
+    loss_fn: Callable[..., Any] = causal_lm_loss
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.config.run_dir)
+
+    def new_model(self) -> Any:
+        """The initial model: `model.init_from`'s weights, or a random init."""
+        m = self.config.model
+        if m.init_from is not None:
+            model, _ = hf.load(m.init_from, dtype=m.param_dtype)
+            return model.with_options(remat=m.remat, scan_layers=m.scan_layers)
+        cls = models.GPT2 if self.model_type == "gpt2" else models.Llama
+        return cls(self.model_config, jr.key(self.config.seed))
+
+    def new_state(self) -> TrainState:
+        """The initial `TrainState` (allocates the model and optimizer state)."""
+        return TrainState.create(
+            self.new_model(),
+            self.optimizer,
+            key=self.config.seed,
+            ema=self.config.loop.ema is not None,
+        )
+
+    def abstract_state(self) -> TrainState:
+        """The state's structure, shapes and dtypes, without reading weights."""
+        cls = models.GPT2 if self.model_type == "gpt2" else models.Llama
+
+        def init() -> TrainState:
+            return TrainState.create(
+                cls(self.model_config, jr.key(0)),
+                self.optimizer,
+                key=0,
+                ema=self.config.loop.ema is not None,
+            )
+
+        return eqx.filter_eval_shape(init)
+
+    def flops_per_token(self) -> float:
+        module = models.gpt2 if self.model_type == "gpt2" else models.llama
+        return module.flops_per_token(self.model_config, self.config.data.seq_len)
+
+
+def build(config: Config) -> Job:
+    """The `Job` of `config`: reads the tokenizer and `model.init_from`'s
+    config.json, checks that they agree, and builds the optimizer."""
+    tokenizer = make_tokenizer(config)
+    config, model_config, model_type = _model_config(config, tokenizer)
+    opt_fields = dataclasses.asdict(config.optim)
+    opt_fields.pop("accumulate")
+    optimizer = optim.build(**opt_fields, total_steps=config.loop.steps)
+    return Job(config, tokenizer, model_config, model_type, optimizer)
+
+
+# -- tokenizer ------------------------------------------------------------------
+def make_tokenizer(config: Config) -> Any:
+    """The tokenizer `data.tokenizer` names."""
+    name = config.data.tokenizer
+    if name == "auto":
+        init_from = config.model.init_from
+        found = init_from and os.path.exists(os.path.join(init_from, "tokenizer.json"))
+        name = os.path.join(init_from, "tokenizer.json") if found else "byte"
+    if name == "byte":
+        return data_lib.ByteTokenizer()
+    path = Path(name)
+    if path.is_dir():
+        path = path / "tokenizer.json"
+    if not path.is_file():
+        raise ConfigError(
+            f"`data.tokenizer` names {name!r}, but {path} does not exist. Pass "
+            "'byte', a tokenizer.json file, or a directory holding one."
+        )
+    return data_lib.HFTokenizer.from_file(path)
+
+
+# -- model ------------------------------------------------------------------------
+def _model_config(config: Config, tokenizer: Any) -> tuple[Config, Any, str]:
+    m = config.model
+    if m.init_from is not None:
+        model_config = hf.load_config(m.init_from, dtype=m.param_dtype)
+        model_type = hf.infer_model_type(model_config, _hf_model_type(m.init_from))
+        config = dataclasses.replace(
+            config, model=model_section(model_config, model_type, base=m)
+        )
+        _check_vocab(config, tokenizer, model_config.vocab_size, "model.init_from")
+        return config, model_config, model_type
+    vocab = m.vocab_size if m.vocab_size is not None else tokenizer.vocab_size
+    _check_vocab(config, tokenizer, vocab, "model.vocab_size")
+    seq = m.max_seq_len or config.data.seq_len
+    try:
+        if m.arch == "gpt2":
+            model_config: Any = models.GPT2Config(
+                vocab_size=vocab,
+                n_positions=seq,
+                n_embd=m.hidden_size,
+                n_layer=m.num_layers,
+                n_head=m.num_heads,
+                n_inner=m.intermediate_size,
+                layer_norm_epsilon=1e-5 if m.norm_eps is None else m.norm_eps,
+                initializer_range=m.init_std,
+                param_dtype=m.param_dtype,
+                remat=m.remat,
+                scan_layers=m.scan_layers,
+            )
+        else:
+            model_config = models.LlamaConfig(
+                vocab_size=vocab,
+                hidden_size=m.hidden_size,
+                intermediate_size=m.intermediate_size or 4 * m.hidden_size,
+                num_hidden_layers=m.num_layers,
+                num_attention_heads=m.num_heads,
+                num_key_value_heads=m.num_kv_heads,
+                head_dim=m.head_dim,
+                rms_norm_eps=1e-6 if m.norm_eps is None else m.norm_eps,
+                rope_theta=m.rope_theta,
+                attention_bias=m.attention_bias,
+                o_proj_bias=False if m.arch == "qwen2" else None,
+                mlp_bias=m.mlp_bias,
+                tie_word_embeddings=m.tie_embeddings,
+                sliding_window=m.sliding_window,
+                max_position_embeddings=seq,
+                initializer_range=m.init_std,
+                param_dtype=m.param_dtype,
+                remat=m.remat,
+                scan_layers=m.scan_layers,
+            )
+    except ConfigError as e:
+        raise ConfigError(f"the [model] section is inconsistent: {e}") from None
+    return config, model_config, m.arch
+
+
+def _hf_model_type(path: str) -> str | None:
+    import json
+
+    with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
+        return json.load(f).get("model_type")
+
+
+def model_section(model_config: Any, model_type: str, *, base: Any) -> Any:
+    """The `[model]` section describing `model_config` (an HF model's), keeping
+    `base`'s runtime options and `init_from`."""
+    c = model_config
+    if model_type == "gpt2":
+        fields: dict[str, Any] = dict(
+            vocab_size=c.vocab_size,
+            hidden_size=c.n_embd,
+            intermediate_size=c.n_inner,
+            num_layers=c.n_layer,
+            num_heads=c.n_head,
+            max_seq_len=c.n_positions,
+            norm_eps=c.layer_norm_epsilon,
+        )
+    else:
+        fields = dict(
+            vocab_size=c.vocab_size,
+            hidden_size=c.hidden_size,
+            intermediate_size=c.intermediate_size,
+            num_layers=c.num_hidden_layers,
+            num_heads=c.num_attention_heads,
+            num_kv_heads=c.kv_heads,
+            head_dim=c.head_dim,
+            max_seq_len=c.max_position_embeddings,
+            rope_theta=float(c.rope_theta),
+            norm_eps=float(c.rms_norm_eps),
+            tie_embeddings=c.tie_word_embeddings,
+            attention_bias=c.attention_bias,
+            mlp_bias=c.mlp_bias,
+            sliding_window=c.sliding_window,
+        )
+    return dataclasses.replace(
+        base, arch=model_type, init_std=float(c.initializer_range), **fields
+    )
+
+
+def _check_vocab(config: Config, tokenizer: Any, vocab: int, source: str) -> None:
+    if tokenizer.vocab_size > vocab:
+        raise ConfigError(
+            f"the tokenizer ({config.data.tokenizer!r}: {tokenizer.vocab_size} ids) "
+            f"does not fit the model's vocabulary of {vocab} ({source}): token ids "
+            "past the embedding table would be silently wrong. Use the model's own "
+            "tokenizer (data.tokenizer) or a model with a large enough vocabulary."
+        )
+
+
+# -- data ---------------------------------------------------------------------------
+def _documents(source: str, config: Config, split: str, key: str) -> list[str]:
+    if source == "stdlib":
+        return data_lib.stdlib_corpus(split)
+    path = Path(source)
+    if not path.exists():
+        raise ConfigError(
+            f"`{key}` names {source!r}, which does not exist. Pass 'stdlib', a "
+            "directory of text files or a .txt/.json/.jsonl/.parquet/.csv file."
+        )
+    if path.is_dir():
+        return data_lib.load_text_dir(path, pattern=config.data.pattern)
+    if path.suffix.lower() == ".txt":
+        return [read_text(path)]
+    table = data_lib.from_files(path)
+    return [str(t) for t in data_lib.column(table, config.data.text_column)]
+
+
+def train_rows(job: Job) -> Rows:
+    """The training rows (`tokens`, `targets`, `loss_mask`) of `data.train`."""
+    config = job.config
+    docs = _documents(config.data.train, config, "train", "data.train")
+    return data_lib.chunk_documents(docs, job.tokenizer, seq_len=config.data.seq_len)
+
+
+def eval_rows(job: Job) -> Rows | None:
+    """The evaluation rows of `data.eval` (at most `data.eval_rows`), or None."""
+    config = job.config
+    source = config.data.eval
+    if source == "auto":
+        source = "stdlib" if config.data.train == "stdlib" else "none"
+    if source == "none" or config.loop.eval_every == 0 and not config.loop.eval_at_end:
+        return None
+    docs = _documents(source, config, "eval", "data.eval")
+    rows = data_lib.chunk_documents(docs, job.tokenizer, seq_len=config.data.seq_len)
+    n = min(config.data.eval_rows, len(rows["tokens"]))
+    n -= n % min(config.data.batch_size, n)  # whole batches: one compiled shape
+    return {k: v[:n] for k, v in rows.items()}
+
+
+def eval_batch_size(rows: Rows, config: Config) -> int:
+    """The eval batch: `data.batch_size`, or all rows when there are fewer."""
+    return min(config.data.batch_size, len(rows["tokens"]))
+
+
+def check_rows(rows: Rows, config: Config, what: str) -> None:
+    """Enough rows for one batch, else an error saying how many there are."""
+    n = len(rows["tokens"])
+    if what == "train" and n < config.data.batch_size:
+        raise ConfigError(
+            f"the training data has {n} rows of {config.data.seq_len} tokens, fewer "
+            f"than one batch (`data.batch_size` = {config.data.batch_size}). Lower "
+            "data.batch_size or data.seq_len, or add text."
+        )
+
+
+def num_params(state_or_model: Any) -> int:
+    """Trainable parameter count (works on abstract states)."""
+    model = getattr(state_or_model, "model", state_or_model)
+    return sum(
+        int(np.prod(x.shape))
+        for x in _leaves(model)
+        if jnp.issubdtype(x.dtype, jnp.inexact)
+    )
+
+
+def _leaves(tree: Any) -> list[Any]:
+    import jax
+
+    return [x for x in jax.tree_util.tree_leaves(tree) if hasattr(x, "shape")]

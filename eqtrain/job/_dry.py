@@ -1,0 +1,77 @@
+"""`eqtrain fit --dry-run`: what a run would do — mesh, parameters, a per-leaf
+sharding table and a per-device memory estimate — without training or writing."""
+
+from .. import sharding
+from ..config import Config
+from . import _build, _place
+
+
+def _activations(config: Config, job: _build.Job, parallel: int) -> int:
+    """A rough upper estimate of the activations kept for the backward pass on one
+    device (f32 unless bf16 compute), for one micro-batch."""
+    c, m = config, job.config.model
+    micro = c.data.batch_size // c.optim.accumulate // parallel or 1
+    seq, hidden = c.data.seq_len, m.hidden_size
+    inter = m.intermediate_size or 4 * hidden
+    width = 2 if c.loop.precision == "bf16" else 4
+    per_layer = micro * seq * (10 * hidden + 3 * inter) + micro * m.num_heads * seq**2
+    if m.remat == "full":
+        kept = m.num_layers * micro * seq * hidden + per_layer
+    else:
+        kept = m.num_layers * per_layer
+    logits = 2 * micro * seq * job.model_config.vocab_size
+    return int((kept + logits) * width)
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return f"{n:.2f} TiB"
+
+
+def report(config: Config) -> str:
+    """The dry-run report of `config` (nothing is trained, allocated or written)."""
+    job = _build.build(config)
+    config = job.config
+    rows = _build.train_rows(job)
+    _build.check_rows(rows, config, "train")
+    eval_rows = _build.eval_rows(job)
+    placement = _place.placement(job)
+    abstract = job.abstract_state()
+    table = sharding.describe(abstract, placement.state_shardings)
+    mesh = placement.mesh
+    params = [t for t in table if t.path.startswith("model.")]
+    opt = [t for t in table if t.path.startswith("opt_state.")]
+    num = _build.num_params(abstract)
+    parallel = mesh.shape["data"] * mesh.shape["fsdp"]
+    p_bytes = sum(t.bytes_per_device for t in params)
+    o_bytes = sum(t.bytes_per_device for t in opt)
+    rest = sum(t.bytes_per_device for t in table) - p_bytes - o_bytes
+    act = _activations(config, job, parallel)
+    lines = [
+        f"run_dir      {config.run_dir} (nothing written: dry run)",
+        f"model        {job.model_type}, {num:,} parameters ({config.model.param_dtype})",
+        f"data         {len(rows['tokens']):,} train rows x {config.data.seq_len} "
+        f"tokens; {0 if eval_rows is None else len(eval_rows['tokens']):,} eval rows; "
+        f"tokenizer {type(job.tokenizer).__name__} ({job.tokenizer.vocab_size} ids)",
+        f"steps        {config.loop.steps} x batch {config.data.batch_size} "
+        f"(accumulate {config.optim.accumulate}); optimizer {config.optim.name}, "
+        f"lr {config.optim.lr:g} {config.optim.schedule}",
+        f"devices      {mesh.devices.size} x {mesh.devices.flat[0].platform}; mesh "
+        + ", ".join(f"{k}={v}" for k, v in mesh.shape.items()),
+        "",
+        sharding.format_table(table),
+    ]
+    total = p_bytes + o_bytes + rest + act
+    lines += [
+        "",
+        "memory per device (estimate)",
+        f"  parameters        {_fmt_bytes(p_bytes)}",
+        f"  optimizer state   {_fmt_bytes(o_bytes)}",
+        f"  other state       {_fmt_bytes(rest)}",
+        f"  activations       {_fmt_bytes(act)}  (one micro-batch; rough)",
+        f"  total             {_fmt_bytes(total)}",
+    ]
+    return "\n".join(lines)

@@ -1,0 +1,240 @@
+"""Working on an existing run: evaluate, export or describe a run directory or
+one of its checkpoints, and import a Hugging Face model as a new run."""
+
+import dataclasses
+import json
+import os
+import shutil
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from .. import checkpoint, hf
+from .._errors import ConfigError
+from .._hooks import StepInfo
+from .._jit import jit
+from .._loop import evaluate
+from .._step import eval_step
+from ..checkpoint import _storage
+from ..config import Config, apply_overrides, from_dict, read_toml, validate
+from ..data import Loader
+from . import _build, _place
+from ._run import check_writable, write_config
+
+
+def _run_dir_of(path: Path) -> Path:
+    """The run directory of a run, checkpoints or step directory."""
+    directory, _ = _storage.resolve(path)
+    return directory.parent
+
+
+def open_run(path: str | os.PathLike[str], overrides: Iterable[str] = ()) -> Config:
+    """The config a run (or one checkpoint of it) was trained with, with
+    `overrides` applied and `run_dir` pointing at where the run is now.
+
+    The run's `config.toml` is used; a step directory uses its own manifest's
+    config (exactly what that checkpoint was trained with).
+    """
+    p = Path(path)
+    if not p.exists():
+        raise ConfigError(
+            f"{p} does not exist; pass a run directory (holding config.toml and "
+            "checkpoints/) or one checkpoint step directory."
+        )
+    directory, step = _storage.resolve(p)
+    run_dir = directory.parent
+    if step is not None or not (run_dir / "config.toml").exists():
+        try:
+            manifest = checkpoint.read_manifest(p)
+        except checkpoint.CheckpointError as e:
+            raise ConfigError(
+                f"{p} is not an eqtrain run: it has no config.toml and {e}"
+            ) from None
+        if not manifest.get("config"):
+            raise ConfigError(f"the checkpoint at {p} records no config.")
+        config = from_dict(manifest["config"], source=f"the manifest of {p}")
+    else:
+        config = from_dict(read_toml(run_dir / "config.toml"), source=str(run_dir))
+    config = dataclasses.replace(config, run_dir=str(run_dir))
+    config = apply_overrides(config, overrides)
+    validate(config)
+    return config
+
+
+def _restore(path: Path, job: _build.Job, placement: _place.Placement) -> Any:
+    if not checkpoint.list_steps(path):
+        raise ConfigError(
+            f"{path} holds no checkpoint yet; train it first (`eqtrain fit`)."
+        )
+    return checkpoint.restore(
+        path, job.abstract_state(), shardings=placement.state_shardings
+    )
+
+
+def evaluate_run(
+    path: str | os.PathLike[str], overrides: Iterable[str] = ()
+) -> dict[str, Any]:
+    """Evaluate a run's latest checkpoint (or the given step directory) on its
+    configured eval data. Returns `{"step": k, "eval/loss": ..., ...}`."""
+    config = open_run(path, overrides)
+    job = _build.build(config)
+    rows = _build.eval_rows(job)
+    if rows is None:
+        raise ConfigError(
+            f"the run at {path} has no evaluation data (data.eval = "
+            f"{config.data.eval!r}); pass one with --set data.eval=PATH."
+        )
+    placement = _place.placement(job)
+    restored = _restore(Path(path), job, placement)
+    loader = Loader(
+        rows, _build.eval_batch_size(rows, config), mode="eval",
+        sharding=placement.batch_sharding,
+    )
+    precision = "bf16" if config.loop.precision == "bf16" else None
+    evaluator = jit(
+        eval_step(job.loss_fn, precision=precision),
+        donate=False,
+        shardings=placement.shardings,
+    )
+    metrics = evaluate(restored.state, evaluator, loader)
+    return {"step": restored.step, **metrics}
+
+
+def export_run(
+    path: str | os.PathLike[str],
+    out_dir: str | os.PathLike[str],
+    *,
+    dtype: str | None = None,
+    ema: bool = False,
+    overwrite: bool = False,
+    overrides: Iterable[str] = (),
+) -> Path:
+    """Export a run's latest checkpoint (or a step directory) in Hugging Face
+    format to `out_dir`."""
+    config = open_run(path, overrides)
+    job = _build.build(config)
+    placement = _place.placement(job)
+    state = _restore(Path(path), job, placement).state
+    if ema and state.ema is None:
+        raise ConfigError(
+            f"the run at {path} keeps no EMA weights (loop.ema was unset); drop --ema."
+        )
+    model = state.ema_model if ema else state.model
+    return Path(
+        hf.export(
+            model,
+            job.model_config,
+            out_dir,
+            dtype=dtype,
+            max_shard_size=config.export.max_shard_size,
+            tokenizer=job.tokenizer,
+            model_type=job.model_type,
+            overwrite=overwrite,
+        )
+    )
+
+
+def import_hf(
+    hf_dir: str | os.PathLike[str],
+    out_dir: str | os.PathLike[str],
+    *,
+    config: Config | None = None,
+    overwrite: bool = False,
+) -> Path:
+    """A new run directory at `out_dir` starting from the Hugging Face model in
+    `hf_dir`: its weights as the step-0 checkpoint (with a fresh optimizer state
+    from `config`'s `[optim]`), its tokenizer, and a `config.toml` describing
+    the architecture, so `eqtrain fit <out_dir>/config.toml` fine-tunes it."""
+    out = Path(out_dir)
+    if out.exists() and any(out.iterdir()) and not overwrite:
+        raise ConfigError(
+            f"{out} already exists and is not empty; choose a new directory or pass "
+            "--overwrite."
+        )
+    hf_dir = os.path.abspath(hf_dir)
+    base = config or Config()
+    model = dataclasses.replace(base.model, init_from=hf_dir)
+    config = dataclasses.replace(base, model=model, run_dir=str(out))
+    job = _build.build(config)
+    check_writable(out)
+    if overwrite:
+        shutil.rmtree(out / "checkpoints", ignore_errors=True)
+    tokenizer = job.config.data.tokenizer
+    if tokenizer == "auto" and os.path.exists(os.path.join(hf_dir, "tokenizer.json")):
+        shutil.copyfile(os.path.join(hf_dir, "tokenizer.json"), out / "tokenizer.json")
+        tokenizer = str((out / "tokenizer.json").resolve())
+    elif tokenizer == "auto":
+        tokenizer = "byte"
+    resolved = dataclasses.replace(
+        job.config,
+        model=dataclasses.replace(job.config.model, init_from=None),
+        data=dataclasses.replace(job.config.data, tokenizer=tokenizer),
+    )
+    placement = _place.placement(job)
+    state = placement.place(job.new_state())
+    ckpt = checkpoint.Checkpointer(
+        out, every_steps=None, config=_config_dict(resolved), async_save=False
+    )
+    ckpt.save(StepInfo(step=0, metrics={}, num_steps=0, _state=state), final=True)
+    ckpt.close()
+    write_config(resolved, out)
+    return out
+
+
+def _config_dict(config: Config) -> dict[str, Any]:
+    from ..config import to_dict
+
+    return to_dict(config)
+
+
+def run_info(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """What a run directory holds: config, checkpoints with their metrics and
+    stop reasons, the last logged metrics, and exports."""
+    p = Path(path)
+    config = open_run(p)
+    run_dir = _run_dir_of(p)
+    steps = checkpoint.list_steps(run_dir)
+    checkpoints = []
+    for step in steps:
+        try:
+            manifest = checkpoint.read_manifest(run_dir, step=step)
+        except checkpoint.CheckpointError as e:
+            checkpoints.append({"step": step, "error": str(e)})
+            continue
+        checkpoints.append(
+            {
+                "step": step,
+                "final": manifest.get("final"),
+                "stop_reason": manifest.get("stop_reason"),
+                "metrics": manifest.get("metrics", {}),
+                "mesh": manifest.get("mesh"),
+            }
+        )
+    last = _last_metrics(run_dir / "metrics.jsonl")
+    export = None
+    if config.export.hf is not None and (run_dir / config.export.hf).exists():
+        export = str(run_dir / config.export.hf)
+    return {
+        "run_dir": str(run_dir),
+        "steps_trained": steps[-1] if steps else 0,
+        "target_steps": config.loop.steps,
+        "checkpoints": checkpoints,
+        "last_metrics": last,
+        "export": export,
+        "config": _config_dict(config),
+    }
+
+
+def _last_metrics(path: Path) -> dict[str, Any] | None:
+    if not path.exists():
+        return None
+    last = None
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            try:
+                record = json.loads(line)
+            except ValueError:
+                continue  # a torn last line after a crash
+            if isinstance(record, dict) and "step" in record:
+                last = record if last is None or "loss" in record else {**last, **record}
+    return last

@@ -1,0 +1,52 @@
+"""Where a run's arrays live: the mesh from the `[mesh]` section, the state's
+shardings from the partition rules, and the batch sharding."""
+
+import dataclasses
+from typing import Any
+
+import jax
+
+from .. import sharding
+from .._errors import ConfigError
+from . import _build
+
+
+@dataclasses.dataclass
+class Placement:
+    """The mesh of a run and the shardings of its state and batches."""
+
+    mesh: Any
+    state_shardings: Any
+    batch_sharding: Any
+
+    @property
+    def shardings(self) -> tuple[Any, Any]:
+        """`(state, batch)` shardings, as `eqtrain.jit(..., shardings=)` takes."""
+        return (self.state_shardings, self.batch_sharding)
+
+    def place(self, state: Any) -> Any:
+        """`state` copied onto its shardings."""
+        return sharding.shard(state, self.state_shardings)
+
+
+def placement(job: _build.Job) -> Placement:
+    """The `Placement` of `job`: checks the mesh against the devices, the batch
+    against the data axes and every parameter against its rule."""
+    m = job.config.mesh
+    mesh = sharding.make_mesh({"data": m.data, "fsdp": m.fsdp, "tensor": m.tensor})
+    batch = job.config.data.batch_size // job.config.optim.accumulate
+    parallel = mesh.shape["data"] * mesh.shape["fsdp"]
+    if batch % parallel:
+        raise ConfigError(
+            f"each micro-batch ({batch} rows: data.batch_size / optim.accumulate) "
+            f"must split evenly over the {parallel} devices of mesh.data x mesh.fsdp; "
+            "change data.batch_size, optim.accumulate or the mesh."
+        )
+    abstract = job.abstract_state()
+    rules = sharding.rules_for(abstract.model, mesh)
+    state_sh = sharding.state_shardings(abstract, mesh, rules)
+    return Placement(mesh, state_sh, sharding.batch_sharding(mesh))
+
+
+def device_count() -> int:
+    return jax.device_count()

@@ -1,0 +1,237 @@
+"""`run(config)`: the whole job `eqtrain fit` runs — data, model, optimizer,
+placement on the mesh, resume, hooks, checkpoints, evaluation, export — assembled
+from library pieces and handed to `eqtrain.fit`."""
+
+import dataclasses
+import os
+import sys
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import jax
+
+from .. import checkpoint, hf, hooks as hooks_lib
+from .._errors import ConfigError
+from .._hooks import at_end, every
+from .._jit import jit
+from .._loop import FitResult, fit
+from .._step import eval_step, train_step
+from ..config import Config, to_dict, to_toml
+from ..data import Loader
+from . import _build, _place
+
+
+@dataclasses.dataclass
+class RunResult:
+    """What `run` did.
+
+    Attributes:
+        fit: the `FitResult` (final state, stop reason, history).
+        run_dir: the run directory.
+        resumed_from: the checkpoint step the run continued from, or None.
+        export_dir: the final Hugging Face export, or None.
+        config: the resolved config.
+    """
+
+    fit: FitResult
+    run_dir: Path
+    resumed_from: int | None
+    export_dir: Path | None
+    config: Config
+
+
+def check_writable(run_dir: Path) -> None:
+    """Create `run_dir` and prove it writable, or say why not (before any work)."""
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=run_dir, prefix=".write-test-"):
+            pass
+    except OSError as e:
+        raise ConfigError(
+            f"the run directory {run_dir} is not writable ({e.strerror or e}). "
+            "Choose another with --run-dir or `run_dir` in the config."
+        ) from None
+
+
+def write_config(config: Config, run_dir: Path) -> Path:
+    """Write the resolved config to `<run_dir>/config.toml`, atomically."""
+    path = run_dir / "config.toml"
+    tmp = path.with_name(".config.toml.tmp")
+    tmp.write_text(to_toml(config), encoding="utf-8")
+    os.replace(tmp, path)
+    return path
+
+
+def _progress_hooks(config: Config) -> list[Any]:
+    mode = config.log.progress
+    if mode == "none":
+        return []
+    if mode == "lines" or (mode == "auto" and not sys.stderr.isatty()):
+        return [every(config.log.every, hooks_lib.ConsoleLogger(stream=sys.stderr))]
+    return [hooks_lib.ProgressBar(force_terminal=True)]
+
+
+def _hooks(job: _build.Job, run_dir: Path) -> list[Any]:
+    config = job.config
+    log = config.log
+    out: list[Any] = _progress_hooks(config)
+    writers: list[Any] = [hooks_lib.JsonlWriter(run_dir / "metrics.jsonl")]
+    if log.tensorboard:
+        writers.append(hooks_lib.TensorBoardWriter(run_dir / "tb"))
+    if log.wandb_project is not None:
+        writers.append(
+            hooks_lib.WandbLogger(
+                project=log.wandb_project,
+                name=log.wandb_name,
+                mode=log.wandb_mode,
+                dir=str(run_dir),
+                config=to_dict(config),
+            )
+        )
+    for writer in writers:
+        out += [every(log.every, writer), at_end(writer)]
+    export = config.export
+    if export.hf is not None:
+        target = run_dir / export.hf
+        kwargs = dict(
+            dtype=export.dtype,
+            max_shard_size=export.max_shard_size,
+            tokenizer=job.tokenizer,
+            model_type=job.model_type,
+            which="ema" if export.ema else "model",
+        )
+        if export.every:
+            out.append(every(export.every, hf.export_hook(target, **kwargs)))
+        out.append(at_end(hf.export_hook(target, per_step=False, **kwargs)))
+    return out
+
+
+def _peak_flops(config: Config, mesh: Any) -> float | None:
+    devices = mesh.devices.flatten().tolist() if mesh is not None else jax.devices()
+    if config.log.peak_flops is not None:
+        return config.log.peak_flops * len(devices)
+    dtype = "bfloat16" if config.loop.precision == "bf16" else config.model.param_dtype
+    return hooks_lib.total_peak_flops(devices, dtype)
+
+
+def run(
+    config: Config,
+    *,
+    resume: str | None = None,
+    overwrite: bool = False,
+    echo: Callable[[str], None] | None = None,
+) -> RunResult:
+    """Train as `config` says: the Python form of `eqtrain fit`.
+
+    Args:
+        config: a validated `Config` (`eqtrain.config.load(...)`).
+        resume: overrides `checkpoint.resume` (`"auto"`, `"never"` or a path).
+        overwrite: with resume `"never"`, delete the run's old checkpoints.
+        echo: where progress notes go (default: standard error).
+
+    Returns:
+        A `RunResult`.
+
+    Raises:
+        ConfigError: a bad config, missing files, an unwritable run directory,
+            or a tokenizer that does not fit the model — all before compiling.
+    """
+    say = echo or (lambda text: print(text, file=sys.stderr, flush=True))
+    job = _build.build(config)
+    config = job.config
+    run_dir = Path(config.run_dir)
+    rows = _build.train_rows(job)
+    _build.check_rows(rows, config, "train")
+    eval_rows = _build.eval_rows(job)
+    placement = _place.placement(job)
+    check_writable(run_dir)
+    write_config(config, run_dir)
+
+    data = config.data
+    loader = Loader(
+        rows,
+        data.batch_size,
+        seed=config.seed,
+        shuffle=data.shuffle,
+        prefetch=data.prefetch,
+        sharding=placement.batch_sharding,
+    )
+    eval_loader = None
+    if eval_rows is not None:
+        eval_loader = Loader(
+            eval_rows,
+            _build.eval_batch_size(eval_rows, config),
+            mode="eval",
+            sharding=placement.batch_sharding,
+        )
+    resume = resume or config.checkpoint.resume
+    state, resumed = checkpoint.restore_or_init(
+        run_dir,
+        lambda: placement.place(job.new_state()),
+        like=job.abstract_state(),
+        resume=resume,
+        overwrite=overwrite,
+        shardings=placement.state_shardings,
+        data=loader,
+    )
+    if resumed is not None:
+        say(f"resumed from {run_dir / 'checkpoints' / str(resumed)}")
+    loop = config.loop
+    step = jit(
+        train_step(
+            job.loss_fn,
+            job.optimizer,
+            accumulate=config.optim.accumulate,
+            precision="bf16" if loop.precision == "bf16" else None,
+            nonfinite=loop.nonfinite,
+            ema=loop.ema,
+        ),
+        shardings=placement.shardings,
+    )
+    evaluator = None
+    if eval_loader is not None:
+        evaluator = jit(
+            eval_step(job.loss_fn, precision="bf16" if loop.precision == "bf16" else None),
+            donate=False,
+            shardings=placement.shardings,
+        )
+    ckpt = config.checkpoint
+    checkpointer = checkpoint.Checkpointer(
+        run_dir,
+        every_steps=ckpt.every or None,
+        every_minutes=ckpt.every_minutes,
+        keep_last=ckpt.keep_last,
+        keep_every=ckpt.keep_every,
+        best=ckpt.best,
+        best_mode=ckpt.best_mode,
+        data=loader,
+        config=to_dict(config),
+        async_save=ckpt.async_save,
+    )
+    tokens_per_step = data.batch_size * data.seq_len
+    try:
+        result = fit(
+            state,
+            step,
+            loader,
+            num_steps=loop.steps,
+            hooks=_hooks(job, run_dir),
+            eval_step=evaluator,
+            eval_data=eval_loader,
+            eval_every=loop.eval_every or None,
+            eval_at_end=loop.eval_at_end and eval_loader is not None,
+            checkpointer=checkpointer,
+            time_limit=loop.time_limit,
+            kill_switch=None if loop.kill_switch is None else run_dir / loop.kill_switch,
+            flops_per_token=job.flops_per_token(),
+            peak_flops=_peak_flops(config, placement.mesh),
+            tokens_seen=(resumed or 0) * tokens_per_step,
+        )
+    finally:
+        loader.close()
+    export_dir = None
+    if config.export.hf is not None and (run_dir / config.export.hf).exists():
+        export_dir = run_dir / config.export.hf
+    return RunResult(result, run_dir, resumed, export_dir, config)

@@ -1,0 +1,177 @@
+"""Named device meshes with eqtrain's four axes, and how batches lie on them.
+
+Every mesh has the axes `data`, `fsdp`, `sequence` and `tensor` (unused ones have
+size 1), so any `PartitionSpec` may name any of them; all are `AxisType.Auto`, so
+XLA propagates shardings through the step on its own.
+"""
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+
+from .._errors import ConfigError
+
+
+AXES = ("data", "fsdp", "sequence", "tensor")
+"""Mesh axis names, outermost first. `tensor` is innermost: its collectives run
+inside every layer, so its devices should be the closest together (consecutive
+devices are neighbours on a host)."""
+
+BATCH_AXES = ("data", "fsdp")
+"""The mesh axes a batch's leading dimension is split over."""
+
+
+def _sizes(axes: Mapping[str, int], num_devices: int) -> dict[str, int]:
+    unknown = sorted(set(axes) - set(AXES))
+    if unknown:
+        raise ConfigError(
+            f"unknown mesh axes {unknown}; the axes are {list(AXES)} (each "
+            "defaults to size 1). Example: make_mesh({'data': -1, 'tensor': 2})."
+        )
+    sizes = {name: axes.get(name, 1) for name in AXES}
+    bad = {k: v for k, v in sizes.items() if not isinstance(v, int) or v == 0}
+    bad |= {k: v for k, v in sizes.items() if isinstance(v, int) and v < -1}
+    if bad:
+        raise ConfigError(
+            f"mesh axis sizes must be positive ints or -1 (the rest); got {bad}."
+        )
+    rest = [name for name, size in sizes.items() if size == -1]
+    if len(rest) > 1:
+        raise ConfigError(
+            f"at most one mesh axis may be -1 (take the remaining devices); got "
+            f"{rest}. Give all but one of them a size."
+        )
+    known = math.prod(size for size in sizes.values() if size != -1)
+    if rest:
+        if num_devices % known:
+            raise ConfigError(_mismatch(sizes, known, num_devices))
+        sizes[rest[0]] = num_devices // known
+    elif known != num_devices:
+        raise ConfigError(_mismatch(sizes, known, num_devices))
+    return sizes
+
+
+def _mismatch(sizes: Mapping[str, int], product: int, num_devices: int) -> str:
+    given = {k: v for k, v in sizes.items() if v != 1}
+    return (
+        f"mesh axis sizes {given or dict(sizes)} multiply to {product}, but there "
+        f"are {num_devices} devices. Make the sizes multiply to {num_devices}, or "
+        "set one axis to -1 to take the remaining devices (e.g. data=-1)."
+    )
+
+
+def make_mesh(
+    axes: Mapping[str, int] | None = None,
+    *,
+    devices: Sequence[Any] | None = None,
+) -> Mesh:
+    """A device mesh with the named axes `data`, `fsdp`, `sequence`, `tensor`.
+
+    Args:
+        axes: size of each axis, e.g. `{"data": -1, "tensor": 2}`. Missing axes
+            have size 1; one axis may be -1 to take the remaining devices. The
+            sizes must multiply to the number of devices. Default: all devices
+            on `data`.
+        devices: the devices to lay out (default: `jax.devices()`).
+
+    Returns:
+        A `jax.sharding.Mesh` with all four axes, of type `AxisType.Auto` (XLA
+        propagates shardings automatically inside `jit`).
+
+    Raises:
+        ConfigError: an unknown axis name, or sizes that do not fit the devices.
+
+    Example:
+        >>> mesh = make_mesh({"data": -1})
+        >>> mesh.axis_names
+        ('data', 'fsdp', 'sequence', 'tensor')
+    """
+    devices = list(jax.devices() if devices is None else devices)
+    sizes = _sizes({"data": -1} if axes is None else axes, len(devices))
+    shape = tuple(sizes[name] for name in AXES)
+    types = (AxisType.Auto,) * len(AXES)
+    try:
+        return jax.make_mesh(shape, AXES, axis_types=types, devices=devices)
+    except (ValueError, NotImplementedError):
+        # A device subset that `make_mesh` cannot lay out physically: in order.
+        grid = np.asarray(devices, dtype=object).reshape(shape)
+        return Mesh(grid, AXES, axis_types=types)
+
+
+def axis_sizes(mesh: Mesh) -> dict[str, int]:
+    """`{axis: size}` of a mesh (axes it lacks count as size 1)."""
+    return {name: int(mesh.shape.get(name, 1)) for name in AXES} | {
+        str(k): int(v) for k, v in mesh.shape.items()
+    }
+
+
+def _batch_axes(mesh: Mesh) -> tuple[str, ...]:
+    return tuple(name for name in BATCH_AXES if name in mesh.shape)
+
+
+def batch_sharding(mesh: Mesh, *, sequence: bool = False) -> NamedSharding:
+    """The sharding of `[batch, ...]` arrays: the batch over `data` and `fsdp`.
+
+    Args:
+        mesh: from `make_mesh`.
+        sequence: also split dimension 1 (`[batch, seq, ...]`) over the `sequence`
+            axis. Every batch entry then needs at least two dimensions; give
+            the loader a dict of shardings if some entries are `[batch]`.
+
+    Returns:
+        `NamedSharding(mesh, P(("data", "fsdp")))`, or
+        `P(("data", "fsdp"), "sequence")` with `sequence=True`.
+    """
+    if sequence:
+        if "sequence" not in mesh.shape:
+            raise ConfigError(
+                "sequence=True needs a mesh with a `sequence` axis; build it with "
+                "`eqtrain.sharding.make_mesh`."
+            )
+        return NamedSharding(mesh, PartitionSpec(_batch_axes(mesh), "sequence"))
+    return NamedSharding(mesh, PartitionSpec(_batch_axes(mesh)))
+
+
+def batch_divisor(mesh: Mesh) -> int:
+    """How many ways a batch is split: the product of the `data` and `fsdp` sizes."""
+    return math.prod(int(mesh.shape[name]) for name in _batch_axes(mesh))
+
+
+def check_batch(
+    batch_size: int,
+    mesh: Mesh,
+    *,
+    seq_len: int | None = None,
+    accumulate: int = 1,
+) -> None:
+    """Raise `ConfigError` unless a global batch fits `batch_sharding(mesh)`.
+
+    Args:
+        batch_size: the global batch size (all processes, all micro-batches).
+        mesh: the mesh.
+        seq_len: with a `sequence` axis > 1, the sequence length to check too.
+        accumulate: micro-batches per step: each micro-batch must split evenly.
+    """
+    ways = batch_divisor(mesh)
+    if batch_size % accumulate or (batch_size // accumulate) % ways:
+        micro = (
+            f" in {accumulate} micro-batches of {batch_size / accumulate:g}"
+            if accumulate > 1
+            else ""
+        )
+        raise ConfigError(
+            f"the batch of {batch_size}{micro} does not split over the mesh's "
+            f"data x fsdp = {ways} devices (mesh {axis_sizes(mesh)}). Use a batch "
+            f"size that is a multiple of {ways * accumulate}, or fewer data/fsdp "
+            "devices."
+        )
+    seq_ways = int(mesh.shape.get("sequence", 1))
+    if seq_len is not None and seq_len % seq_ways:
+        raise ConfigError(
+            f"the sequence length {seq_len} does not split over the mesh's "
+            f"sequence axis of size {seq_ways}. Use a multiple of {seq_ways}."
+        )

@@ -1,0 +1,202 @@
+"""Shardings for a whole state from partition rules, and placing arrays on them.
+
+Model leaves follow the rules; the optimizer state and the EMA follow the parameters
+they track; counters and keys are replicated. Builds on `_rules.py`.
+"""
+
+from collections.abc import Callable
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.tree_util as jtu
+import optax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec, Sharding
+
+from .._errors import StructureError
+from .._state import TrainState
+from ._rules import Rule, Rules, as_rules
+
+
+def is_arraylike(x: Any) -> bool:
+    """An array or an abstract one (`eqx.is_array` is False for ShapeDtypeStruct)."""
+    return eqx.is_array(x) or isinstance(x, jax.ShapeDtypeStruct)
+
+
+def _entry(key: Any) -> str:
+    for attr in ("name", "key", "idx"):
+        if hasattr(key, attr):
+            return str(getattr(key, attr))
+    return str(key)
+
+
+def path_name(path: tuple[Any, ...], prefix: str = "") -> str:
+    """A key path as dots: `model.layers.self_attn.q_proj.weight` (the names the
+    rules match and the checkpoint manifest uses)."""
+    parts = [prefix] if prefix else []
+    return ".".join(parts + [_entry(k) for k in path])
+
+
+def _map_arrays(fn: Callable[[str, Any], Any], tree: Any, prefix: str) -> Any:
+    """`tree` with `fn(path, leaf)` at each array leaf and None elsewhere."""
+    return jtu.tree_map_with_path(
+        lambda p, x: fn(path_name(p, prefix), x) if is_arraylike(x) else None, tree
+    )
+
+
+def _params_like(node: Any, params: Any) -> bool:
+    """`node` has the structure and shapes of the parameter tree (Adam's `mu`...)."""
+    if jtu.tree_structure(node) != jtu.tree_structure(params):
+        return False
+    pairs = zip(jtu.tree_leaves(node), jtu.tree_leaves(params), strict=True)
+    return all(
+        is_arraylike(a) and is_arraylike(b) and a.shape == b.shape for a, b in pairs
+    )
+
+
+def _opt_shardings(
+    opt_state: Any,
+    params: Any,
+    params_sh: Any,
+    replicated: NamedSharding,
+    optimizer: optax.GradientTransformation | None,
+) -> Any:
+    """Shardings of an optimizer state: parameter-shaped parts like the parameters,
+    everything else (counters, scalars) replicated."""
+    non_params = lambda x: replicated if is_arraylike(x) else None
+    if optimizer is not None:
+        return optax.tree_map_params(
+            optimizer,
+            lambda _, sharding: sharding,
+            opt_state,
+            params_sh,
+            transform_non_params=non_params,
+            is_leaf=lambda x: x is None or isinstance(x, Sharding),
+        )
+    leaves = jtu.tree_leaves(params)
+    if not leaves:
+        return jtu.tree_map(non_params, opt_state)
+    # Without the optimizer, recognise parameter-shaped subtrees by structure.
+    like = lambda node: _params_like(node, params)
+
+    place = lambda node: params_sh if like(node) else non_params(node)
+    return jtu.tree_map(place, opt_state, is_leaf=like)
+
+
+def state_shardings(
+    state: Any,
+    mesh: Mesh,
+    rules: Rules | list[Rule] | tuple[Rule, ...] | None = None,
+    *,
+    optimizer: optax.GradientTransformation | None = None,
+) -> Any:
+    """A `NamedSharding` for every array leaf of `state`, from partition rules.
+
+    For a `TrainState`: `model` leaves follow `rules` (matched on paths such as
+    `model.layers.mlp.up_proj.weight`) and the FSDP pass; `opt_state` parts shaped
+    like the trainable parameters (Adam's moments, ...) and `ema` are sharded like
+    those parameters; other optimizer leaves (counters), `step`, `key` and
+    `skipped` are replicated; `model_state` is replicated unless a rule matches
+    (no FSDP pass). Any other pytree: every array leaf follows the rules.
+
+    Args:
+        state: a `TrainState` or any pytree, concrete or abstract (e.g. from
+            `eqx.filter_eval_shape`): nothing is computed.
+        mesh: from `make_mesh`.
+        rules: from `rules_for`, a list of `(regex, PartitionSpec)` pairs (with
+            the default FSDP pass), or None (the FSDP pass alone).
+        optimizer: the optax optimizer; its state's parameter-shaped parts are
+            then found with `optax.tree_map_params`. Without it they are
+            recognised by their structure (the parameters' tree and shapes).
+
+    Returns:
+        A pytree like `state` with a `NamedSharding` at each array leaf and None
+        elsewhere: pass it to `shard`, `eqtrain.jit(step, shardings=(it, ...))`
+        and `eqtrain.checkpoint.restore(..., shardings=it)`.
+
+    Raises:
+        ConfigError: a rule does not fit a leaf (see `Rules.spec_for`).
+    """
+    rules = as_rules(rules)
+    replicated = NamedSharding(mesh, PartitionSpec())
+
+    def by_rules(fsdp: bool) -> Callable[[str, Any], NamedSharding]:
+        def sharding(path: str, x: Any) -> NamedSharding:
+            spec = rules.spec_for(path, tuple(x.shape), mesh, fsdp=fsdp)
+            return NamedSharding(mesh, spec)
+
+        return sharding
+
+    if not isinstance(state, TrainState):
+        return _map_arrays(by_rules(True), state, "")
+    model_sh = _map_arrays(by_rules(True), state.model, "model")
+    params_sh = eqx.filter(model_sh, state.trainable)
+    opt_sh = _opt_shardings(
+        state.opt_state, state.params, params_sh, replicated, optimizer
+    )
+    fields = {
+        "model": model_sh,
+        "opt_state": opt_sh,
+        "step": replicated,
+        "key": replicated,
+        "skipped": replicated,
+    }
+    if state.model_state is not None:
+        fields["model_state"] = _map_arrays(
+            by_rules(False), state.model_state, "model_state"
+        )
+    if state.ema is not None:
+        fields["ema"] = params_sh
+    names = list(fields)
+    return eqx.tree_at(
+        lambda s: [getattr(s, name) for name in names],
+        state,
+        [fields[name] for name in names],
+        is_leaf=lambda x: x is None,
+    )
+
+
+def _flat_shardings(tree: Any, shardings: Any) -> list[Sharding | None]:
+    """One sharding (or None) per leaf of `tree`."""
+    leaves = jtu.tree_leaves(tree)
+    if isinstance(shardings, Sharding):
+        return [shardings if is_arraylike(x) else None for x in leaves]
+    flat = [
+        s
+        for s in jtu.tree_leaves(shardings, is_leaf=lambda x: isinstance(x, Sharding))
+        if isinstance(s, Sharding)
+    ]
+    arrays = sum(is_arraylike(x) for x in leaves)
+    if len(flat) != arrays:
+        raise StructureError(
+            f"`shardings` has {len(flat)} shardings but the tree has {arrays} array "
+            "leaves. Build them from the same tree: "
+            "`eqtrain.sharding.state_shardings(tree, mesh, rules)`."
+        )
+    it = iter(flat)
+    return [next(it) if is_arraylike(x) else None for x in leaves]
+
+
+def shard(tree: Any, shardings: Any) -> Any:
+    """Place the arrays of `tree` on `shardings` (a copy: never the same buffers).
+
+    The copy matters with a donating step: `device_put` may otherwise hand back
+    the caller's own buffers, which the first step would then delete.
+
+    Args:
+        tree: any pytree (e.g. a `TrainState`); non-array leaves are kept.
+        shardings: from `state_shardings` (a `Sharding` per array leaf), or one
+            `Sharding` for every array.
+
+    Returns:
+        `tree` with every array on its sharding.
+    """
+    leaves, treedef = jtu.tree_flatten(tree)
+    targets = _flat_shardings(tree, shardings)
+    index = [i for i, s in enumerate(targets) if s is not None]
+    placed = jax.device_put(
+        [leaves[i] for i in index], [targets[i] for i in index], may_alias=False
+    )
+    for i, x in zip(index, placed, strict=True):
+        leaves[i] = x
+    return treedef.unflatten(leaves)

@@ -1,0 +1,264 @@
+"""Partition rules: regexes over a leaf's dotted path give its `PartitionSpec`, and a
+default FSDP pass shards every large leaf over `fsdp` on a free dimension.
+
+Builds on the named axes of `_mesh.py`; `_place.py` applies rules to a state.
+"""
+
+import dataclasses
+import inspect
+import math
+import re
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from jax.sharding import Mesh, PartitionSpec
+
+from .._errors import ConfigError
+from ._mesh import AXES, axis_sizes
+
+
+LAYERS = "layers"
+"""A pseudo-axis for a rule's spec: this dimension is a stack of layers (for
+`lax.scan`). It is never sharded (not even by FSDP) and becomes `None`."""
+
+Rule = tuple[str, PartitionSpec]
+"""`(regex, spec)`: a leaf whose dotted path matches `regex` (`re.search`) gets
+`spec`, padded with `None` to the leaf's rank."""
+
+FSDP_MIN_SIZE = 2**14
+"""Default: leaves with fewer elements stay replicated over `fsdp`."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Rules:
+    """Ordered partition rules and the default FSDP pass.
+
+    A leaf's spec is that of the first rule whose regex matches its dotted path
+    (`model.layers.self_attn.q_proj.weight`), padded with `None`; no match means
+    replicated. Then, when the mesh's `fsdp` axis is > 1, a leaf with at least
+    `fsdp_min_size` elements whose spec does not name `fsdp` yet gets `fsdp` on its
+    largest free dimension (a `None` entry, not a `LAYERS` one) that the `fsdp`
+    size divides (the last such on ties); a leaf without one stays replicated
+    over `fsdp`.
+
+    Attributes:
+        patterns: the `(regex, PartitionSpec)` rules, first match wins. Specs may
+            name the mesh axes and `LAYERS`.
+        fsdp_min_size: smallest leaf (in elements) that FSDP shards; `None`
+            turns the pass off (then only the patterns place `fsdp`).
+    """
+
+    patterns: tuple[Rule, ...] = ()
+    fsdp_min_size: int | None = FSDP_MIN_SIZE
+
+    def __post_init__(self) -> None:
+        patterns = tuple(self.patterns)
+        for i, rule in enumerate(patterns):
+            if not (
+                isinstance(rule, tuple)
+                and len(rule) == 2
+                and isinstance(rule[0], str)
+                and isinstance(rule[1], PartitionSpec)
+            ):
+                raise ConfigError(
+                    f"partition rule {i} must be a `(regex, PartitionSpec)` pair; "
+                    f"got {rule!r}. Example: (r'q_proj\\.weight$', "
+                    "P(None, 'tensor', None))."
+                )
+            _check_names(rule[1], f"rule {i} ({rule[0]!r})")
+            try:
+                re.compile(rule[0])
+            except re.error as e:
+                raise ConfigError(
+                    f"partition rule {i} has an invalid regex {rule[0]!r}: {e}."
+                ) from e
+        object.__setattr__(self, "patterns", patterns)
+        if self.fsdp_min_size is not None and self.fsdp_min_size < 0:
+            raise ConfigError(
+                f"`fsdp_min_size` must be >= 0 or None; got {self.fsdp_min_size}."
+            )
+
+    def match(self, path: str) -> PartitionSpec | None:
+        """The spec of the first rule matching `path` (None: no rule matches)."""
+        for pattern, spec in self.patterns:
+            if re.search(pattern, path):
+                return spec
+        return None
+
+    def spec_for(
+        self,
+        path: str,
+        shape: tuple[int, ...],
+        mesh: Mesh,
+        *,
+        fsdp: bool = True,
+    ) -> PartitionSpec:
+        """The mesh `PartitionSpec` of a leaf (`LAYERS` resolved to `None`).
+
+        Args:
+            path: the leaf's dotted path.
+            shape: its shape.
+            mesh: the mesh (for axis sizes and divisibility).
+            fsdp: apply the default FSDP pass to this leaf.
+
+        Raises:
+            ConfigError: the spec is longer than the leaf's rank, names an axis
+                twice, or an axis size does not divide the dimension it splits.
+        """
+        spec = self.match(path)
+        entries = _padded(spec, shape, path)
+        sizes = axis_sizes(mesh)
+        if fsdp and self.fsdp_min_size is not None:
+            entries = _with_fsdp(entries, shape, sizes["fsdp"], self.fsdp_min_size)
+        _check_divisible(entries, shape, sizes, path, spec)
+        return PartitionSpec(*(None if e == LAYERS else e for e in entries))
+
+
+def _names(entry: Any) -> tuple[str, ...]:
+    if entry is None:
+        return ()
+    if isinstance(entry, str):
+        return (entry,)
+    return tuple(entry)
+
+
+def _check_names(spec: PartitionSpec, where: str) -> None:
+    seen: list[str] = []
+    for entry in spec:
+        for name in _names(entry):
+            if name not in (*AXES, LAYERS):
+                raise ConfigError(
+                    f"{where}: unknown axis {name!r} in {spec}; use the mesh axes "
+                    f"{list(AXES)}, {LAYERS!r} (a stacked-layer dimension) or None."
+                )
+            if name in seen and name != LAYERS:
+                raise ConfigError(f"{where}: axis {name!r} appears twice in {spec}.")
+            seen.append(name)
+
+
+def _padded(spec: PartitionSpec | None, shape: tuple[int, ...], path: str) -> list[Any]:
+    entries = [] if spec is None else list(spec)
+    if len(entries) > len(shape):
+        raise ConfigError(
+            f"the partition rule for `{path}` gives {spec} ({len(entries)} "
+            f"dimensions) but the leaf has shape {shape}. Shorten the spec or make "
+            "the rule's regex more specific."
+        )
+    return entries + [None] * (len(shape) - len(entries))
+
+
+def _with_fsdp(
+    entries: list[Any], shape: tuple[int, ...], fsdp: int, min_size: int
+) -> list[Any]:
+    used = {name for entry in entries for name in _names(entry)}
+    if fsdp == 1 or "fsdp" in used or math.prod(shape) < min_size:
+        return entries
+    free = [
+        i
+        for i, (entry, n) in enumerate(zip(entries, shape, strict=True))
+        if entry is None and n % fsdp == 0
+    ]
+    if not free:
+        return entries
+    best = max(free, key=lambda i: (shape[i], i))
+    return [*entries[:best], "fsdp", *entries[best + 1 :]]
+
+
+def _check_divisible(
+    entries: list[Any],
+    shape: tuple[int, ...],
+    sizes: dict[str, int],
+    path: str,
+    spec: PartitionSpec | None,
+) -> None:
+    for dim, (entry, n) in enumerate(zip(entries, shape, strict=True)):
+        ways = math.prod(sizes.get(name, 1) for name in _names(entry) if name != LAYERS)
+        if n % ways:
+            mesh = {k: v for k, v in sizes.items() if v > 1} or sizes
+            resolved = PartitionSpec(*entries)
+            raise ConfigError(
+                f"cannot shard `{path}` (shape {shape}) with {resolved}: dimension "
+                f"{dim} of size {n} does not split over {entry!r} ({ways} ways; "
+                f"mesh axes {mesh}). "
+                + (
+                    f"The rule's spec was {spec}. "
+                    if spec is not None and PartitionSpec(*entries) != spec
+                    else ""
+                )
+                + "Change the mesh sizes, or add an earlier rule for this leaf "
+                "that shards it differently (or replicates it with P())."
+            )
+
+
+def as_rules(rules: "Rules | Sequence[Rule] | None") -> Rules:
+    """`Rules` from `Rules`, a list of `(regex, spec)` pairs (with the default FSDP
+    pass) or `None` (no patterns, the default FSDP pass only)."""
+    if rules is None:
+        return Rules()
+    if isinstance(rules, Rules):
+        return rules
+    return Rules(tuple(rules))
+
+
+def model_rules(model: Any) -> list[Rule] | None:
+    """The model's own tensor-parallel rules, or None if it has none.
+
+    Looked up as a `tensor_parallel_rules()` method of the model, else a
+    `tensor_parallel_rules()` function of the module defining its class (as
+    `eqtrain.models.llama` and `eqtrain.models.gpt2` have).
+    """
+    fn: Callable[[], Any] | None = getattr(model, "tensor_parallel_rules", None)
+    if fn is None:
+        module = inspect.getmodule(type(model))
+        fn = getattr(module, "tensor_parallel_rules", None)
+    return None if fn is None else list(fn())
+
+
+def _without_tensor(spec: PartitionSpec) -> PartitionSpec:
+    def drop(entry: Any) -> Any:
+        names = tuple(n for n in _names(entry) if n != "tensor")
+        if not names:
+            return None
+        return names[0] if len(names) == 1 else names
+
+    return PartitionSpec(*(drop(e) for e in spec))
+
+
+def rules_for(
+    model: Any,
+    mesh: Mesh,
+    *,
+    fsdp_min_size: int | None = FSDP_MIN_SIZE,
+    extra: Sequence[Rule] = (),
+) -> Rules:
+    """The partition rules for `model` on `mesh`.
+
+    They are `extra` (first, so they win), then the model's tensor-parallel rules
+    (see `model_rules`; with `tensor` of size 1 they keep only their `LAYERS`
+    marks, so FSDP alone places the weights), then the default FSDP pass.
+
+    Args:
+        model: the model (e.g. an `eqtrain.models.Llama`), concrete or abstract.
+        mesh: from `make_mesh`.
+        fsdp_min_size: see `Rules`.
+        extra: your own `(regex, spec)` rules, tried before the model's. Paths
+            are as in the state: `model.layers.mlp.up_proj.weight`.
+
+    Raises:
+        ConfigError: `tensor` > 1 but the model has no tensor-parallel rules and
+            no `extra` rules were given.
+    """
+    own = model_rules(model)
+    tensor = axis_sizes(mesh)["tensor"]
+    if own is None:
+        if tensor > 1 and not extra:
+            raise ConfigError(
+                f"the mesh has tensor={tensor} but {type(model).__name__} has no "
+                "tensor-parallel rules (no `tensor_parallel_rules()`). Pass your "
+                "own with `rules_for(model, mesh, extra=[(regex, P(...)), ...])`, "
+                "or use tensor=1."
+            )
+        own = []
+    if tensor == 1:
+        own = [(pattern, _without_tensor(spec)) for pattern, spec in own]
+    return Rules((*extra, *own), fsdp_min_size=fsdp_min_size)
