@@ -133,6 +133,8 @@ def _check_schedule(
             "was not given. Pass `total_steps` (the number of training steps), or "
             "use schedule 'constant'."
         )
+    if total_steps is not None and total_steps < 1:
+        raise ConfigError(f"`optim.total_steps` must be >= 1; got {total_steps}.")
     if total_steps is not None and not 0 <= warmup_steps < total_steps:
         raise ConfigError(
             f"`optim.warmup_steps` must be smaller than `total_steps`; got "
@@ -232,7 +234,8 @@ _schedule = schedule  # `build` has an argument of the same name
 def _check_options(name: str, weight_decay: float | int, **extras: Any) -> None:
     """Reject options the chosen optimizer would not use, and bad values."""
     for field, value in extras.items():
-        if value not in (None, False) and field not in _EXTRAS[name]:
+        given = value is not None and value is not False  # 0.0 counts as given
+        if given and field not in _EXTRAS[name]:
             users = [n for n, fields in _EXTRAS.items() if field in fields]
             raise ConfigError(
                 f"`optim.{field}` does not apply to optimizer {name!r} (it is used "

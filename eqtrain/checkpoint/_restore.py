@@ -183,7 +183,9 @@ def restore_or_init(
             if _storage.has_leftovers(directory):
                 _storage.clean_leftovers(directory)
             return init(), None
-        restored = restore(directory, init if like is None else like, shardings=shardings)
+        restored = restore(
+            directory, init if like is None else like, shardings=shardings
+        )
     else:
         if str(resume) in ("", "none", "latest"):
             raise ConfigError(

@@ -60,7 +60,7 @@ def _echo(text: str) -> None:
 def fit(
     config: Annotated[
         Path | None,
-        typer.Argument(help="A TOML config; none: the built-in default run.")
+        typer.Argument(help="A TOML config; none: the built-in default run."),
     ] = None,
     set_: SetOption = None,
     dry_run: Annotated[
@@ -147,7 +147,9 @@ def eval_(
 @app.command()
 def export(
     path: Annotated[str, typer.Argument(help="A run directory or a checkpoint step.")],
-    out_dir: Annotated[str, typer.Argument(help="The Hugging Face directory to write.")],
+    out_dir: Annotated[
+        str, typer.Argument(help="The Hugging Face directory to write.")
+    ],
     dtype: Annotated[
         str | None,
         typer.Option(help="float32 | bfloat16 | float16 (default: the parameters')."),
@@ -186,7 +188,9 @@ def import_(
     with _errors():
         cfg = config_lib.load(config, list(set_ or []))
         run_dir = job.import_hf(hf_dir, out, config=cfg, overwrite=overwrite)
-    typer.echo(f"imported into {run_dir}; fine-tune with: eqtrain fit {run_dir}/config.toml")
+    typer.echo(
+        f"imported into {run_dir}; fine-tune with: eqtrain fit {run_dir}/config.toml"
+    )
 
 
 @app.command()
@@ -236,7 +240,9 @@ def plot(
     run_dir: Annotated[str, typer.Argument(help="A run directory (metrics.jsonl).")],
     output: Annotated[
         str | None,
-        typer.Option("-o", "--output", help="The PNG to write (default: RUN_DIR/plot.png)."),
+        typer.Option(
+            "-o", "--output", help="The PNG to write (default: RUN_DIR/plot.png)."
+        ),
     ] = None,
 ) -> None:
     """Loss (train and eval), learning rate and throughput curves as a PNG."""

@@ -117,7 +117,11 @@ _NONE = ("none", "null", "")
 def _from_string(text: str, field: Field) -> Any:
     """A `--set` value: a string read by the field's type."""
     stripped = text.strip()
-    if stripped[:1] in ('"', "'") and stripped[-1:] == stripped[:1] and len(stripped) > 1:
+    if (
+        stripped[:1] in ('"', "'")
+        and stripped[-1:] == stripped[:1]
+        and len(stripped) > 1
+    ):
         return stripped[1:-1]  # a quoted string stays a string
     if field.optional and stripped.lower() in _NONE:
         return None

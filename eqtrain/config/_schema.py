@@ -206,16 +206,19 @@ class LoopConfig:
         choices=("stop", "skip", "ignore"),
     )
     ema: float | None = setting(
-        None, "Keep an exponential moving average of the weights with this decay.",
-        min=0, max=1,
+        None,
+        "Keep an exponential moving average of the weights with this decay.",
+        min=0,
+        max=1,
     )
 
 
 @dataclasses.dataclass(frozen=True)
 class CheckpointConfig:
     every: int = setting(
-        100, "Save every this many steps (and always once at the end); 0: only "
-        "at the end.", min=0,
+        100,
+        "Save every this many steps (and always once at the end); 0: only at the end.",
+        min=0,
     )
     every_minutes: float | None = setting(
         None, "Also save when this many minutes passed since the last save.", min=0
@@ -228,7 +231,8 @@ class CheckpointConfig:
         None, "Also keep the best checkpoint by this metric, e.g. `eval/loss`."
     )
     best_mode: str = setting(
-        "min", "Whether a lower or a higher `best` metric is better.",
+        "min",
+        "Whether a lower or a higher `best` metric is better.",
         choices=("min", "max"),
     )
     resume: str = setting(
@@ -293,7 +297,8 @@ class ExportConfig:
         None, "Dtype of the exported tensors; unset: the parameters'.", choices=DTYPES
     )
     every: int = setting(
-        0, "Also export every this many steps to <hf>/step_<k>; 0: only at the end.",
+        0,
+        "Also export every this many steps to <hf>/step_<k>; 0: only at the end.",
         min=0,
     )
     max_shard_size: str = setting(
@@ -309,7 +314,9 @@ class Config:
         "Where the run writes: config.toml, metrics.jsonl, checkpoints/, hf/, tb/.",
         kind="path",
     )
-    seed: int = setting(0, "Seed of the initial weights, the step keys and the data order.")
+    seed: int = setting(
+        0, "Seed of the initial weights, the step keys and the data order."
+    )
     model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
     optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)

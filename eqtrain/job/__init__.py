@@ -15,4 +15,9 @@ from ._inspect import (
     open_run as open_run,
     run_info as run_info,
 )
-from ._run import RunResult as RunResult, run as run
+from ._run import (
+    Prepared as Prepared,
+    RunResult as RunResult,
+    prepare as prepare,
+    run as run,
+)

@@ -52,7 +52,8 @@ def report(config: Config) -> str:
     act = _activations(config, job, parallel)
     lines = [
         f"run_dir      {config.run_dir} (nothing written: dry run)",
-        f"model        {job.model_type}, {num:,} parameters ({config.model.param_dtype})",
+        f"model        {job.model_type}, {num:,} parameters "
+        f"({config.model.param_dtype})",
         f"data         {len(rows['tokens']):,} train rows x {config.data.seq_len} "
         f"tokens; {0 if eval_rows is None else len(eval_rows['tokens']):,} eval rows; "
         f"tokenizer {type(job.tokenizer).__name__} ({job.tokenizer.vocab_size} ids)",

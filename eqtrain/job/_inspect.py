@@ -87,7 +87,9 @@ def evaluate_run(
     placement = _place.placement(job)
     restored = _restore(Path(path), job, placement)
     loader = Loader(
-        rows, _build.eval_batch_size(rows, config), mode="eval",
+        rows,
+        _build.eval_batch_size(rows, config),
+        mode="eval",
         sharding=placement.batch_sharding,
     )
     precision = "bf16" if config.loop.precision == "bf16" else None
@@ -236,5 +238,7 @@ def _last_metrics(path: Path) -> dict[str, Any] | None:
             except ValueError:
                 continue  # a torn last line after a crash
             if isinstance(record, dict) and "step" in record:
-                last = record if last is None or "loss" in record else {**last, **record}
+                last = (
+                    record if last is None or "loss" in record else {**last, **record}
+                )
     return last

@@ -116,29 +116,39 @@ def _peak_flops(config: Config, mesh: Any) -> float | None:
     return hooks_lib.total_peak_flops(devices, dtype)
 
 
-def run(
-    config: Config,
-    *,
-    resume: str | None = None,
-    overwrite: bool = False,
-    echo: Callable[[str], None] | None = None,
-) -> RunResult:
-    """Train as `config` says: the Python form of `eqtrain fit`.
+@dataclasses.dataclass
+class Prepared:
+    """A run assembled and ready for `eqtrain.fit(state, step, loader, **fit_kwargs)`.
 
-    Args:
-        config: a validated `Config` (`eqtrain.config.load(...)`).
-        resume: overrides `checkpoint.resume` (`"auto"`, `"never"` or a path).
-        overwrite: with resume `"never"`, delete the run's old checkpoints.
-        echo: where progress notes go (default: standard error).
-
-    Returns:
-        A `RunResult`.
-
-    Raises:
-        ConfigError: a bad config, missing files, an unwritable run directory,
-            or a tokenizer that does not fit the model — all before compiling.
+    Attributes:
+        job: the built pieces (config, tokenizer, model config, optimizer).
+        placement: mesh and shardings.
+        state: the initial or restored `TrainState`, placed on the mesh.
+        step: the compiled train step.
+        loader: the training `Loader` (at the restored position).
+        fit_kwargs: everything else `fit` takes (hooks, evaluation, checkpointer,
+            stop conditions, FLOP figures).
+        resumed_from: the restored checkpoint's step, or None.
     """
-    say = echo or (lambda text: print(text, file=sys.stderr, flush=True))
+
+    job: _build.Job
+    placement: Any
+    state: Any
+    step: Any
+    loader: Loader
+    fit_kwargs: dict[str, Any]
+    resumed_from: int | None
+
+    def close(self) -> None:
+        self.loader.close()
+
+
+def prepare(
+    config: Config, *, resume: str | None = None, overwrite: bool = False
+) -> Prepared:
+    """Assemble the run `config` describes, without training: check everything,
+    create the run directory, restore or initialise the state, compile nothing
+    yet. `run` is `prepare` followed by `eqtrain.fit`."""
     job = _build.build(config)
     config = job.config
     run_dir = Path(config.run_dir)
@@ -166,25 +176,27 @@ def run(
             mode="eval",
             sharding=placement.batch_sharding,
         )
-    resume = resume or config.checkpoint.resume
-    state, resumed = checkpoint.restore_or_init(
-        run_dir,
-        lambda: placement.place(job.new_state()),
-        like=job.abstract_state(),
-        resume=resume,
-        overwrite=overwrite,
-        shardings=placement.state_shardings,
-        data=loader,
-    )
-    if resumed is not None:
-        say(f"resumed from {run_dir / 'checkpoints' / str(resumed)}")
+    try:
+        state, resumed = checkpoint.restore_or_init(
+            run_dir,
+            lambda: placement.place(job.new_state()),
+            like=job.abstract_state(),
+            resume=resume or config.checkpoint.resume,
+            overwrite=overwrite,
+            shardings=placement.state_shardings,
+            data=loader,
+        )
+    except BaseException:
+        loader.close()
+        raise
     loop = config.loop
+    precision = "bf16" if loop.precision == "bf16" else None
     step = jit(
         train_step(
             job.loss_fn,
             job.optimizer,
             accumulate=config.optim.accumulate,
-            precision="bf16" if loop.precision == "bf16" else None,
+            precision=precision,
             nonfinite=loop.nonfinite,
             ema=loop.ema,
         ),
@@ -193,7 +205,7 @@ def run(
     evaluator = None
     if eval_loader is not None:
         evaluator = jit(
-            eval_step(job.loss_fn, precision="bf16" if loop.precision == "bf16" else None),
+            eval_step(job.loss_fn, precision=precision),
             donate=False,
             shardings=placement.shardings,
         )
@@ -210,28 +222,58 @@ def run(
         config=to_dict(config),
         async_save=ckpt.async_save,
     )
-    tokens_per_step = data.batch_size * data.seq_len
+    fit_kwargs = dict(
+        num_steps=loop.steps,
+        hooks=_hooks(job, run_dir),
+        eval_step=evaluator,
+        eval_data=eval_loader,
+        eval_every=loop.eval_every or None,
+        eval_at_end=loop.eval_at_end and eval_loader is not None,
+        checkpointer=checkpointer,
+        time_limit=loop.time_limit,
+        kill_switch=None if loop.kill_switch is None else run_dir / loop.kill_switch,
+        flops_per_token=job.flops_per_token(),
+        peak_flops=_peak_flops(config, placement.mesh),
+        tokens_seen=(resumed or 0) * data.batch_size * data.seq_len,
+    )
+    return Prepared(job, placement, state, step, loader, fit_kwargs, resumed)
+
+
+def run(
+    config: Config,
+    *,
+    resume: str | None = None,
+    overwrite: bool = False,
+    echo: Callable[[str], None] | None = None,
+) -> RunResult:
+    """Train as `config` says: the Python form of `eqtrain fit`.
+
+    Args:
+        config: a validated `Config` (`eqtrain.config.load(...)`).
+        resume: overrides `checkpoint.resume` (`"auto"`, `"never"` or a path).
+        overwrite: with resume `"never"`, delete the run's old checkpoints.
+        echo: where progress notes go (default: standard error).
+
+    Returns:
+        A `RunResult`.
+
+    Raises:
+        ConfigError: a bad config, missing files, an unwritable run directory,
+            or a tokenizer that does not fit the model — all before compiling.
+    """
+    say = echo or (lambda text: print(text, file=sys.stderr, flush=True))
+    prepared = prepare(config, resume=resume, overwrite=overwrite)
+    config = prepared.job.config
+    run_dir = Path(config.run_dir)
+    if prepared.resumed_from is not None:
+        say(f"resumed from {run_dir / 'checkpoints' / str(prepared.resumed_from)}")
     try:
         result = fit(
-            state,
-            step,
-            loader,
-            num_steps=loop.steps,
-            hooks=_hooks(job, run_dir),
-            eval_step=evaluator,
-            eval_data=eval_loader,
-            eval_every=loop.eval_every or None,
-            eval_at_end=loop.eval_at_end and eval_loader is not None,
-            checkpointer=checkpointer,
-            time_limit=loop.time_limit,
-            kill_switch=None if loop.kill_switch is None else run_dir / loop.kill_switch,
-            flops_per_token=job.flops_per_token(),
-            peak_flops=_peak_flops(config, placement.mesh),
-            tokens_seen=(resumed or 0) * tokens_per_step,
+            prepared.state, prepared.step, prepared.loader, **prepared.fit_kwargs
         )
     finally:
-        loader.close()
+        prepared.close()
     export_dir = None
     if config.export.hf is not None and (run_dir / config.export.hf).exists():
         export_dir = run_dir / config.export.hf
-    return RunResult(result, run_dir, resumed, export_dir, config)
+    return RunResult(result, run_dir, prepared.resumed_from, export_dir, config)
