@@ -276,13 +276,13 @@ def _optimizer(
     nesterov: bool,
 ) -> optax.GradientTransformation:
     """The optax optimizer `name`; `None` options keep optax's defaults."""
-    betas = {k: v for k, v in (("b1", b1), ("b2", b2), ("eps", eps)) if v is not None}
+    opts = {k: v for k, v in (("b1", b1), ("b2", b2), ("eps", eps)) if v is not None}
     if name == "adamw":
-        return optax.adamw(learning_rate, **betas, weight_decay=weight_decay, mask=mask)
+        return optax.adamw(learning_rate, **opts, weight_decay=weight_decay, mask=mask)
     if name == "adam":
-        return optax.adam(learning_rate, **betas)
+        return optax.adam(learning_rate, **opts)
     if name == "lion":
-        return optax.lion(learning_rate, **betas, weight_decay=weight_decay, mask=mask)
+        return optax.lion(learning_rate, **opts, weight_decay=weight_decay, mask=mask)
     if name == "adafactor":
         # optax adds adafactor's decay after the LR scaling; multiplying the rate
         # by the LR makes it decoupled decay in the same sense as adamw's.

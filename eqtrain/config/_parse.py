@@ -98,6 +98,10 @@ def parse_duration(value: Any) -> float:
     text = value.strip().replace(" ", "").replace("_", "")
     if not text:
         raise ValueError("empty duration")
+    try:
+        return float(text)  # plain seconds, also as `1e4` (as `--set` gives them)
+    except ValueError:
+        pass
     total, pos = 0.0, 0
     while pos < len(text):
         match = _DURATION.match(text, pos)
@@ -143,9 +147,17 @@ def _from_string(text: str, field: Field) -> Any:
     return stripped
 
 
+def _unset(value: Any, field: Field) -> bool:
+    """Whether a TOML value means None (TOML has no null): `""`, or for
+    non-string keys also `"none"` or `"null"`, as `to_toml` writes them."""
+    if field.type is str:
+        return value == ""
+    return isinstance(value, str) and value.strip().lower() in _NONE
+
+
 def _coerce(value: Any, field: Field) -> Any:
     """A TOML (or `--set`) value converted to the field's type, or ValueError."""
-    if value is None or (field.optional and field.type is str and value == ""):
+    if value is None or (field.optional and _unset(value, field)):
         if field.optional:
             return None
         raise ValueError("a value is required")

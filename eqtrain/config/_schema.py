@@ -144,11 +144,15 @@ class OptimConfig:
     name: str = setting("adamw", "The optimizer.", choices=OPTIMIZERS)
     lr: float = setting(3e-3, "Peak learning rate.", min=0)
     schedule: str = setting("cosine", "Learning-rate schedule.", choices=SCHEDULES)
-    warmup_steps: int = setting(
-        20, "Linear warmup from 0 to lr over this many steps.", min=0
+    warmup_steps: int | None = setting(
+        None,
+        "Linear warmup from 0 to lr over this many steps; unset: 5% of the steps.",
+        min=0,
     )
-    final_lr: float = setting(
-        3e-4, "Learning rate at the last step (linear, cosine, wsd).", min=0
+    final_lr: float | None = setting(
+        None,
+        "Learning rate at the last step (linear, cosine, wsd); unset: lr / 10.",
+        min=0,
     )
     decay_steps: int | None = setting(
         None, "wsd only: length of the final decay; unset: 10% of the steps.", min=1
@@ -185,7 +189,8 @@ class LoopConfig:
     eval_at_end: bool = setting(True, "Evaluate once more when the run ends.")
     time_limit: float | None = setting(
         None,
-        "Stop cleanly after this much wall-clock time (seconds or e.g. `2h30m`).",
+        "Stop cleanly after this much wall-clock time (seconds or e.g. `2h30m`); "
+        "unset or 0: no limit.",
         min=0,
         kind="duration",
     )
@@ -221,7 +226,10 @@ class CheckpointConfig:
         min=0,
     )
     every_minutes: float | None = setting(
-        None, "Also save when this many minutes passed since the last save.", min=0
+        None,
+        "Also save when this many minutes passed since the last save; unset or "
+        "0: no timed saves.",
+        min=0,
     )
     keep_last: int = setting(3, "Keep the newest this many checkpoints.", min=1)
     keep_every: int | None = setting(

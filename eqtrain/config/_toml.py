@@ -1,6 +1,7 @@
 """Writing a `Config` as TOML (the resolved config of a run) and as plain dicts
 (for JSON manifests). Unset (`None`) values are written as comments, since TOML
-has no null; reading the file back gives the same config."""
+has no null; where the default is not None, `""` (strings) or `"none"` stands for
+unset. Reading the file back gives the same config."""
 
 import dataclasses
 import json
@@ -30,7 +31,8 @@ def _value(value: Any) -> str:
         return repr(value)
     if isinstance(value, int):
         return str(value)
-    return json.dumps(value, ensure_ascii=False)  # a TOML basic string
+    # A JSON string is a TOML basic string, except that TOML also forbids a raw DEL.
+    return json.dumps(value, ensure_ascii=False).replace("\x7f", "\\u007f")
 
 
 def to_toml(config: Config, *, comments: bool = True) -> str:
@@ -47,8 +49,11 @@ def to_toml(config: Config, *, comments: bool = True) -> str:
                 help_text += " One of: " + ", ".join(map(str, fields[key].choices))
             wrapped = textwrap.wrap(help_text, 86)
             lines.extend("# " + line for line in wrapped)
-        if value is None:
+        if value is None and fields[key].default is None:
             lines.append(f"# {name} =  (unset)")
+        elif value is None:  # TOML has no null; these read back as None
+            unset = '""' if fields[key].type is str else '"none"'
+            lines.append(f"{name} = {unset}")
         else:
             lines.append(f"{name} = {_value(value)}")
 

@@ -1,7 +1,7 @@
 """Checks across fields of a `Config`, run before anything is built or compiled."""
 
 from .._errors import ConfigError
-from ._parse import explicit
+from ._parse import explicit, schema
 from ._schema import Config
 
 
@@ -37,8 +37,23 @@ def validate(config: Config) -> None:
     _export(config)
 
 
+def _changed(config: Config) -> frozenset[str]:
+    """The keys a file or `--set` gave a value other than the default. Restating
+    a default does not count: eqtrain's own config.toml and checkpoint manifests
+    state every key, and must read back (e.g. a GPT-2 run's `num_kv_heads`)."""
+    fields = schema()
+    out = set()
+    for key in explicit(config) & fields.keys():
+        value = config
+        for part in key.split("."):
+            value = getattr(value, part)
+        if value != fields[key].default:
+            out.add(key)
+    return frozenset(out)
+
+
 def _model(config: Config) -> None:
-    m, given = config.model, explicit(config)
+    m, given = config.model, _changed(config)
     if m.init_from is not None:
         clash = [k for k in ARCH_KEYS if f"model.{k}" in given]
         if clash:
@@ -103,7 +118,7 @@ def _batches(config: Config) -> None:
 
 def _loop(config: Config) -> None:
     loop, ckpt = config.loop, config.checkpoint
-    if config.data.eval == "none" and "loop.eval_every" in explicit(config):
+    if config.data.eval == "none" and "loop.eval_every" in _changed(config):
         if loop.eval_every:
             raise ConfigError(
                 "`loop.eval_every` is set but `data.eval` is 'none': there is "

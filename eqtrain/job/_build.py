@@ -16,7 +16,7 @@ import numpy as np
 from .. import data as data_lib, hf, models, optim
 from .._errors import ConfigError
 from .._state import TrainState
-from ..config import Config
+from ..config import Config, explicit
 from ..data._sources import read_text
 from ..losses import causal_lm_loss
 
@@ -93,6 +93,11 @@ def build(config: Config) -> Job:
     config, model_config, model_type = _model_config(config, tokenizer)
     opt_fields = dataclasses.asdict(config.optim)
     opt_fields.pop("accumulate")
+    if opt_fields["warmup_steps"] is None:
+        opt_fields["warmup_steps"] = config.loop.steps // 20
+    if opt_fields["final_lr"] is None:
+        constant = opt_fields["schedule"] == "constant"
+        opt_fields["final_lr"] = 0.0 if constant else opt_fields["lr"] / 10
     optimizer = optim.build(**opt_fields, total_steps=config.loop.steps)
     return Job(config, tokenizer, model_config, model_type, optimizer)
 
@@ -132,6 +137,8 @@ def _model_config(config: Config, tokenizer: Any) -> tuple[Config, Any, str]:
     vocab = m.vocab_size if m.vocab_size is not None else tokenizer.vocab_size
     _check_vocab(config, tokenizer, vocab, "model.vocab_size")
     seq = m.max_seq_len or config.data.seq_len
+    # Qwen2 means q/k/v biases unless the config says otherwise.
+    qwen2_bias = m.arch == "qwen2" and "model.attention_bias" not in explicit(config)
     try:
         if m.arch == "gpt2":
             model_config: Any = models.GPT2Config(
@@ -158,7 +165,7 @@ def _model_config(config: Config, tokenizer: Any) -> tuple[Config, Any, str]:
                 head_dim=m.head_dim,
                 rms_norm_eps=1e-6 if m.norm_eps is None else m.norm_eps,
                 rope_theta=m.rope_theta,
-                attention_bias=m.attention_bias,
+                attention_bias=m.attention_bias or qwen2_bias,
                 o_proj_bias=False if m.arch == "qwen2" else None,
                 mlp_bias=m.mlp_bias,
                 tie_word_embeddings=m.tie_embeddings,
@@ -169,9 +176,13 @@ def _model_config(config: Config, tokenizer: Any) -> tuple[Config, Any, str]:
                 remat=m.remat,
                 scan_layers=m.scan_layers,
             )
+        # `llama` with a sliding window is exported as Mistral, which has one.
+        model_type = hf.infer_model_type(
+            model_config, None if m.arch == "llama" else m.arch
+        )
     except ConfigError as e:
         raise ConfigError(f"the [model] section is inconsistent: {e}") from None
-    return config, model_config, m.arch
+    return config, model_config, model_type
 
 
 def _hf_model_type(path: str) -> str | None:

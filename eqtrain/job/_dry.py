@@ -23,7 +23,7 @@ def _activations(config: Config, job: _build.Job, parallel: int) -> int:
     return int((kept + logits) * width)
 
 
-def _fmt_bytes(n: float) -> str:
+def _fmt_bytes(n: float | int) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if n < 1024 or unit == "TiB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"

@@ -213,7 +213,7 @@ def prepare(
     checkpointer = checkpoint.Checkpointer(
         run_dir,
         every_steps=ckpt.every or None,
-        every_minutes=ckpt.every_minutes,
+        every_minutes=ckpt.every_minutes or None,
         keep_last=ckpt.keep_last,
         keep_every=ckpt.keep_every,
         best=ckpt.best,
@@ -230,7 +230,7 @@ def prepare(
         eval_every=loop.eval_every or None,
         eval_at_end=loop.eval_at_end and eval_loader is not None,
         checkpointer=checkpointer,
-        time_limit=loop.time_limit,
+        time_limit=loop.time_limit or None,
         kill_switch=None if loop.kill_switch is None else run_dir / loop.kill_switch,
         flops_per_token=job.flops_per_token(),
         peak_flops=_peak_flops(config, placement.mesh),

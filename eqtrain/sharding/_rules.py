@@ -48,7 +48,7 @@ class Rules:
             turns the pass off (then only the patterns place `fsdp`).
     """
 
-    patterns: tuple[Rule, ...] = ()
+    patterns: Sequence[Rule] = ()
     fsdp_min_size: int | None = FSDP_MIN_SIZE
 
     def __post_init__(self) -> None:

@@ -1,0 +1,528 @@
+"""`eqtrain.job`: every config key has a consumer (a table: set the key, see the
+effect on the assembled run), and the job's commands work in-process."""
+
+import dataclasses
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import eqtrain
+from eqtrain import config as config_lib, job
+from eqtrain.config import schema
+
+
+TEXT = "def f(x):\n    return x + 1\n\nclass A:\n    pass\n" * 60
+
+
+@pytest.fixture(scope="module")
+def text_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("text")
+    (root / "train").mkdir()
+    (root / "eval").mkdir()
+    for i in range(3):
+        (root / "train" / f"{i}.txt").write_text(TEXT * (i + 1))
+    (root / "eval" / "0.txt").write_text(TEXT[::-1])
+    (root / "train" / "skip.md").write_text("not read by the default pattern")
+    return root
+
+
+def tiny(text_dirs, tmp_path, *extra):
+    return [
+        f"run_dir={tmp_path / 'run'}",
+        f"data.train={text_dirs / 'train'}",
+        f"data.eval={text_dirs / 'eval'}",
+        "model.hidden_size=32",
+        "model.num_layers=1",
+        "data.seq_len=16",
+        "data.batch_size=8",
+        "data.eval_rows=16",
+        "loop.steps=4",
+        "loop.eval_every=2",
+        "checkpoint.every=2",
+        "log.progress=none",
+        "optim.warmup_steps=1",
+        *extra,
+    ]
+
+
+def prepared(text_dirs, tmp_path, *extra):
+    config = config_lib.load(overrides=tiny(text_dirs, tmp_path, *extra))
+    p = job.prepare(config)
+    p.close()
+    p.fit_kwargs["checkpointer"].close()
+    return p
+
+
+def _hooks(p, cls):
+    return [h.hook for h in p.fit_kwargs["hooks"] if isinstance(h.hook, cls)]
+
+
+def _opt_kwargs(monkeypatch):
+    seen = {}
+    real = eqtrain.optim.build
+
+    def spy(*args, **kwargs):
+        seen.update(kwargs)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(eqtrain.optim, "build", spy)
+    return seen
+
+
+# -- one entry per key: (override, check(prepared)) -------------------------------
+def mc(p):
+    return p.job.model_config
+
+
+def first_leaf(p, name):
+    return getattr(p.state.model, name)
+
+
+CONSUMERS = {
+    "model.arch": ("model.arch=gpt2", lambda p: type(p.state.model).__name__ == "GPT2"),
+    "model.vocab_size": ("model.vocab_size=300", lambda p: mc(p).vocab_size == 300),
+    "model.hidden_size": (
+        "model.hidden_size=64",
+        lambda p: p.state.model.embed_tokens.weight.shape[1] == 64,
+    ),
+    "model.intermediate_size": (
+        "model.intermediate_size=48",
+        lambda p: p.state.model.layers.mlp.up_proj.weight.shape[1] == 48,
+    ),
+    "model.num_layers": (
+        "model.num_layers=3",
+        lambda p: p.state.model.layers.mlp.up_proj.weight.shape[0] == 3,
+    ),
+    "model.num_heads": ("model.num_heads=2", lambda p: mc(p).num_attention_heads == 2),
+    "model.num_kv_heads": (
+        "model.num_kv_heads=1",
+        lambda p: p.state.model.layers.self_attn.k_proj.weight.shape[1] == 8,
+    ),
+    "model.head_dim": (
+        "model.head_dim=16",
+        lambda p: p.state.model.layers.self_attn.q_proj.weight.shape[1] == 64,
+    ),
+    "model.max_seq_len": (
+        "model.max_seq_len=64",
+        lambda p: mc(p).max_position_embeddings == 64,
+    ),
+    "model.rope_theta": ("model.rope_theta=5e5", lambda p: mc(p).rope_theta == 5e5),
+    "model.norm_eps": ("model.norm_eps=1e-3", lambda p: mc(p).rms_norm_eps == 1e-3),
+    "model.tie_embeddings": (
+        "model.tie_embeddings=false",
+        lambda p: p.state.model.lm_head is not None,
+    ),
+    "model.attention_bias": (
+        "model.attention_bias=true",
+        lambda p: p.state.model.layers.self_attn.q_proj.bias is not None,
+    ),
+    "model.mlp_bias": (
+        "model.mlp_bias=true",
+        lambda p: p.state.model.layers.mlp.up_proj.bias is not None,
+    ),
+    "model.sliding_window": (
+        "model.sliding_window=8",
+        lambda p: mc(p).sliding_window == 8 and p.job.model_type == "mistral",
+    ),
+    "model.init_std": (
+        "model.init_std=0.5",
+        lambda p: 0.3 < float(jnp.std(p.state.model.embed_tokens.weight)) < 0.7,
+    ),
+    "model.param_dtype": (
+        "model.param_dtype=bfloat16",
+        lambda p: p.state.model.embed_tokens.weight.dtype == jnp.bfloat16,
+    ),
+    "model.remat": ("model.remat=full", lambda p: mc(p).remat == "full"),
+    "model.scan_layers": ("model.scan_layers=false", lambda p: not mc(p).scan_layers),
+    "data.seq_len": (
+        "data.seq_len=8",
+        lambda p: next(iter(p.loader))["tokens"].shape == (8, 8),
+    ),
+    "data.batch_size": ("data.batch_size=16", lambda p: p.loader.batch_size == 16),
+    "data.eval_rows": (
+        "data.eval_rows=8",
+        lambda p: p.fit_kwargs["eval_data"].num_batches == 1,
+    ),
+    "data.shuffle": ("data.shuffle=false", lambda p: p.loader.shuffle is False),
+    "data.prefetch": ("data.prefetch=0", lambda p: p.loader.prefetch == 0),
+    "seed": (
+        "seed=3",
+        lambda p: (
+            p.loader.seed == 3
+            and np.array_equal(
+                jax.random.key_data(p.state.key), jax.random.key_data(jax.random.key(3))
+            )
+        ),
+    ),
+    "optim.accumulate": (
+        "optim.accumulate=2",
+        lambda p: p.job.config.optim.accumulate == 2,  # and see test_accumulate
+    ),
+    "loop.steps": ("loop.steps=7", lambda p: p.fit_kwargs["num_steps"] == 7),
+    "loop.eval_every": ("loop.eval_every=3", lambda p: p.fit_kwargs["eval_every"] == 3),
+    "loop.eval_at_end": (
+        "loop.eval_at_end=false",
+        lambda p: p.fit_kwargs["eval_at_end"] is False,
+    ),
+    "loop.time_limit": (
+        "loop.time_limit=1h",
+        lambda p: p.fit_kwargs["time_limit"] == 3600.0,
+    ),
+    "loop.kill_switch": (
+        "loop.kill_switch=HALT",
+        lambda p: p.fit_kwargs["kill_switch"].name == "HALT",
+    ),
+    "checkpoint.every": (
+        "checkpoint.every=3",
+        lambda p: p.fit_kwargs["checkpointer"].policy.every_steps == 3,
+    ),
+    "checkpoint.every_minutes": (
+        "checkpoint.every_minutes=5",
+        lambda p: p.fit_kwargs["checkpointer"].policy.every_minutes == 5,
+    ),
+    "checkpoint.keep_last": (
+        "checkpoint.keep_last=7",
+        lambda p: p.fit_kwargs["checkpointer"].policy.keep_last == 7,
+    ),
+    "checkpoint.keep_every": (
+        "checkpoint.keep_every=4",
+        lambda p: p.fit_kwargs["checkpointer"].policy.keep_every == 4,
+    ),
+    "checkpoint.best": (
+        "checkpoint.best=eval/loss",
+        lambda p: p.fit_kwargs["checkpointer"].policy.best == "eval/loss",
+    ),
+    "checkpoint.best_mode": (
+        "checkpoint.best_mode=max",
+        lambda p: p.fit_kwargs["checkpointer"].policy.best_mode == "max",
+    ),
+    "checkpoint.async_save": (
+        "checkpoint.async_save=false",
+        lambda p: p.fit_kwargs["checkpointer"].async_save is False,
+    ),
+    "mesh.data": ("mesh.data=2", lambda p: p.placement.mesh.shape["data"] == 2),
+    "mesh.fsdp": ("mesh.fsdp=4", lambda p: p.placement.mesh.shape["fsdp"] == 4),
+    "mesh.tensor": ("mesh.tensor=2", lambda p: p.placement.mesh.shape["tensor"] == 2),
+    "log.every": (
+        "log.every=5",
+        lambda p: any(
+            h.n == 5 and isinstance(h.hook, eqtrain.hooks.JsonlWriter)
+            for h in p.fit_kwargs["hooks"]
+        ),
+    ),
+    "log.progress": (
+        "log.progress=lines",
+        lambda p: _hooks(p, eqtrain.hooks.ConsoleLogger),
+    ),
+    "log.tensorboard": (
+        "log.tensorboard=true",
+        lambda p: _hooks(p, eqtrain.hooks.TensorBoardWriter),
+    ),
+    "log.peak_flops": (
+        "log.peak_flops=1e12",
+        lambda p: p.fit_kwargs["peak_flops"] == 1e12 * jax.device_count(),
+    ),
+    "export.hf": (
+        "export.hf=out",
+        lambda p: any(
+            str(h.out_dir).endswith("out") for h in _hooks(p, eqtrain.hf.export_hook)
+        ),
+    ),
+    "export.dtype": (
+        "export.dtype=bfloat16",
+        lambda p: (
+            _hooks(p, eqtrain.hf.export_hook)[0].export_kwargs["dtype"] == "bfloat16"
+        ),
+    ),
+    "export.every": (
+        "export.every=2",
+        lambda p: any(h.per_step for h in _hooks(p, eqtrain.hf.export_hook)),
+    ),
+    "export.max_shard_size": (
+        "export.max_shard_size=1MB",
+        lambda p: (
+            _hooks(p, eqtrain.hf.export_hook)[0].export_kwargs["max_shard_size"]
+            == "1MB"
+        ),
+    ),
+}
+
+
+@pytest.mark.parametrize("key", sorted(CONSUMERS))
+def test_each_key_takes_effect(key, text_dirs, tmp_path):
+    override, check = CONSUMERS[key]
+    extra = [override]
+    if key == "checkpoint.best":
+        extra.append("checkpoint.every=2")
+    if key == "model.head_dim":
+        extra.append("model.num_heads=4")
+    if key == "mesh.data":
+        extra.append("mesh.fsdp=-1")
+    if key == "mesh.tensor":  # the byte vocabulary (259) does not split in two
+        extra.append("model.vocab_size=264")
+    if key == "optim.accumulate":  # micro-batches of 8 over 8 devices
+        extra.append("data.batch_size=16")
+    p = prepared(text_dirs, tmp_path, *extra)
+    assert check(p), f"{override} had no visible effect"
+
+
+# Keys whose consumers are shown by dedicated tests below (or in test_cli.py).
+ELSEWHERE = {
+    "run_dir": "test_run_writes_where_told",
+    "model.init_from": "test_init_from_hf_round_trip (test_cli.py: import)",
+    "data.train": "test_data_sources",
+    "data.eval": "test_data_sources",
+    "data.text_column": "test_data_sources",
+    "data.pattern": "test_data_sources",
+    "data.tokenizer": "test_tokenizer_file_and_mismatch",
+    "optim.*": "test_optim_section_reaches_the_builder",
+    "loop.precision": "test_loop_step_options",
+    "loop.nonfinite": "test_loop_step_options",
+    "loop.ema": "test_loop_step_options",
+    "checkpoint.resume": "test_resume_never_and_path",
+    "log.wandb_project": "test_wandb_hook",
+    "log.wandb_mode": "test_wandb_hook",
+    "log.wandb_name": "test_wandb_hook",
+    "export.ema": "test_loop_step_options",
+}
+
+
+def test_every_key_is_covered():
+    covered = set(CONSUMERS) | set(ELSEWHERE)
+    missing = [
+        k
+        for k in schema()
+        if k not in covered and not (k.startswith("optim.") and "optim.*" in covered)
+    ]
+    assert not missing, f"config keys without a consumer test: {missing}"
+
+
+def test_optim_section_reaches_the_builder(text_dirs, tmp_path, monkeypatch):
+    seen = _opt_kwargs(monkeypatch)
+    prepared(
+        text_dirs,
+        tmp_path,
+        "optim.name=lion",
+        "optim.lr=1e-4",
+        "optim.schedule=wsd",
+        "optim.decay_steps=2",
+        "optim.final_lr=0",
+        "optim.weight_decay=0.2",
+        "optim.no_decay=norm",
+        "optim.clip_norm=0.5",
+        "optim.b1=0.8",
+        "optim.b2=0.9",
+        "loop.steps=9",
+    )
+    expected = dict(
+        lr=1e-4,
+        schedule="wsd",
+        decay_steps=2,
+        final_lr=0.0,
+        weight_decay=0.2,
+        no_decay="norm",
+        clip_norm=0.5,
+        b1=0.8,
+        b2=0.9,
+        total_steps=9,
+        warmup_steps=1,
+    )
+    assert {k: seen[k] for k in expected} == expected
+    assert seen.get("name", "lion") == "lion"
+    seen.clear()
+    prepared(
+        text_dirs,
+        tmp_path,
+        "optim.name=sgd",
+        "optim.momentum=0.9",
+        "optim.nesterov=true",
+    )
+    assert (seen["momentum"], seen["nesterov"]) == (0.9, True)
+    seen.clear()
+    prepared(
+        text_dirs, tmp_path, "optim.name=adam", "optim.eps=1e-6", "optim.weight_decay=0"
+    )
+    assert seen["eps"] == 1e-6
+
+
+def _run(text_dirs, tmp_path, *extra):
+    config = config_lib.load(overrides=tiny(text_dirs, tmp_path, *extra))
+    return job.run(config, echo=lambda s: None)
+
+
+def test_run_writes_where_told(text_dirs, tmp_path):
+    result = _run(text_dirs, tmp_path)
+    run_dir = tmp_path / "run"
+    assert result.run_dir == run_dir
+    assert result.fit.stop_reason.kind == "max_steps"
+    assert (run_dir / "config.toml").exists()
+    written = config_lib.load(run_dir / "config.toml")
+    assert written == result.config
+    assert eqtrain.checkpoint.list_steps(run_dir) == [2, 4]
+    manifest = eqtrain.checkpoint.read_manifest(run_dir)
+    assert manifest["config"]["loop"]["steps"] == 4
+    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").open()]
+    assert [r["step"] for r in lines if "step_time" in r] == [1, 2, 3, 4]
+    assert "eval/loss" in lines[-1]
+    model, _ = eqtrain.hf.load(run_dir / "hf")
+    assert eqtrain.models.num_params(model) == eqtrain.models.num_params(
+        result.fit.state.model
+    )
+
+
+def test_loop_step_options(text_dirs, tmp_path):
+    result = _run(
+        text_dirs,
+        tmp_path,
+        "loop.precision=bf16",
+        "loop.nonfinite=skip",
+        "loop.ema=0.5",
+        "export.ema=true",
+        "loop.steps=2",
+    )
+    state = result.fit.state
+    assert state.ema is not None
+    assert "halted" not in result.fit.metrics  # nonfinite="stop" reports it
+    exported, _ = eqtrain.hf.load(tmp_path / "run" / "hf")
+    np.testing.assert_array_equal(
+        np.asarray(exported.embed_tokens.weight),
+        np.asarray(state.ema_model.embed_tokens.weight),
+    )
+
+
+def test_accumulate_equals_one_big_batch(text_dirs, tmp_path):
+    a = _run(
+        text_dirs,
+        tmp_path / "a",
+        "optim.accumulate=2",
+        "data.batch_size=16",
+        "loop.steps=2",
+    )
+    b = _run(text_dirs, tmp_path / "b", "data.batch_size=16", "loop.steps=2")
+    la = [h["loss"] for h in a.fit.history if "loss" in h]
+    lb = [h["loss"] for h in b.fit.history if "loss" in h]
+    np.testing.assert_allclose(la, lb, rtol=1e-5)
+
+
+def test_data_sources(text_dirs, tmp_path):
+    jsonl = tmp_path / "d.jsonl"
+    jsonl.write_text(
+        "\n".join(json.dumps({"body": TEXT, "other": 1}) for _ in range(4)) + "\n"
+    )
+    p = prepared(
+        text_dirs,
+        tmp_path,
+        f"data.train={jsonl}",
+        "data.text_column=body",
+        "data.eval=none",
+        "loop.eval_every=0",
+    )
+    assert p.fit_kwargs["eval_data"] is None
+    assert p.loader.num_batches > 0
+    with pytest.raises(eqtrain.EqtrainError, match="body2"):
+        prepared(text_dirs, tmp_path, f"data.train={jsonl}", "data.text_column=body2")
+    # the pattern decides which files of a directory are read
+    with pytest.raises(eqtrain.ConfigError, match="7 rows of 4 tokens"):
+        prepared(text_dirs, tmp_path, "data.pattern=*.md", "data.seq_len=4")
+    with pytest.raises(eqtrain.ConfigError, match="data.train"):
+        prepared(text_dirs, tmp_path, f"data.train={tmp_path / 'nope'}")
+
+
+def test_tokenizer_file_and_mismatch(text_dirs, tmp_path):
+    tokenizers = pytest.importorskip("tokenizers")
+    from tokenizers import models, pre_tokenizers, trainers
+
+    tok = tokenizers.Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "</s>"])
+    tok.train_from_iterator([TEXT], trainer)
+    path = tmp_path / "tokenizer.json"
+    tok.save(str(path))
+    p = prepared(text_dirs, tmp_path, f"data.tokenizer={path}")
+    assert mc(p).vocab_size == tok.get_vocab_size()
+    with pytest.raises(eqtrain.ConfigError, match="does not fit the model"):
+        small = tok.get_vocab_size() - 1
+        prepared(
+            text_dirs, tmp_path, f"data.tokenizer={path}", f"model.vocab_size={small}"
+        )
+    with pytest.raises(eqtrain.ConfigError, match="data.tokenizer"):
+        prepared(text_dirs, tmp_path, f"data.tokenizer={tmp_path / 'missing.json'}")
+
+
+def test_resume_never_and_path(text_dirs, tmp_path):
+    _run(text_dirs, tmp_path)
+    with pytest.raises(eqtrain.EqtrainError, match="resume='never'"):
+        prepared(text_dirs, tmp_path, "checkpoint.resume=never")
+    other = tmp_path / "other"
+    p = prepared(
+        text_dirs,
+        tmp_path,
+        f"run_dir={other}",
+        f"checkpoint.resume={tmp_path / 'run' / 'checkpoints' / '2'}",
+    )
+    assert p.resumed_from == 2 and int(p.state.step) == 2
+    assert (
+        p.loader.position
+        == eqtrain.checkpoint.restore(
+            tmp_path / "run" / "checkpoints" / "2", p.state
+        ).data_position
+    )
+
+
+def test_wandb_hook(text_dirs, tmp_path):
+    p = prepared(
+        text_dirs,
+        tmp_path,
+        "log.wandb_project=proj",
+        "log.wandb_mode=offline",
+        "log.wandb_name=tiny",
+    )
+    logger = _hooks(p, eqtrain.hooks.WandbLogger)[0]
+    kwargs = logger.init_kwargs
+    assert (kwargs["project"], kwargs["mode"], kwargs["name"]) == (
+        "proj",
+        "offline",
+        "tiny",
+    )
+    assert kwargs["config"]["loop"]["steps"] == 4
+
+
+def test_errors_come_before_any_work(text_dirs, tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    with pytest.raises(eqtrain.ConfigError, match="not writable"):
+        prepared(text_dirs, tmp_path, f"run_dir={blocker / 'run'}")
+    with pytest.raises(eqtrain.ConfigError, match="mesh"):
+        prepared(text_dirs, tmp_path, "mesh.data=3")
+    with pytest.raises(eqtrain.ConfigError, match="micro-batch"):
+        prepared(text_dirs, tmp_path, "mesh.data=8", "data.batch_size=4")
+    assert not (tmp_path / "run").exists()
+
+
+def test_dry_run_report(text_dirs, tmp_path):
+    config = config_lib.load(overrides=tiny(text_dirs, tmp_path, "mesh.fsdp=2"))
+    text = job.report(config)
+    assert "parameters" in text and "fsdp=2" in text
+    assert "model.layers.mlp.up_proj.weight" in text
+    assert "memory per device" in text
+    assert not (tmp_path / "run").exists()
+
+
+def test_eval_export_info_in_process(text_dirs, tmp_path):
+    result = _run(text_dirs, tmp_path)
+    run_dir = tmp_path / "run"
+    metrics = job.evaluate_run(run_dir)
+    assert metrics["step"] == 4
+    assert metrics["eval/loss"] == pytest.approx(
+        result.fit.metrics["eval/loss"], rel=1e-6
+    )
+    out = job.export_run(run_dir, tmp_path / "export", dtype="bfloat16")
+    model, _ = eqtrain.hf.load(out)
+    assert model.embed_tokens.weight.dtype == jnp.bfloat16
+    info = job.run_info(run_dir)
+    assert info["steps_trained"] == 4
+    assert [c["step"] for c in info["checkpoints"]] == [2, 4]
+    assert dataclasses.asdict(result.config.loop) == info["config"]["loop"]
