@@ -59,8 +59,9 @@ def init(model="llama"):
 
 
 def mesh_of(axes):
-    data, fsdp, tensor = axes
-    return sharding.make_mesh({"data": data, "fsdp": fsdp, "tensor": tensor})
+    """`(data, fsdp, tensor)` or `(data, fsdp, tensor, sequence)` as a mesh."""
+    names = ("data", "fsdp", "tensor", "sequence")[: len(axes)]
+    return sharding.make_mesh(dict(zip(names, axes, strict=True)))
 
 
 def setup(axes, model="llama"):
@@ -78,7 +79,7 @@ def _setup(axes, model):
     abstract = eqx.filter_eval_shape(init, model)
     rules = sharding.rules_for(abstract.model, mesh, fsdp_min_size=MIN_SIZE)
     state_sh = sharding.state_shardings(abstract, mesh, rules, optimizer=OPT)
-    batch_sh = sharding.batch_sharding(mesh)
+    batch_sh = sharding.batch_sharding(mesh, sequence=len(axes) == 4)
     return mesh, state_sh, batch_sh, eqtrain.jit(step, shardings=(state_sh, batch_sh))
 
 
@@ -345,6 +346,13 @@ def test_llama_meshes_match_single_device(axes):
         assert down == P(None, "fsdp", "tensor")
         assert state.opt_state[0].count.sharding.spec == P()
         assert state.model.lm_head.weight.sharding.spec == P("tensor", "fsdp")
+
+
+def test_sequence_axis_matches_single_device():
+    reference, _ = trajectory(None)
+    losses, state = trajectory((2, 2, 1, 2))
+    np.testing.assert_allclose(losses, reference, rtol=0, atol=1e-5)
+    assert setup((2, 2, 1, 2))[2].spec == P(("data", "fsdp"), "sequence")
 
 
 def test_gpt2_tensor_parallel_matches_single_device():

@@ -5,8 +5,6 @@ library function; errors of ours exit with code 2 and one paragraph, no tracebac
 
 import contextlib
 import json
-import sys
-import textwrap
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Annotated, Any
@@ -38,8 +36,7 @@ SetOption = Annotated[
 
 
 def _fail(message: str) -> None:
-    text = textwrap.fill(" ".join(message.split()), 100)
-    typer.echo(f"error: {text}", err=True)
+    typer.echo(f"error: {' '.join(message.split())}", err=True)  # one paragraph
     raise typer.Exit(EXIT_USAGE)
 
 
@@ -162,9 +159,18 @@ def export(
     """Export a run's latest checkpoint (or the given step) in Hugging Face format
     (safetensors, config.json, tokenizer)."""
     from .. import job
+    from ..hf import HFExportExistsError
 
     with _errors():
-        out = job.export_run(path, out_dir, dtype=dtype, ema=ema, overwrite=overwrite)
+        try:
+            out = job.export_run(
+                path, out_dir, dtype=dtype, ema=ema, overwrite=overwrite
+            )
+        except HFExportExistsError:
+            _fail(
+                f"{out_dir} already exists; pass --overwrite to replace it, or "
+                "export to a new directory."
+            )
     typer.echo(f"exported to {out}")
 
 
@@ -275,7 +281,3 @@ def config_(
 def main() -> None:
     """The console entry point."""
     app(prog_name="eqtrain")
-
-
-if __name__ == "__main__":  # pragma: no cover
-    sys.exit(main())

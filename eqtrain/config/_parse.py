@@ -80,7 +80,8 @@ def schema() -> dict[str, Field]:
 
 
 # -- values -------------------------------------------------------------------
-_DURATION = re.compile(r"(\d+(?:\.\d*)?|\.\d+)\s*(d|h|m|min|s|sec|ms)?", re.IGNORECASE)
+# Longer units first: `10min` and `500ms` are not `10m` or `500m` plus a rest.
+_DURATION = re.compile(r"(\d+(?:\.\d*)?|\.\d+)\s*(ms|min|sec|d|h|m|s)?", re.IGNORECASE)
 _UNITS = {"d": 86400, "h": 3600, "m": 60, "min": 60, "s": 1, "sec": 1, "ms": 1e-3}
 
 
@@ -168,6 +169,7 @@ def _coerce(value: Any, field: Field) -> Any:
 
         if isinstance(value, bool) or not isinstance(value, (int, str)):
             raise ValueError("expected bytes or a size like '5GB'")
+        value = str(value)  # the field is a string; `1000` (bytes) reads as "1000"
         try:
             parse_size(value)
         except ConfigError as e:

@@ -1,7 +1,8 @@
 """Writing a `Config` as TOML (the resolved config of a run) and as plain dicts
 (for JSON manifests). Unset (`None`) values are written as comments, since TOML
 has no null; where the default is not None, `""` (strings) or `"none"` stands for
-unset. Reading the file back gives the same config."""
+unset. Reading the file back gives the same config, except that the architecture
+of a `model.init_from` config is written as comments (it comes from there)."""
 
 import dataclasses
 import json
@@ -38,9 +39,14 @@ def _value(value: Any) -> str:
 def to_toml(config: Config, *, comments: bool = True) -> str:
     """The config as a TOML document; with `comments`, each key's help text is
     written above it."""
+    from ._validate import ARCH_KEYS
+
     fields = schema()
     data = to_dict(config)
     lines: list[str] = []
+    # With init_from, the architecture comes from its config.json: a resolved
+    # config states it as comments, so the file reads back (and validates).
+    derived = {f"model.{k}" for k in ARCH_KEYS} if config.model.init_from else set()
 
     def emit(key: str, name: str, value: Any) -> None:
         if comments:
@@ -49,7 +55,10 @@ def to_toml(config: Config, *, comments: bool = True) -> str:
                 help_text += " One of: " + ", ".join(map(str, fields[key].choices))
             wrapped = textwrap.wrap(help_text, 86)
             lines.extend("# " + line for line in wrapped)
-        if value is None and fields[key].default is None:
+        if key in derived:
+            shown = "(unset)" if value is None else _value(value)
+            lines.append(f"# {name} = {shown}  (from model.init_from)")
+        elif value is None and fields[key].default is None:
             lines.append(f"# {name} =  (unset)")
         elif value is None:  # TOML has no null; these read back as None
             unset = '""' if fields[key].type is str else '"none"'

@@ -132,6 +132,7 @@ def _model_config(config: Config, tokenizer: Any) -> tuple[Config, Any, str]:
         config = dataclasses.replace(
             config, model=model_section(model_config, model_type, base=m)
         )
+        config = _fit_seq_len(config)
         _check_vocab(config, tokenizer, model_config.vocab_size, "model.init_from")
         return config, model_config, model_type
     vocab = m.vocab_size if m.vocab_size is not None else tokenizer.vocab_size
@@ -183,6 +184,23 @@ def _model_config(config: Config, tokenizer: Any) -> tuple[Config, Any, str]:
     except ConfigError as e:
         raise ConfigError(f"the [model] section is inconsistent: {e}") from None
     return config, model_config, model_type
+
+
+def _fit_seq_len(config: Config) -> Config:
+    """Rows no longer than the loaded model's positions: the default `data.seq_len`
+    shrinks to fit; an explicit one that does not fit is an error."""
+    limit, seq = config.model.max_seq_len, config.data.seq_len
+    if limit is None or seq <= limit:
+        return config
+    if "data.seq_len" in explicit(config):
+        raise ConfigError(
+            f"`data.seq_len` ({seq}) exceeds the positions of `model.init_from`'s "
+            f"model ({limit}); use data.seq_len <= {limit}."
+        )
+    data = dataclasses.replace(config.data, seq_len=limit)
+    resized = dataclasses.replace(config, data=data)
+    object.__setattr__(resized, "_explicit", explicit(config))
+    return resized
 
 
 def _hf_model_type(path: str) -> str | None:

@@ -107,10 +107,10 @@ class Rules:
         """
         spec = self.match(path)
         entries = _padded(spec, shape, path)
-        sizes = axis_sizes(mesh)
         if fsdp and self.fsdp_min_size is not None:
-            entries = _with_fsdp(entries, shape, sizes["fsdp"], self.fsdp_min_size)
-        _check_divisible(entries, shape, sizes, path, spec)
+            fsdp_size = axis_sizes(mesh)["fsdp"]
+            entries = _with_fsdp(entries, shape, fsdp_size, self.fsdp_min_size)
+        _check_fits(entries, shape, mesh, path, spec)
         return PartitionSpec(*(None if e == LAYERS else e for e in entries))
 
 
@@ -164,30 +164,39 @@ def _with_fsdp(
     return [*entries[:best], "fsdp", *entries[best + 1 :]]
 
 
-def _check_divisible(
+def _check_fits(
     entries: list[Any],
     shape: tuple[int, ...],
-    sizes: dict[str, int],
+    mesh: Mesh,
     path: str,
     spec: PartitionSpec | None,
 ) -> None:
-    for dim, (entry, n) in enumerate(zip(entries, shape, strict=True)):
-        ways = math.prod(sizes.get(name, 1) for name in _names(entry) if name != LAYERS)
-        if n % ways:
-            mesh = {k: v for k, v in sizes.items() if v > 1} or sizes
-            resolved = PartitionSpec(*entries)
+    sizes = axis_sizes(mesh)
+    resolved = PartitionSpec(*entries)
+    for name in (n for entry in entries for n in _names(entry)):
+        if name != LAYERS and name not in mesh.shape:
             raise ConfigError(
-                f"cannot shard `{path}` (shape {shape}) with {resolved}: dimension "
-                f"{dim} of size {n} does not split over {entry!r} ({ways} ways; "
-                f"mesh axes {mesh}). "
-                + (
-                    f"The rule's spec was {spec}. "
-                    if spec is not None and PartitionSpec(*entries) != spec
-                    else ""
-                )
-                + "Change the mesh sizes, or add an earlier rule for this leaf "
-                "that shards it differently (or replicates it with P())."
+                f"`{path}` gets {resolved}, but the mesh has no axis {name!r} (it "
+                f"has {list(mesh.shape)}). Build the mesh with "
+                "`eqtrain.sharding.make_mesh`, which always has all four axes."
             )
+    for dim, (entry, n) in enumerate(zip(entries, shape, strict=True)):
+        ways = math.prod(sizes[name] for name in _names(entry) if name != LAYERS)
+        if n % ways:
+            added = spec is not None and "fsdp" in _names_in(resolved) - _names_in(spec)
+            origin = f" (the rule's {spec} plus FSDP)" if added else ""
+            axes = {k: v for k, v in sizes.items() if v > 1} or sizes
+            raise ConfigError(
+                f"cannot shard `{path}` (shape {shape}) with {resolved}{origin}: "
+                f"dimension {dim} of size {n} does not split over {entry!r} ({ways} "
+                f"ways; mesh axes {axes}). Change the mesh sizes, or add an earlier "
+                "rule for this leaf that shards it differently (or replicates it "
+                "with P())."
+            )
+
+
+def _names_in(spec: PartitionSpec) -> set[str]:
+    return {name for entry in spec for name in _names(entry)}
 
 
 def as_rules(rules: "Rules | Sequence[Rule] | None") -> Rules:

@@ -1,0 +1,6 @@
+"""`python -m eqtrain.cli`: the same as the `eqtrain` command."""
+
+from . import main
+
+
+main()
