@@ -158,9 +158,8 @@ def _hf_model(family, **overrides):
         rope_theta=300.0,
     )
     if family == "gpt2":
-        cfg = transformers.GPT2Config(
-            vocab_size=97, n_positions=32, n_embd=16, n_layer=2, n_head=4, **overrides
-        )
+        gpt2 = dict(vocab_size=97, n_positions=32, n_embd=16, n_layer=2, n_head=4)
+        cfg = transformers.GPT2Config(**{**gpt2, **overrides})
         return _randomize_torch(transformers.GPT2LMHeadModel(cfg))
     cls = {
         "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
@@ -377,3 +376,47 @@ def test_export_writes_hf_tokenizer_files(tmp_path):
     theirs = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
     assert theirs.encode("hello world", add_special_tokens=False) == [2, 3]
     assert (theirs.bos_token_id, theirs.eos_token_id) == (0, 1)
+
+
+@pytest.mark.parametrize("family", ["qwen2", "gpt2"])
+def test_fine_tune_from_hf_directory_and_export(tmp_path, family):
+    """`model.init_from`: a run starts from `save_pretrained`'s weights exactly,
+    trains, and its final export loads in transformers with eqtrain's logits."""
+    from eqtrain import config as config_lib, job
+
+    overrides = {} if family == "gpt2" else dict(max_position_embeddings=32)
+    theirs = _hf_model(family, vocab_size=300, **overrides)
+    theirs.save_pretrained(tmp_path / "base")
+    (tmp_path / "text").mkdir()
+    (tmp_path / "text" / "a.txt").write_text("def f(x):\n    return x + 1\n" * 80)
+    config = config_lib.load(
+        overrides=[
+            f"run_dir={tmp_path / 'run'}",
+            f"model.init_from={tmp_path / 'base'}",
+            f"data.train={tmp_path / 'text'}",
+            "data.eval=none",
+            "loop.eval_every=0",
+            "data.seq_len=16",
+            "data.batch_size=8",
+            "loop.steps=3",
+            "optim.warmup_steps=0",
+            "log.progress=none",
+        ]
+    )
+    prepared = job.prepare(config)
+    prepared.close()
+    prepared.fit_kwargs["checkpointer"].close()
+    start, _ = hf.load(tmp_path / "base")
+    _assert_bit_exact(prepared.state.model, start)
+    assert prepared.job.config.model.arch == family
+    assert prepared.job.config.model.vocab_size == 300
+    result = job.run(config, echo=lambda s: None)
+    trained = result.fit.state.model
+    assert not np.array_equal(
+        np.asarray(jtu.tree_leaves(trained)[0]), np.asarray(jtu.tree_leaves(start)[0])
+    )
+    exported = _hf_load(tmp_path / "run" / "hf")
+    tokens = _tokens(vocab=300)
+    _assert_close(trained(jnp.asarray(tokens)), _hf_logits(exported, tokens))
+    reloaded, _ = hf.load(tmp_path / "run" / "hf")
+    _assert_bit_exact(reloaded, trained)
