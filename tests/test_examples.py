@@ -45,3 +45,46 @@ def test_llama_learns_the_stdlib(tmp_path):
     assert summary["eval_loss_before"] > 5.0  # about ln(259) at initialisation
     assert summary["eval_loss_after"] < 0.5 * summary["eval_loss_before"]
     assert summary["data_position"] == {"epoch": 0, "index": 300}
+
+
+CONFIGS = sorted((Path(__file__).parent.parent / "examples" / "configs").glob("*.toml"))
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_example_configs_run(path, tmp_path):
+    """Each ready config validates, dry-runs, and trains two steps (8 simulated
+    devices, as the sharded example asks)."""
+    import jax.random as jr
+
+    from eqtrain import config as config_lib, hf, job
+    from eqtrain.models import Llama, LlamaConfig
+
+    overrides = [f"run_dir={tmp_path / 'run'}", "log.progress=none"]
+    if "init_from" in path.read_text():  # stands in for runs/pretrain_stdlib/hf
+        base = LlamaConfig(
+            vocab_size=259,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=4,
+            max_position_embeddings=128,
+        )
+        hf.export(Llama(base, jr.key(0)), base, tmp_path / "base")
+        overrides.append(f"model.init_from={tmp_path / 'base'}")
+    config = config_lib.load(path, overrides)
+    assert "memory per device" in job.report(config)
+    short = config_lib.load(
+        path,
+        [
+            *overrides,
+            "loop.steps=2",
+            "loop.eval_every=0",
+            "data.eval_rows=16",
+            "optim.warmup_steps=0",
+            "checkpoint.best=",
+            "loop.time_limit=",
+        ],
+    )
+    result = job.run(short, echo=lambda s: None)
+    assert result.fit.stop_reason.kind == "max_steps"
+    assert (tmp_path / "run" / "hf" / "config.json").exists()
