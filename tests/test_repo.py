@@ -24,10 +24,10 @@ def test_ci_runs_exactly_the_readme_test_command():
 
 def test_readme_first_command_runs_the_main_job():
     first = _bash_blocks((ROOT / "README.md").read_text())[0].strip()
-    script = re.search(r"(examples/\S+\.py)|eqtrain fit", first)
-    assert script is not None
-    if script.group(1):
-        assert (ROOT / script.group(1)).exists()
+    # `eqtrain fit` with no config: the embedded default run (run, shortened, by
+    # tests/test_cli.py::test_fit_with_no_config_runs_the_default).
+    assert first.endswith(".venv/bin/eqtrain fit"), first
+    assert 'eqtrain = "eqtrain.cli:main"' in (ROOT / "pyproject.toml").read_text()
 
 
 def test_docs_build_strict(tmp_path):
