@@ -19,6 +19,7 @@ app = typer.Typer(
     help="Train, evaluate, inspect and export eqtrain runs.",
     no_args_is_help=True,
     pretty_exceptions_enable=False,
+    rich_markup_mode="markdown",
     context_settings={"help_option_names": ["-h", "--help"]},
 )
 
