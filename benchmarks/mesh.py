@@ -151,11 +151,11 @@ def emit(group: str, model: str, record: dict[str, Any], reference: Any) -> None
     print(json.dumps({"group": group, "model": model, **record}), flush=True)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=None)
     parser.add_argument("--quick", action="store_true", help="tiny sizes (smoke test)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     steps = args.steps or (3 if args.quick else 6)
     if len(jax.devices()) < 8:
         raise SystemExit(f"needs 8 devices; found {jax.devices()}")
@@ -169,7 +169,7 @@ def main() -> None:
             vocab_size=64, n_positions=32, n_embd=32, n_layer=2, n_head=4,
             scan_layers=False,
         )  # fmt: skip
-        batch, seq, layouts, min_size = 8, 16, [(8, 1, 1), (2, 2, 2)], 256
+        batch, seq, layouts, min_size = 8, 16, [(2, 2, 2)], 256
     else:
         llama = LlamaConfig(
             vocab_size=512, hidden_size=256, intermediate_size=704,
@@ -200,6 +200,8 @@ def main() -> None:
             (r"attn\.c_attn\.bias$", P("layers")),
         ),
     }
+    if args.quick:
+        variants.pop("split_input")
     for name, extra in variants.items():
         record = measure(make, (4, 1, 2), data, extra=extra, fsdp_min_size=min_size)
         emit("gpt2_c_attn", f"gpt2:{name}", record, reference)

@@ -207,9 +207,8 @@ def test_resume_auto_after_an_interrupted_run(tiny_config, tmp_path):
     proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
         deadline = time.monotonic() + 180
-        while not (
-            (run_dir / "checkpoints").is_dir() and eqtrain.checkpoint.list_steps(run_dir)
-        ):
+        checkpoints = run_dir / "checkpoints"
+        while not (checkpoints.is_dir() and eqtrain.checkpoint.list_steps(run_dir)):
             assert proc.poll() is None, proc.communicate()
             assert time.monotonic() < deadline, "no checkpoint in time"
             time.sleep(0.2)

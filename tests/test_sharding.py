@@ -2,6 +2,9 @@
 that matches the single-device run."""
 
 import functools
+import importlib.util
+import json
+from pathlib import Path
 
 import equinox as eqx
 import jax
@@ -181,6 +184,27 @@ def test_rules_first_match_padding_and_fsdp():
     assert no_fsdp.spec_for("a.w", (8, 8), mesh) == P("tensor", None)
 
 
+def test_fsdp_where_the_rule_says_if_it_splits():
+    mesh = mesh_of((2, 2, 2))
+    rules = sharding.Rules(
+        ((r"emb", P(("tensor", "fsdp"), None)), (r"w", P("layers", "fsdp"))),
+        fsdp_min_size=16,
+    )
+    spec = lambda path, shape: rules.spec_for(path, shape, mesh)
+    assert spec("emb", (8, 16)) == P(("tensor", "fsdp"), None)  # not the larger dim
+    assert spec("emb", (6, 16)) == P("tensor", "fsdp")  # 6 % 4: the pass decides
+    assert spec("emb", (6, 3)) == P("tensor", None)  # nowhere: replicated over fsdp
+    assert spec("emb", (2, 4)) == P("tensor", None)  # small: replicated over fsdp
+    assert spec("w", (4, 3, 8)) == P(None, None, "fsdp")
+    # With the pass off, a rule's fsdp is binding like any axis.
+    strict = sharding.Rules(rules.patterns, fsdp_min_size=None)
+    assert strict.spec_for("emb", (4, 2), mesh) == P(("tensor", "fsdp"), None)
+    with pytest.raises(ConfigError, match=r"`emb` \(shape \(6, 16\)\)"):
+        strict.spec_for("emb", (6, 16), mesh)
+    with pytest.raises(ConfigError, match="'layers' marks a whole dimension"):
+        sharding.Rules(((r"x", P(("layers", "fsdp"))),))
+
+
 def test_rule_errors_name_the_leaf():
     mesh = mesh_of((2, 1, 4))
     rules = sharding.Rules(((r"q_proj\.weight$", P(None, "tensor")),))
@@ -204,16 +228,18 @@ def test_rules_for_models():
     tp = mesh_of((2, 2, 2))
     llama = sharding.rules_for(init().model, tp)
     assert llama.match("model.layers.self_attn.k_proj.weight") == P(
-        "layers", "tensor", None
+        "layers", "tensor", "fsdp"
     )
     assert llama.match("model.layers.mlp.down_proj.weight") == P(
-        "layers", None, "tensor"
+        "layers", "fsdp", "tensor"
     )
     assert llama.match("model.layers.input_layernorm.weight") == P("layers")
-    assert llama.match("model.lm_head.weight") == P("tensor", None)
-    # tensor = 1: the TP entries are dropped, the layer marks stay.
+    assert llama.match("model.lm_head.weight") == P(("tensor", "fsdp"), None)
+    # tensor = 1: the TP entries are dropped, the layer and fsdp marks stay.
     fsdp = sharding.rules_for(init().model, mesh_of((1, 8, 1)))
-    assert fsdp.match("model.layers.self_attn.q_proj.weight") == P("layers", None, None)
+    q = "model.layers.self_attn.q_proj.weight"
+    assert fsdp.match(q) == P("layers", None, "fsdp")
+    assert fsdp.match("model.embed_tokens.weight") == P("fsdp", None)
     extra = sharding.rules_for(init().model, tp, extra=[(r"lm_head", P())])
     assert extra.match("model.lm_head.weight") == P()
     with pytest.raises(ConfigError, match="Regressor has no tensor-parallel rules"):
@@ -285,6 +311,29 @@ def test_state_shardings_follow_parameters():
     )
 
 
+@pytest.mark.parametrize("kind", ["masked", "multi_steps", "chain"])
+def test_optimizer_state_of_wrapped_optimizers(kind):
+    model = Regressor(jr.key(0), width=64)
+    mask = jax.tree.map(lambda x: x.ndim == 2, eqx.filter(model, eqx.is_array))
+    opt = {
+        "masked": optax.masked(optax.adam(1e-3), mask),
+        "multi_steps": optax.MultiSteps(optax.adam(1e-3), 4).gradient_transformation(),
+        "chain": optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3)),
+    }[kind]
+    state = eqtrain.TrainState.create(model, opt, key=0)
+    mesh, rules = mesh_of((1, 8, 1)), sharding.Rules(fsdp_min_size=65)
+    with_opt = sharding.state_shardings(state, mesh, rules, optimizer=opt)
+    by_structure = sharding.state_shardings(state, mesh, rules)
+    specs = lambda sh: [x.spec for x in jtu.tree_leaves(sh.opt_state)]
+    assert specs(with_opt) == specs(by_structure)
+    assert len(specs(with_opt)) == len(
+        jtu.tree_leaves(eqx.filter(state.opt_state, eqx.is_array))
+    )
+    moments = {"masked": 2, "multi_steps": 3, "chain": 2}[kind]  # + accumulated grads
+    assert specs(with_opt).count(P(None, "fsdp")) == moments  # the [64, 64] weight
+    assert_placed(sharding.shard(state, with_opt), with_opt)
+
+
 def test_model_state_replicated_unless_a_rule_matches():
     model, model_state = eqx.nn.make_with_state(eqx.nn.BatchNorm)(
         64, "batch", mode="ema"
@@ -345,7 +394,8 @@ def test_llama_meshes_match_single_device(axes):
         down = state.opt_state[0].mu.layers.mlp.down_proj.weight.sharding.spec
         assert down == P(None, "fsdp", "tensor")
         assert state.opt_state[0].count.sharding.spec == P()
-        assert state.model.lm_head.weight.sharding.spec == P("tensor", "fsdp")
+        vocab = P(("tensor", "fsdp"), None)  # FSDP on the vocab, not the hidden
+        assert state.model.lm_head.weight.sharding.spec == vocab
 
 
 def test_sequence_axis_matches_single_device():
@@ -362,7 +412,7 @@ def test_gpt2_tensor_parallel_matches_single_device():
     c_attn = state.model.h.attn.c_attn.weight.sharding.spec
     assert c_attn == P(None, "tensor", "fsdp")
     assert state.model.h.mlp.c_proj.weight.sharding.spec == P(None, "fsdp", "tensor")
-    assert state.model.wte.weight.sharding.spec == P("tensor", "fsdp")
+    assert state.model.wte.weight.sharding.spec == P(("tensor", "fsdp"), None)
 
 
 def test_checkpoint_moves_to_another_mesh(tmp_path):
@@ -398,3 +448,24 @@ def test_batch_arrays_are_split():
     mesh = mesh_of((2, 2, 2))
     batch = jax.device_put(jnp.zeros((8, 16)), sharding.batch_sharding(mesh))
     assert {s.data.shape for s in batch.addressable_shards} == {(2, 16)}
+
+
+def test_mesh_benchmark_quick(capsys):
+    """`benchmarks/mesh.py --quick` runs (in this process: it has the 8 devices)."""
+    path = Path(__file__).parent.parent / "benchmarks" / "mesh.py"
+    spec = importlib.util.spec_from_file_location("mesh_benchmark", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    module.main(["--quick"])
+    out = capsys.readouterr().out
+    records = [json.loads(x) for x in out.splitlines() if x.startswith("{")]
+    assert [r["model"] for r in records] == [
+        "llama",
+        "gpt2:split_packed",
+        "gpt2:replicated",
+    ]
+    for r in records:
+        assert r["max_loss_diff"] < 1e-5 and r["flops_per_device"] > 0
+    packed, replicated = records[1:]
+    assert packed["state_bytes_per_device"] < replicated["state_bytes_per_device"]

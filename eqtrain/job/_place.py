@@ -4,8 +4,6 @@ shardings from the partition rules, and the batch sharding."""
 import dataclasses
 from typing import Any
 
-import jax
-
 from .. import sharding
 from .._errors import ConfigError
 from . import _build
@@ -44,9 +42,8 @@ def placement(job: _build.Job) -> Placement:
         )
     abstract = job.abstract_state()
     rules = sharding.rules_for(abstract.model, mesh)
-    state_sh = sharding.state_shardings(abstract, mesh, rules)
+    state_sh = sharding.state_shardings(
+        abstract, mesh, rules, optimizer=job.optimizer
+    )
     return Placement(mesh, state_sh, sharding.batch_sharding(mesh))
 
-
-def device_count() -> int:
-    return jax.device_count()

@@ -246,25 +246,26 @@ def tensor_parallel_rules() -> list[tuple[str, PartitionSpec]]:
     sharded). `c_fc` is column-parallel (its `out` dimension over `tensor`), both
     `c_proj` are row-parallel (their `in` dimension), and `wte` (also the tied
     head) splits the vocab, which `tensor` must divide (pad 50257 to 50304).
+    `fsdp` marks where FSDP goes when it applies: the other dimension of each
+    matrix, the vocab for `wte` (as for Llama's embedding).
 
     `c_attn` packs q, k and v along `out` (`[q | k | v]`), so splitting that
     dimension contiguously does not give each device whole heads of each of q, k
-    and v: XLA regathers the q/k/v activations once per layer (an all-gather of
-    `[batch, seq, 3 * n_embd]` per `tensor` group; still exact). It is split
-    anyway, which keeps `c_attn`'s weights, gradients and optimizer state sharded
-    and its matmul divided; replicating it over `tensor` instead measured ~20%
-    more FLOPs per device. Override with `extra=[(r"attn\\.c_attn\\.",
-    PartitionSpec("layers"))]` in `rules_for` to replicate it.
+    and v: XLA regathers the q/k/v activations once per layer (exact, at the cost
+    of an all-gather). It is split anyway: replicating it over `tensor` instead
+    measured ~20% more FLOPs per device and keeps its weights and optimizer state
+    whole on every `tensor` device (see docs/sharding.md). To replicate it, pass
+    `extra=[(r"attn\\.c_attn\\.", PartitionSpec("layers"))]` to `rules_for`.
     """
     layer = r"(^|\.)h\."
     col, row = (
-        PartitionSpec("layers", "tensor", None),
-        PartitionSpec("layers", None, "tensor"),
+        PartitionSpec("layers", "tensor", "fsdp"),
+        PartitionSpec("layers", "fsdp", "tensor"),
     )
     return [
         (layer + r"(attn\.c_attn|mlp\.c_fc)\.weight$", col),
         (layer + r"(attn\.c_attn|mlp\.c_fc)\.bias$", PartitionSpec("layers", "tensor")),
         (layer + r"(attn|mlp)\.c_proj\.weight$", row),
         (layer, PartitionSpec("layers")),  # norms, c_proj biases: replicated
-        (r"(^|\.)wte\.weight$", PartitionSpec("tensor", None)),
+        (r"(^|\.)wte\.weight$", PartitionSpec(("tensor", "fsdp"), None)),
     ]

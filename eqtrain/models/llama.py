@@ -358,22 +358,28 @@ def tensor_parallel_rules() -> list[tuple[str, PartitionSpec]]:
     `tensor` (whole heads when `tensor` divides the head counts); row-parallel
     o/down split their `in` dimension, so each layer needs one all-reduce after
     attention and one after the MLP. The embedding and the head split the vocab.
-    Every other leaf under `layers` is only marked as stacked. FSDP is added by
-    `eqtrain.sharding.Rules` on a remaining dimension.
+    Every other leaf under `layers` is only marked as stacked.
+
+    `fsdp` marks where FSDP goes when it applies (see `eqtrain.sharding.Rules`):
+    the other dimension of each matrix, and for the embedding and the head the
+    vocab too (on `hidden`, the lookup's output would inherit `fsdp` and clash with
+    the batch's `fsdp`: XLA then reshuffles activations, ~3x the communication).
     """
-    col, row, stacked = (
-        PartitionSpec("layers", "tensor", None),
-        PartitionSpec("layers", None, "tensor"),
-        PartitionSpec("layers", "tensor"),
+    col, row = (
+        PartitionSpec("layers", "tensor", "fsdp"),
+        PartitionSpec("layers", "fsdp", "tensor"),
     )
     layer = r"(^|\.)layers\."
     return [
         (layer + r"self_attn\.[qkv]_proj\.weight$", col),
-        (layer + r"self_attn\.[qkv]_proj\.bias$", stacked),
+        (layer + r"self_attn\.[qkv]_proj\.bias$", PartitionSpec("layers", "tensor")),
         (layer + r"self_attn\.o_proj\.weight$", row),
         (layer + r"mlp\.(gate|up)_proj\.weight$", col),
-        (layer + r"mlp\.(gate|up)_proj\.bias$", stacked),
+        (layer + r"mlp\.(gate|up)_proj\.bias$", PartitionSpec("layers", "tensor")),
         (layer + r"mlp\.down_proj\.weight$", row),
         (layer, PartitionSpec("layers")),  # norms, o/down biases: replicated
-        (r"(^|\.)(embed_tokens|lm_head)\.weight$", PartitionSpec("tensor", None)),
+        (
+            r"(^|\.)(embed_tokens|lm_head)\.weight$",
+            PartitionSpec(("tensor", "fsdp"), None),
+        ),
     ]

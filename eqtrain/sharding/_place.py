@@ -44,13 +44,31 @@ def _map_arrays(fn: Callable[[str, Any], Any], tree: Any, prefix: str) -> Any:
     )
 
 
+def _is_hole(x: Any) -> bool:
+    """No parameter here: frozen (`None`) or left out by `optax.masked`."""
+    return x is None or isinstance(x, optax.MaskedNode)
+
+
 def _params_like(node: Any, params: Any) -> bool:
-    """`node` has the structure and shapes of the parameter tree (Adam's `mu`...)."""
-    if jtu.tree_structure(node) != jtu.tree_structure(params):
+    """`node` is shaped like the parameter tree (Adam's `mu`, ...), with holes where
+    the parameters are frozen or masked out of the optimizer."""
+    flat, treedef = jtu.tree_flatten(node, is_leaf=_is_hole)
+    flat_params, params_def = jtu.tree_flatten(params, is_leaf=_is_hole)
+    if treedef != params_def or not any(is_arraylike(x) for x in flat):
         return False
-    pairs = zip(jtu.tree_leaves(node), jtu.tree_leaves(params), strict=True)
     return all(
-        is_arraylike(a) and is_arraylike(b) and a.shape == b.shape for a, b in pairs
+        _is_hole(x) or (is_arraylike(p) and x.shape == p.shape)
+        for x, p in zip(flat, flat_params, strict=True)
+    )
+
+
+def _like_params(node: Any, params_sh: Any) -> Any:
+    """The parameters' shardings at the array leaves of a parameter-shaped `node`."""
+    return jtu.tree_map(
+        lambda x, sharding: sharding if is_arraylike(x) else None,
+        node,
+        params_sh,
+        is_leaf=_is_hole,
     )
 
 
@@ -67,20 +85,19 @@ def _opt_shardings(
     if optimizer is not None:
         return optax.tree_map_params(
             optimizer,
-            lambda _, sharding: sharding,
+            lambda x, sharding: sharding if is_arraylike(x) else None,
             opt_state,
             params_sh,
             transform_non_params=non_params,
-            is_leaf=lambda x: x is None or isinstance(x, Sharding),
+            is_leaf=_is_hole,
         )
-    leaves = jtu.tree_leaves(params)
-    if not leaves:
-        return jtu.tree_map(non_params, opt_state)
     # Without the optimizer, recognise parameter-shaped subtrees by structure.
     like = lambda node: _params_like(node, params)
-
-    place = lambda node: params_sh if like(node) else non_params(node)
-    return jtu.tree_map(place, opt_state, is_leaf=like)
+    return jtu.tree_map(
+        lambda node: _like_params(node, params_sh) if like(node) else non_params(node),
+        opt_state,
+        is_leaf=like,
+    )
 
 
 def state_shardings(

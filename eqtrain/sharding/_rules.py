@@ -35,17 +35,22 @@ class Rules:
 
     A leaf's spec is that of the first rule whose regex matches its dotted path
     (`model.layers.self_attn.q_proj.weight`), padded with `None`; no match means
-    replicated. Then, when the mesh's `fsdp` axis is > 1, a leaf with at least
-    `fsdp_min_size` elements whose spec does not name `fsdp` yet gets `fsdp` on its
-    largest free dimension (a `None` entry, not a `LAYERS` one) that the `fsdp`
-    size divides (the last such on ties); a leaf without one stays replicated
-    over `fsdp`.
+    replicated. The mesh axes `data`, `sequence` and `tensor` in a rule are
+    binding: if their sizes do not divide the dimension, it is an error.
+
+    `fsdp` is a memory optimisation and never an error. When the pass is on
+    (`fsdp_min_size` is not None) and the mesh's `fsdp` axis is > 1, a leaf with
+    fewer than `fsdp_min_size` elements is replicated over `fsdp`; a larger one
+    gets `fsdp` where its rule names it if that dimension splits, else on its
+    largest free dimension (a `None` entry, never a `LAYERS` one) that splits (the
+    last such on ties), else nowhere. With the pass off, a rule's `fsdp` is binding
+    like the other axes.
 
     Attributes:
         patterns: the `(regex, PartitionSpec)` rules, first match wins. Specs may
             name the mesh axes and `LAYERS`.
         fsdp_min_size: smallest leaf (in elements) that FSDP shards; `None`
-            turns the pass off (then only the patterns place `fsdp`).
+            turns the pass off.
     """
 
     patterns: Sequence[Rule] = ()
@@ -99,7 +104,8 @@ class Rules:
             path: the leaf's dotted path.
             shape: its shape.
             mesh: the mesh (for axis sizes and divisibility).
-            fsdp: apply the default FSDP pass to this leaf.
+            fsdp: apply the FSDP pass to this leaf (`False`: its rule, if any,
+                is taken as written, `fsdp` included).
 
         Raises:
             ConfigError: the spec is longer than the leaf's rank, names an axis
@@ -108,8 +114,7 @@ class Rules:
         spec = self.match(path)
         entries = _padded(spec, shape, path)
         if fsdp and self.fsdp_min_size is not None:
-            fsdp_size = axis_sizes(mesh)["fsdp"]
-            entries = _with_fsdp(entries, shape, fsdp_size, self.fsdp_min_size)
+            entries = _with_fsdp(entries, shape, axis_sizes(mesh), self.fsdp_min_size)
         _check_fits(entries, shape, mesh, path, spec)
         return PartitionSpec(*(None if e == LAYERS else e for e in entries))
 
@@ -133,6 +138,11 @@ def _check_names(spec: PartitionSpec, where: str) -> None:
                 )
             if name in seen and name != LAYERS:
                 raise ConfigError(f"{where}: axis {name!r} appears twice in {spec}.")
+            if name == LAYERS and entry != LAYERS:
+                raise ConfigError(
+                    f"{where}: {LAYERS!r} marks a whole dimension; it cannot be "
+                    f"combined with mesh axes ({entry!r} in {spec})."
+                )
             seen.append(name)
 
 
@@ -147,21 +157,34 @@ def _padded(spec: PartitionSpec | None, shape: tuple[int, ...], path: str) -> li
     return entries + [None] * (len(shape) - len(entries))
 
 
+def _without(entry: Any, name: str) -> Any:
+    names = tuple(n for n in _names(entry) if n != name)
+    if not names:
+        return None
+    return names[0] if len(names) == 1 else names
+
+
 def _with_fsdp(
-    entries: list[Any], shape: tuple[int, ...], fsdp: int, min_size: int
+    entries: list[Any],
+    shape: tuple[int, ...],
+    sizes: dict[str, int],
+    min_size: int,
 ) -> list[Any]:
-    used = {name for entry in entries for name in _names(entry)}
-    if fsdp == 1 or "fsdp" in used or math.prod(shape) < min_size:
-        return entries
-    free = [
-        i
-        for i, (entry, n) in enumerate(zip(entries, shape, strict=True))
-        if entry is None and n % fsdp == 0
-    ]
-    if not free:
-        return entries
-    best = max(free, key=lambda i: (shape[i], i))
-    return [*entries[:best], "fsdp", *entries[best + 1 :]]
+    """The FSDP pass (see `Rules`): where `fsdp` goes, if anywhere."""
+    fsdp = sizes["fsdp"]
+    named = [i for i, entry in enumerate(entries) if "fsdp" in _names(entry)]
+    out = [_without(entry, "fsdp") for entry in entries]
+    if fsdp == 1 or math.prod(shape) < min_size:
+        return out
+    ways = lambda i: math.prod(sizes[n] for n in _names(entries[i]))
+    if named and shape[named[0]] % ways(named[0]) == 0:
+        out[named[0]] = entries[named[0]]  # as the rule wrote it
+        return out
+    free = [i for i, e in enumerate(out) if e is None and shape[i] % fsdp == 0]
+    if free:
+        best = max(free, key=lambda i: (shape[i], i))
+        out[best] = "fsdp"
+    return out
 
 
 def _check_fits(
