@@ -42,8 +42,5 @@ def placement(job: _build.Job) -> Placement:
         )
     abstract = job.abstract_state()
     rules = sharding.rules_for(abstract.model, mesh)
-    state_sh = sharding.state_shardings(
-        abstract, mesh, rules, optimizer=job.optimizer
-    )
+    state_sh = sharding.state_shardings(abstract, mesh, rules, optimizer=job.optimizer)
     return Placement(mesh, state_sh, sharding.batch_sharding(mesh))
-
