@@ -526,3 +526,22 @@ def test_eval_export_info_in_process(text_dirs, tmp_path):
     assert info["steps_trained"] == 4
     assert [c["step"] for c in info["checkpoints"]] == [2, 4]
     assert dataclasses.asdict(result.config.loop) == info["config"]["loop"]
+
+
+def test_tensorboard_and_jsonl_from_a_run(text_dirs, tmp_path):
+    pytest.importorskip("tensorboardX")
+    event_accumulator = pytest.importorskip(
+        "tensorboard.backend.event_processing.event_accumulator"
+    )
+    result = _run(text_dirs, tmp_path, "log.tensorboard=true", "log.every=2")
+    events = event_accumulator.EventAccumulator(str(tmp_path / "run" / "tb"))
+    events.Reload()
+    losses = [e.value for e in events.Scalars("train/loss")]
+    steps = [e.step for e in events.Scalars("train/loss")]
+    assert steps == [2, 4]
+    history = {h["step"]: h["loss"] for h in result.fit.history}
+    np.testing.assert_allclose(losses, [history[2], history[4]], rtol=1e-6)
+    assert [e.step for e in events.Scalars("eval/loss")] == [2, 4]
+    logged = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").open()]
+    assert [r["step"] for r in logged if "step_time" in r] == [2, 4]
+    assert all("learning_rate" in r for r in logged if "step_time" in r)
