@@ -234,7 +234,37 @@ def train_step(
         )
     if ema is not None and not 0.0 <= ema < 1.0:
         raise ConfigError(f"`ema` is a decay in [0, 1), e.g. 0.999; got {ema!r}.")
-    policy = as_precision(precision)
+    return build_step(
+        loss_fn,
+        optimizer,
+        accumulate=accumulate,
+        policy=as_precision(precision),
+        nonfinite=nonfinite,
+        ema=ema,
+        schedule=schedule,
+    )
+
+
+# (loss, aux, weight, grads) of this device's data -> the same over all the data.
+Reduce = Callable[[Array, dict[str, Array], Array, Any], tuple[Any, Any, Any, Any]]
+
+
+def build_step(
+    loss_fn: LossFn,
+    optimizer: optax.GradientTransformation,
+    *,
+    accumulate: int,
+    policy: Precision | None,
+    nonfinite: str,
+    ema: float | None,
+    schedule: optax.Schedule | None,
+    reduce: Reduce | None = None,
+    fold_key: Callable[[Array], Array] | None = None,
+) -> Callable[[TrainState, Batch], tuple[TrainState, Metrics]]:
+    """`train_step`'s step, with two seams for explicit-collective variants
+    (`eqtrain.sharding.data_parallel_step`): `reduce` combines the gradients of
+    this device's shard of the batch with the others', and `fold_key` derives
+    this device's random key."""
 
     def step(state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:
         if ema is not None and state.ema is None:
@@ -245,10 +275,14 @@ def train_step(
         stateful = state.model_state is not None
         grad_fn = _accumulated(_loss_and_grad(loss_fn, policy, stateful), accumulate)
         key, step_key = jr.split(state.key)
+        if fold_key is not None:
+            step_key = fold_key(step_key)
         params, static = eqx.partition(state.model, state.trainable)
         loss, aux, weight, grads, model_state = grad_fn(
             params, static, batch, step_key, state.model_state
         )
+        if reduce is not None:
+            loss, aux, weight, grads = reduce(loss, aux, weight, grads)
         grad_norm = optax.tree.norm(grads)
         updates, opt_state = optimizer.update(grads, state.opt_state, params)
         new_params = optax.apply_updates(params, updates)

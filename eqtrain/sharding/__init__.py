@@ -36,3 +36,7 @@ from ._rules import (
     model_rules as model_rules,
     rules_for as rules_for,
 )
+from ._shard_map import (
+    data_parallel_step as data_parallel_step,
+    replicated as replicated,
+)
