@@ -165,6 +165,16 @@ def _check_args(
         )
 
 
+# Stop kinds pooled across processes, in increasing precedence.
+_AGREED = (
+    StopKind.HOOK,
+    StopKind.KILL_SWITCH,
+    StopKind.TIME_LIMIT,
+    StopKind.SIGNAL,
+    StopKind.NONFINITE,
+)
+
+
 class _Loop:
     """The state of one `fit` call; kept out of `fit` to give its parts names."""
 
@@ -188,8 +198,11 @@ class _Loop:
         flops_per_token: float | int | None = None,
         peak_flops: float | int | None = None,
         tokens_seen: int = 0,
+        agree_every: int = 10,
     ):
         self.step = step
+        self.processes = jax.process_count()
+        self.agree_every = agree_every
         self.flops_per_token = flops_per_token
         self.peak_flops = peak_flops
         self.tokens_seen = tokens_seen
@@ -216,6 +229,29 @@ class _Loop:
 
     # -- stop conditions --------------------------------------------------------
     def stop_reason(self, done: int) -> StopReason | None:
+        """The reason to stop after `done` steps, agreed by all processes: a
+        local reason (a signal, the kill switch, the time limit, a hook, a
+        non-finite loss) is pooled every `agree_every` steps, so every process
+        stops at the same step; reaching `num_steps` needs no agreement."""
+        reason = self.local_stop_reason(done)
+        if self.processes == 1 or (
+            reason is not None and reason.kind == StopKind.MAX_STEPS
+        ):
+            return reason
+        if done % self.agree_every:
+            return None  # local reasons persist until the next agreement
+        from .distributed import agree
+
+        code = 0 if reason is None else _AGREED.index(reason.kind) + 1
+        agreed = int(agree([code])[0])
+        if agreed == 0:
+            return None
+        kind = _AGREED[agreed - 1]
+        if reason is not None and reason.kind == kind:
+            return reason
+        return StopReason(kind, done, f"{kind} on another process")
+
+    def local_stop_reason(self, done: int) -> StopReason | None:
         if self.nonfinite_at is not None:
             return StopReason(
                 StopKind.NONFINITE,
@@ -408,6 +444,7 @@ def fit(
     flops_per_token: float | int | None = None,
     peak_flops: float | int | None = None,
     tokens_seen: int = 0,
+    agree_every: int = 10,
 ) -> FitResult:
     """Train `state` with `step` on `data` until a stop condition holds.
 
@@ -461,6 +498,10 @@ def fit(
             (see `eqtrain.hooks.peak_flops` for known devices).
         tokens_seen: tokens already trained on before this call (a resumed run
             passes its count), the start of `StepInfo.tokens_seen`.
+        agree_every: in a multi-process run, how often (in steps) the processes
+            pool their stop requests (a signal to one process, a kill switch, a
+            time limit, a hook), so that all stop at the same step and save once.
+            Each agreement waits for the current step. Unused with one process.
 
     Returns:
         A `FitResult` with the final state, the `StopReason` and the history.
@@ -503,6 +544,7 @@ def fit(
             flops_per_token=flops_per_token,
             peak_flops=peak_flops,
             tokens_seen=tokens_seen,
+            agree_every=agree_every,
         )
         for hook in scheduled:
             hook.start(loop.start)

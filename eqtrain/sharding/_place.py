@@ -10,6 +10,7 @@ from typing import Any
 import equinox as eqx
 import jax
 import jax.tree_util as jtu
+import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, Sharding
 
@@ -211,9 +212,23 @@ def shard(tree: Any, shardings: Any) -> Any:
     leaves, treedef = jtu.tree_flatten(tree)
     targets = _flat_shardings(tree, shardings)
     index = [i for i, s in enumerate(targets) if s is not None]
+    local = [i for i in index if targets[i].is_fully_addressable]
     placed = jax.device_put(
-        [leaves[i] for i in index], [targets[i] for i in index], may_alias=False
+        [leaves[i] for i in local], [targets[i] for i in local], may_alias=False
     )
-    for i, x in zip(index, placed, strict=True):
+    for i, x in zip(local, placed, strict=True):
         leaves[i] = x
+    for i in index:
+        if not targets[i].is_fully_addressable:
+            leaves[i] = _global(leaves[i], targets[i])
     return treedef.unflatten(leaves)
+
+
+def _global(x: Any, sharding: Any) -> Any:
+    """A multi-process array from a value every process holds in full (e.g. the
+    same seeded initialisation): each process places its own shards."""
+    if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+        data = _global(jax.random.key_data(x), sharding)
+        return jax.random.wrap_key_data(data, impl=jax.random.key_impl(x))
+    host = np.asarray(jax.device_get(x))
+    return jax.make_array_from_callback(host.shape, sharding, lambda i: host[i])
