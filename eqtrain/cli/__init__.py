@@ -85,9 +85,10 @@ def fit(
 ) -> None:
     """Train. With no CONFIG: a small byte-level Llama on the Python standard
     library, on CPU, in a few minutes."""
-    from .. import config as config_lib, job
+    from .. import config as config_lib, distributed, job
 
     with _errors():
+        distributed.initialize()  # a no-op unless EQTRAIN_* or SLURM say otherwise
         overrides = list(set_ or [])
         if run_dir is not None:
             overrides.append(f"run_dir={run_dir}")

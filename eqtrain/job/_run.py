@@ -75,6 +75,8 @@ def _progress_hooks(config: Config) -> list[Any]:
 
 def _hooks(job: _build.Job, run_dir: Path) -> list[Any]:
     config = job.config
+    if jax.process_index() != 0:
+        return []  # process 0 logs and exports for the run
     log = config.log
     out: list[Any] = _progress_hooks(config)
     writers: list[Any] = [hooks_lib.JsonlWriter(run_dir / "metrics.jsonl")]
@@ -151,6 +153,12 @@ def prepare(
     yet. `run` is `prepare` followed by `eqtrain.fit`."""
     job = _build.build(config)
     config = job.config
+    if jax.process_count() > 1 and config.export.hf is not None:
+        raise ConfigError(
+            "`export.hf` is not supported in a multi-process run yet (the export "
+            "would need every process's shards); set export.hf = \"\" and export "
+            "the checkpoint afterwards with `eqtrain export RUN_DIR OUT`."
+        )
     run_dir = Path(config.run_dir)
     rows = _build.train_rows(job)
     _build.check_rows(rows, config, "train")
