@@ -125,6 +125,14 @@ def test_sigterm_to_one_process_stops_both_at_the_same_step(tmp_path):
     assert results[1]["stop_step"] == stop and stop % 2 == 0  # agreed every 2 steps
     assert results[0]["losses"] == results[1]["losses"]
     assert os.listdir(tmp_path / "run" / "checkpoints") == [str(stop)]
+    # Both processes resume from it together.
+    procs, _ = _start_pair(tmp_path / "run", "--steps", str(stop + 2))
+    resumed = _finish(procs)
+    assert [r["resumed"] for r in resumed] == [stop, stop]
+    assert [r["stop"] for r in resumed] == ["max_steps", "max_steps"]
+    assert (
+        resumed[0]["losses"] == resumed[1]["losses"] and len(resumed[0]["losses"]) == 2
+    )
 
 
 # -- discovery ----------------------------------------------------------------------

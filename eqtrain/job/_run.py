@@ -156,7 +156,7 @@ def prepare(
     if jax.process_count() > 1 and config.export.hf is not None:
         raise ConfigError(
             "`export.hf` is not supported in a multi-process run yet (the export "
-            "would need every process's shards); set export.hf = \"\" and export "
+            'would need every process\'s shards); set export.hf = "" and export '
             "the checkpoint afterwards with `eqtrain export RUN_DIR OUT`."
         )
     run_dir = Path(config.run_dir)

@@ -226,7 +226,11 @@ def shard(tree: Any, shardings: Any) -> Any:
 
 def _global(x: Any, sharding: Any) -> Any:
     """A multi-process array from a value every process holds in full (e.g. the
-    same seeded initialisation): each process places its own shards."""
+    same seeded initialisation): each process places its own shards. Under
+    abstract evaluation (`eqx.filter_eval_shape`, as `restore` uses to learn the
+    state's structure) the value is returned as it is."""
+    if isinstance(x, jax.core.Tracer):
+        return x
     if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
         data = _global(jax.random.key_data(x), sharding)
         return jax.random.wrap_key_data(data, impl=jax.random.key_impl(x))
