@@ -12,14 +12,11 @@ from typing import Any
 from .. import checkpoint, hf
 from .._errors import ConfigError
 from .._hooks import StepInfo
-from .._jit import jit
 from .._loop import evaluate
-from .._step import eval_step
 from ..checkpoint import _storage
 from ..config import Config, apply_overrides, from_dict, read_toml, validate
-from ..data import Loader
 from . import _build, _place
-from ._run import check_writable, write_config
+from ._run import check_writable, evaluation, write_config
 
 
 def _run_dir_of(path: Path) -> Path:
@@ -86,18 +83,7 @@ def evaluate_run(
         )
     placement = _place.placement(job)
     restored = _restore(Path(path), job, placement)
-    loader = Loader(
-        rows,
-        _build.eval_batch_size(rows, config),
-        mode="eval",
-        sharding=placement.batch_sharding,
-    )
-    precision = "bf16" if config.loop.precision == "bf16" else None
-    evaluator = jit(
-        eval_step(job.loss_fn, precision=precision),
-        donate=False,
-        shardings=placement.shardings,
-    )
+    loader, evaluator = evaluation(job, placement, rows)
     metrics = evaluate(restored.state, evaluator, loader)
     return {"step": restored.step, **metrics}
 

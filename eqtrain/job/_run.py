@@ -110,6 +110,29 @@ def _hooks(job: _build.Job, run_dir: Path) -> list[Any]:
     return out
 
 
+def evaluation(
+    job: _build.Job, placement: _place.Placement, rows: _build.Rows | None
+) -> tuple[Loader | None, Any]:
+    """The eval loader over `rows` and the compiled eval step (None, None without
+    rows)."""
+    if rows is None:
+        return None, None
+    config = job.config
+    loader = Loader(
+        rows,
+        _build.eval_batch_size(rows, config),
+        mode="eval",
+        sharding=placement.batch_sharding,
+    )
+    precision = "bf16" if config.loop.precision == "bf16" else None
+    evaluator = jit(
+        eval_step(job.loss_fn, precision=precision),
+        donate=False,
+        shardings=placement.shardings,
+    )
+    return loader, evaluator
+
+
 def _peak_flops(config: Config, mesh: Any) -> float | None:
     devices = mesh.devices.flatten().tolist() if mesh is not None else jax.devices()
     if config.log.peak_flops is not None:
@@ -176,14 +199,6 @@ def prepare(
         prefetch=data.prefetch,
         sharding=placement.batch_sharding,
     )
-    eval_loader = None
-    if eval_rows is not None:
-        eval_loader = Loader(
-            eval_rows,
-            _build.eval_batch_size(eval_rows, config),
-            mode="eval",
-            sharding=placement.batch_sharding,
-        )
     try:
         state, resumed = checkpoint.restore_or_init(
             run_dir,
@@ -210,13 +225,7 @@ def prepare(
         ),
         shardings=placement.shardings,
     )
-    evaluator = None
-    if eval_loader is not None:
-        evaluator = jit(
-            eval_step(job.loss_fn, precision=precision),
-            donate=False,
-            shardings=placement.shardings,
-        )
+    eval_loader, evaluator = evaluation(job, placement, eval_rows)
     ckpt = config.checkpoint
     checkpointer = checkpoint.Checkpointer(
         run_dir,
