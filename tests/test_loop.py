@@ -355,6 +355,7 @@ def test_state_hook_makes_the_loop_wait_only_where_due(batches, monkeypatch):
         batches,
         num_steps=6,
         hooks=[every(3, lambda info: info.state)],
+        read_seconds=1e9,  # only the hook decides when to read (no timed reads)
     )
     # steps 1-3 dispatched back to back; step 3 waited for (its hook uses the state)
     assert events == [
