@@ -54,6 +54,18 @@ def examples(session: nox.Session) -> None:
             f".nox/runs/{script.stem}",
             env={"JAX_PLATFORMS": "cpu"},
         )
+    # The ready configs: checked and planned (no training) on 8 simulated devices.
+    # (finetune_hf.toml needs the export of pretrain_stdlib.toml: train that first.)
+    for config in sorted(pathlib.Path("examples/configs").glob("*.toml")):
+        if "init_from" in config.read_text():
+            continue
+        session.run(
+            "eqtrain",
+            "fit",
+            str(config),
+            "--dry-run",
+            env={**FAKE_DEVICES, "JAX_PLATFORMS": "cpu"},
+        )
 
 
 @nox.session
