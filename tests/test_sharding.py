@@ -460,6 +460,9 @@ def test_mesh_benchmark_quick(capsys):
     module.main(["--quick"])
     out = capsys.readouterr().out
     records = [json.loads(x) for x in out.splitlines() if x.startswith("{")]
+    reference = records.pop(0)  # the one-device step the ratios are relative to
+    assert reference["mesh"] == "1 device" and reference["step_ms"] > 0
+    assert all(r["step_time_vs_1_device"] > 0 for r in records)
     assert [r["model"] for r in records] == [
         "llama",
         "gpt2:split_packed",
