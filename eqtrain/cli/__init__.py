@@ -93,9 +93,6 @@ def fit(
         if run_dir is not None:
             overrides.append(f"run_dir={run_dir}")
         cfg = config_lib.load(config, overrides)
-        if resume is not None and resume not in ("auto", "never"):
-            if not Path(resume).exists():
-                _fail(f"--resume {resume}: no such run or checkpoint directory.")
         if dry_run:
             typer.echo(job.report(cfg))
             return

@@ -57,11 +57,14 @@ def load(path: str | os.PathLike[str], *, dtype: str | None = None) -> tuple[Any
     return _fill(template, tensors, arch, config, path), config
 
 
-def load_config(path: str | os.PathLike[str], *, dtype: str | None = None) -> Any:
-    """The eqtrain config of a Hugging Face directory, from its config.json alone
-    (no tensors are read): what `load(path, dtype=dtype)[1]` returns, except that
-    `param_dtype` is `dtype` or the config's own `dtype`/`torch_dtype` (else
-    float32), not the stored tensors' dtype.
+def load_config(
+    path: str | os.PathLike[str], *, dtype: str | None = None
+) -> tuple[Any, str]:
+    """`(eqtrain config, model_type)` of a Hugging Face directory, from its
+    config.json alone (no tensors are read). The config is what
+    `load(path, dtype=dtype)[1]` returns, except that `param_dtype` is `dtype` or
+    the config's own `dtype`/`torch_dtype` (else float32), not the stored
+    tensors' dtype.
 
     Raises:
         HFFileNotFoundError, HFFormatError: as `load`.
@@ -71,10 +74,10 @@ def load_config(path: str | os.PathLike[str], *, dtype: str | None = None) -> An
     declared = hf_config.get("dtype") or hf_config.get("torch_dtype")
     param_dtype = dtype or (declared if declared in _maps.DTYPE_NAMES else "float32")
     as_dtype(param_dtype, field="dtype")
-    _, config = _maps.eqtrain_config(
+    model_type, config = _maps.eqtrain_config(
         hf_config, os.path.join(path, "config.json"), param_dtype
     )
-    return config
+    return config, model_type
 
 
 def _read_config(path: str) -> dict[str, Any]:

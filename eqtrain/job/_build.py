@@ -9,7 +9,6 @@ from pathlib import Path
 from typing import Any
 
 import equinox as eqx
-import jax.numpy as jnp
 import jax.random as jr
 import numpy as np
 
@@ -127,8 +126,8 @@ def make_tokenizer(config: Config) -> Any:
 def _model_config(config: Config, tokenizer: Any) -> tuple[Config, Any, str]:
     m = config.model
     if m.init_from is not None:
-        model_config = hf.load_config(m.init_from, dtype=m.param_dtype)
-        model_type = hf.infer_model_type(model_config, _hf_model_type(m.init_from))
+        model_config, hf_type = hf.load_config(m.init_from, dtype=m.param_dtype)
+        model_type = hf.infer_model_type(model_config, hf_type)
         config = dataclasses.replace(
             config, model=model_section(model_config, model_type, base=m)
         )
@@ -203,13 +202,6 @@ def _fit_seq_len(config: Config) -> Config:
     return resized
 
 
-def _hf_model_type(path: str) -> str | None:
-    import json
-
-    with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
-        return json.load(f).get("model_type")
-
-
 def model_section(model_config: Any, model_type: str, *, base: Any) -> Any:
     """The `[model]` section describing `model_config` (an HF model's), keeping
     `base`'s runtime options and `init_from`."""
@@ -275,10 +267,19 @@ def _documents(source: str, config: Config, split: str, key: str) -> list[str]:
 
 
 def train_rows(job: Job) -> Rows:
-    """The training rows (`tokens`, `targets`, `loss_mask`) of `data.train`."""
+    """The training rows (`tokens`, `targets`, `loss_mask`) of `data.train`;
+    fewer than one batch of them is an error saying how many there are."""
     config = job.config
     docs = _documents(config.data.train, config, "train", "data.train")
-    return data_lib.chunk_documents(docs, job.tokenizer, seq_len=config.data.seq_len)
+    rows = data_lib.chunk_documents(docs, job.tokenizer, seq_len=config.data.seq_len)
+    n = len(rows["tokens"])
+    if n < config.data.batch_size:
+        raise ConfigError(
+            f"the training data has {n} rows of {config.data.seq_len} tokens, fewer "
+            f"than one batch (`data.batch_size` = {config.data.batch_size}). Lower "
+            "data.batch_size or data.seq_len, or add text."
+        )
+    return rows
 
 
 def eval_rows(job: Job) -> Rows | None:
@@ -299,30 +300,3 @@ def eval_rows(job: Job) -> Rows | None:
 def eval_batch_size(rows: Rows, config: Config) -> int:
     """The eval batch: `data.batch_size`, or all rows when there are fewer."""
     return min(config.data.batch_size, len(rows["tokens"]))
-
-
-def check_rows(rows: Rows, config: Config, what: str) -> None:
-    """Enough rows for one batch, else an error saying how many there are."""
-    n = len(rows["tokens"])
-    if what == "train" and n < config.data.batch_size:
-        raise ConfigError(
-            f"the training data has {n} rows of {config.data.seq_len} tokens, fewer "
-            f"than one batch (`data.batch_size` = {config.data.batch_size}). Lower "
-            "data.batch_size or data.seq_len, or add text."
-        )
-
-
-def num_params(state_or_model: Any) -> int:
-    """Trainable parameter count (works on abstract states)."""
-    model = getattr(state_or_model, "model", state_or_model)
-    return sum(
-        int(np.prod(x.shape))
-        for x in _leaves(model)
-        if jnp.issubdtype(x.dtype, jnp.inexact)
-    )
-
-
-def _leaves(tree: Any) -> list[Any]:
-    import jax
-
-    return [x for x in jax.tree_util.tree_leaves(tree) if hasattr(x, "shape")]

@@ -1,7 +1,7 @@
 """`eqtrain fit --dry-run`: what a run would do — mesh, parameters, a per-leaf
 sharding table and a per-device memory estimate — without training or writing."""
 
-from .. import sharding
+from .. import models, sharding
 from ..config import Config
 from . import _build, _place
 
@@ -23,28 +23,18 @@ def _activations(config: Config, job: _build.Job, parallel: int) -> int:
     return int((kept + logits) * width)
 
 
-def _fmt_bytes(n: float | int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
-    return f"{n:.2f} TiB"
-
-
 def report(config: Config) -> str:
     """The dry-run report of `config` (nothing is trained, allocated or written)."""
-    job = _build.build(config)
+    planned = _place.plan(config)
+    job, placement = planned.job, planned.placement
+    rows, eval_rows = planned.rows, planned.eval_rows
     config = job.config
-    rows = _build.train_rows(job)
-    _build.check_rows(rows, config, "train")
-    eval_rows = _build.eval_rows(job)
-    placement = _place.placement(job)
     abstract = job.abstract_state()
     table = sharding.describe(abstract, placement.state_shardings)
     mesh = placement.mesh
     params = [t for t in table if t.path.startswith("model.")]
     opt = [t for t in table if t.path.startswith("opt_state.")]
-    num = _build.num_params(abstract)
+    num = models.num_params(abstract.model)
     parallel = mesh.shape["data"] * mesh.shape["fsdp"]
     p_bytes = sum(t.bytes_per_device for t in params)
     o_bytes = sum(t.bytes_per_device for t in opt)
@@ -69,10 +59,10 @@ def report(config: Config) -> str:
     lines += [
         "",
         "memory per device (estimate)",
-        f"  parameters        {_fmt_bytes(p_bytes)}",
-        f"  optimizer state   {_fmt_bytes(o_bytes)}",
-        f"  other state       {_fmt_bytes(rest)}",
-        f"  activations       {_fmt_bytes(act)}  (one micro-batch; rough)",
-        f"  total             {_fmt_bytes(total)}",
+        f"  parameters        {sharding.format_bytes(p_bytes)}",
+        f"  optimizer state   {sharding.format_bytes(o_bytes)}",
+        f"  other state       {sharding.format_bytes(rest)}",
+        f"  activations       {sharding.format_bytes(act)}  (one micro-batch; rough)",
+        f"  total             {sharding.format_bytes(total)}",
     ]
     return "\n".join(lines)

@@ -2,7 +2,6 @@
 one of its checkpoints, and import a Hugging Face model as a new run."""
 
 import dataclasses
-import json
 import os
 import shutil
 from collections.abc import Iterable
@@ -14,7 +13,15 @@ from .._errors import ConfigError
 from .._hooks import StepInfo
 from .._loop import evaluate
 from ..checkpoint import _storage
-from ..config import Config, apply_overrides, from_dict, read_toml, validate
+from ..config import (
+    Config,
+    apply_overrides,
+    from_dict,
+    read_toml,
+    to_dict,
+    validate,
+)
+from ..plot import read_metrics
 from . import _build, _place
 from ._run import check_writable, evaluation, write_config
 
@@ -161,18 +168,12 @@ def import_hf(
     placement = _place.placement(job)
     state = placement.place(job.new_state())
     ckpt = checkpoint.Checkpointer(
-        out, every_steps=None, config=_config_dict(resolved), async_save=False
+        out, every_steps=None, config=to_dict(resolved), async_save=False
     )
     ckpt.save(StepInfo(step=0, metrics={}, num_steps=0, _state=state), final=True)
     ckpt.close()
     write_config(resolved, out)
     return out
-
-
-def _config_dict(config: Config) -> dict[str, Any]:
-    from ..config import to_dict
-
-    return to_dict(config)
 
 
 def run_info(path: str | os.PathLike[str]) -> dict[str, Any]:
@@ -198,7 +199,7 @@ def run_info(path: str | os.PathLike[str]) -> dict[str, Any]:
                 "mesh": manifest.get("mesh"),
             }
         )
-    last = _last_metrics(run_dir / "metrics.jsonl")
+    last = _last_metrics(run_dir)
     export = None
     if config.export.hf is not None and (run_dir / config.export.hf).exists():
         export = str(run_dir / config.export.hf)
@@ -209,22 +210,15 @@ def run_info(path: str | os.PathLike[str]) -> dict[str, Any]:
         "checkpoints": checkpoints,
         "last_metrics": last,
         "export": export,
-        "config": _config_dict(config),
+        "config": to_dict(config),
     }
 
 
-def _last_metrics(path: Path) -> dict[str, Any] | None:
-    if not path.exists():
+def _last_metrics(run_dir: Path) -> dict[str, Any] | None:
+    """The last logged step's metrics (None when nothing was logged yet)."""
+    if not (run_dir / "metrics.jsonl").exists():
         return None
-    last = None
-    with open(path, encoding="utf-8") as f:
-        for line in f:
-            try:
-                record = json.loads(line)
-            except ValueError:
-                continue  # a torn last line after a crash
-            if isinstance(record, dict) and "step" in record:
-                last = (
-                    record if last is None or "loss" in record else {**last, **record}
-                )
-    return last
+    try:
+        return read_metrics(run_dir)[-1]
+    except ConfigError:  # no step records yet
+        return None

@@ -27,6 +27,25 @@ class Placement:
         return sharding.shard(state, self.state_shardings)
 
 
+@dataclasses.dataclass
+class Plan:
+    """Everything a run needs before it touches its directory or a device:
+    the built job, its rows and where its arrays go."""
+
+    job: _build.Job
+    rows: _build.Rows
+    eval_rows: _build.Rows | None
+    placement: Placement
+
+
+def plan(config: Any) -> Plan:
+    """Build `config`'s job, read and tokenize its data, and place it on the
+    mesh: every check that can fail does so here, before any compilation."""
+    job = _build.build(config)
+    rows = _build.train_rows(job)
+    return Plan(job, rows, _build.eval_rows(job), placement(job))
+
+
 def placement(job: _build.Job) -> Placement:
     """The `Placement` of `job`: checks the mesh against the devices, the batch
     against the data axes and every parameter against its rule."""

@@ -174,7 +174,9 @@ def prepare(
     """Assemble the run `config` describes, without training: check everything,
     create the run directory, restore or initialise the state, compile nothing
     yet. `run` is `prepare` followed by `eqtrain.fit`."""
-    job = _build.build(config)
+    planned = _place.plan(config)
+    job, placement = planned.job, planned.placement
+    rows, eval_rows = planned.rows, planned.eval_rows
     config = job.config
     if jax.process_count() > 1 and config.export.hf is not None:
         raise ConfigError(
@@ -183,10 +185,6 @@ def prepare(
             "the checkpoint afterwards with `eqtrain export RUN_DIR OUT`."
         )
     run_dir = Path(config.run_dir)
-    rows = _build.train_rows(job)
-    _build.check_rows(rows, config, "train")
-    eval_rows = _build.eval_rows(job)
-    placement = _place.placement(job)
     check_writable(run_dir)
     write_config(config, run_dir)
 

@@ -335,6 +335,11 @@ def residual_scale(num_layers: int) -> float:
 
 
 def num_params(model: Any) -> int:
-    """Number of parameters (elements of every array leaf) of a model."""
-    leaves = jtu.tree_leaves(eqx.filter(model, eqx.is_array))
-    return int(sum(x.size for x in leaves))
+    """Number of parameters (elements of every array leaf) of a model, concrete
+    or abstract (`jax.ShapeDtypeStruct` leaves from `eqx.filter_eval_shape`)."""
+    leaves = jtu.tree_leaves(model)
+    return int(sum(math.prod(x.shape) for x in leaves if _is_array_like(x)))
+
+
+def _is_array_like(x: Any) -> bool:
+    return eqx.is_array(x) or isinstance(x, jax.ShapeDtypeStruct)

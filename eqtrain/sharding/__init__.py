@@ -12,6 +12,7 @@ by partition rules, with XLA's automatic partitioning doing the rest.
 from ._describe import (
     LeafRow as LeafRow,
     describe as describe,
+    format_bytes as format_bytes,
     format_table as format_table,
 )
 from ._mesh import (

@@ -74,7 +74,8 @@ def describe(state: Any, shardings: Any) -> list[LeafRow]:
     return rows
 
 
-def _size(n: int | float) -> str:
+def format_bytes(n: int | float) -> str:
+    """`1536` -> `"1.5 KiB"`."""
     for unit in ("B", "KiB", "MiB", "GiB"):
         if abs(n) < 1024 or unit == "GiB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
@@ -94,7 +95,8 @@ def format_table(rows: Sequence[LeafRow]) -> str:
     """
     header = ("path", "shape", "dtype", "spec", "per device")
     body = [
-        (r.path, str(r.shape), r.dtype, r.spec, _size(r.bytes_per_device)) for r in rows
+        (r.path, str(r.shape), r.dtype, r.spec, format_bytes(r.bytes_per_device))
+        for r in rows
     ]
     widths = [max(len(line[i]) for line in [header, *body]) for i in range(5)]
     lines = [
@@ -103,5 +105,7 @@ def format_table(rows: Sequence[LeafRow]) -> str:
     ]
     total = sum(r.bytes for r in rows)
     per_device = sum(r.bytes_per_device for r in rows)
-    lines.append(f"total: {_size(total)}; per device: {_size(per_device)}")
+    lines.append(
+        f"total: {format_bytes(total)}; per device: {format_bytes(per_device)}"
+    )
     return "\n".join(lines)
