@@ -206,3 +206,30 @@ def test_classification_accumulation_equals_full_batch():
     )
     for a, b in leaves:
         np.testing.assert_allclose(a, b, rtol=RTOL, atol=ATOL)
+
+
+def test_accuracy_does_not_count_ties_as_correct():
+    """A collapsed model (uniform logits) is right nowhere, not everywhere."""
+
+    def uniform(x, key=None):
+        return jnp.zeros((4,))
+
+    def tied_with_label(x, key=None):  # classes 0 and 1 tie for the max
+        return jnp.array([2.0, 2.0, 0.0, 0.0])
+
+    def unique(x, key=None):
+        return jnp.array([3.0, 2.0, 0.0, 0.0])
+
+    batch = {"x": jnp.ones((3, 2)), "label": jnp.array([0, 1, 0])}
+    _, aux = classification_loss(uniform, batch)
+    assert float(aux["accuracy"]) == 0.0
+    _, aux = classification_loss(tied_with_label, batch)
+    assert float(aux["accuracy"]) == 0.0
+    _, aux = classification_loss(unique, batch)
+    np.testing.assert_allclose(aux["accuracy"], 2 / 3, rtol=RTOL)
+
+    def uniform_lm(tokens, key=None):
+        return jnp.zeros((tokens.shape[0], CFG.vocab_size))
+
+    _, aux = causal_lm_loss(uniform_lm, lm_batch())
+    assert float(aux["accuracy"]) == 0.0
