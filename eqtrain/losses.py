@@ -19,6 +19,9 @@ from ._errors import ConfigError
 
 Aux = dict[str, Float[Array, ""]]
 
+CAUSAL_LM_AUX = ("accuracy", "weight")
+"""The aux names `causal_lm_loss` reports (plus `"z_loss"` when it is on)."""
+
 
 def _row_keys(key: PRNGKeyArray | None, rows: int) -> Array | None:
     """One key per row (`None` stays `None`: the model runs without randomness)."""

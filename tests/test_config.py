@@ -111,7 +111,7 @@ def values_for(field: config.Field) -> st.SearchStrategy[Any]:
             min_value=field.min,
             max_value=field.max,
             allow_nan=False,
-            allow_infinity=field.max is None,
+            allow_infinity=False,
         )
     else:
         strategy = st.text()
@@ -325,7 +325,9 @@ FILE_ERRORS = {
     "[model]\narch = 3": r"`model.arch` in .*: expected a string; got 3",
     "[loop]\nsteps = 0": r"`loop.steps` must be >= 1; got 0\.",
     "[optim]\nb1 = 2": r"`optim.b1` must be <= 1; got 2.0\.",
-    "[optim]\nlr = nan": r"`optim.lr` must be a number; got nan\.",
+    "[optim]\nlr = nan": r"`optim.lr` must be a finite number; got nan\.",
+    "[optim]\nlr = inf": r"`optim.lr` must be a finite number; got inf\.",
+    "[loop]\ntime_limit = '2h30'": r"`loop.time_limit` in .*'30' has no unit",
     "[optim]\nschedule = 'cosin'": r"`optim.schedule` must be one of .*; got 'cosin'\. "
     r"Did you mean `cosine`\?",
     "model = 3": r"`model` in .* must be a table \(a `\[model\]` section\); got 3",
@@ -395,7 +397,13 @@ OVERRIDE_ERRORS = {
     "loop.time_limit=2x": r"`loop.time_limit` in --set: expected a duration like",
     "loop.time_limit=-5m": r"`loop.time_limit` in --set: expected a duration like",
     "loop.time_limit=h": r"`loop.time_limit` in --set: expected a duration like",
-    "loop.time_limit=nan": r"`loop.time_limit` must be a number; got nan\.",
+    "loop.time_limit=nan": r"`loop.time_limit` in --set: expected a finite number",
+    "loop.time_limit=inf": r"`loop.time_limit` in --set: expected a finite number",
+    "optim.lr=inf": r"`optim.lr` must be a finite number; got inf\. Peak learning",
+    "optim.lr=-inf": r"`optim.lr` must be a finite number; got -inf\.",
+    "loop.time_limit=2h30": r"`loop.time_limit` in --set: .*'30' has no unit",
+    "loop.time_limit=1.5.5m": r"`loop.time_limit` in --set: .*cannot read '1.5.5m'",
+    "loop.time_limit=3s2h": r"`loop.time_limit` in --set: .*largest to smallest",
     "export.max_shard_size=lots": r"`export.max_shard_size` in --set: expected bytes",
 }
 
@@ -406,7 +414,11 @@ def test_override_errors(override, match):
         config.load(None, [override])
 
 
-@pytest.mark.parametrize("text", ["", "   ", "2x", "1h-5m", "m", "1e", "1h30x"])
+@pytest.mark.parametrize(
+    "text",
+    ["", "   ", "2x", "1h-5m", "m", "1e", "1h30x", "2h30", "1.5.5m", "3s2h", "1m1m"]
+    + ["inf", "nan", "1h30.5", float("inf")],
+)
 def test_bad_durations(text):
     with pytest.raises(ValueError, match="duration"):
         config.parse_duration(text)
@@ -473,6 +485,19 @@ INVALID = [
         r"`checkpoint.best` ranks checkpoints .*`checkpoint.every` \(0\)",
     ),
     (
+        ["checkpoint.best=eval/los", "checkpoint.every=100"],
+        r"`checkpoint.best` \('eval/los'\) is not a metric this run produces: its "
+        r"evaluations report 'eval/loss', 'eval/accuracy'.*Did you mean `eval/loss`",
+    ),
+    (
+        ["checkpoint.best=eval/loss", "checkpoint.every=100", "data.eval=none"],
+        r"`checkpoint.best` \('eval/loss'\) .* but the run has no eval data",
+    ),
+    (
+        ["checkpoint.best=eval/loss", "checkpoint.every=100", "data.train=t.txt"],
+        r"no eval data \(data.eval = 'auto' with data.train = 't.txt'\)",
+    ),
+    (
         ["export.ema=true"],
         r"`export.ema` exports the EMA weights, but `loop.ema` is unset",
     ),
@@ -499,6 +524,8 @@ def test_validate_names_the_keys(overrides, match):
         ["model.num_heads=3", "model.head_dim=16", "model.num_kv_heads=1"],
         ["mesh.data=2", "mesh.fsdp=-1"],
         ["checkpoint.best=eval/loss", "checkpoint.every=200", "loop.eval_every=50"],
+        ["checkpoint.best=eval/accuracy", "checkpoint.best_mode=max"],
+        ["checkpoint.best=eval/loss", "data.train=t.txt", "data.eval=e.txt"],
         ["export.ema=true", "loop.ema=0.999"],
         ["export.hf=", "export.every=0"],
         ["data.eval=none", "loop.eval_every=0"],
@@ -521,7 +548,7 @@ def test_validate_reads_explicit_keys_only():
 @given(st.integers(0, 1000), st.integers(0, 59), st.integers(0, 59))
 def test_parse_duration_hms(h, m, s):
     assert config.parse_duration(f"{h}h{m}m{s}s") == h * 3600 + m * 60 + s
-    assert config.parse_duration(f" {h}h {m}m {s} ") == h * 3600 + m * 60 + s
+    assert config.parse_duration(f" {h}h {m}m {s}s ") == h * 3600 + m * 60 + s
 
 
 @pytest.mark.parametrize(
@@ -537,6 +564,8 @@ def test_parse_duration_hms(h, m, s):
         ("500ms", 0.5),
         ("1_000s", 1000.0),
         ("2H", 7200.0),
+        ("1h30m15s", 5415.0),
+        ("1.5m", 90.0),
         (30, 30.0),
         (2.5, 2.5),
     ],

@@ -81,21 +81,34 @@ def schema() -> dict[str, Field]:
 
 # -- values -------------------------------------------------------------------
 # Longer units first: `10min` and `500ms` are not `10m` or `500m` plus a rest.
-_DURATION = re.compile(r"(\d+(?:\.\d*)?|\.\d+)\s*(ms|min|sec|d|h|m|s)?", re.IGNORECASE)
+_DURATION = re.compile(r"(\d+(?:\.\d*)?|\.\d+)(ms|min|sec|d|h|m|s)", re.IGNORECASE)
 _UNITS = {"d": 86400, "h": 3600, "m": 60, "min": 60, "s": 1, "sec": 1, "ms": 1e-3}
+_DURATION_HELP = "a duration like '90s', '10m', '1.5h', '2h30m' or '1d'"
 
 
 def parse_duration(value: Any) -> float:
     """Seconds from a number or a string like `"90"`, `"45s"`, `"10m"`, `"2h30m"`,
     `"1.5h"`, `"1d"`.
 
+    Every part of a compound duration names its unit, larger units first, each
+    once: `"2h30"`, `"3s2h"` and `"1.5.5m"` are errors (not 2h30s, 2h3s or
+    1.5s + 0.5m).
+
     >>> parse_duration("2h30m")
     9000.0
     """
     if isinstance(value, (int, float)) and not isinstance(value, bool):
-        return float(value)
-    if not isinstance(value, str):
+        seconds = float(value)
+    elif not isinstance(value, str):
         raise ValueError("expected seconds or a duration like '2h30m'")
+    else:
+        seconds = _parse_duration_text(value)
+    if not math.isfinite(seconds):
+        raise ValueError(f"expected a finite number of seconds or {_DURATION_HELP}")
+    return seconds
+
+
+def _parse_duration_text(value: str) -> float:
     text = value.strip().replace(" ", "").replace("_", "")
     if not text:
         raise ValueError("empty duration")
@@ -103,14 +116,25 @@ def parse_duration(value: Any) -> float:
         return float(text)  # plain seconds, also as `1e4` (as `--set` gives them)
     except ValueError:
         pass
-    total, pos = 0.0, 0
+    total, pos, last_unit = 0.0, 0, math.inf
     while pos < len(text):
         match = _DURATION.match(text, pos)
         if match is None:
-            raise ValueError("expected a duration like '90s', '10m', '2h30m' or '1d'")
-        unit = (match.group(2) or "s").lower()
-        total += float(match.group(1)) * _UNITS[unit]
-        pos = match.end()
+            rest = text[pos:]
+            why = (
+                f"{rest!r} has no unit (write e.g. '2h30m', not '2h30')"
+                if re.fullmatch(r"[\d.]+", rest)
+                else f"cannot read {rest!r}"
+            )
+            raise ValueError(f"expected {_DURATION_HELP}: {why}")
+        unit = _UNITS[match.group(2).lower()]
+        if unit >= last_unit:
+            raise ValueError(
+                f"expected {_DURATION_HELP}: units must go from largest to smallest, "
+                f"each once (e.g. '2h30m', not '30m2h')"
+            )
+        total += float(match.group(1)) * unit
+        pos, last_unit = match.end(), unit
     return total
 
 
@@ -206,8 +230,10 @@ def _check(value: Any, field: Field) -> None:
             + _did_you_mean(str(value), [str(c) for c in field.choices])
         )
     if isinstance(value, (int, float)) and not isinstance(value, bool):
-        if isinstance(value, float) and math.isnan(value):
-            raise ConfigError(f"`{field.key}` must be a number; got nan.")
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(
+                f"`{field.key}` must be a finite number; got {value!r}. {field.help}"
+            )
         if field.min is not None and value < field.min:
             raise ConfigError(f"`{field.key}` must be >= {field.min}; got {value!r}.")
         if field.max is not None and value > field.max:

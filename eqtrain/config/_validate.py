@@ -1,7 +1,8 @@
 """Checks across fields of a `Config`, run before anything is built or compiled."""
 
 from .._errors import ConfigError
-from ._parse import explicit, schema
+from ..losses import CAUSAL_LM_AUX
+from ._parse import _did_you_mean, explicit, schema
 from ._schema import Config
 
 
@@ -26,6 +27,20 @@ ARCH_KEYS = (
     "norm_eps",
     *LLAMA_ONLY,
 )
+
+
+# What `eval_step(causal_lm_loss)` reports, the loss of every config-built run:
+# "eval/" + "loss" and the loss's aux names.
+EVAL_METRICS = ("eval/loss", *(f"eval/{name}" for name in CAUSAL_LM_AUX))
+
+
+def eval_source(config: Config) -> str:
+    """`data.eval` with "auto" resolved: the stdlib split for the stdlib corpus,
+    "none" otherwise."""
+    source = config.data.eval
+    if source == "auto":
+        return "stdlib" if config.data.train == "stdlib" else "none"
+    return source
 
 
 def validate(config: Config) -> None:
@@ -129,6 +144,21 @@ def _loop(config: Config) -> None:
             raise ConfigError(
                 f"`checkpoint.best` ({ckpt.best!r}) must be an evaluation metric "
                 "such as 'eval/loss' (train metrics are too noisy to rank by)."
+            )
+        if ckpt.best not in EVAL_METRICS:
+            names = ", ".join(f"'{m}'" for m in EVAL_METRICS)
+            raise ConfigError(
+                f"`checkpoint.best` ({ckpt.best!r}) is not a metric this run "
+                f"produces: its evaluations report {names}. A misspelt name would "
+                "keep no best checkpoint at all."
+                + _did_you_mean(ckpt.best, EVAL_METRICS)
+            )
+        if eval_source(config) == "none":
+            raise ConfigError(
+                f"`checkpoint.best` ({ckpt.best!r}) ranks checkpoints by an "
+                f"evaluation metric, but the run has no eval data (data.eval = "
+                f"{config.data.eval!r} with data.train = {config.data.train!r}). "
+                "Set data.eval to a file or directory, or unset checkpoint.best."
             )
         if loop.eval_every == 0 or ckpt.every == 0 or ckpt.every % loop.eval_every:
             raise ConfigError(
