@@ -15,8 +15,8 @@ from hypothesis import assume, given, settings
 import eqtrain
 from eqtrain import config
 from eqtrain.cli import app
+from eqtrain.cli._reference import REGENERATE, reference_markdown
 from eqtrain.config import Config
-from eqtrain.config._reference import REGENERATE, reference_markdown
 
 
 ConfigError = eqtrain.ConfigError
@@ -306,7 +306,13 @@ def test_explicit_tracks_the_file_and_the_overrides(tmp_path):
     cfg = config.load(path, ["loop.steps=5", "optim.lr=0.2"])
     assert config.explicit(cfg) == {"seed", "optim.lr", "loop.steps"}
     assert config.explicit(config.load(None, ["model.arch=llama"])) == {"model.arch"}
-    assert config.explicit(dataclasses.replace(cfg, seed=2)) == frozenset()
+    # A field, not a hidden attribute: `replace` keeps it, `==` and the TOML ignore it.
+    resized = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, seq_len=8))
+    assert config.explicit(resized) == config.explicit(cfg)
+    assert cfg == dataclasses.replace(cfg, _explicit=frozenset())
+    assert "_explicit" not in config.to_dict(cfg)
+    assert "explicit" not in config.to_toml(cfg) and "_explicit" not in repr(cfg)
+    assert "_explicit" not in config.schema()
 
 
 # -- errors --------------------------------------------------------------------------

@@ -18,4 +18,8 @@ from ._restore import (
     restore as restore,
     restore_or_init as restore_or_init,
 )
-from ._storage import list_steps as list_steps, read_manifest as read_manifest
+from ._storage import (
+    list_steps as list_steps,
+    read_manifest as read_manifest,
+    resolve as resolve,
+)

@@ -17,6 +17,7 @@ from ._parse import (
     schema as schema,
 )
 from ._schema import (
+    SECTIONS as SECTIONS,
     CheckpointConfig as CheckpointConfig,
     Config as Config,
     DataConfig as DataConfig,
@@ -27,5 +28,6 @@ from ._schema import (
     ModelConfig as ModelConfig,
     OptimConfig as OptimConfig,
 )
-from ._toml import to_dict as to_dict, to_toml as to_toml
+from ._toml import to_dict as to_dict, to_toml as to_toml, toml_value as toml_value
+from ._units import parse_size as parse_size
 from ._validate import validate as validate

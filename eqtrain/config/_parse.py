@@ -15,6 +15,7 @@ from typing import Any
 
 from .._errors import ConfigError
 from ._schema import SECTIONS, Config
+from ._units import parse_size
 
 
 def _did_you_mean(name: str, options: Iterable[str]) -> str:
@@ -189,8 +190,6 @@ def _coerce(value: Any, field: Field) -> Any:
     if field.kind == "duration":
         return parse_duration(value)
     if field.kind == "size":
-        from ..hf import parse_size
-
         if isinstance(value, bool) or not isinstance(value, (int, str)):
             raise ValueError("expected bytes or a size like '5GB'")
         value = str(value)  # the field is a string; `1000` (bytes) reads as "1000"
@@ -278,14 +277,14 @@ def build(values: Mapping[str, Any], base: Config | None = None) -> Config:
             k.split(".", 1)[1]: v for k, v in values.items() if k.startswith(name + ".")
         }
         sections[name] = dataclasses.replace(getattr(base, name), **changes)
-    config = dataclasses.replace(base, **top, **sections)
-    object.__setattr__(config, "_explicit", explicit(base) | frozenset(values))
-    return config
+    given = explicit(base) | frozenset(values)
+    return dataclasses.replace(base, **top, **sections, _explicit=given)
 
 
 def explicit(config: Config) -> frozenset[str]:
-    """The dotted keys a file or an override set (as opposed to defaults)."""
-    return getattr(config, "_explicit", frozenset())
+    """The dotted keys a file or an override set (as opposed to defaults); kept
+    by `dataclasses.replace` and ignored by `==`."""
+    return config._explicit
 
 
 def _flatten(data: Mapping[str, Any], source: str) -> list[tuple[str, Any]]:

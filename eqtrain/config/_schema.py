@@ -333,6 +333,11 @@ class Config:
     mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
     log: LogConfig = dataclasses.field(default_factory=LogConfig)
     export: ExportConfig = dataclasses.field(default_factory=ExportConfig)
+    # The dotted keys a file or `--set` gave (see `explicit`): not a config key,
+    # and two configs with the same values are equal however they were written.
+    _explicit: frozenset[str] = dataclasses.field(
+        default=frozenset(), compare=False, repr=False
+    )
 
 
 SECTIONS: dict[str, type] = {

@@ -18,12 +18,15 @@ def to_dict(config: Config) -> dict[str, Any]:
     """`{"run_dir": ..., "seed": ..., "model": {...}, ...}` with `None` for unset."""
     out: dict[str, Any] = {}
     for f in dataclasses.fields(config):
+        if f.name.startswith("_"):  # `_explicit`: how it was written, not a key
+            continue
         value = getattr(config, f.name)
         out[f.name] = dataclasses.asdict(value) if f.name in SECTIONS else value
     return out
 
 
-def _value(value: Any) -> str:
+def toml_value(value: Any) -> str:
+    """One value as TOML writes it (`true`, `1e-05`, `"text"`)."""
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, float):
@@ -56,7 +59,7 @@ def to_toml(config: Config, *, comments: bool = True) -> str:
             wrapped = textwrap.wrap(help_text, 86)
             lines.extend("# " + line for line in wrapped)
         if key in derived:
-            shown = "(unset)" if value is None else _value(value)
+            shown = "(unset)" if value is None else toml_value(value)
             lines.append(f"# {name} = {shown}  (from model.init_from)")
         elif value is None and fields[key].default is None:
             lines.append(f"# {name} =  (unset)")
@@ -64,7 +67,7 @@ def to_toml(config: Config, *, comments: bool = True) -> str:
             unset = '""' if fields[key].type is str else '"none"'
             lines.append(f"{name} = {unset}")
         else:
-            lines.append(f"{name} = {_value(value)}")
+            lines.append(f"{name} = {toml_value(value)}")
 
     for name, value in data.items():
         if name not in SECTIONS:

@@ -16,6 +16,7 @@ from ._sources import (
     column as column,
     from_files as from_files,
     load_text_dir as load_text_dir,
+    read_text as read_text,
 )
 from ._text import (
     chat_examples as chat_examples,

@@ -4,12 +4,13 @@ generation_config.json, tokenizer files); `load` reads such a directory back
 (safetensors only, strictly). Architectures: `llama`, `mistral`, `qwen2`, `gpt2`.
 """
 
+from ..config import parse_size as parse_size
 from ._errors import (
     HFExportExistsError as HFExportExistsError,
     HFFileNotFoundError as HFFileNotFoundError,
     HFFormatError as HFFormatError,
 )
-from ._export import export as export, parse_size as parse_size
+from ._export import export as export
 from ._hook import export_hook as export_hook
 from ._load import load as load, load_config as load_config
 from ._maps import ARCHS as ARCHS, infer_model_type as infer_model_type

@@ -5,7 +5,6 @@ Builds on the key maps of `_maps` and the writer of `_safetensors`.
 
 import json
 import os
-import re
 import shutil
 import tempfile
 from typing import Any
@@ -14,15 +13,14 @@ import jax
 import numpy as np
 
 from .._errors import ConfigError
-from ..models._layers import as_dtype
+from ..config import parse_size
+from ..models import as_dtype
 from . import _maps, _safetensors
 from ._errors import HFExportExistsError
 
 
 SAFE_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
-_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
-_UNITS.update(KIB=2**10, MIB=2**20, GIB=2**30, TIB=2**40)
 
 
 def export(
@@ -127,20 +125,6 @@ def _special_ids(
         bos = getattr(tokenizer, "bos_id", None) if bos is None else bos
         eos = getattr(tokenizer, "eos_id", None) if eos is None else eos
     return bos, eos
-
-
-def parse_size(size: str | int) -> int:
-    """`"5GB"` (10**9), `"2GiB"` (2**30), `"500MB"` or a byte count, in bytes."""
-    if isinstance(size, int):
-        return size
-    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", size)
-    unit = match.group(2).upper() if match else None
-    if match is None or unit not in _UNITS:
-        raise ConfigError(
-            f"`max_shard_size` must be bytes or a size like '5GB', '500MB', '2GiB'; "
-            f"got {size!r}."
-        )
-    return int(float(match.group(1)) * _UNITS[unit])
 
 
 def _shards(tensors: dict[str, np.ndarray], limit: int) -> list[list[str]]:

@@ -13,7 +13,7 @@ import jax.random as jr
 import jax.tree_util as jtu
 import numpy as np
 
-from ..models._layers import as_dtype
+from ..models import as_dtype
 from . import _maps, _safetensors
 from ._errors import HFFileNotFoundError, HFFormatError
 from ._export import INDEX_NAME, SAFE_NAME

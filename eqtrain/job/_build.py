@@ -16,7 +16,6 @@ from .. import data as data_lib, hf, models, optim
 from .._errors import ConfigError
 from .._state import TrainState
 from ..config import Config, explicit
-from ..data._sources import read_text
 from ..losses import causal_lm_loss
 
 
@@ -261,7 +260,7 @@ def _documents(source: str, config: Config, split: str, key: str) -> list[str]:
     if path.is_dir():
         return data_lib.load_text_dir(path, pattern=config.data.pattern)
     if path.suffix.lower() == ".txt":
-        return [read_text(path)]
+        return [data_lib.read_text(path)]
     table = data_lib.from_files(path)
     return [str(t) for t in data_lib.column(table, config.data.text_column)]
 

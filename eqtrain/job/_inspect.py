@@ -8,11 +8,10 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from .. import checkpoint, hf
+from .. import checkpoint, checkpoint as _storage, hf
 from .._errors import ConfigError
 from .._hooks import StepInfo
 from .._loop import evaluate
-from ..checkpoint import _storage
 from ..config import (
     Config,
     apply_overrides,

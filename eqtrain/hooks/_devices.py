@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from ._errors import ConfigError
+from .._errors import ConfigError
 
 
 @dataclasses.dataclass(frozen=True)

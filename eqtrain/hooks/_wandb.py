@@ -1,5 +1,5 @@
 """`WandbLogger`: a metrics-only hook that logs `StepInfo` scalars to a Weights &
-Biases run, with the tags of `TensorBoardWriter` (`_tensorboard.scalars`).
+Biases run, with the tags of `TensorBoardWriter` (`_scalars.scalars`).
 """
 
 import os
@@ -7,9 +7,9 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from ._errors import ConfigError
-from ._hooks import StepInfo
-from ._tensorboard import _Dedup, scalars
+from .._errors import ConfigError
+from .._hooks import StepInfo
+from ._scalars import Dedup, scalars
 
 
 class WandbLogger:
@@ -83,7 +83,7 @@ class WandbLogger:
         }
         self.run: Any = None
         self._active = False
-        self._dedup = _Dedup()
+        self._dedup = Dedup()
 
     def _start(self) -> Any:
         kwargs = dict(self.init_kwargs)
@@ -96,7 +96,7 @@ class WandbLogger:
     def __call__(self, info: StepInfo) -> None:
         if not self._active:
             self.run, self._active = self._start(), True
-            self._dedup = _Dedup()
+            self._dedup = Dedup()
         values = self._dedup.new(info.step, scalars(info))
         if values:
             self.run.log(values, step=info.step)

@@ -2,18 +2,16 @@
 config schema (`schema()`) and the `eqtrain` Typer app, so it cannot drift from
 either. Regenerate it with:
 
-    python -m eqtrain.config._reference > docs/cli-reference.md
+    python -m eqtrain.cli._reference > docs/cli-reference.md
 """
 
 import re
 from typing import Any
 
-from ._parse import Field, schema
-from ._schema import SECTIONS
-from ._toml import _value
+from ..config import SECTIONS, Field, schema, toml_value
 
 
-REGENERATE = "python -m eqtrain.config._reference > docs/cli-reference.md"
+REGENERATE = "python -m eqtrain.cli._reference > docs/cli-reference.md"
 # Options Typer adds to every app; they depend on the shell, not on eqtrain.
 _SKIPPED_PARAMS = ("install_completion", "show_completion", "help")
 
@@ -70,7 +68,7 @@ def _commands() -> list[str]:
     import click
     import typer.main
 
-    from ..cli import app
+    from . import app
 
     group = typer.main.get_command(app)
     root = click.Context(group, info_name="eqtrain")
@@ -216,7 +214,7 @@ def _key_table(fields: list[Field]) -> list[str]:
 
 
 def _key_default(field: Field) -> str:
-    return "unset" if field.default is None else _code(_value(field.default))
+    return "unset" if field.default is None else _code(toml_value(field.default))
 
 
 def _allowed(field: Field) -> str:

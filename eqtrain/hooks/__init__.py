@@ -1,0 +1,18 @@
+"""Built-in hooks: a JSONL metrics writer, a progress bar, a console logger, and
+writers for TensorBoard and Weights & Biases; `peak_flops` for MFU.
+
+Each is a plain callable `hook(info)`; schedule it with `eqtrain.every(n, hook)` or
+pass it as is (every step). They read only metrics (`uses_state = False`), so they
+run a little late (the loop reads metrics in batches) and never make the loop wait
+for the device.
+"""
+
+from ._console import ConsoleLogger as ConsoleLogger, format_line as format_line
+from ._devices import (
+    peak_flops as peak_flops,
+    total_peak_flops as total_peak_flops,
+)
+from ._jsonl import JsonlWriter as JsonlWriter
+from ._progress import ProgressBar as ProgressBar
+from ._tensorboard import TensorBoardWriter as TensorBoardWriter
+from ._wandb import WandbLogger as WandbLogger
