@@ -55,7 +55,11 @@ def read_metrics(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
             leave one half-written) is skipped with a warning instead.
     """
     file = _metrics_file(Path(path))
-    lines = file.read_text(encoding="utf-8").splitlines()
+    try:
+        data = file.read_bytes()
+    except OSError as e:
+        raise ConfigError(f"cannot read {file}: {e.strerror or e}.") from None
+    lines = data.splitlines()
     last = max((i for i, line in enumerate(lines) if line.strip()), default=-1)
     records: list[dict[str, Any]] = []
     for i, line in enumerate(lines):
@@ -88,7 +92,8 @@ def plot_run(
 
     Args:
         path: a run directory or its `metrics.jsonl` (see `read_metrics`).
-        out: the PNG to write; default `<run_dir>/plot.png`. Written atomically.
+        out: the PNG to write; default `<run_dir>/plot.png`; a directory gets
+            `plot.png` inside it. Written atomically.
         title: the figure title; default the run directory's name and, when the
             run recorded one, its stop reason.
 
@@ -96,16 +101,25 @@ def plot_run(
         The path of the written PNG.
 
     Raises:
-        ConfigError: matplotlib is not installed, or `read_metrics` failed.
+        ConfigError: matplotlib is not installed, `read_metrics` failed, or
+            `out` cannot be written (read-only, not a directory, disk full).
     """
     path = Path(path)
     records = read_metrics(path)
     run_dir = path if path.is_dir() else path.parent
     out = run_dir / "plot.png" if out is None else Path(out)
+    if out.is_dir():
+        out = out / "plot.png"
     if title is None:
         title = _default_title(run_dir, records)
     figure = _draw(records, title)
-    _write_png(figure, out)
+    try:
+        _write_png(figure, out)
+    except OSError as e:
+        raise ConfigError(
+            f"cannot write the plot to {out} ({e.strerror or e}). Pass another "
+            "file with -o/--output (`out=` in Python)."
+        ) from None
     return out
 
 
@@ -125,9 +139,11 @@ def _metrics_file(path: Path) -> Path:
 
 
 def _parse_line(
-    line: str, file: Path, lineno: int, *, is_last: bool
+    raw: bytes, file: Path, lineno: int, *, is_last: bool
 ) -> dict[str, Any] | None:
+    line = raw.decode("utf-8", errors="replace")
     try:
+        raw.decode("utf-8")  # invalid UTF-8 is a malformed line, like bad JSON
         record = json.loads(line)
         if not isinstance(record, dict):
             raise ValueError(f"expected a JSON object, got {type(record).__name__}")

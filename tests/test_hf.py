@@ -298,7 +298,7 @@ def test_export_refuses_to_overwrite(tmp_path):
     assert hf.load(tmp_path / "a")[1].param_dtype == "float16"
     (tmp_path / "b").mkdir()
     (tmp_path / "b" / "notes.txt").write_text("mine")
-    with pytest.raises(hf.HFExportExistsError, match="does not look like"):
+    with pytest.raises(hf.HFExportExistsError, match="is not an earlier export"):
         hf.export(model, None, tmp_path / "b", overwrite=True)
     assert sorted(os.listdir(tmp_path)) == ["a", "b"]  # no temporary left behind
 

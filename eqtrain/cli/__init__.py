@@ -42,12 +42,22 @@ def _fail(message: str) -> None:
 
 
 @contextlib.contextmanager
-def _errors() -> Iterator[None]:
-    """Our errors (bad config, files, checkpoints) become exit 2 with a message."""
+def _errors() -> Iterator[dict[str, Any]]:
+    """Our errors (bad config, files, checkpoints) and failed writes (no space,
+    read-only, not a directory, is a directory) become exit 2 with a message.
+    The body may set `where["run_dir"]`: a failed write then names the run's
+    last complete checkpoint."""
+    where: dict[str, Any] = {}
     try:
-        yield
+        yield where
     except EqtrainError as e:
         _fail(str(e))
+    except OSError as e:
+        from .. import job
+
+        if not job.is_write_error(e):
+            raise
+        _fail(job.write_error_message(e, where.get("run_dir")))
 
 
 def _echo(text: str) -> None:
@@ -87,7 +97,7 @@ def fit(
     library, on CPU, in a few minutes."""
     from .. import config as config_lib, distributed, job
 
-    with _errors():
+    with _errors() as where:
         distributed.initialize()  # a no-op unless EQTRAIN_* or SLURM say otherwise
         overrides = list(set_ or [])
         if run_dir is not None:
@@ -96,8 +106,36 @@ def fit(
         if dry_run:
             typer.echo(job.report(cfg))
             return
-        result = job.run(cfg, resume=resume, overwrite=overwrite, echo=_echo)
+        where["run_dir"] = cfg.run_dir
+        try:
+            result = job.run(cfg, resume=resume, overwrite=overwrite, echo=_echo)
+        except (SystemExit, KeyboardInterrupt) as e:  # a second SIGTERM/SIGINT
+            _aborted(cfg, e)
+            raise
     _summary(result)
+
+
+def _aborted(cfg: Any, stop: BaseException) -> None:
+    """Say what a run aborted by a second signal left behind."""
+    from .. import job
+
+    code = getattr(stop, "code", None)
+    if isinstance(stop, SystemExit) and not (isinstance(code, int) and code > 128):
+        return
+    note = job.last_checkpoint_note(cfg.run_dir)
+    export = ""
+    if cfg.export.hf is not None:
+        target = Path(cfg.run_dir) / cfg.export.hf
+        export = (
+            f" The HF export {target} was not updated to the last step (an "
+            "interrupted export leaves the previous one or none); write it "
+            f"from the checkpoint with `eqtrain export {cfg.run_dir} {target} "
+            "--overwrite`."
+        )
+    _echo(
+        "error: aborted by a second signal while stopping; what was being saved "
+        f"was not completed. {note}{export}"
+    )
 
 
 def _summary(result: Any) -> None:
@@ -158,18 +196,9 @@ def export(
     """Export a run's latest checkpoint (or the given step) in Hugging Face format
     (safetensors, config.json, tokenizer)."""
     from .. import job
-    from ..hf import HFExportExistsError
 
-    with _errors():
-        try:
-            out = job.export_run(
-                path, out_dir, dtype=dtype, ema=ema, overwrite=overwrite
-            )
-        except HFExportExistsError:
-            _fail(
-                f"{out_dir} already exists; pass --overwrite to replace it, or "
-                "export to a new directory."
-            )
+    with _errors():  # the refusals name --overwrite only where it would help
+        out = job.export_run(path, out_dir, dtype=dtype, ema=ema, overwrite=overwrite)
     typer.echo(f"exported to {out}")
 
 
@@ -246,7 +275,10 @@ def plot(
     output: Annotated[
         str | None,
         typer.Option(
-            "-o", "--output", help="The PNG to write (default: RUN_DIR/plot.png)."
+            "-o",
+            "--output",
+            help="The PNG to write (default: RUN_DIR/plot.png); a directory gets "
+            "plot.png inside it.",
         ),
     ] = None,
 ) -> None:

@@ -17,6 +17,7 @@ from ._sources import (
     from_files as from_files,
     load_text_dir as load_text_dir,
     read_text as read_text,
+    text_column as text_column,
 )
 from ._text import (
     chat_examples as chat_examples,

@@ -2,6 +2,7 @@
 directory of text files, and named columns/fields of any of them."""
 
 import os
+import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -134,6 +135,40 @@ def load_text_dir(directory: PathLike, *, pattern: str = "**/*.txt") -> list[str
 
 def read_text(path: Path) -> str:
     return path.read_bytes().decode("utf-8", errors="replace")
+
+
+def text_column(data: Any, name: str, *, source: str = "the data") -> list[str]:
+    """Column `name` of `data` (as `column` reads it) as text documents.
+
+    A row whose value is not a string (JSON `null`, a number, a list) is not
+    text: it is skipped, and the number skipped is reported in one warning, never
+    trained on as `"None"` or `"3"`.
+
+    Raises:
+        DataError: as `column`, or when no row holds a string.
+    """
+    values = column(data, name)
+    texts = [v for v in values if isinstance(v, str)]
+    skipped = len(values) - len(texts)
+    if not texts:
+        kinds = sorted({_kind(v) for v in values})
+        raise DataError(
+            f"no row of {source} holds text in {name!r}: all {len(values)} values "
+            f"are {', '.join(kinds)}. Point data.text_column (`text_column`) at a "
+            "column of strings."
+        )
+    if skipped:
+        first = next(i for i, v in enumerate(values) if not isinstance(v, str))
+        warnings.warn(
+            f"{source}: skipped {skipped} of {len(values)} rows whose {name!r} is "
+            f"not a string (the first: row {first}, {_kind(values[first])}).",
+            stacklevel=2,
+        )
+    return texts
+
+
+def _kind(value: Any) -> str:
+    return "null" if value is None else type(value).__name__
 
 
 def column(data: Any, name: str) -> list[Any]:

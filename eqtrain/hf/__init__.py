@@ -12,5 +12,9 @@ from ._errors import (
 )
 from ._export import export as export
 from ._hook import export_hook as export_hook
-from ._load import load as load, load_config as load_config
+from ._load import (
+    load as load,
+    load_config as load_config,
+    tokenizer_for as tokenizer_for,
+)
 from ._maps import ARCHS as ARCHS, infer_model_type as infer_model_type

@@ -190,22 +190,27 @@ def _looks_like_export(path: str) -> bool:
 
 
 def _check_target(out_dir: str, overwrite: bool) -> None:
+    """Refuse a target that is not ours to replace: a file, or a non-empty
+    directory that is not an export (whatever `overwrite` says), or, without
+    `overwrite`, an earlier export."""
     if not os.path.lexists(out_dir):
         return
     if not os.path.isdir(out_dir):
         raise HFExportExistsError(
-            f"{out_dir} exists and is not a directory; pick another export path."
-        )
-    if not overwrite and os.listdir(out_dir):
-        raise HFExportExistsError(
-            f"{out_dir} exists; pass overwrite=True to replace it, or export to a "
-            "new directory."
+            f"{out_dir} exists and is not a directory, so it is not an export and "
+            "will not be overwritten (not even with overwrite). Export to a new "
+            "directory."
         )
     if not _looks_like_export(out_dir):
         raise HFExportExistsError(
-            f"{out_dir} is not empty and holds no config.json, so it does not look "
-            "like an earlier export; refusing to replace it even with "
-            "overwrite=True. Export to a new directory."
+            f"{out_dir} is not empty and holds no config.json, so it is not an "
+            "earlier export and will not be overwritten (not even with overwrite). "
+            "Export to a new directory."
+        )
+    if not overwrite and os.listdir(out_dir):
+        raise HFExportExistsError(
+            f"{out_dir} holds an earlier export; pass overwrite=True (--overwrite) "
+            "to replace it, or export to a new directory."
         )
 
 

@@ -80,6 +80,48 @@ def load_config(
     return config, model_type
 
 
+BYTE_VOCAB_LIMIT = 1024
+"""The largest vocabulary `tokenizer_for` pairs with the byte tokenizer (259 ids,
+often padded to 384 or 512) when a directory has no tokenizer.json."""
+
+_OTHER_TOKENIZERS = ("tokenizer.model", "spiece.model", "vocab.json", "vocab.txt")
+
+
+def tokenizer_for(path: str | os.PathLike[str]) -> str:
+    """The tokenizer to use with the Hugging Face model in `path` when none is
+    named (`data.tokenizer = "auto"`): its `tokenizer.json`, or `"byte"` for a
+    small vocabulary (an eqtrain byte-level export writes no tokenizer file).
+
+    Raises:
+        HFFormatError: a vocabulary above `BYTE_VOCAB_LIMIT` and no
+            `tokenizer.json`: the byte tokenizer would silently feed the model ids
+            that mean something else. The message names a sentencepiece (or
+            other) tokenizer file when the directory has one.
+    """
+    path = os.fspath(path)
+    file = os.path.join(path, "tokenizer.json")
+    if os.path.exists(file):
+        return file
+    vocab = _read_config(path).get("vocab_size")
+    if not isinstance(vocab, int) or vocab <= BYTE_VOCAB_LIMIT:
+        return "byte"
+    others = [f for f in _OTHER_TOKENIZERS if os.path.exists(os.path.join(path, f))]
+    found = (
+        f"It holds {', '.join(others)}, which eqtrain cannot read (only a "
+        "`tokenizers` tokenizer.json): convert it with transformers "
+        "(`AutoTokenizer.from_pretrained(dir).save_pretrained(dir)` writes "
+        "tokenizer.json for a fast tokenizer). "
+        if others
+        else ""
+    )
+    raise HFFormatError(
+        f"{path} has a vocabulary of {vocab} ids but no tokenizer.json, so its "
+        "tokenizer is unknown; the byte tokenizer (259 ids) would train on ids "
+        f"that mean other tokens. {found}Set data.tokenizer to the model's "
+        "tokenizer.json, or to 'byte' if you mean it."
+    )
+
+
 def _read_config(path: str) -> dict[str, Any]:
     if not os.path.isdir(path):
         raise HFFileNotFoundError(

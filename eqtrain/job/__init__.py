@@ -15,6 +15,12 @@ from ._inspect import (
     open_run as open_run,
     run_info as run_info,
 )
+from ._preflight import (
+    check_outputs as check_outputs,
+    is_write_error as is_write_error,
+    last_checkpoint_note as last_checkpoint_note,
+    write_error_message as write_error_message,
+)
 from ._run import (
     Prepared as Prepared,
     RunResult as RunResult,

@@ -3,7 +3,6 @@ optimizer, loss and state builders. Everything that can be wrong with the config
 or its files fails here, before any compilation."""
 
 import dataclasses
-import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -106,8 +105,7 @@ def make_tokenizer(config: Config) -> Any:
     name = config.data.tokenizer
     if name == "auto":
         init_from = config.model.init_from
-        found = init_from and os.path.exists(os.path.join(init_from, "tokenizer.json"))
-        name = os.path.join(init_from, "tokenizer.json") if found else "byte"
+        name = hf.tokenizer_for(init_from) if init_from else "byte"
     if name == "byte":
         return data_lib.ByteTokenizer()
     path = Path(name)
@@ -262,7 +260,7 @@ def _documents(source: str, config: Config, split: str, key: str) -> list[str]:
     if path.suffix.lower() == ".txt":
         return [data_lib.read_text(path)]
     table = data_lib.from_files(path)
-    return [str(t) for t in data_lib.column(table, config.data.text_column)]
+    return data_lib.text_column(table, config.data.text_column, source=source)
 
 
 def train_rows(job: Job) -> Rows:

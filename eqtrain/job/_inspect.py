@@ -139,7 +139,13 @@ def import_hf(
     `hf_dir`: its weights as the step-0 checkpoint (with a fresh optimizer state
     from `config`'s `[optim]`), its tokenizer, and a `config.toml` describing
     the architecture, so `eqtrain fit <out_dir>/config.toml` fine-tunes it."""
-    out = Path(out_dir)
+    # Absolute: the new config.toml's run_dir must not depend on where `fit` runs.
+    out = Path(os.path.abspath(out_dir))
+    if out.exists() and not out.is_dir():
+        raise ConfigError(
+            f"{out} exists and is a file, not a directory; the run directory OUT "
+            "must be a new (or empty) directory. Choose another path."
+        )
     if out.exists() and any(out.iterdir()) and not overwrite:
         raise ConfigError(
             f"{out} already exists and is not empty; choose a new directory or pass "

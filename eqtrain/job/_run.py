@@ -20,7 +20,7 @@ from .._loop import FitResult, fit
 from .._step import eval_step, train_step
 from ..config import Config, to_dict, to_toml
 from ..data import Loader
-from . import _build, _place
+from . import _build, _place, _preflight
 
 
 @dataclasses.dataclass
@@ -185,6 +185,8 @@ def prepare(
             "the checkpoint afterwards with `eqtrain export RUN_DIR OUT`."
         )
     run_dir = Path(config.run_dir)
+    # Every output target (run dir, TensorBoard, export, plot), before compiling.
+    _preflight.check_outputs(config, writer=jax.process_index() == 0)
     check_writable(run_dir)
     write_config(config, run_dir)
 
@@ -286,6 +288,10 @@ def run(
         result = fit(
             prepared.state, prepared.step, prepared.loader, **prepared.fit_kwargs
         )
+    except Exception as e:
+        if _preflight.is_out_of_memory(e):  # device OOM: say what lowers memory
+            raise _preflight.out_of_memory_error(e, prepared) from e
+        raise
     finally:
         prepared.close()
     export_dir = None
