@@ -610,3 +610,21 @@ def test_reference_ignores_the_terminal(monkeypatch):
     monkeypatch.setenv("COLUMNS", "40")
     monkeypatch.setenv("TERM", "dumb")
     assert reference_markdown() == expected
+
+
+# -- defaults that depend on other keys ----------------------------------------------
+@given(steps=st.integers(1, 10**7), lr=st.floats(1e-8, 10.0))
+@settings(derandomize=True, deadline=None, max_examples=20)
+def test_optim_resolved_declares_the_dependent_defaults(steps, lr):
+    optim = dataclasses.replace(Config().optim, lr=lr)
+    resolved = optim.resolved(steps)
+    assert resolved.warmup_steps == steps // 20  # 5% of the steps, rounded down
+    assert resolved.final_lr == lr / 10
+    constant = dataclasses.replace(optim, schedule="constant").resolved(steps)
+    assert constant.final_lr == 0.0
+    given = dataclasses.replace(optim, warmup_steps=3, final_lr=1e-5).resolved(steps)
+    assert (given.warmup_steps, given.final_lr) == (3, 1e-5)
+    assert optim.warmup_steps is None and optim.final_lr is None  # a new section
+    fields = config.schema()
+    assert "5% of the steps" in fields["optim.warmup_steps"].help
+    assert "lr / 10" in fields["optim.final_lr"].help

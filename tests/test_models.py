@@ -12,7 +12,7 @@ import jax.tree_util as jtu
 import numpy as np
 import pytest
 
-from eqtrain import ConfigError
+from eqtrain import ConfigError, config as config_lib, models
 from eqtrain.models import (
     GPT2,
     GPT2Config,
@@ -486,3 +486,76 @@ def test_gpt2_matches_transformers():
     tokens = _tokens(9)
     expected = _hf_logits(hf, state, tokens)
     np.testing.assert_allclose(model(tokens), expected, rtol=1e-4, atol=1e-5)
+
+
+# -- the families' registry ----------------------------------------------------------
+SECTIONS = {  # a `[model]` section per architecture, as a config file would give it
+    "llama": dict(arch="llama", num_kv_heads=2),
+    "mistral": dict(arch="mistral", sliding_window=8),
+    "qwen2": dict(arch="qwen2", num_kv_heads=1),
+    "gpt2": dict(arch="gpt2", num_kv_heads=None, norm_eps=1e-5),
+}
+
+
+@pytest.mark.parametrize("arch", SECTIONS)
+def test_family_maps_the_model_section_both_ways(arch):
+    section = dataclasses.replace(config_lib.ModelConfig(), **SECTIONS[arch])
+    fam = models.family(arch)
+    cfg = fam.from_section(section, vocab_size=37, max_seq_len=32)
+    assert isinstance(cfg, fam.config) and fam.model_type_of(cfg) == arch
+    assert models.family(cfg) is fam and models.family(fam.model(cfg, jr.key(0))) is fam
+    back = dataclasses.replace(section, **fam.to_section(cfg))
+    # `max_seq_len` and `vocab_size` were unset (the data's and the tokenizer's);
+    # the rest reads back as written, defaults made explicit.
+    assert back.vocab_size == 37 and back.max_seq_len == 32
+    again = fam.from_section(back, vocab_size=37, max_seq_len=32)
+    assert again == cfg
+    assert fam.flops_per_token(cfg, 16) == getattr(models, fam.name).flops_per_token(
+        cfg, 16
+    )
+    assert (
+        fam.tp_rules()
+        and fam.tp_rules() == getattr(models, fam.name).tensor_parallel_rules()
+    )
+
+
+def test_qwen2_bias_default_yields_to_an_explicit_setting():
+    section = dataclasses.replace(config_lib.ModelConfig(), arch="qwen2")
+    fam = models.family("qwen2")
+    assert fam.from_section(section, vocab_size=8, max_seq_len=8).attention_bias
+    given = fam.from_section(
+        section, vocab_size=8, max_seq_len=8, given={"attention_bias"}
+    )
+    assert not given.attention_bias and given.o_proj_bias is False
+
+
+def test_family_lookup_and_errors():
+    assert {f.name for f in models.FAMILIES.values()} == {"llama", "gpt2"}
+    assert models.family("mistral").name == "llama"
+    assert models.family(TINY_GPT2).model is GPT2
+    with pytest.raises(ConfigError, match="no model family covers 'bert'"):
+        models.family("bert")
+    with pytest.raises(ConfigError, match="no model family covers a MLPConfig"):
+        models.family(MLPConfig(4, 3))
+
+
+def test_registry_agrees_with_the_config_schema_and_hf():
+    """`eqtrain.config` cannot import the models (it would pull JAX into config
+    parsing), so its architecture names and Llama-only keys are checked here."""
+    from eqtrain import hf
+    from eqtrain.config._validate import ARCH_KEYS, LLAMA_ONLY
+
+    types = {t for fam in models.FAMILIES.values() for t in fam.model_types}
+    assert set(config_lib.schema()["model.arch"].choices) == types == set(hf.ARCHS)
+    for fam in models.FAMILIES.values():
+        keys = set(fam.to_section(fam.config(**_SMALLEST[fam.name])))
+        assert keys <= set(ARCH_KEYS) | {"init_std"}
+        if fam.name != "llama":
+            assert not keys & set(LLAMA_ONLY), fam.name
+
+
+_SMALLEST = {
+    "llama": dict(vocab_size=8, hidden_size=8, intermediate_size=8,
+                  num_hidden_layers=1, num_attention_heads=2),
+    "gpt2": dict(vocab_size=8, n_positions=8, n_embd=8, n_layer=1, n_head=2),
+}  # fmt: skip

@@ -32,6 +32,10 @@ ARCHS = ("llama", "mistral", "qwen2", "gpt2")
 OPTIMIZERS = ("adamw", "adam", "lion", "sgd", "adafactor")
 SCHEDULES = ("constant", "linear", "cosine", "wsd")
 DTYPES = ("float32", "bfloat16", "float16")
+# The defaults of unset `optim.warmup_steps` and `optim.final_lr`, which depend on
+# other keys: see `OptimConfig.resolved`.
+WARMUP_PERCENT = 5  # of loop.steps
+FINAL_LR_DIVISOR = 10  # of optim.lr (0 for the constant schedule)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,12 +150,14 @@ class OptimConfig:
     schedule: str = setting("cosine", "Learning-rate schedule.", choices=SCHEDULES)
     warmup_steps: int | None = setting(
         None,
-        "Linear warmup from 0 to lr over this many steps; unset: 5% of the steps.",
+        "Linear warmup from 0 to lr over this many steps; unset: "
+        f"{WARMUP_PERCENT}% of the steps.",
         min=0,
     )
     final_lr: float | None = setting(
         None,
-        "Learning rate at the last step (linear, cosine, wsd); unset: lr / 10.",
+        "Learning rate at the last step (linear, cosine, wsd); unset: "
+        f"lr / {FINAL_LR_DIVISOR}.",
         min=0,
     )
     decay_steps: int | None = setting(
@@ -180,6 +186,21 @@ class OptimConfig:
     accumulate: int = setting(
         1, "Micro-batches per step (gradient accumulation).", min=1
     )
+
+    def resolved(self, total_steps: int) -> "OptimConfig":
+        """This section with the defaults of its unset keys that depend on others
+        filled in: `warmup_steps` is `WARMUP_PERCENT`% of `total_steps` (rounded
+        down), `final_lr` is `lr / FINAL_LR_DIVISOR` (0 for `constant`, which
+        takes none). A run's config.toml keeps them unset, so that changing
+        `loop.steps` or `optim.lr` on resume moves them along.
+        """
+        warmup, final_lr = self.warmup_steps, self.final_lr
+        if warmup is None:
+            warmup = total_steps * WARMUP_PERCENT // 100
+        if final_lr is None:
+            constant = self.schedule == "constant"
+            final_lr = 0.0 if constant else self.lr / FINAL_LR_DIVISOR
+        return dataclasses.replace(self, warmup_steps=warmup, final_lr=final_lr)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,13 +1,12 @@
-"""Per-architecture knowledge: Hugging Face config translation both ways and the
-map between eqtrain's (stacked) parameter paths and Hugging Face tensor names.
+"""Hugging Face config translation both ways, and the map between eqtrain's
+(stacked) parameter paths and Hugging Face tensor names.
 
-eqtrain's parameter paths already mirror Hugging Face's names (see
-`eqtrain.models`); what differs is a prefix (`model.` / `transformer.`), the
-stacked layers (`layers.X[i]` here, `model.layers.{i}.X` there) and GPT-2's
-`Conv1D`, which stores `[in, out]` where eqtrain's `Linear` stores `[out, in]`.
+The architectures, their tensor names (`HFNames`: prefix, stacked layers, GPT-2's
+`Conv1D` leaves) and the model type a config exports as come from the model
+families' registry (`eqtrain.models.family`); this module adds what is specific
+to Hugging Face's `config.json`.
 """
 
-import dataclasses
 import importlib.metadata
 from collections.abc import Iterator
 from typing import Any
@@ -17,38 +16,14 @@ import jax.tree_util as jtu
 import numpy as np
 
 from .._errors import ConfigError
-from ..models.gpt2 import GPT2, GPT2Config
-from ..models.llama import Llama, LlamaConfig
+from ..models import FAMILIES, GPT2Config, HFNames, LlamaConfig, family
 from ._errors import HFFormatError
 
 
-@dataclasses.dataclass(frozen=True)
-class Arch:
-    """How one Hugging Face architecture maps onto an eqtrain model."""
-
-    model_type: str
-    architecture: str
-    prefix: str
-    layers: str
-    conv1d: tuple[str, ...] = ()
-
-
-ARCHS = {
-    "llama": Arch("llama", "LlamaForCausalLM", "model.", "layers"),
-    "mistral": Arch("mistral", "MistralForCausalLM", "model.", "layers"),
-    "qwen2": Arch("qwen2", "Qwen2ForCausalLM", "model.", "layers"),
-    "gpt2": Arch(
-        "gpt2",
-        "GPT2LMHeadModel",
-        "transformer.",
-        "h",
-        conv1d=(
-            "attn.c_attn.weight",
-            "attn.c_proj.weight",
-            "mlp.c_fc.weight",
-            "mlp.c_proj.weight",
-        ),
-    ),
+Arch = HFNames  # how one Hugging Face architecture names an eqtrain model's tensors
+# Every architecture of every family, by Hugging Face `model_type`.
+ARCHS: dict[str, HFNames] = {
+    t: names for fam in FAMILIES.values() for t, names in fam.hf.items()
 }
 
 DTYPE_NAMES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
@@ -56,27 +31,20 @@ DTYPE_NAMES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16
 
 def infer_model_type(config: Any, model_type: str | None) -> str:
     """The Hugging Face `model_type` of an eqtrain config (see `eqtrain.hf.export`)."""
-    if isinstance(config, GPT2Config):
-        inferred = "gpt2"
-    elif isinstance(config, LlamaConfig):
-        if config.attention_bias and config.o_proj_bias is False:
-            inferred = "qwen2"
-        elif config.sliding_window is not None:
-            inferred = "mistral"
-        else:
-            inferred = "llama"
-    else:
+    fam = next((f for f in FAMILIES.values() if isinstance(config, f.config)), None)
+    if fam is None:
+        names = " or ".join(f"`{f.config.__name__}`" for f in FAMILIES.values())
         raise ConfigError(
             f"`eqtrain.hf` exports Llama-family and GPT-2 models; got a config of "
-            f"type {type(config).__name__}. Pass the model's `LlamaConfig` or "
-            "`GPT2Config` (`model.config`)."
+            f"type {type(config).__name__}. Pass the model's {names} (`model.config`)."
         )
+    inferred = fam.model_type_of(config)
     model_type = model_type or inferred
     if model_type not in ARCHS:
         raise ConfigError(
             f"unknown `model_type` {model_type!r}; eqtrain.hf supports {sorted(ARCHS)}."
         )
-    if (model_type == "gpt2") != (inferred == "gpt2"):
+    if model_type not in fam.hf:
         raise ConfigError(
             f"a {type(config).__name__} cannot be exported as {model_type!r}; "
             f"use model_type={inferred!r} (or None to infer it)."
@@ -86,7 +54,7 @@ def infer_model_type(config: Any, model_type: str | None) -> str:
 
 
 def _check_expressible(config: Any, model_type: str) -> None:
-    if model_type == "gpt2":
+    if family(model_type).name != "llama":
         return
     qkv, o = config.attention_bias, config.attention_bias
     if config.o_proj_bias is not None:
@@ -132,17 +100,15 @@ def hf_config(
         "dtype": dtype,
         "torch_dtype": dtype,
     }
-    if model_type == "gpt2":
-        out = {**common, **_gpt2_config(config)}
-    else:
-        out = {**common, **_llama_config(config, model_type)}
+    to_hf = {"gpt2": _gpt2_config, "llama": _llama_config}[family(model_type).name]
+    out = {**common, **to_hf(config, model_type)}
     version = _transformers_version()
     if version:
         out["transformers_version"] = version
     return dict(sorted(out.items()))
 
 
-def _gpt2_config(c: GPT2Config) -> dict[str, Any]:
+def _gpt2_config(c: GPT2Config, model_type: str) -> dict[str, Any]:
     return {
         "activation_function": "gelu_new",
         "n_positions": c.n_positions,
@@ -227,10 +193,9 @@ def eqtrain_config(hf: dict[str, Any], path: str, param_dtype: str) -> tuple[str
             f"{sorted(ARCHS)}. Another architecture needs a key map in "
             "eqtrain/hf/_maps.py."
         )
+    from_hf = {"gpt2": _gpt2_from_hf, "llama": _llama_from_hf}[family(model_type).name]
     try:
-        if model_type == "gpt2":
-            return model_type, _gpt2_from_hf(hf, path, param_dtype)
-        return model_type, _llama_from_hf(hf, model_type, path, param_dtype)
+        return model_type, from_hf(hf, model_type, path, param_dtype)
     except KeyError as error:
         raise HFFormatError(
             f"{path}: the {model_type} config has no {error.args[0]!r}; it is needed "
@@ -246,7 +211,9 @@ def _require(path: str, what: str, ok: bool, got: Any) -> None:
         )
 
 
-def _gpt2_from_hf(hf: dict[str, Any], path: str, param_dtype: str) -> GPT2Config:
+def _gpt2_from_hf(
+    hf: dict[str, Any], model_type: str, path: str, param_dtype: str
+) -> GPT2Config:
     act = hf.get("activation_function", "gelu_new")
     _require(
         path,
@@ -324,7 +291,7 @@ def _llama_from_hf(
 
 
 def model_class(config: Any) -> Any:
-    return GPT2 if isinstance(config, GPT2Config) else Llama
+    return family(config).model
 
 
 # -- parameter names -------------------------------------------------------------------

@@ -5,7 +5,12 @@
 - `eqtrain.models.gpt2`: `GPT2`, `GPT2Config`;
 - `eqtrain.models.mlp`: `MLPClassifier`, `MLPConfig`.
 
-Each submodule also has `flops_per_token(config, seq_len)`.
+Each submodule also has `flops_per_token(config, seq_len)`. The language-model
+families (Llama, GPT-2) have one registry entry each, which owns the `[model]`
+config section both ways, FLOPs, tensor-parallel rules and Hugging Face names:
+
+    fam = models.family("qwen2")            # or a config, or a model
+    model = fam.model(fam.from_section(section, vocab_size=259, max_seq_len=128), key)
 """
 
 from . import gpt2 as gpt2, llama as llama, mlp as mlp
@@ -13,6 +18,12 @@ from ._layers import (
     REMAT_POLICIES as REMAT_POLICIES,
     as_dtype as as_dtype,
     num_params as num_params,
+)
+from ._registry import (
+    FAMILIES as FAMILIES,
+    Family as Family,
+    HFNames as HFNames,
+    family as family,
 )
 from .gpt2 import GPT2 as GPT2, GPT2Config as GPT2Config
 from .llama import Llama as Llama, LlamaConfig as LlamaConfig

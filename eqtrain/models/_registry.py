@@ -1,0 +1,239 @@
+"""One entry per model family: everything eqtrain knows about an architecture
+beyond its modules, so that adding a family is adding one `Family`.
+
+An entry owns the family's model and config classes, the `[model]` config
+section both ways, FLOPs per token, the tensor-parallel rules and the names of
+its tensors in each Hugging Face architecture it covers. The `[model]` section
+is read by attribute (any object with its keys will do), so this module needs
+nothing from `eqtrain.config`; the Hugging Face `config.json` translation lives
+in `eqtrain.hf`, which looks families up here.
+"""
+
+import dataclasses
+from collections.abc import Callable, Collection, Mapping
+from typing import Any
+
+from jax.sharding import PartitionSpec
+
+from .._errors import ConfigError
+from . import gpt2, llama
+
+
+@dataclasses.dataclass(frozen=True)
+class HFNames:
+    """How one Hugging Face architecture names an eqtrain model's tensors.
+
+    eqtrain's paths already mirror Hugging Face's names; what differs is a
+    `prefix` (`model.` / `transformer.`), the stacked layers (`layers.X[i]` in
+    eqtrain, `{prefix}{layers}.{i}.X` there) and the `conv1d` leaves (under the
+    layers), which Hugging Face stores `[in, out]` where eqtrain's `Linear`
+    stores `[out, in]`.
+    """
+
+    model_type: str
+    architecture: str
+    prefix: str
+    layers: str
+    conv1d: tuple[str, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+    """A model family: its classes and the knowledge built around them.
+
+    Attributes:
+        name: the family's name, `"llama"` or `"gpt2"`.
+        model: the Equinox module, built as `model(config, key)`.
+        config: its frozen config dataclass.
+        hf: the Hugging Face architectures it covers, by `model_type` (also the
+            values of the `[model]` section's `arch`).
+        from_section: `(section, *, vocab_size, max_seq_len, given=(), arch=None)
+            -> config`, from a `[model]` section; `given` names the section's
+            keys a file or `--set` gave (a default may depend on it), `arch`
+            is one of `hf` (default: the section's `arch`).
+        to_section: `config -> {[model] key: value}`, the architecture keys of
+            the `[model]` section describing `config` (the inverse).
+        model_type_of: `config -> model_type`, the Hugging Face architecture
+            that describes `config` most closely.
+        flops_per_token: `(config, seq_len) -> float`, training FLOPs per token.
+        tp_rules: `() -> [(regex, PartitionSpec)]`, the tensor-parallel rules.
+    """
+
+    name: str
+    model: type
+    config: type
+    hf: Mapping[str, HFNames]
+    from_section: Callable[..., Any]
+    to_section: Callable[[Any], dict[str, Any]]
+    model_type_of: Callable[[Any], str]
+    flops_per_token: Callable[[Any, int], float]
+    tp_rules: Callable[[], list[tuple[str, PartitionSpec]]]
+
+    @property
+    def model_types(self) -> tuple[str, ...]:
+        return tuple(self.hf)
+
+
+# -- Llama, Mistral, Qwen2 ---------------------------------------------------------
+def _llama_from_section(
+    m: Any,
+    *,
+    vocab_size: int,
+    max_seq_len: int,
+    given: Collection[str] = (),
+    arch: str | None = None,
+) -> llama.LlamaConfig:
+    arch = arch or m.arch
+    # Qwen2 means q/k/v biases (and none on o_proj) unless the section says otherwise.
+    qwen2_bias = arch == "qwen2" and "attention_bias" not in given
+    return llama.LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=m.hidden_size,
+        intermediate_size=m.intermediate_size or 4 * m.hidden_size,
+        num_hidden_layers=m.num_layers,
+        num_attention_heads=m.num_heads,
+        num_key_value_heads=m.num_kv_heads,
+        head_dim=m.head_dim,
+        rms_norm_eps=1e-6 if m.norm_eps is None else m.norm_eps,
+        rope_theta=m.rope_theta,
+        attention_bias=m.attention_bias or qwen2_bias,
+        o_proj_bias=False if arch == "qwen2" else None,
+        mlp_bias=m.mlp_bias,
+        tie_word_embeddings=m.tie_embeddings,
+        sliding_window=m.sliding_window,
+        max_position_embeddings=max_seq_len,
+        initializer_range=m.init_std,
+        param_dtype=m.param_dtype,
+        remat=m.remat,
+        scan_layers=m.scan_layers,
+    )
+
+
+def _llama_to_section(c: llama.LlamaConfig) -> dict[str, Any]:
+    return dict(
+        vocab_size=c.vocab_size,
+        hidden_size=c.hidden_size,
+        intermediate_size=c.intermediate_size,
+        num_layers=c.num_hidden_layers,
+        num_heads=c.num_attention_heads,
+        num_kv_heads=c.kv_heads,
+        head_dim=c.head_dim,
+        max_seq_len=c.max_position_embeddings,
+        rope_theta=float(c.rope_theta),
+        norm_eps=float(c.rms_norm_eps),
+        tie_embeddings=c.tie_word_embeddings,
+        attention_bias=c.attention_bias,
+        mlp_bias=c.mlp_bias,
+        sliding_window=c.sliding_window,
+        init_std=float(c.initializer_range),
+    )
+
+
+def _llama_model_type(c: llama.LlamaConfig) -> str:
+    if c.attention_bias and c.o_proj_bias is False:
+        return "qwen2"
+    return "mistral" if c.sliding_window is not None else "llama"
+
+
+# -- GPT-2 ---------------------------------------------------------------------------
+def _gpt2_from_section(
+    m: Any,
+    *,
+    vocab_size: int,
+    max_seq_len: int,
+    given: Collection[str] = (),
+    arch: str | None = None,
+) -> gpt2.GPT2Config:
+    del given, arch  # one architecture, no defaults that depend on the section
+    return gpt2.GPT2Config(
+        vocab_size=vocab_size,
+        n_positions=max_seq_len,
+        n_embd=m.hidden_size,
+        n_layer=m.num_layers,
+        n_head=m.num_heads,
+        n_inner=m.intermediate_size,
+        layer_norm_epsilon=1e-5 if m.norm_eps is None else m.norm_eps,
+        initializer_range=m.init_std,
+        param_dtype=m.param_dtype,
+        remat=m.remat,
+        scan_layers=m.scan_layers,
+    )
+
+
+def _gpt2_to_section(c: gpt2.GPT2Config) -> dict[str, Any]:
+    return dict(
+        vocab_size=c.vocab_size,
+        hidden_size=c.n_embd,
+        intermediate_size=c.n_inner,
+        num_layers=c.n_layer,
+        num_heads=c.n_head,
+        max_seq_len=c.n_positions,
+        norm_eps=c.layer_norm_epsilon,
+        init_std=float(c.initializer_range),
+    )
+
+
+# -- the registry --------------------------------------------------------------------
+FAMILIES: dict[str, Family] = {
+    "llama": Family(
+        name="llama",
+        model=llama.Llama,
+        config=llama.LlamaConfig,
+        hf={
+            "llama": HFNames("llama", "LlamaForCausalLM", "model.", "layers"),
+            "mistral": HFNames("mistral", "MistralForCausalLM", "model.", "layers"),
+            "qwen2": HFNames("qwen2", "Qwen2ForCausalLM", "model.", "layers"),
+        },
+        from_section=_llama_from_section,
+        to_section=_llama_to_section,
+        model_type_of=_llama_model_type,
+        flops_per_token=llama.flops_per_token,
+        tp_rules=llama.tensor_parallel_rules,
+    ),
+    "gpt2": Family(
+        name="gpt2",
+        model=gpt2.GPT2,
+        config=gpt2.GPT2Config,
+        hf={
+            "gpt2": HFNames(
+                "gpt2",
+                "GPT2LMHeadModel",
+                "transformer.",
+                "h",
+                conv1d=(
+                    "attn.c_attn.weight",
+                    "attn.c_proj.weight",
+                    "mlp.c_fc.weight",
+                    "mlp.c_proj.weight",
+                ),
+            )
+        },
+        from_section=_gpt2_from_section,
+        to_section=_gpt2_to_section,
+        model_type_of=lambda c: "gpt2",
+        flops_per_token=gpt2.flops_per_token,
+        tp_rules=gpt2.tensor_parallel_rules,
+    ),
+}
+
+
+def family(of: Any) -> Family:
+    """The `Family` of a family name or Hugging Face `model_type` (`"qwen2"`), a
+    model config (`LlamaConfig(...)`) or a model.
+
+    Raises:
+        ConfigError: for anything no family covers.
+    """
+    for fam in FAMILIES.values():
+        if isinstance(of, str) and (of == fam.name or of in fam.hf):
+            return fam
+        if isinstance(of, (fam.config, fam.model)):
+            return fam
+    known = sorted({t for fam in FAMILIES.values() for t in fam.hf})
+    what = repr(of) if isinstance(of, str) else f"a {type(of).__name__}"
+    raise ConfigError(
+        f"no model family covers {what}; eqtrain's families are the model types "
+        f"{known} (configs: "
+        + ", ".join(f.config.__name__ for f in FAMILIES.values())
+        + ")."
+    )
