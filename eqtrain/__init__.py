@@ -5,7 +5,7 @@ The whole run is one immutable pytree (`TrainState`); pure step builders advance
 `fit` drives it, calling plain-callable hooks between steps.
 """
 
-from . import hooks as hooks, optim as optim, sharding as sharding
+from . import hooks as hooks, optim as optim, sharding as sharding, step as step
 from ._errors import (
     ConfigError as ConfigError,
     DonatedStateError as DonatedStateError,
@@ -33,7 +33,8 @@ from ._loop import (
 )
 from ._precision import Precision as Precision
 from ._state import TrainState as TrainState, trainable_mask as trainable_mask
-from ._step import (
+from .step import (
+    TrainStep as TrainStep,
     batch_weight as batch_weight,
     eval_step as eval_step,
     train_step as train_step,

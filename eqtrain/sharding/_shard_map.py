@@ -6,33 +6,56 @@ the automatic (GSPMD) step on a replicated state, written out by hand."""
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import equinox as eqx
-import jax
-import jax.numpy as jnp
-import jax.random as jr
-import jax.tree_util as jtu
 import optax
-from jax import lax
+from jax import shard_map
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from .. import step as steps
 from .._errors import ConfigError
-from .._precision import Precision, as_precision
-from .._state import TrainState
-from .._step import build_step
+from .._precision import Precision
 from ._mesh import BATCH_AXES
 
 
-def _reducer(axes: tuple[str, ...]) -> Callable[..., Any]:
-    def reduce(loss: Any, aux: Any, weight: Any, grads: Any) -> Any:
-        total = lax.psum(weight, axes)
-        safe = jnp.where(total > 0, total, 1.0)
-        # Each device's values are means over its own weight: re-weight, then sum.
-        mean = lambda x: (lax.psum(x.astype(jnp.float32) * weight, axes) / safe).astype(
-            x.dtype
-        )
-        return mean(loss), jtu.tree_map(mean, aux), total, jtu.tree_map(mean, grads)
+def data_parallel(
+    grad_fn: steps.GradFn, mesh: Mesh, axes: Sequence[str] = BATCH_AXES
+) -> steps.GradFn:
+    """Run a gradient function data-parallel, with explicit collectives.
 
-    return reduce
+    Inside `jax.shard_map`, each device of `mesh` runs `grad_fn` on its rows of
+    the batch (split over `axes` on the leading dimension) with the replicated
+    parameters; `eqtrain.step.psum_grads` then averages loss, metrics and
+    gradients across devices, weighted by tokens. The result is replicated.
+
+    Raises:
+        ConfigError: an axis not in the mesh (at once), or a model state (when
+            traced: batch statistics would need their own reduction).
+    """
+    axes = tuple(axes)
+    unknown = [a for a in axes if a not in mesh.shape]
+    if unknown:
+        raise ConfigError(
+            f"data_parallel_step: axes {unknown} are not in the mesh (axes "
+            f"{list(mesh.shape)})."
+        )
+    local = steps.psum_grads(grad_fn, axes)
+
+    def parallel(params, static, batch, key, model_state) -> steps.Grads:
+        if model_state is not None:
+            raise ConfigError(
+                "data_parallel_step does not reduce a `model_state` (e.g. batch "
+                "statistics) across devices; use `train_step` (automatic "
+                "partitioning) for stateful models."
+            )
+        mapped = shard_map(
+            lambda p, b, k: local(p, static, b, k, None),
+            mesh=mesh,
+            in_specs=(P(), P(axes), P()),
+            out_specs=P(),
+            check_vma=False,
+        )
+        return mapped(params, batch, key)
+
+    return parallel
 
 
 def data_parallel_step(
@@ -46,16 +69,20 @@ def data_parallel_step(
     nonfinite: str = "skip",
     ema: float | None = None,
     schedule: optax.Schedule | None = None,
-) -> Callable[[TrainState, Any], tuple[TrainState, Any]]:
+) -> steps.TrainStep:
     """`train_step` for data parallelism with explicit collectives.
 
     The state is replicated on every device of `mesh`; the batch is split over
-    `axes` on its leading dimension. Inside `jax.shard_map`, each device runs the
-    loss and its gradients on its rows (with `accumulate` micro-batches), then the
-    loss, metrics and gradients are averaged across devices with `psum`, weighted
-    by each device's tokens (`batch_weight`), so the result equals the automatic
-    step's. Every device then applies the same optimizer update. Random keys are
+    `axes` on its leading dimension. Each device runs the loss and its gradients
+    on its rows (with `accumulate` micro-batches), then the loss, metrics and
+    gradients are averaged across devices with `psum`, weighted by each device's
+    tokens (`batch_weight`), so the result equals the automatic step's; the
+    optimizer update then runs once on the replicated state. Random keys are
     folded with the device's index along `axes`, so dropout differs per shard.
+    A recipe over `eqtrain.step`'s pieces:
+
+        grads = microbatched(value_and_grad(loss_fn, precision=...), accumulate)
+        step = finish_step(data_parallel(grads, mesh, axes), optimizer, ...)
 
     Compile it with the shardings of `replicated(mesh)` and `batch_sharding`:
 
@@ -66,65 +93,25 @@ def data_parallel_step(
 
     Args:
         loss_fn, optimizer, accumulate, precision, nonfinite, ema, schedule: as
-            for `eqtrain.train_step`.
+            for `eqtrain.train_step` (checked the same way, at once).
         mesh: the device mesh (`make_mesh`).
         axes: the mesh axes the batch is split over (default `("data", "fsdp")`).
 
     Raises:
-        ConfigError: an axis not in the mesh, or (at the first call) a state with
-            a `model_state` (batch statistics would need their own reduction).
+        ConfigError: a bad argument or an axis not in the mesh (at once), or (at
+            the first call) a state with a `model_state`.
     """
-    axes = tuple(axes)
-    unknown = [a for a in axes if a not in mesh.shape]
-    if unknown:
-        raise ConfigError(
-            f"data_parallel_step: axes {unknown} are not in the mesh (axes "
-            f"{list(mesh.shape)})."
-        )
-    inner = build_step(
-        loss_fn,
+    steps.check_nonfinite(nonfinite)
+    grads = steps.microbatched(
+        steps.value_and_grad(loss_fn, precision=precision), accumulate
+    )
+    return steps.finish_step(
+        data_parallel(grads, mesh, axes),
         optimizer,
-        accumulate=accumulate,
-        policy=as_precision(precision),
         nonfinite=nonfinite,
         ema=ema,
         schedule=schedule,
-        reduce=_reducer(axes),
-        fold_key=lambda key: jr.fold_in(key, _axis_index(axes)),
     )
-
-    def step(state: TrainState, batch: Any) -> tuple[TrainState, Any]:
-        if state.model_state is not None:
-            raise ConfigError(
-                "data_parallel_step does not reduce a `model_state` (e.g. batch "
-                "statistics) across devices; use `train_step` (automatic "
-                "partitioning) for stateful models."
-            )
-        arrays, static = eqx.partition(state, eqx.is_array)  # shard_map maps arrays
-
-        def local(arrays: Any, batch: Any) -> Any:
-            new, metrics = inner(eqx.combine(arrays, static), batch)
-            new_arrays, _ = eqx.partition(new, eqx.is_array)
-            return new_arrays, metrics
-
-        mapped = jax.shard_map(
-            local,
-            mesh=mesh,
-            in_specs=(P(), P(axes)),
-            out_specs=(P(), P()),
-            check_vma=False,
-        )
-        new_arrays, metrics = mapped(arrays, batch)
-        return eqx.combine(new_arrays, static), metrics
-
-    return step
-
-
-def _axis_index(axes: tuple[str, ...]) -> Any:
-    index = 0
-    for a in axes:  # row-major over the axes, as the batch is split
-        index = index * lax.axis_size(a) + lax.axis_index(a)
-    return index
 
 
 def replicated(mesh: Mesh) -> NamedSharding:

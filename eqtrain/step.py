@@ -1,0 +1,603 @@
+"""Training steps from small pieces, the way optax builds optimizers.
+
+A training step has two phases, and each piece works on one of them:
+
+- **the gradient phase**: a *gradient function* `grad_fn(params, static, batch,
+  key, model_state) -> Grads` runs the loss and differentiates it.
+  `value_and_grad(loss_fn)` makes one; `microbatched`, `psum_grads` (and
+  `eqtrain.sharding.data_parallel`) wrap one and return another;
+- **the update phase**: `gradient_step(grad_fn, optimizer)` makes a `TrainStep`
+  whose `apply` feeds the gradients to the optimizer; `skip_nonfinite`,
+  `halt_nonfinite` and `with_ema` wrap a `TrainStep` and return another.
+
+A `TrainStep` is called like any step, `step(state, batch) -> (state, metrics)`, and
+compiled with `eqtrain.jit`. `train_step(loss_fn, optimizer, ...)` is the usual
+recipe over these pieces:
+
+    >>> import optax, eqtrain
+    >>> from eqtrain import step as S
+    >>> def loss_fn(model, batch, key):
+    ...     return ((model(batch["x"]) - batch["y"]) ** 2).mean(), {}
+    >>> opt = optax.adamw(1e-3)
+    >>> grads = S.microbatched(S.value_and_grad(loss_fn), 4)
+    >>> step = S.skip_nonfinite(S.gradient_step(grads, opt))
+    >>> # the same as eqtrain.train_step(loss_fn, opt, accumulate=4)
+
+None of the builders jits; see `eqtrain.jit`.
+"""
+
+import dataclasses
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, NamedTuple
+
+import equinox as eqx
+import jax
+import jax.lax as lax
+import jax.numpy as jnp
+import jax.random as jr
+import jax.tree_util as jtu
+import optax
+from jaxtyping import Array, Float
+
+from ._errors import ConfigError
+from ._precision import Precision, as_precision
+from ._state import TrainState
+from ._types import Batch, Key, LossFn, Metrics
+
+
+NONFINITE = ("skip", "stop", "ignore")
+
+WEIGHT_KEYS = ("loss_mask", "weights")
+"""Batch entries whose sum is a micro-batch's weight (see `batch_weight`)."""
+
+
+class Grads(NamedTuple):
+    """What a gradient function returns for a (micro-)batch.
+
+    Attributes:
+        loss: the loss, a scalar (the weighted mean over the batch).
+        aux: the loss's other metrics (scalars), without `"weight"`.
+        weight: the batch's weight (`batch_weight`): tokens or examples.
+        grads: the gradients, shaped like the trainable parameters.
+        model_state: the updated model state (`None` for stateless models).
+        grad_norm: the global norm of `grads`; filled in by `TrainStep` after the
+            gradient phase (so wrappers of the update phase share one norm).
+    """
+
+    loss: Array
+    aux: dict[str, Array]
+    weight: Array
+    grads: Any
+    model_state: Any
+    grad_norm: Array | None = None
+
+
+GradFn = Callable[[Any, Any, Batch, Key, Any], Grads]
+"""`grad_fn(params, static, batch, key, model_state) -> Grads`, where
+`params, static = eqx.partition(model, trainable)`."""
+
+Apply = Callable[[TrainState, Grads, Key], tuple[TrainState, Metrics]]
+"""`apply(state, grads, next_key) -> (new_state, metrics)`: the update phase."""
+
+
+def batch_weight(batch: Batch, aux: Mapping[str, Array]) -> Float[Array, ""]:
+    """The weight of one (micro-)batch when averaging losses and metrics.
+
+    In order of preference: `aux["weight"]` if the loss reports one (the number of
+    tokens or examples its loss averaged over); else the sum of the batch's
+    `loss_mask` or `weights` entry when the batch is a mapping; else the batch's
+    leading size (every example counts once).
+
+    With these weights, a weighted mean of micro-batch means equals the mean over the
+    whole batch, which is what makes gradient accumulation exact.
+    """
+    if "weight" in aux:
+        return jnp.asarray(aux["weight"], jnp.float32)
+    if isinstance(batch, Mapping):
+        for name in WEIGHT_KEYS:
+            if name in batch:
+                return jnp.sum(jnp.asarray(batch[name], jnp.float32))
+    leaves = jtu.tree_leaves(batch)
+    if not leaves or jnp.ndim(leaves[0]) == 0:
+        return jnp.ones((), jnp.float32)
+    return jnp.asarray(jnp.shape(leaves[0])[0], jnp.float32)
+
+
+# -- the gradient phase -------------------------------------------------------------
+def value_and_grad(
+    loss_fn: LossFn, *, precision: Precision | str | None = None
+) -> GradFn:
+    """The gradient function of `loss_fn`.
+
+    Args:
+        loss_fn: `loss_fn(model, batch, key) -> (loss, aux)`; called as
+            `loss_fn(model, batch, key, model_state=s) -> (loss, aux, new_s)` when
+            the gradient function receives a model state. `aux` may hold
+            `"weight"` (see `batch_weight`).
+        precision: `None`, `"bf16"`, `"f16"` or a `Precision`: the model and the
+            floating batch leaves are cast *inside* the differentiated function,
+            so gradients keep the parameters' dtype.
+
+    Returns:
+        `grad_fn(params, static, batch, key, model_state) -> Grads`.
+    """
+    policy = as_precision(precision)
+
+    def grad_fn(params, static, batch, key, model_state) -> Grads:
+        def objective(p):
+            model = eqx.combine(p, static)
+            inputs = batch
+            if policy is not None:
+                model, inputs = policy.cast_model(model), policy.cast_inputs(batch)
+            if model_state is not None:
+                loss, aux, new_state = loss_fn(
+                    model, inputs, key, model_state=model_state
+                )
+            else:
+                loss, aux = loss_fn(model, inputs, key)
+                new_state = None
+            out_dtype = jnp.float32 if policy is None else policy.output_dtype
+            aux = {k: jnp.asarray(v).astype(out_dtype) for k, v in dict(aux).items()}
+            return jnp.asarray(loss).astype(out_dtype), (aux, new_state)
+
+        (loss, (aux, new_state)), grads = jax.value_and_grad(objective, has_aux=True)(
+            params
+        )
+        weight = batch_weight(batch, aux)
+        aux.pop("weight", None)
+        return Grads(loss, aux, weight, grads, new_state)
+
+    return grad_fn
+
+
+def _split_microbatches(batch: Batch, n: int) -> Batch:
+    """Reshape every leaf from `(B, ...)` to `(n, B // n, ...)`."""
+
+    def split(x: Any) -> Any:
+        x = jnp.asarray(x)
+        if x.ndim == 0 or x.shape[0] % n:
+            size = "a scalar" if x.ndim == 0 else f"leading size {x.shape[0]}"
+            raise ConfigError(
+                f"`accumulate={n}` must divide the batch size, but a batch leaf of "
+                f"shape {x.shape} has {size}. Use a batch size that is a multiple "
+                f"of {n}, or change `accumulate`."
+            )
+        return x.reshape(n, x.shape[0] // n, *x.shape[1:])
+
+    return jtu.tree_map(split, batch)
+
+
+def _check_count(n: Any, name: str) -> None:
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ConfigError(f"`{name}` must be an int >= 1; got {n!r}.")
+
+
+def microbatched(grad_fn: GradFn, n: int) -> GradFn:
+    """Run `grad_fn` over `n` micro-batches with `lax.scan`, weighted by tokens.
+
+    Every batch leaf is split from `(B, ...)` into `(n, B / n, ...)`; the loss,
+    metrics and gradients of the micro-batches are summed weighted by each one's
+    `weight` and divided by the total, so the result equals the full-batch one (up
+    to rounding) even when micro-batches hold different numbers of real tokens.
+    Activation memory falls by about `n`. Each micro-batch gets its own key (the
+    key split `n` ways). With `n == 1`, `grad_fn` itself is returned.
+
+    Raises:
+        ConfigError: `n` is not an int >= 1 (at once), or does not divide the
+            batch size (when traced).
+    """
+    _check_count(n, "accumulate")
+    if n == 1:
+        return grad_fn
+
+    def accumulated(params, static, batch, key, model_state) -> Grads:
+        micro = _split_microbatches(batch, n)
+        keys = jr.split(key, n)
+        first = jtu.tree_map(lambda x: x[0], micro)
+        shapes = eqx.filter_eval_shape(
+            grad_fn, params, static, first, keys[0], model_state
+        )
+        f32 = lambda s: jnp.zeros(s.shape, jnp.promote_types(s.dtype, jnp.float32))
+        zeros = jtu.tree_map(
+            f32, (shapes.loss, shapes.aux, shapes.weight, shapes.grads)
+        )
+
+        def body(carry, xs):
+            (loss_sum, aux_sum, w_sum, g_sum), mstate = carry
+            mb, k = xs
+            g = grad_fn(params, static, mb, k, mstate)
+            w = g.weight
+            add = lambda acc, v: acc + w * v.astype(acc.dtype)
+            loss_sum = add(loss_sum, g.loss)
+            aux_sum = jtu.tree_map(add, aux_sum, g.aux)
+            g_sum = jtu.tree_map(add, g_sum, g.grads)
+            return ((loss_sum, aux_sum, w_sum + w, g_sum), g.model_state), None
+
+        ((loss_sum, aux_sum, w_sum, g_sum), mstate), _ = lax.scan(
+            body, (zeros, model_state), (micro, keys)
+        )
+        # A batch whose weights are all zero contributes nothing (not NaN).
+        safe = jnp.where(w_sum > 0, w_sum, 1.0)
+        mean = lambda v: v / safe
+        grads = jtu.tree_map(lambda g, p: mean(g).astype(p.dtype), g_sum, shapes.grads)
+        aux = jtu.tree_map(mean, aux_sum)
+        return Grads(mean(loss_sum), aux, w_sum, grads, mstate)
+
+    return accumulated
+
+
+def psum_grads(grad_fn: GradFn, axes: str | Sequence[str]) -> GradFn:
+    """Combine `grad_fn`'s results across the devices of mapped `axes`.
+
+    For use inside `jax.shard_map` (see `eqtrain.sharding.data_parallel`, which
+    does the mapping): each device computes the loss and gradients of its own rows,
+    then loss, metrics and gradients are averaged over all devices with `psum`,
+    weighted by each device's `weight`, so the result equals the gradient function
+    on the whole batch. Each device's key is first folded with its index along
+    `axes` (so dropout differs per shard).
+    """
+    axes = (axes,) if isinstance(axes, str) else tuple(axes)
+
+    def reduced(params, static, batch, key, model_state) -> Grads:
+        index = 0
+        for a in axes:  # row-major over the axes, as the batch is split
+            index = index * lax.axis_size(a) + lax.axis_index(a)
+        g = grad_fn(params, static, batch, jr.fold_in(key, index), model_state)
+        total = lax.psum(g.weight, axes)
+        safe = jnp.where(total > 0, total, 1.0)
+        # Each device's values are means over its own weight: re-weight, then sum.
+        mean = lambda x: (
+            lax.psum(x.astype(jnp.float32) * g.weight, axes) / safe
+        ).astype(x.dtype)
+        return Grads(
+            mean(g.loss),
+            jtu.tree_map(mean, g.aux),
+            total,
+            jtu.tree_map(mean, g.grads),
+            g.model_state,
+        )
+
+    return reduced
+
+
+# -- the update phase ---------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class TrainStep:
+    """A training step in two phases: `step(state, batch) -> (state, metrics)`.
+
+    Calling it splits the state's key, runs `grad(state, batch, key)` (the
+    gradient phase), adds the gradients' global norm, then runs
+    `apply(state, grads, next_key)` (the update phase), which returns the new state
+    (with `step + 1` and `key = next_key`) and the metrics. Step wrappers
+    (`skip_nonfinite`, `with_ema`, your own) replace `apply`; build one with
+    `dataclasses.replace(step, apply=new_apply)`.
+
+    Attributes:
+        grad: `grad(state, batch, key) -> Grads`.
+        apply: `apply(state, grads, next_key) -> (state, metrics)`.
+    """
+
+    grad: Callable[[TrainState, Batch, Key], Grads]
+    apply: Apply
+
+    def __call__(self, state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:
+        key, step_key = jr.split(state.key)
+        g = self.grad(state, batch, step_key)
+        g = g._replace(grad_norm=optax.tree.norm(g.grads))
+        return self.apply(state, g, key)
+
+
+def learning_rate(opt_state: Any) -> Array | None:
+    """The learning rate an `optax.inject_hyperparams` optimizer (anywhere in
+    `opt_state`, e.g. inside a chain) used last, or `None`."""
+    kinds = (optax.InjectHyperparamsState, optax.InjectStatefulHyperparamsState)
+    nodes = jtu.tree_leaves(opt_state, is_leaf=lambda x: isinstance(x, kinds))
+    for node in nodes:
+        if isinstance(node, kinds):
+            for name in ("learning_rate", "lr"):
+                if name in node.hyperparams:
+                    return jnp.asarray(node.hyperparams[name], jnp.float32)
+    return None
+
+
+def gradient_step(
+    grad_fn: GradFn,
+    optimizer: optax.GradientTransformation,
+    *,
+    schedule: optax.Schedule | None = None,
+) -> TrainStep:
+    """The training step that feeds `grad_fn`'s gradients to `optimizer`.
+
+    The gradient phase partitions the model by the state's trainable mask and
+    calls `grad_fn(params, static, batch, key, model_state)`. The update phase
+    runs `optimizer.update`, applies the updates, stores the new model state and
+    advances `step` and `key`.
+
+    Args:
+        grad_fn: a gradient function (`value_and_grad(loss_fn)`, possibly wrapped).
+        optimizer: the optax transformation the state was created with.
+        schedule: only to *report* `metrics["learning_rate"]` when the optimizer
+            does not expose it (optimizers built with `optax.inject_hyperparams`
+            do).
+
+    Returns:
+        A `TrainStep`. Its metrics: `loss`, `grad_norm` (before any clipping in
+        the optimizer), `skipped` (the state's count of skipped steps),
+        `learning_rate` (when known), `weight`, and the loss's `aux` entries.
+    """
+
+    def grad(state: TrainState, batch: Batch, key: Key) -> Grads:
+        params, static = eqx.partition(state.model, state.trainable)
+        return grad_fn(params, static, batch, key, state.model_state)
+
+    def apply(state: TrainState, g: Grads, key: Key) -> tuple[TrainState, Metrics]:
+        params, static = eqx.partition(state.model, state.trainable)
+        updates, opt_state = optimizer.update(g.grads, state.opt_state, params)
+        new = dataclasses.replace(
+            state,
+            model=eqx.combine(optax.apply_updates(params, updates), static),
+            opt_state=opt_state,
+            step=state.step + 1,
+            key=key,
+            model_state=g.model_state,
+        )
+        metrics = {"loss": g.loss, "grad_norm": g.grad_norm, "skipped": new.skipped}
+        lr = learning_rate(opt_state)
+        if lr is None and schedule is not None:
+            lr = jnp.asarray(schedule(state.step), jnp.float32)
+        if lr is not None:
+            metrics["learning_rate"] = lr
+        metrics["weight"] = g.weight
+        return new, {**metrics, **g.aux}
+
+    return TrainStep(grad, apply)
+
+
+def filter_cond(
+    pred: Array, true_fn: Callable, false_fn: Callable, *operands: Any
+) -> Any:
+    """`lax.cond` over pytrees that also hold non-array leaves (functions, ints in
+    an Equinox module): only the arrays go through the branches; the rest is
+    closed over, and must come out the same from both branches."""
+    dynamic, static = eqx.partition(operands, eqx.is_array)
+    statics: list[Any] = []
+
+    def branch(fn: Callable) -> Callable:
+        def run(dyn: Any) -> Any:
+            out = fn(*eqx.combine(dyn, static))
+            out_dyn, out_static = eqx.partition(out, eqx.is_array)
+            statics.append(out_static)
+            return out_dyn
+
+        return run
+
+    out = lax.cond(pred, branch(true_fn), branch(false_fn), dynamic)
+    first = statics[0]
+    if any(not eqx.tree_equal(first, other) for other in statics[1:]):
+        raise ConfigError(
+            "the two branches of a non-finite guard returned differently shaped "
+            "states or metrics; a step wrapper's update phase must return the same "
+            "structure whether it applies the update or keeps the state."
+        )
+    return eqx.combine(out, first)
+
+
+def _finite(g: Grads) -> Array:
+    return jnp.isfinite(g.loss) & jnp.isfinite(g.grad_norm)
+
+
+def _kept_metrics(
+    step: TrainStep, state: TrainState, g: Grads, key: Key, skipped: Array
+) -> Metrics:
+    """The metrics `step` reports, for a step whose update is discarded: the
+    same entries, with the kept state's skip count and learning rate."""
+    _, metrics = step.apply(state, g, key)
+    metrics = {**metrics, "skipped": skipped}
+    lr = learning_rate(state.opt_state)
+    if "learning_rate" in metrics and lr is not None:
+        metrics["learning_rate"] = lr
+    return metrics
+
+
+def skip_nonfinite(step: TrainStep) -> TrainStep:
+    """Skip updates whose loss or gradient norm is NaN/inf.
+
+    On such a step the model, optimizer state, model state and EMA stay as they
+    were; `step` and `key` still advance, and the state's `skipped` counter (and
+    `metrics["skipped"]`) counts it. The choice is one `lax.cond` over the whole
+    update phase, so a finite step costs what the unguarded step costs.
+    """
+
+    def keep(state: TrainState, g: Grads, key: Key) -> tuple[TrainState, Metrics]:
+        kept = dataclasses.replace(
+            state, step=state.step + 1, key=key, skipped=state.skipped + 1
+        )
+        return kept, _kept_metrics(step, state, g, key, kept.skipped)
+
+    def apply(state: TrainState, g: Grads, key: Key) -> tuple[TrainState, Metrics]:
+        return filter_cond(_finite(g), step.apply, keep, state, g, key)
+
+    return dataclasses.replace(step, apply=apply)
+
+
+def halt_nonfinite(step: TrainStep) -> TrainStep:
+    """Freeze the whole state at the first non-finite loss or gradient norm.
+
+    From that step on, every call returns the state unchanged (`step` and `key`
+    included), so the step that was already dispatched when the host notices does
+    not move it either; `metrics["halted"]` is 1 from then on, and `fit` stops with
+    `StopReason(kind="nonfinite")`, returning the last finite state.
+    """
+
+    def keep(state: TrainState, g: Grads, key: Key) -> tuple[TrainState, Metrics]:
+        first = jnp.where(state.skipped > 0, 0, 1).astype(state.skipped.dtype)
+        kept = dataclasses.replace(state, skipped=state.skipped + first)
+        return kept, _kept_metrics(step, state, g, key, kept.skipped)
+
+    def apply(state: TrainState, g: Grads, key: Key) -> tuple[TrainState, Metrics]:
+        ok = _finite(g) & (state.skipped == 0)
+        new, metrics = filter_cond(ok, step.apply, keep, state, g, key)
+        return new, {**metrics, "halted": (new.skipped > 0).astype(jnp.int32)}
+
+    return dataclasses.replace(step, apply=apply)
+
+
+def _check_decay(decay: Any) -> None:
+    if isinstance(decay, bool) or not isinstance(decay, int | float):
+        raise ConfigError(f"`ema` is a decay in [0, 1), e.g. 0.999; got {decay!r}.")
+    if not 0.0 <= decay < 1.0:
+        raise ConfigError(f"`ema` is a decay in [0, 1), e.g. 0.999; got {decay!r}.")
+
+
+def with_ema(step: TrainStep, decay: float) -> TrainStep:
+    """Also keep an exponential moving average of the trainable weights:
+    `ema = decay * ema + (1 - decay) * params` after every update. Needs a state
+    created with `TrainState.create(..., ema=True)`; evaluate it with
+    `eval_step(..., use_ema=True)` or read `state.ema_model`."""
+    _check_decay(decay)
+
+    def apply(state: TrainState, g: Grads, key: Key) -> tuple[TrainState, Metrics]:
+        if state.ema is None:
+            raise ConfigError(
+                "`train_step(..., ema=...)` needs a state that keeps an EMA; create "
+                "it with `TrainState.create(..., ema=True)`."
+            )
+        new, metrics = step.apply(state, g, key)
+        params, _ = eqx.partition(new.model, new.trainable)
+        ema = optax.incremental_update(params, state.ema, 1.0 - decay)
+        return dataclasses.replace(new, ema=ema), metrics
+
+    return dataclasses.replace(step, apply=apply)
+
+
+def check_nonfinite(nonfinite: Any) -> None:
+    if nonfinite not in NONFINITE:
+        raise ConfigError(
+            f"`nonfinite` must be 'skip', 'stop' or 'ignore'; got {nonfinite!r}."
+        )
+
+
+def finish_step(
+    grad_fn: GradFn,
+    optimizer: optax.GradientTransformation,
+    *,
+    nonfinite: str = "skip",
+    ema: float | None = None,
+    schedule: optax.Schedule | None = None,
+) -> TrainStep:
+    """`gradient_step`, then `with_ema` (if `ema`), then the non-finite policy:
+    the update phase every recipe shares (`train_step`,
+    `eqtrain.sharding.data_parallel_step`)."""
+    check_nonfinite(nonfinite)
+    if ema is not None:
+        _check_decay(ema)
+    step = gradient_step(grad_fn, optimizer, schedule=schedule)
+    if ema is not None:
+        step = with_ema(step, ema)
+    if nonfinite == "skip":
+        step = skip_nonfinite(step)
+    elif nonfinite == "stop":
+        step = halt_nonfinite(step)
+    return step
+
+
+# -- the recipes --------------------------------------------------------------------
+def train_step(
+    loss_fn: LossFn,
+    optimizer: optax.GradientTransformation,
+    *,
+    accumulate: int = 1,
+    precision: Precision | str | None = None,
+    nonfinite: str = "skip",
+    ema: float | None = None,
+    schedule: optax.Schedule | None = None,
+) -> TrainStep:
+    """Build the training step `step(state, batch) -> (state, metrics)`.
+
+    A recipe over this module's pieces:
+
+        grads = microbatched(value_and_grad(loss_fn, precision=precision), accumulate)
+        step = gradient_step(grads, optimizer, schedule=schedule)
+        step = with_ema(step, ema)         # if ema
+        step = skip_nonfinite(step)        # nonfinite="skip"; halt_nonfinite: "stop"
+
+    Args:
+        loss_fn: `loss_fn(model, batch, key) -> (loss, aux)`, `aux` a dict of scalar
+            metrics. If the state has a `model_state`, the step calls
+            `loss_fn(model, batch, key, model_state=s) -> (loss, aux, new_s)`.
+            `aux` may hold `"weight"`: the number of tokens/examples the loss
+            averaged over (see `batch_weight`).
+        optimizer: the optax transformation the state was created with.
+        accumulate: number of micro-batches each batch is split into (a `lax.scan`
+            over them); the result equals the full-batch step up to rounding,
+            weighted by tokens when the batch carries a `loss_mask`/`weights`.
+        precision: `None` (compute in the parameters' dtype), `"bf16"`, or a
+            `Precision`. Casts happen inside the differentiated function, so
+            gradients and optimizer state keep the parameters' dtype.
+        nonfinite: what to do when the loss or the gradient norm is NaN/inf:
+            `"skip"` leaves the model and optimizer unchanged for that step (the
+            step counter still advances) and counts it in `metrics["skipped"]`;
+            `"stop"` leaves the *whole* state unchanged from then on, so that
+            `fit` stops with `StopReason.kind == "nonfinite"` and returns the last
+            good state; `"ignore"` applies the update anyway.
+        ema: decay of an exponential moving average of the trainable weights
+            (e.g. `0.999`); needs `TrainState.create(..., ema=True)`.
+        schedule: the learning-rate schedule, used only to report
+            `metrics["learning_rate"]` when the optimizer does not expose it
+            itself (optimizers built with `optax.inject_hyperparams` do).
+
+    Returns:
+        A `TrainStep`. `metrics` holds `loss`, `grad_norm` (before any clipping
+        inside the optimizer), `learning_rate` (when known), `skipped` (cumulative
+        count of non-finite steps), `weight` (tokens or examples in the batch),
+        with `nonfinite="stop"` also `halted` (1 once the state is frozen), and
+        every entry of `aux`, all as device scalars.
+    """
+    _check_count(accumulate, "accumulate")
+    grads = microbatched(value_and_grad(loss_fn, precision=precision), accumulate)
+    return finish_step(
+        grads, optimizer, nonfinite=nonfinite, ema=ema, schedule=schedule
+    )
+
+
+def eval_step(
+    loss_fn: LossFn,
+    *,
+    precision: Precision | str | None = None,
+    use_ema: bool = False,
+) -> Callable[[TrainState, Batch], Metrics]:
+    """Build the pure evaluation step `evaluate(state, batch) -> metrics`.
+
+    The model is put in inference mode (`eqx.nn.inference_mode`: dropout off,
+    batch norm uses its running statistics) and evaluated with the state's key,
+    which is not advanced. A model state, if any, is read but not updated.
+
+    Args:
+        loss_fn: the same loss function as for training.
+        precision: as in `train_step`.
+        use_ema: evaluate the EMA weights instead of the live ones.
+
+    Returns:
+        `evaluate(state, batch) -> metrics` with `loss`, `weight` and the `aux`
+        entries. `fit` averages these over the eval data, weighted by `weight`.
+    """
+    policy = as_precision(precision)
+
+    def evaluate(state: TrainState, batch: Batch) -> Metrics:
+        model = state.ema_model if use_ema else state.model
+        model = eqx.nn.inference_mode(model)
+        inputs = batch
+        if policy is not None:
+            model, inputs = policy.cast_model(model), policy.cast_inputs(batch)
+        if state.model_state is not None:
+            loss, aux, _ = loss_fn(
+                model, inputs, state.key, model_state=state.model_state
+            )
+        else:
+            loss, aux = loss_fn(model, inputs, state.key)
+        aux = {k: jnp.asarray(v, jnp.float32) for k, v in dict(aux).items()}
+        weight = batch_weight(batch, aux)
+        aux.pop("weight", None)
+        return {"loss": jnp.asarray(loss, jnp.float32), **aux, "weight": weight}
+
+    return evaluate
