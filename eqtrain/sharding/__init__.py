@@ -38,6 +38,7 @@ from ._rules import (
     rules_for as rules_for,
 )
 from ._shard_map import (
+    data_parallel as data_parallel,
     data_parallel_step as data_parallel_step,
     replicated as replicated,
 )
