@@ -29,7 +29,7 @@ class Job:
         config: the resolved config (architecture fields filled in from
             `model.init_from` when it is set).
         tokenizer: a `ByteTokenizer` or `HFTokenizer`.
-        model_config: the model's `LlamaConfig` or `GPT2Config`.
+        model_config: the model's config (`LlamaConfig`, `GPT2Config`).
         model_type: the Hugging Face `model_type` an export writes.
         optimizer: the optax transformation from the `optim` section.
         loss_fn: the loss the steps differentiate.
@@ -46,14 +46,18 @@ class Job:
     def run_dir(self) -> Path:
         return Path(self.config.run_dir)
 
+    @property
+    def family(self) -> models.Family:
+        """The model family's registry entry (`eqtrain.models.family`)."""
+        return models.family(self.model_type)
+
     def new_model(self) -> Any:
         """The initial model: `model.init_from`'s weights, or a random init."""
         m = self.config.model
         if m.init_from is not None:
             model, _ = hf.load(m.init_from, dtype=m.param_dtype)
             return model.with_options(remat=m.remat, scan_layers=m.scan_layers)
-        cls = models.GPT2 if self.model_type == "gpt2" else models.Llama
-        return cls(self.model_config, jr.key(self.config.seed))
+        return self.family.model(self.model_config, jr.key(self.config.seed))
 
     def new_state(self) -> TrainState:
         """The initial `TrainState` (allocates the model and optimizer state)."""
@@ -66,11 +70,10 @@ class Job:
 
     def abstract_state(self) -> TrainState:
         """The state's structure, shapes and dtypes, without reading weights."""
-        cls = models.GPT2 if self.model_type == "gpt2" else models.Llama
 
         def init() -> TrainState:
             return TrainState.create(
-                cls(self.model_config, jr.key(0)),
+                self.family.model(self.model_config, jr.key(0)),
                 self.optimizer,
                 key=0,
                 ema=self.config.loop.ema is not None,
@@ -79,8 +82,8 @@ class Job:
         return eqx.filter_eval_shape(init)
 
     def flops_per_token(self) -> float:
-        module = models.gpt2 if self.model_type == "gpt2" else models.llama
-        return module.flops_per_token(self.model_config, self.config.data.seq_len)
+        seq_len = self.config.data.seq_len
+        return self.family.flops_per_token(self.model_config, seq_len)
 
 
 def build(config: Config) -> Job:
@@ -88,13 +91,8 @@ def build(config: Config) -> Job:
     config.json, checks that they agree, and builds the optimizer."""
     tokenizer = make_tokenizer(config)
     config, model_config, model_type = _model_config(config, tokenizer)
-    opt_fields = dataclasses.asdict(config.optim)
+    opt_fields = dataclasses.asdict(config.optim.resolved(config.loop.steps))
     opt_fields.pop("accumulate")
-    if opt_fields["warmup_steps"] is None:
-        opt_fields["warmup_steps"] = config.loop.steps // 20
-    if opt_fields["final_lr"] is None:
-        constant = opt_fields["schedule"] == "constant"
-        opt_fields["final_lr"] = 0.0 if constant else opt_fields["lr"] / 10
     optimizer = optim.build(**opt_fields, total_steps=config.loop.steps)
     return Job(config, tokenizer, model_config, model_type, optimizer)
 
@@ -134,48 +132,16 @@ def _model_config(config: Config, tokenizer: Any) -> tuple[Config, Any, str]:
     vocab = m.vocab_size if m.vocab_size is not None else tokenizer.vocab_size
     _check_vocab(config, tokenizer, vocab, "model.vocab_size")
     seq = m.max_seq_len or config.data.seq_len
-    # Qwen2 means q/k/v biases unless the config says otherwise.
-    qwen2_bias = m.arch == "qwen2" and "model.attention_bias" not in explicit(config)
+    given = {k.split(".", 1)[1] for k in explicit(config) if k.startswith("model.")}
+    family = models.family(m.arch)
     try:
-        if m.arch == "gpt2":
-            model_config: Any = models.GPT2Config(
-                vocab_size=vocab,
-                n_positions=seq,
-                n_embd=m.hidden_size,
-                n_layer=m.num_layers,
-                n_head=m.num_heads,
-                n_inner=m.intermediate_size,
-                layer_norm_epsilon=1e-5 if m.norm_eps is None else m.norm_eps,
-                initializer_range=m.init_std,
-                param_dtype=m.param_dtype,
-                remat=m.remat,
-                scan_layers=m.scan_layers,
-            )
-        else:
-            model_config = models.LlamaConfig(
-                vocab_size=vocab,
-                hidden_size=m.hidden_size,
-                intermediate_size=m.intermediate_size or 4 * m.hidden_size,
-                num_hidden_layers=m.num_layers,
-                num_attention_heads=m.num_heads,
-                num_key_value_heads=m.num_kv_heads,
-                head_dim=m.head_dim,
-                rms_norm_eps=1e-6 if m.norm_eps is None else m.norm_eps,
-                rope_theta=m.rope_theta,
-                attention_bias=m.attention_bias or qwen2_bias,
-                o_proj_bias=False if m.arch == "qwen2" else None,
-                mlp_bias=m.mlp_bias,
-                tie_word_embeddings=m.tie_embeddings,
-                sliding_window=m.sliding_window,
-                max_position_embeddings=seq,
-                initializer_range=m.init_std,
-                param_dtype=m.param_dtype,
-                remat=m.remat,
-                scan_layers=m.scan_layers,
-            )
-        # `llama` with a sliding window is exported as Mistral, which has one.
+        model_config = family.from_section(
+            m, vocab_size=vocab, max_seq_len=seq, given=given
+        )
+        # A family's own name lets the config pick the architecture: `llama` with
+        # a sliding window is exported as Mistral, which has one.
         model_type = hf.infer_model_type(
-            model_config, None if m.arch == "llama" else m.arch
+            model_config, None if m.arch == family.name else m.arch
         )
     except ConfigError as e:
         raise ConfigError(f"the [model] section is inconsistent: {e}") from None
@@ -194,45 +160,14 @@ def _fit_seq_len(config: Config) -> Config:
             f"model ({limit}); use data.seq_len <= {limit}."
         )
     data = dataclasses.replace(config.data, seq_len=limit)
-    resized = dataclasses.replace(config, data=data)
-    object.__setattr__(resized, "_explicit", explicit(config))
-    return resized
+    return dataclasses.replace(config, data=data)
 
 
 def model_section(model_config: Any, model_type: str, *, base: Any) -> Any:
     """The `[model]` section describing `model_config` (an HF model's), keeping
     `base`'s runtime options and `init_from`."""
-    c = model_config
-    if model_type == "gpt2":
-        fields: dict[str, Any] = dict(
-            vocab_size=c.vocab_size,
-            hidden_size=c.n_embd,
-            intermediate_size=c.n_inner,
-            num_layers=c.n_layer,
-            num_heads=c.n_head,
-            max_seq_len=c.n_positions,
-            norm_eps=c.layer_norm_epsilon,
-        )
-    else:
-        fields = dict(
-            vocab_size=c.vocab_size,
-            hidden_size=c.hidden_size,
-            intermediate_size=c.intermediate_size,
-            num_layers=c.num_hidden_layers,
-            num_heads=c.num_attention_heads,
-            num_kv_heads=c.kv_heads,
-            head_dim=c.head_dim,
-            max_seq_len=c.max_position_embeddings,
-            rope_theta=float(c.rope_theta),
-            norm_eps=float(c.rms_norm_eps),
-            tie_embeddings=c.tie_word_embeddings,
-            attention_bias=c.attention_bias,
-            mlp_bias=c.mlp_bias,
-            sliding_window=c.sliding_window,
-        )
-    return dataclasses.replace(
-        base, arch=model_type, init_std=float(c.initializer_range), **fields
-    )
+    fields = models.family(model_type).to_section(model_config)
+    return dataclasses.replace(base, arch=model_type, **fields)
 
 
 def _check_vocab(config: Config, tokenizer: Any, vocab: int, source: str) -> None:
