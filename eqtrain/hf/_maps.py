@@ -190,8 +190,8 @@ def eqtrain_config(hf: dict[str, Any], path: str, param_dtype: str) -> tuple[str
     if model_type not in ARCHS:
         raise HFFormatError(
             f"{path}: unknown model_type {model_type!r}; eqtrain.hf loads "
-            f"{sorted(ARCHS)}. Another architecture needs a key map in "
-            "eqtrain/hf/_maps.py."
+            f"{sorted(ARCHS)}. Another architecture needs a model family "
+            "(eqtrain/models/_registry.py) and its config.json map here."
         )
     from_hf = {"gpt2": _gpt2_from_hf, "llama": _llama_from_hf}[family(model_type).name]
     try:
