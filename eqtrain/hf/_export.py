@@ -209,7 +209,8 @@ def _check_target(out_dir: str, overwrite: bool) -> None:
         )
     if not overwrite and os.listdir(out_dir):
         raise HFExportExistsError(
-            f"{out_dir} holds an earlier export; pass overwrite=True (--overwrite) "
+            f"{out_dir} already exists and holds an earlier export; pass "
+            "overwrite=True (--overwrite) "
             "to replace it, or export to a new directory."
         )
 
