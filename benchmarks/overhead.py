@@ -1,33 +1,37 @@
-"""Overhead of `eqtrain.fit` against a hand-written `jax.jit` training loop.
+"""What `eqtrain.fit` with the default step costs against a hand-written `jax.jit` loop.
 
-Both loops train the same small Llama-like decoder (defined below) with
-`optax.adamw` on the same pre-generated random-token batches, with the same step
-body (`eqtrain.train_step`), compiled once and warmed up before timing:
+One small Llama-like decoder (defined below) trains with `optax.adamw` on the same
+pre-generated random-token batches, compiled once and warmed up before timing, in
+five ways per round (their order rotates from round to round):
 
-- raw: the state is partitioned once into array leaves, `jax.jit` runs the step
-  over the flat array list with donation, and the loop never syncs with the host
-  until `jax.block_until_ready` at the end;
-- eqtrain: `eqtrain.fit(state, eqtrain.jit(step), batches, ...)` with the
-  `ProgressBar` (into a `StringIO`) and `JsonlWriter` (into a temporary file)
-  hooks on, i.e. the loop reads every step's metrics (in batches, a few steps
-  late) and runs the hooks for every step.
+- raw: the overhead limit. A hand-written step (`jax.value_and_grad` of the loss,
+  `optimizer.update`, `optax.apply_updates`, nothing else) under `jax.jit` over the
+  state's flat array leaves with donation; the loop never syncs with the host until
+  `jax.block_until_ready` at the end;
+- default: what a user gets by default: `eqtrain.fit(state,
+  eqtrain.jit(eqtrain.train_step(loss_fn, opt)), batches, hooks=[ProgressBar,
+  JsonlWriter])`, i.e. the default step (non-finite guard, gradient norm, metrics)
+  and a loop that reads every step's metrics and runs both hooks for every step;
+- plain_hook: the same plus a plain function as a hook on every step
+  (`lambda info: losses.append(info.metrics["loss"])`);
+- guard_skip / guard_ignore: the raw loop over `train_step`'s step with
+  `nonfinite="skip"` (the default) and `"ignore"`, to isolate the guard's cost.
 
-The rounds alternate the two (ABBA order) in one process. It prints one JSON line
-per configuration:
+It prints one JSON line per model configuration:
 
-    {"config", "params", "leaves", "steps", "raw_tokens_per_s",
-     "eqtrain_tokens_per_s", "ratio", "ratio_of_medians"}
+    {"config", "params", "leaves", "steps", "rounds", "raw_tokens_per_s",
+     "default", "plain_hook", "guard", "default_range", "plain_hook_range",
+     "guard_range"}
 
-with the median tokens/s of each loop. `ratio` is the median over rounds of the
-per-round eqtrain / raw throughput (the two runs of a round are adjacent in time, so
-slow drifts of the shared machine cancel); `ratio_of_medians` divides the two
-medians. 1.0 means `fit` costs nothing over the raw
-loop; 0.95 means `fit` trains 5% fewer tokens per second. `base` shows the cost on a
-step that is mostly compute; `many_small_leaves` (hundreds of state leaves, short
-steps) is where per-step host work (flattening, dispatch, metrics, hooks) would show.
-On the shared 2-core CPU machines, run-to-run noise is about +-3%, so read a ratio
-within 0.97-1.03 as "no measurable overhead"; the per-round rates go to stderr
-(stdout holds only the JSON lines).
+`default` is the median over rounds of the per-round default / raw throughput (the
+runs of a round are adjacent in time, so slow drifts of the shared machine
+cancel), `plain_hook` the same for the plain-function hook, and `guard` the median
+of guard_skip / guard_ignore. `*_range` are the lowest and highest per-round
+ratios. 1.0 means no cost; 0.95 means 5% fewer tokens per second. `base` is a step
+that is mostly compute; `many_small_leaves` (hundreds of state leaves, short steps)
+is where per-step host work and per-leaf device work would show. On the shared
+2-core CPU machines, read a ratio within 0.97-1.03 as "no measurable cost"; the
+per-round rates go to stderr (stdout holds only the JSON lines).
 
 Usage (CPU):
 
@@ -181,9 +185,27 @@ def loss_fn(
     return losses.mean(), {}
 
 
-# -- the two loops ------------------------------------------------------------------
+# -- the loops ----------------------------------------------------------------------
 def array_leaves(tree: Any) -> list[jax.Array]:
     return [x for x in jtu.tree_leaves(tree) if eqx.is_array(x)]
+
+
+def hand_written_step(optimizer: optax.GradientTransformation) -> Callable:
+    """The step a user would write by hand: loss, gradients, update. Nothing else."""
+
+    def step(state: eqtrain.TrainState, batch: Any) -> tuple[Any, dict]:
+        params, static = eqx.partition(state.model, state.trainable)
+        key, step_key = jr.split(state.key)
+        objective = lambda p: loss_fn(eqx.combine(p, static), batch, step_key)[0]
+        loss, grads = jax.value_and_grad(objective)(params)
+        updates, opt_state = optimizer.update(grads, state.opt_state, params)
+        model = eqx.combine(optax.apply_updates(params, updates), static)
+        new = dataclasses.replace(
+            state, model=model, opt_state=opt_state, step=state.step + 1, key=key
+        )
+        return new, {"loss": loss}
+
+    return step
 
 
 def raw_jit(step: Callable, state: eqtrain.TrainState) -> Callable:
@@ -219,20 +241,30 @@ def run_raw(
 
 
 def run_fit(
-    compiled: eqtrain.Jitted, state: eqtrain.TrainState, batches: list, log: Path
+    compiled: eqtrain.Jitted,
+    state: eqtrain.TrainState,
+    batches: list,
+    log: Path,
+    *,
+    plain_hook: bool = False,
 ) -> tuple[float, float]:
-    """Seconds for `eqtrain.fit` over `batches` with a progress bar and JSONL log,
-    and the last loss."""
-    hooks = [
+    """Seconds for `eqtrain.fit` over `batches` with a progress bar and JSONL log
+    (and a plain-function hook), and the last loss."""
+    losses: list[float] = []
+    hooks: list[Any] = [
         eqtrain.hooks.ProgressBar(stream=io.StringIO()),
         eqtrain.hooks.JsonlWriter(log),
     ]
+    if plain_hook:
+        hooks.append(lambda info: losses.append(info.metrics["loss"]))
     start = time.perf_counter()
     result = eqtrain.fit(state, compiled, batches, num_steps=len(batches), hooks=hooks)
     jax.block_until_ready(jtu.tree_leaves(result.state))  # fit has already waited
     elapsed = time.perf_counter() - start
     if result.stop_reason.kind != "max_steps" or len(result.history) != len(batches):
         raise RuntimeError(f"fit stopped early: {result.stop_reason}")
+    if plain_hook and len(losses) != len(batches):
+        raise RuntimeError(f"the plain hook ran {len(losses)} times")
     return elapsed, result.metrics["loss"]
 
 
@@ -256,30 +288,44 @@ def make_state(
 def time_rounds(
     runners: dict[str, Callable], new_state: Callable, batches: list, *, rounds: int
 ) -> dict[str, list[tuple[float, float]]]:
-    """`(seconds, last loss)` of each runner per round, alternating which goes first
-    (ABBA...) so that drifts in machine speed hit both alike."""
+    """`(seconds, last loss)` of each runner per round; the order rotates each round
+    (and reverses every other round) so that drifts in machine speed hit all alike."""
     results: dict[str, list[tuple[float, float]]] = {name: [] for name in runners}
+    names = list(runners)
     for r in range(rounds):
-        order = list(runners) if r % 2 == 0 else list(reversed(runners))
-        for name in order:
+        shift = r % len(names)
+        order = names[shift:] + names[:shift]
+        for name in order if r % 2 == 0 else reversed(order):
             results[name].append(runners[name](new_state(), batches))
     return results
 
 
+def paired(rates: dict[str, list[float]], num: str, den: str) -> list[float]:
+    return [a / b for a, b in zip(rates[num], rates[den], strict=True)]
+
+
 def benchmark(cfg: Config, steps: int, rounds: int, warmup: int) -> dict[str, Any]:
-    """Warm up and time both loops on `cfg`; returns the JSON record."""
+    """Warm up and time the loops on `cfg`; returns the JSON record."""
     optimizer = optax.adamw(1e-3, weight_decay=0.1)
-    step = eqtrain.train_step(loss_fn, optimizer)
+    default_step = eqtrain.train_step(loss_fn, optimizer)  # what users get
     new_state = lambda: make_state(cfg, optimizer)
     batches = make_batches(cfg, steps)
     state = new_state()
-    raw, compiled = raw_jit(step, state), eqtrain.jit(step)
+    raw = raw_jit(hand_written_step(optimizer), state)
+    skip = raw_jit(default_step, state)
+    ignore = raw_jit(eqtrain.train_step(loss_fn, optimizer, nonfinite="ignore"), state)
+    compiled = eqtrain.jit(default_step)
 
     with tempfile.TemporaryDirectory() as tmp:
         logs = (Path(tmp) / f"run{i}.jsonl" for i in itertools.count())
         runners = {
             "raw": lambda s, b: run_raw(raw, s, b),
-            "eqtrain": lambda s, b: run_fit(compiled, s, b, next(logs)),
+            "default": lambda s, b: run_fit(compiled, s, b, next(logs)),
+            "plain_hook": lambda s, b: run_fit(
+                compiled, s, b, next(logs), plain_hook=True
+            ),
+            "guard_skip": lambda s, b: run_raw(skip, s, b),
+            "guard_ignore": lambda s, b: run_raw(ignore, s, b),
         }
         for run in runners.values():  # compile and warm up, untimed
             run(new_state(), batches[:warmup])
@@ -288,21 +334,24 @@ def benchmark(cfg: Config, steps: int, rounds: int, warmup: int) -> dict[str, An
     tokens = steps * cfg.batch * cfg.seq
     rates = {k: [tokens / seconds for seconds, _ in v] for k, v in results.items()}
     _check(cfg.name, compiled, results, rates)
-    raw_rate = statistics.median(rates["raw"])
-    eqtrain_rate = statistics.median(rates["eqtrain"])
-    # Each round runs both loops back to back, so the per-round ratio cancels the
-    # machine's slow drifts; its median is the headline number.
-    paired = [e / r for e, r in zip(rates["eqtrain"], rates["raw"], strict=True)]
-    return {
+    ratios = {
+        "default": paired(rates, "default", "raw"),
+        "plain_hook": paired(rates, "plain_hook", "raw"),
+        "guard": paired(rates, "guard_skip", "guard_ignore"),
+    }
+    record: dict[str, Any] = {
         "config": cfg.name,
         "params": int(sum(x.size for x in array_leaves(state.params))),
         "leaves": len(array_leaves(state)),
         "steps": steps,
-        "raw_tokens_per_s": round(raw_rate, 1),
-        "eqtrain_tokens_per_s": round(eqtrain_rate, 1),
-        "ratio": round(statistics.median(paired), 4),
-        "ratio_of_medians": round(eqtrain_rate / raw_rate, 4),
+        "rounds": rounds,
+        "raw_tokens_per_s": round(statistics.median(rates["raw"]), 1),
     }
+    for name, values in ratios.items():
+        record[name] = round(statistics.median(values), 4)
+    for name, values in ratios.items():
+        record[f"{name}_range"] = [round(min(values), 3), round(max(values), 3)]
+    return record
 
 
 def _check(name: str, compiled: eqtrain.Jitted, results: dict, rates: dict) -> None:

@@ -23,16 +23,19 @@ from ._hooks import (
     at_end as at_end,
     every as every,
     every_seconds as every_seconds,
+    metrics_only as metrics_only,
 )
 from ._jit import Jitted as Jitted, jit as jit
 from ._loop import (
     Checkpointer as Checkpointer,
+    Evaluation as Evaluation,
     FitResult as FitResult,
     evaluate as evaluate,
     fit as fit,
 )
 from ._precision import Precision as Precision
 from ._state import TrainState as TrainState, trainable_mask as trainable_mask
+from ._stops import StopConditions as StopConditions
 from .step import (
     TrainStep as TrainStep,
     batch_weight as batch_weight,

@@ -22,6 +22,9 @@ class StopKind(enum.StrEnum):
     NONFINITE = "nonfinite"
     HOOK = "hook"
     DATA_EXHAUSTED = "data_exhausted"
+    ERROR = "error"
+    """An exception ended the run. Only in the checkpoint `fit` saves on the way
+    out; `fit` then re-raises the exception, so no `FitResult` carries it."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,7 +33,8 @@ class StopReason:
 
     Attributes:
         kind: one of `StopKind` (`"max_steps"`, `"time_limit"`, `"kill_switch"`,
-            `"signal"`, `"nonfinite"`, `"hook"`, `"data_exhausted"`).
+            `"signal"`, `"nonfinite"`, `"hook"`, `"data_exhausted"`; `"error"`
+            only in a checkpoint saved while an exception ended the run).
         step: the completed step at which the decision was taken.
         message: a human-readable detail (which signal, which file, the hook's
             message).
@@ -93,10 +97,11 @@ class StepInfo:
     def state(self) -> Any:
         """The `TrainState` after this step (device arrays; reading them waits).
 
-        Available to hooks that use the state (the default). A hook that declared
-        `uses_state = False` runs late (metrics are read in batches), after later
-        steps were dispatched and this state's buffers donated to them, so it
-        cannot see it.
+        Available to hooks that use the state (the default for plain
+        callables). A hook that declared `uses_state = False` (see
+        `metrics_only`) runs late (metrics are read in batches), after later steps
+        were dispatched and this state's buffers donated to them, so it cannot see
+        it.
         """
         if self._state is None:
             raise StateUnavailableError(
@@ -118,6 +123,27 @@ Hook = Callable[[StepInfo], Any]
 def uses_state(hook: Any) -> bool:
     """Whether `hook` needs `info.state`: its `uses_state` attribute, default True."""
     return bool(getattr(hook, "uses_state", True))
+
+
+def metrics_only(hook: Hook) -> Hook:
+    """Declare that `hook` reads only `info.metrics` (and the other numbers of
+    `StepInfo`), never `info.state`: it then runs a little late, with metrics
+    read in batches, and never makes the loop wait for the device.
+
+        @eqtrain.metrics_only
+        def log(info):
+            print(info.step, info.metrics["loss"])
+
+    A plain function without it gets the exact state of its step, and the loop
+    waits for that step to finish before dispatching the next one (see
+    docs/performance.md for what that costs). A `StopTraining` raised by a
+    metrics-only hook stops the run at the next step boundary after the hook ran,
+    which can be a few steps after the step it looked at.
+
+    Sets `hook.uses_state = False` and returns `hook` (for a callable object,
+    define the class attribute `uses_state = False` instead)."""
+    hook.uses_state = False  # type: ignore[attr-defined]
+    return hook
 
 
 @dataclasses.dataclass
@@ -174,9 +200,11 @@ def every(n: int, hook: Hook, *, uses_state: bool | None = None) -> Scheduled:
     Args:
         n: period in steps, >= 1.
         hook: the callable.
-        uses_state: override the hook's own `uses_state` attribute. Hooks that only
-            read metrics (logging) should be `False`, so they never make the loop
-            wait for the device.
+        uses_state: override the hook's own `uses_state` attribute (default
+            True: the hook gets the exact `info.state`, and the loop waits for
+            the device at its steps). Hooks that only read metrics (logging)
+            should be `False` (see `metrics_only`), so they never make the loop
+            wait.
     """
     if not isinstance(n, int) or n < 1:
         raise ConfigError(f"`every(n, ...)` needs an int n >= 1; got {n!r}.")

@@ -1,14 +1,12 @@
 """`fit`: the one impure loop. It feeds batches to a compiled step, keeps the host one
-step ahead of the device, calls hooks, evaluates, and turns every way a run can end
-into a `StopReason`.
+step ahead of the device, reads metrics in batches, runs hooks, evaluations and
+checkpoints, and ends on a `StopReason` (see `_stops.py` for every way a run ends).
 """
 
 import dataclasses
 import math
 import os
-import signal
 import sys
-import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
@@ -16,17 +14,10 @@ import jax
 import numpy as np
 
 from ._errors import ConfigError, StopTraining
-from ._hooks import (
-    Hook,
-    Scheduled,
-    StepInfo,
-    StopKind,
-    StopReason,
-    as_scheduled,
-    now,
-)
+from ._hooks import Hook, Scheduled, StepInfo, StopKind, StopReason, as_scheduled, now
 from ._jit import Jitted, check_live, jit
 from ._state import TrainState
+from ._stops import StopConditions, Stopper
 from ._types import Batch
 
 
@@ -95,37 +86,42 @@ def _to_host(metrics: list[Mapping[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
-class _Signals:
-    """Turn the first SIGINT/SIGTERM into a stop request; a second one aborts."""
+@dataclasses.dataclass(frozen=True)
+class Evaluation:
+    """What `fit` evaluates on, and when.
 
-    def __init__(self, enabled: bool):
-        self.enabled = enabled and threading.current_thread() is threading.main_thread()
-        self.received: int | None = None
-        self._previous: dict[int, Any] = {}
+    Attributes:
+        step: `eval_step(loss_fn)`, plain or compiled with `eqtrain.jit(...,
+            donate=False)` (a plain one is compiled by `fit`).
+        data: a re-iterable of eval batches (a list, or a loader), read in full at
+            every evaluation.
+        every: evaluate after every `every` steps (None: only at the end);
+            metrics are averaged over `data` weighted by `weight` and reported as
+            `eval/<name>`.
+        at_end: also evaluate when the run ends by reaching `num_steps` or running
+            out of data (if it did not just evaluate).
+    """
 
-    def __enter__(self) -> "_Signals":
-        if self.enabled:
-            for sig in (signal.SIGINT, signal.SIGTERM):
-                self._previous[sig] = signal.getsignal(sig)
-                signal.signal(sig, self._handle)
-        return self
+    step: Callable[..., Any] | Jitted
+    data: Iterable[Batch]
+    every: int | None = None
+    at_end: bool = True
 
-    def _handle(self, signum: int, frame: Any) -> None:
-        if self.received is not None:
-            if signum == signal.SIGINT:
-                raise KeyboardInterrupt
-            raise SystemExit(128 + signum)
-        self.received = signum
-        print(
-            f"\n[eqtrain] {signal.Signals(signum).name} received: stopping after the "
-            "current step (send it again to abort without saving).",
-            file=sys.stderr,
-            flush=True,
-        )
+    def __post_init__(self) -> None:
+        _check_every(self.every)
+        if iter(self.data) is self.data:
+            raise ConfigError(
+                "`eval_data` must be re-iterable (it is read at every evaluation), "
+                "but an iterator was given. Pass a list or a loader object instead."
+            )
 
-    def __exit__(self, *exc: Any) -> None:
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
+    def due(self, step: int) -> bool:
+        return self.every is not None and step % self.every == 0
+
+
+def _check_every(every: Any) -> None:
+    if every is not None and (not isinstance(every, int) or every < 1):
+        raise ConfigError(f"`eval_every` must be an int >= 1; got {every!r}.")
 
 
 @dataclasses.dataclass
@@ -140,43 +136,9 @@ class _Pending:
     dispatched: float
 
 
-def _check_args(
-    num_steps: Any, eval_every: Any, eval_data: Any, eval_step: Any
-) -> None:
-    if not isinstance(num_steps, int) or num_steps < 0:
-        raise ConfigError(f"`num_steps` must be an int >= 0; got {num_steps!r}.")
-    if eval_every is not None:
-        if not isinstance(eval_every, int) or eval_every < 1:
-            raise ConfigError(f"`eval_every` must be an int >= 1; got {eval_every!r}.")
-        if eval_step is None or eval_data is None:
-            raise ConfigError(
-                "`eval_every` needs both `eval_step=` and `eval_data=` (a re-iterable "
-                "of batches, e.g. a list or a loader)."
-            )
-    if (eval_step is None) != (eval_data is None):
-        raise ConfigError(
-            "evaluation needs both `eval_step=` and `eval_data=`; got only "
-            f"`{'eval_step' if eval_data is None else 'eval_data'}`."
-        )
-    if eval_data is not None and iter(eval_data) is eval_data:
-        raise ConfigError(
-            "`eval_data` must be re-iterable (it is read at every evaluation), but "
-            "an iterator was given. Pass a list or a loader object instead."
-        )
-
-
-# Stop kinds pooled across processes, in increasing precedence.
-_AGREED = (
-    StopKind.HOOK,
-    StopKind.KILL_SWITCH,
-    StopKind.TIME_LIMIT,
-    StopKind.SIGNAL,
-    StopKind.NONFINITE,
-)
-
-
-class _Loop:
-    """The state of one `fit` call; kept out of `fit` to give its parts names."""
+class _Run:
+    """One `fit` call's moving parts: the compiled step and the work between steps
+    (reading metrics, evaluating, hooks, checkpoints). `loop` is the loop itself."""
 
     def __init__(
         self,
@@ -184,110 +146,69 @@ class _Loop:
         *,
         num_steps: int,
         hooks: Sequence[Scheduled],
-        evaluator: Jitted | None,
-        eval_data: Iterable[Batch] | None,
-        eval_every: int | None,
-        checkpointer: Checkpointer | None,
-        time_limit: float | int | None,
-        kill_switch: str | os.PathLike[str] | None,
+        evaluation: Evaluation | None,
+        checkpointer: "Checkpointer | None",
+        stopper: Stopper,
         history: int | None,
-        signals: _Signals,
-        eval_at_end: bool = True,
-        read_every: int = 1,
-        read_seconds: float | int = 0.0,
-        flops_per_token: float | int | None = None,
-        peak_flops: float | int | None = None,
-        tokens_seen: int = 0,
-        agree_every: int = 10,
+        read_every: int,
+        read_seconds: float | int,
+        throughput: "_Throughput",
     ):
-        self.step = step
-        self.processes = jax.process_count()
-        self.agree_every = agree_every
-        self.flops_per_token = flops_per_token
-        self.peak_flops = peak_flops
-        self.tokens_seen = tokens_seen
-        self.num_steps = num_steps
+        self.step, self.num_steps, self.stopper = step, num_steps, stopper
         self.loop_hooks = [h for h in hooks if h.when != "end"]
         self.end_hooks = [h for h in hooks if h.when == "end"]
-        self.evaluator = evaluator
-        self.eval_data = eval_data
-        self.eval_every = eval_every
-        self.eval_at_end = eval_at_end
-        self.read_every = read_every
-        self.read_seconds = read_seconds
+        self.evaluation = evaluation
+        self.evaluator = None if evaluation is None else _compiled_eval(evaluation.step)
         self.checkpointer = checkpointer
-        self.time_limit = time_limit
-        self.kill_switch = None if kill_switch is None else os.fspath(kill_switch)
         self.history: list[dict[str, Any]] = []
         self.history_limit = history
-        self.signals = signals
-        self.hook_stop: StopReason | None = None
-        self.nonfinite_at: int | None = None
+        self.read_every, self.read_seconds = read_every, read_seconds
+        self.throughput = throughput
         self.last_eval_step: int | None = None
-        self.start = now()
-        self.last_done = self.start
+        self.arrays: list[Any] = []  # the latest dispatched state's arrays
+        self.done = 0  # steps dispatched (the latest state's step)
+        self.saved: int | None = None  # the last step handed to the checkpointer
 
-    # -- stop conditions --------------------------------------------------------
-    def stop_reason(self, done: int) -> StopReason | None:
-        """The reason to stop after `done` steps, agreed by all processes: a
-        local reason (a signal, the kill switch, the time limit, a hook, a
-        non-finite loss) is pooled every `agree_every` steps, so every process
-        stops at the same step; reaching `num_steps` needs no agreement."""
-        reason = self.local_stop_reason(done)
-        if self.processes == 1 or (
-            reason is not None and reason.kind == StopKind.MAX_STEPS
-        ):
-            return reason
-        if done % self.agree_every:
-            return None  # local reasons persist until the next agreement
-        from .distributed import agree
+    def loop(self, arrays: list[Any], layout: Any, data: Iterable[Batch]) -> StopReason:
+        """Dispatch steps until a stop reason holds; returns it. `self.arrays`
+        holds the latest state's arrays throughout."""
+        self.arrays, batches, unread = arrays, iter(data), []
+        while (reason := self.stopper.check(self.done)) is None:
+            waited = now()
+            batch = next(batches, _END)
+            if batch is _END:
+                reason = StopReason(
+                    StopKind.DATA_EXHAUSTED, self.done, "the data iterable ran out"
+                )
+                break
+            dispatched = now()
+            self.arrays, metrics = self.step.call_flat(self.arrays, batch)
+            self.done += 1
+            due = [h for h in self.loop_hooks if h.due(self.done, dispatched)]
+            unread.append(
+                _Pending(self.done, metrics, due, dispatched - waited,
+                         count_tokens(batch), dispatched)
+            )  # fmt: skip
+            if self.needs_state(unread[-1]):  # wait for this step: its state is used
+                self.read(unread, layout.rebuild(self.arrays))
+                unread = []
+            elif len(unread) > 1 and self.read_due(unread[:-1]):  # while it runs
+                self.read(unread[:-1], None)
+                unread = unread[-1:]
+        if unread:
+            self.read(unread, layout.rebuild(self.arrays))
+        return self.stopper.final(reason, self.done)
 
-        code = 0 if reason is None else _AGREED.index(reason.kind) + 1
-        agreed = int(agree([code])[0])
-        if agreed == 0:
-            return None
-        kind = _AGREED[agreed - 1]
-        if reason is not None and reason.kind == kind:
-            return reason
-        return StopReason(kind, done, f"{kind} on another process")
-
-    def local_stop_reason(self, done: int) -> StopReason | None:
-        if self.nonfinite_at is not None:
-            return StopReason(
-                StopKind.NONFINITE,
-                self.nonfinite_at,
-                f"non-finite loss or gradients at step {self.nonfinite_at}; the "
-                "returned state is the last finite one",
-            )
-        if self.hook_stop is not None:
-            return self.hook_stop
-        if self.signals.received is not None:
-            name = signal.Signals(self.signals.received).name
-            return StopReason(StopKind.SIGNAL, done, name)
-        if done >= self.num_steps:
-            return StopReason(
-                StopKind.MAX_STEPS, done, f"reached {self.num_steps} steps"
-            )
-        if self.time_limit is not None and now() - self.start >= self.time_limit:
-            return StopReason(
-                StopKind.TIME_LIMIT, done, f"time limit of {self.time_limit:g}s reached"
-            )
-        if self.kill_switch is not None and os.path.exists(self.kill_switch):
-            return StopReason(StopKind.KILL_SWITCH, done, f"found {self.kill_switch}")
-        return None
-
-    # -- per-step work ----------------------------------------------------------
-    def needs_sync(self, step: int, due: list[Scheduled]) -> bool:
+    # -- between steps ----------------------------------------------------------
+    def needs_state(self, pending: _Pending) -> bool:
+        step = pending.step
         return (
-            any(h.uses_state for h in due)
-            or self.eval_due(step)
+            any(h.uses_state for h in pending.due)
+            or (self.evaluation is not None and self.evaluation.due(step))
             or (self.checkpointer is not None and self.checkpointer.due(step))
         )
 
-    def eval_due(self, step: int) -> bool:
-        return self.eval_every is not None and step % self.eval_every == 0
-
-    def should_read(self, unread: list[_Pending]) -> bool:
+    def read_due(self, unread: list[_Pending]) -> bool:
         """Read metrics that are `read_every` steps or `read_seconds` old."""
         return len(unread) >= self.read_every or (
             now() - unread[0].dispatched >= self.read_seconds
@@ -298,14 +219,12 @@ class _Loop:
         evaluation, hooks and checkpoint in order. `state` is the state after the
         last of them (`None` when it was already donated to a later step)."""
         host = _to_host([p.metrics for p in pendings])
-        done = now()
-        step_time = (done - self.last_done) / len(pendings)
-        self.last_done = done
+        step_time = self.throughput.tick(len(pendings))
         for i, (pending, metrics) in enumerate(zip(pendings, host, strict=True)):
             last = i == len(pendings) - 1
-            self.complete(pending, metrics, step_time, state if last else None, done)
+            self.complete(pending, metrics, step_time, state if last else None)
         if state is not None:  # the device idled for this work: don't bill a step
-            self.last_done = now()
+            self.throughput.restart()
 
     def complete(
         self,
@@ -313,45 +232,19 @@ class _Loop:
         metrics: dict[str, Any],
         step_time: float,
         state: TrainState | None,
-        done: float,
     ) -> None:
-        self.watch_nonfinite(pending.step, metrics)
-        if state is not None and self.eval_due(pending.step):
+        self.stopper.saw_metrics(pending.step, metrics)
+        if state is not None and self.evaluation and self.evaluation.due(pending.step):
             metrics.update(self.evaluate(state))
             self.last_eval_step = pending.step
-        tokens = pending.tokens
-        rate = None if tokens is None or step_time <= 0 else tokens / step_time
-        if tokens is not None:
-            self.tokens_seen += tokens
-        info = StepInfo(
-            step=pending.step,
-            metrics=metrics,
-            num_steps=self.num_steps,
-            step_time=step_time,
-            data_time=pending.data_time,
-            tokens=tokens,
-            tokens_per_second=rate,
-            tokens_seen=self.tokens_seen if tokens is not None else None,
-            mfu=self.mfu(rate),
-            elapsed=done - self.start,
-            _state=state,
-        )
+        info = self.throughput.info(pending, metrics, step_time, state, self.num_steps)
         self.record(info)
         self.run_hooks(pending.due, info)
         ckpt = self.checkpointer
-        if state is not None and ckpt is not None and self.nonfinite_at is None:
+        if state is not None and ckpt is not None and not self.stopper.frozen:
             if ckpt.due(pending.step):
                 ckpt.save(info, final=False)
-
-    def mfu(self, tokens_per_second: float | None) -> float | None:
-        if None in (tokens_per_second, self.flops_per_token, self.peak_flops):
-            return None
-        return tokens_per_second * self.flops_per_token / self.peak_flops
-
-    def watch_nonfinite(self, step: int, metrics: dict[str, Any]) -> None:
-        # Steps built with nonfinite="stop" report `halted` once the state froze.
-        if metrics.get("halted") and self.nonfinite_at is None:
-            self.nonfinite_at = step
+                self.saved = pending.step
 
     def record(self, info: StepInfo) -> None:
         self.history.append({"step": info.step, **info.metrics})
@@ -363,14 +256,188 @@ class _Loop:
             try:
                 hook(info)
             except StopTraining as request:
-                if self.hook_stop is None:
-                    self.hook_stop = StopReason(
-                        StopKind.HOOK, info.step, request.message
-                    )
+                self.stopper.hook_requested(info.step, request.message)
 
     def evaluate(self, state: TrainState) -> dict[str, float]:
-        assert self.evaluator is not None and self.eval_data is not None
-        return evaluate(state, self.evaluator, self.eval_data)
+        assert self.evaluation is not None and self.evaluator is not None
+        return evaluate(state, self.evaluator, self.evaluation.data)
+
+    # -- the end ----------------------------------------------------------------
+    def finish(self, state: TrainState, reason: StopReason) -> StepInfo:
+        """Evaluate at a natural end, save the final checkpoint, then run the end
+        hooks (an export or a log that fails at the end loses no training)."""
+        info = self.final_info(state, reason)
+        if self.checkpointer is not None:
+            self.checkpointer.save(info, final=True)
+            self.saved = info.step
+        self.run_hooks(self.end_hooks, info)
+        return info
+
+    def final_info(self, state: TrainState, reason: StopReason) -> StepInfo:
+        done = int(jax.device_get(state.step))
+        last = self.history[-1] if self.history else None
+        metrics = {k: v for k, v in last.items() if k != "step"} if last else {}
+        natural = reason.kind in (StopKind.MAX_STEPS, StopKind.DATA_EXHAUSTED)
+        ev = self.evaluation
+        if ev is not None and ev.at_end and natural and self.last_eval_step != done:
+            evaluated = self.evaluate(state)
+            self.last_eval_step = done
+            metrics.update(evaluated)
+            if last is not None and last["step"] == done:
+                last.update(evaluated)
+        return self.throughput.final_info(state, done, metrics, reason, self.num_steps)
+
+    def save_after_error(self, layout: Any, first: int, error: Exception) -> None:
+        """An exception is ending the run: save the latest state if it is intact
+        and newer than the start, so that no finished step is lost; then `fit`
+        re-raises. Failing to save only adds a note."""
+        ckpt = self.checkpointer
+        if ckpt is None or self.done <= first or self.stopper.frozen:
+            return
+        if self.saved == self.done:
+            return  # already saved (e.g. the final save, before an end hook failed)
+        if isinstance(error, _CheckpointFailed):
+            return  # the checkpointer itself failed: saving again would too
+        try:
+            state = layout.rebuild(self.arrays)
+            check_live(state, "the save after an error")
+            jax.block_until_ready(state)  # raises if the step itself failed
+            reason = StopReason(
+                StopKind.ERROR, self.done, f"{type(error).__name__}: {error}"[:500]
+            )
+            info = self.throughput.final_info(
+                state, self.done, {}, reason, self.num_steps
+            )
+            ckpt.save(info, final=True)
+        except Exception as failure:  # the original error matters more
+            print(
+                f"[eqtrain] {type(error).__name__} ended the run after step "
+                f"{self.done}; its state could not be saved "
+                f"({type(failure).__name__}: {_first_line(failure)}).",
+                file=sys.stderr,
+                flush=True,
+            )
+            return
+        print(
+            f"[eqtrain] {type(error).__name__} ended the run after step {self.done}; "
+            f"the state of step {self.done} was saved first.",
+            file=sys.stderr,
+            flush=True,
+        )
+
+
+_END = object()
+
+
+class _CheckpointFailed(Exception):
+    """Marks an exception raised by the checkpointer itself (see `fit`)."""
+
+
+def _first_line(e: BaseException) -> str:
+    lines = str(e).strip().splitlines()
+    return lines[0][:200] if lines else ""
+
+
+class _Throughput:
+    """Step times, tokens and MFU, and the `StepInfo` built from them."""
+
+    def __init__(
+        self,
+        flops_per_token: float | int | None,
+        peak_flops: float | int | None,
+        tokens_seen: int,
+    ):
+        self.flops_per_token, self.peak_flops = flops_per_token, peak_flops
+        self.tokens_seen = tokens_seen
+        self.start = self.last_done = now()
+
+    def restart(self) -> None:
+        self.last_done = now()
+
+    def tick(self, steps: int) -> float:
+        """The mean time of the `steps` steps completed since the last tick."""
+        done = now()
+        step_time = (done - self.last_done) / steps
+        self.last_done = done
+        return step_time
+
+    def info(
+        self,
+        pending: _Pending,
+        metrics: dict[str, Any],
+        step_time: float,
+        state: TrainState | None,
+        num_steps: int,
+    ) -> StepInfo:
+        tokens = pending.tokens
+        rate = None if tokens is None or step_time <= 0 else tokens / step_time
+        if tokens is not None:
+            self.tokens_seen += tokens
+        mfu = None
+        if None not in (rate, self.flops_per_token, self.peak_flops):
+            mfu = rate * self.flops_per_token / self.peak_flops
+        return StepInfo(
+            step=pending.step,
+            metrics=metrics,
+            num_steps=num_steps,
+            step_time=step_time,
+            data_time=pending.data_time,
+            tokens=tokens,
+            tokens_per_second=rate,
+            tokens_seen=self.tokens_seen if tokens is not None else None,
+            mfu=mfu,
+            elapsed=self.last_done - self.start,
+            _state=state,
+        )
+
+    def final_info(
+        self,
+        state: TrainState,
+        step: int,
+        metrics: dict[str, Any],
+        reason: StopReason,
+        num_steps: int,
+    ) -> StepInfo:
+        return StepInfo(
+            step=step,
+            metrics=metrics,
+            num_steps=num_steps,
+            tokens_seen=self.tokens_seen or None,
+            elapsed=now() - self.start,
+            stop_reason=reason,
+            _state=state,
+        )
+
+
+def _compiled_eval(eval_step: Callable[..., Any] | Jitted) -> Jitted:
+    if isinstance(eval_step, Jitted):
+        return eval_step
+    return jit(eval_step, donate=False)
+
+
+class _GuardedCheckpointer:
+    """Marks the checkpointer's own failures, so `fit` does not retry a save that
+    just failed when it saves on the way out of an error."""
+
+    def __init__(self, inner: "Checkpointer"):
+        self.inner = inner
+
+    def due(self, step: int) -> bool:
+        return self.inner.due(step)
+
+    def save(self, info: StepInfo, *, final: bool) -> None:
+        try:
+            self.inner.save(info, final=final)
+        except Exception as e:
+            raise _CheckpointFailed(e) from e
+
+    def close(self) -> None:
+        close = getattr(self.inner, "close", None)
+        if callable(close):
+            try:
+                close()
+            except Exception as e:
+                raise _CheckpointFailed(e) from e
 
 
 def evaluate(
@@ -396,9 +463,7 @@ def evaluate(
         `{prefix + name: mean}` for each metric, the mean weighted by each batch's
         `weight` (tokens or examples), and `prefix + "weight"`: the total weight.
     """
-    compiled = (
-        eval_step if isinstance(eval_step, Jitted) else jit(eval_step, donate=False)
-    )
+    compiled = _compiled_eval(eval_step)
     if compiled.donate:
         raise ConfigError(
             "`evaluate` needs an evaluation step compiled with donate=False: a "
@@ -430,31 +495,37 @@ def fit(
     *,
     num_steps: int,
     hooks: Sequence[Hook | Scheduled] = (),
-    eval_step: Callable[..., Any] | Jitted | None = None,
-    eval_data: Iterable[Batch] | None = None,
-    eval_every: int | None = None,
-    eval_at_end: bool = True,
+    evaluation: Evaluation | None = None,
+    stop: StopConditions | None = None,
     checkpointer: Checkpointer | None = None,
-    time_limit: float | int | None = None,
-    kill_switch: str | os.PathLike[str] | None = None,
-    handle_signals: bool = True,
     history: int | None = None,
     read_every: int = 10,
     read_seconds: float | int = 0.5,
     flops_per_token: float | int | None = None,
     peak_flops: float | int | None = None,
     tokens_seen: int = 0,
+    eval_step: Callable[..., Any] | Jitted | None = None,
+    eval_data: Iterable[Batch] | None = None,
+    eval_every: int | None = None,
+    eval_at_end: bool = True,
+    time_limit: float | int | None = None,
+    kill_switch: str | os.PathLike[str] | None = None,
+    handle_signals: bool = True,
     agree_every: int = 10,
 ) -> FitResult:
     """Train `state` with `step` on `data` until a stop condition holds.
 
     The host stays one step ahead of the device: it dispatches step k+1 before it
-    reads step k's metrics, so the device never waits for Python between steps. A
-    hook that uses the state (the default for plain callables), an evaluation or a
-    checkpoint due at step k makes the loop wait for step k before dispatching k+1,
-    so they see the exact state of step k; hooks with `uses_state = False` (the
-    built-in loggers) run a little late (metrics are read in batches) and never
-    make the loop wait.
+    reads step k's metrics, so the device never waits for Python between steps.
+    Metrics are read in batches, and hooks run for every due step, in order, a
+    little late. A hook that uses the state (`uses_state = True`), an evaluation
+    or a checkpoint due at step k makes the loop wait for step k before
+    dispatching k+1, so they see the exact state of step k.
+
+    When the run stops, for any `StopReason`, `fit` evaluates (at a natural end),
+    saves the final checkpoint, then runs the `at_end` hooks. When an exception
+    ends it instead (a hook, the data or the step raised), `fit` first saves the
+    latest intact state with the checkpointer, then re-raises.
 
     Args:
         state: the initial (or restored) state. With a donating step (the default),
@@ -466,178 +537,152 @@ def fit(
         num_steps: the step count at which to stop (absolute: a state restored at
             step 400 with `num_steps=1000` runs 600 more steps).
         hooks: callables `hook(info)`; a plain callable runs after every step, or
-            wrap it with `every`, `at`, `every_seconds`, `at_end`. Raise
-            `StopTraining` from a hook to stop after the current step.
-        eval_step: `eval_step(loss_fn)` (compiled with `eqtrain.jit(...,
-            donate=False)` if it is a plain function).
-        eval_data: a re-iterable of eval batches (a list, or a loader).
-        eval_every: evaluate after every `eval_every` steps; metrics are averaged
-            over `eval_data` weighted by `weight` and reported as `eval/<name>`.
-        eval_at_end: also evaluate when the run ends by reaching `num_steps` or
-            running out of data (if it did not just evaluate).
+            wrap it with `every`, `at`, `every_seconds`, `at_end`. Hooks read
+            metrics only unless they declare `uses_state = True` (an attribute, or
+            `every(n, hook, uses_state=True)`). Raise `StopTraining` from a hook
+            to stop after the current step.
+        evaluation: an `Evaluation` (eval step, data, period, at the end); or the
+            same as `eval_step`, `eval_data`, `eval_every`, `eval_at_end`.
+        stop: `StopConditions` (time limit, kill switch, signals, multi-process
+            agreement); or the same as `time_limit`, `kill_switch`,
+            `handle_signals`, `agree_every`.
         checkpointer: see `Checkpointer`; saved when due, and once at any stop.
-        time_limit: stop after this many seconds of wall-clock time.
-        kill_switch: stop when this file exists (checked after every step).
-        handle_signals: make the first SIGINT/SIGTERM a clean stop (the current
-            step finishes, final hooks and the checkpointer run); a second one
-            aborts. Previous handlers are restored on exit. Only in the main
-            thread.
         history: keep at most this many entries in `FitResult.history`
             (default: all).
         read_every: metrics that no state-using work needs are read from the
             device in batches, one transfer for up to `read_every` steps...
         read_seconds: ...or for the steps dispatched over `read_seconds`,
-            whichever comes first. Metrics-only hooks (`uses_state = False`) thus
-            run for every due step, in order, a little late; a step that needs
-            the state reads everything before it. `read_every=1` reads each
-            step's metrics as soon as the next step is dispatched.
+            whichever comes first. `read_every=1` reads each step's metrics as
+            soon as the next step is dispatched.
         flops_per_token: training FLOPs per token (forward and backward, e.g.
-            `eqtrain.models.llama.flops_per_token(config, seq_len)`); with
-            `peak_flops` it gives `StepInfo.mfu`.
+            `eqtrain.models.family(config).flops_per_token(config, seq_len)`);
+            with `peak_flops` it gives `StepInfo.mfu`.
         peak_flops: the peak FLOP/s of all devices the step runs on together
             (see `eqtrain.hooks.peak_flops` for known devices).
         tokens_seen: tokens already trained on before this call (a resumed run
             passes its count), the start of `StepInfo.tokens_seen`.
-        agree_every: in a multi-process run, how often (in steps) the processes
-            pool their stop requests (a signal to one process, a kill switch, a
-            time limit, a hook), so that all stop at the same step and save once.
-            Each agreement waits for the current step. Unused with one process.
+        eval_step, eval_data, eval_every, eval_at_end: the fields of
+            `Evaluation` (`step`, `data`, `every`, `at_end`), as keywords.
+        time_limit, kill_switch, handle_signals, agree_every: the fields of
+            `StopConditions`, as keywords.
 
     Returns:
         A `FitResult` with the final state, the `StopReason` and the history.
     """
-    _check_args(num_steps, eval_every, eval_data, eval_step)
-    if not isinstance(read_every, int) or read_every < 1:
-        raise ConfigError(f"`read_every` must be an int >= 1; got {read_every!r}.")
-    if not read_seconds >= 0:
-        raise ConfigError(f"`read_seconds` must be >= 0; got {read_seconds!r}.")
-    if time_limit is not None and not time_limit > 0:
-        raise ConfigError(f"`time_limit` must be > 0 seconds; got {time_limit!r}.")
+    evaluation = _evaluation(evaluation, eval_step, eval_data, eval_every, eval_at_end)
+    stop = _stop_conditions(stop, time_limit, kill_switch, handle_signals, agree_every)
+    _check_args(num_steps, read_every, read_seconds)
     compiled = step if isinstance(step, Jitted) else jit(step)
-    evaluator = None
-    if eval_step is not None:
-        evaluator = (
-            eval_step if isinstance(eval_step, Jitted) else jit(eval_step, donate=False)
-        )
     scheduled = [as_scheduled(h) for h in hooks]
     check_live(state, "`fit`")
     first = int(jax.device_get(state.step))
     arrays, layout = compiled.prepare(state)
-    iterator = iter(data)
-
-    with _Signals(handle_signals) as signals:
-        loop = _Loop(
+    guarded = None if checkpointer is None else _GuardedCheckpointer(checkpointer)
+    with Stopper(stop, num_steps) as stopper:
+        run = _Run(
             compiled,
             num_steps=num_steps,
             hooks=scheduled,
-            evaluator=evaluator,
-            eval_data=eval_data,
-            eval_every=eval_every,
-            checkpointer=checkpointer,
-            time_limit=time_limit,
-            kill_switch=kill_switch,
+            evaluation=evaluation,
+            checkpointer=guarded,
+            stopper=stopper,
             history=history,
-            signals=signals,
-            eval_at_end=eval_at_end,
             read_every=read_every,
             read_seconds=read_seconds,
-            flops_per_token=flops_per_token,
-            peak_flops=peak_flops,
-            tokens_seen=tokens_seen,
-            agree_every=agree_every,
+            throughput=_Throughput(flops_per_token, peak_flops, tokens_seen),
         )
+        run.done = first
         for hook in scheduled:
-            hook.start(loop.start)
+            hook.start(stopper.start)
+        failed = True  # until the run got through `finish`
         try:
-            arrays, reason = _run(loop, compiled, arrays, layout, iterator, first)
-            final = layout.rebuild(arrays)
-            info = _final_info(loop, final, reason, first)
-            loop.run_hooks(loop.end_hooks, info)
-            if checkpointer is not None:
-                checkpointer.save(info, final=True)
+            reason = run.loop(arrays, layout, data)
+            final = layout.rebuild(run.arrays)
+            run.finish(final, reason)
+            failed = False
+        except Exception as error:
+            run.save_after_error(layout, first, error)
+            if isinstance(error, _CheckpointFailed):
+                raise error.__cause__ from None  # type: ignore[misc]
+            raise
         finally:
             for hook in scheduled:
                 hook.close()
-            if checkpointer is not None and callable(
-                getattr(checkpointer, "close", None)
-            ):
-                checkpointer.close()
-    return FitResult(state=final, stop_reason=reason, history=loop.history)
+            if guarded is not None:
+                _close(guarded, quietly=failed)
+    return FitResult(state=final, stop_reason=reason, history=run.history)
 
 
-def _run(
-    loop: _Loop,
-    compiled: Jitted,
-    arrays: list[Any],
-    layout: Any,
-    iterator: Any,
-    done: int,
-) -> tuple[list[Any], StopReason]:
-    """The step loop proper. Returns the final arrays and the stop reason."""
-    unread: list[_Pending] = []  # dispatched steps whose metrics were not read yet
-    while True:
-        reason = loop.stop_reason(done)
-        if reason is not None:
-            break
-        waited = now()
+def _close(checkpointer: _GuardedCheckpointer, *, quietly: bool) -> None:
+    """Close the checkpointer (waiting for its writes). While an exception is
+    already propagating (`quietly`), a failure here must not replace it."""
+    if not quietly:
         try:
-            batch = next(iterator)
-        except StopIteration:
-            reason = StopReason(
-                StopKind.DATA_EXHAUSTED, done, "the data iterable ran out"
-            )
-            break
-        dispatched = now()
-        arrays, metrics = compiled.call_flat(arrays, batch)  # dispatch step done+1
-        done += 1
-        due = [h for h in loop.loop_hooks if h.due(done, dispatched)]
-        current = _Pending(
-            done, metrics, due, dispatched - waited, count_tokens(batch), dispatched
+            checkpointer.close()
+        except _CheckpointFailed as failed:
+            raise failed.__cause__ from None  # type: ignore[misc]
+        return
+    try:
+        checkpointer.close()
+    except Exception as e:
+        print(
+            f"[eqtrain] closing the checkpointer failed too: {_first_line(e)}",
+            file=sys.stderr,
+            flush=True,
         )
-        if loop.needs_sync(done, due):  # wait for this step: its state is needed
-            loop.read([*unread, current], layout.rebuild(arrays))
-            unread = []
-        elif unread and loop.should_read(unread):  # older steps, while this one runs
-            loop.read(unread, None)
-            unread = [current]
-        else:
-            unread.append(current)
-    if unread:
-        loop.read(unread, layout.rebuild(arrays))
-    # A non-finite step seen only in this last read still explains the end: the
-    # state froze there, whatever stopped the loop afterwards.
-    frozen = loop.stop_reason(done)
-    if frozen is not None and frozen.kind == StopKind.NONFINITE:
-        reason = frozen
-    return arrays, reason
 
 
-def _final_info(
-    loop: _Loop, state: TrainState, reason: StopReason, first: int
-) -> StepInfo:
-    """The info for `at_end` hooks and the final save; evaluates at a natural end."""
-    done = int(jax.device_get(state.step))
-    last = loop.history[-1] if loop.history else None
-    metrics = {k: v for k, v in last.items() if k != "step"} if last else {}
-    natural = reason.kind in (StopKind.MAX_STEPS, StopKind.DATA_EXHAUSTED)
-    if (
-        loop.eval_at_end
-        and natural
-        and loop.evaluator is not None
-        and loop.eval_data is not None
-        and loop.last_eval_step != done
-    ):
-        evaluated = loop.evaluate(state)
-        metrics.update(evaluated)
-        if last is not None and last["step"] == done:
-            last.update(evaluated)
-        loop.last_eval_step = done
-    return StepInfo(
-        step=done,
-        metrics=metrics,
-        num_steps=loop.num_steps,
-        tokens_seen=loop.tokens_seen or None,
-        elapsed=now() - loop.start,
-        stop_reason=reason,
-        _state=state,
-    )
+def _evaluation(
+    evaluation: Evaluation | None,
+    eval_step: Any,
+    eval_data: Any,
+    eval_every: int | None,
+    eval_at_end: bool,
+) -> Evaluation | None:
+    if evaluation is not None:
+        if eval_step is not None or eval_data is not None or eval_every is not None:
+            raise ConfigError(
+                "give `evaluation=Evaluation(...)` or the `eval_*` keywords, not both."
+            )
+        return evaluation
+    _check_every(eval_every)
+    if eval_every is not None and (eval_step is None or eval_data is None):
+        raise ConfigError(
+            "`eval_every` needs both `eval_step=` and `eval_data=` (a re-iterable "
+            "of batches, e.g. a list or a loader)."
+        )
+    if (eval_step is None) != (eval_data is None):
+        raise ConfigError(
+            "evaluation needs both `eval_step=` and `eval_data=`; got only "
+            f"`{'eval_step' if eval_data is None else 'eval_data'}`."
+        )
+    if eval_step is None:
+        return None
+    return Evaluation(eval_step, eval_data, eval_every, eval_at_end)
+
+
+def _stop_conditions(
+    stop: StopConditions | None,
+    time_limit: float | int | None,
+    kill_switch: Any,
+    handle_signals: bool,
+    agree_every: int,
+) -> StopConditions:
+    flat = StopConditions(time_limit, kill_switch, handle_signals, agree_every)
+    if stop is None:
+        return flat
+    if flat != StopConditions():
+        raise ConfigError(
+            "give `stop=StopConditions(...)` or the `time_limit`, `kill_switch`, "
+            "`handle_signals`, `agree_every` keywords, not both."
+        )
+    return stop
+
+
+def _check_args(num_steps: Any, read_every: Any, read_seconds: Any) -> None:
+    if not isinstance(num_steps, int) or num_steps < 0:
+        raise ConfigError(f"`num_steps` must be an int >= 0; got {num_steps!r}.")
+    if not isinstance(read_every, int) or read_every < 1:
+        raise ConfigError(f"`read_every` must be an int >= 1; got {read_every!r}.")
+    if not read_seconds >= 0:
+        raise ConfigError(f"`read_seconds` must be >= 0; got {read_seconds!r}.")

@@ -34,6 +34,8 @@ class export_hook:  # noqa: N801 -- a hook factory, named like a function
         >>> hooks = [every(1000, hook), at_end(hook)]
     """
 
+    uses_state = True  # it exports the exact state of its steps
+
     def __init__(
         self,
         out_dir: str | os.PathLike[str],

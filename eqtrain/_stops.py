@@ -1,0 +1,193 @@
+"""Every way a run can end, as one `StopReason`: the step count, running out of data,
+a wall-clock limit, a kill-switch file, SIGINT/SIGTERM, a non-finite loss and a hook's
+request. `Stopper.check(done)` is the one question `fit` asks after every step; in a
+multi-process run the answer is agreed by all processes."""
+
+import dataclasses
+import os
+import signal
+import sys
+import threading
+from typing import Any
+
+import jax
+
+from ._errors import ConfigError
+from ._hooks import StopKind, StopReason, now
+
+
+@dataclasses.dataclass(frozen=True)
+class StopConditions:
+    """When `fit` stops besides reaching `num_steps` or running out of data.
+
+    Attributes:
+        time_limit: stop after this many seconds of wall-clock time.
+        kill_switch: stop when this file exists (checked after every step).
+        handle_signals: make the first SIGINT/SIGTERM a clean stop (the current
+            step finishes, the final checkpoint and end hooks run); a second one
+            aborts. Previous handlers are restored on exit. Only in the main
+            thread.
+        agree_every: in a multi-process run, how often (in steps) the processes
+            pool their stop requests, so that all stop at the same step and save
+            once. Each agreement waits for the current step. Unused with one
+            process.
+    """
+
+    time_limit: float | int | None = None
+    kill_switch: str | os.PathLike[str] | None = None
+    handle_signals: bool = True
+    agree_every: int = 10
+
+    def __post_init__(self) -> None:
+        if self.time_limit is not None and not self.time_limit > 0:
+            raise ConfigError(
+                f"`time_limit` must be > 0 seconds; got {self.time_limit!r}."
+            )
+        if not isinstance(self.agree_every, int) or self.agree_every < 1:
+            raise ConfigError(
+                f"`agree_every` must be an int >= 1; got {self.agree_every!r}."
+            )
+
+
+class _Signals:
+    """Turn the first SIGINT/SIGTERM into a stop request; a second one aborts."""
+
+    def __init__(self, enabled: bool):
+        self.enabled = enabled and threading.current_thread() is threading.main_thread()
+        self.received: int | None = None
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> "_Signals":
+        if self.enabled:
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self._previous[sig] = signal.getsignal(sig)
+                signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if self.received is not None:
+            if signum == signal.SIGINT:
+                raise KeyboardInterrupt
+            raise SystemExit(128 + signum)
+        self.received = signum
+        print(
+            f"\n[eqtrain] {signal.Signals(signum).name} received: stopping after the "
+            "current step (send it again to abort without saving).",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    def __exit__(self, *exc: Any) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous.clear()
+
+
+# Stop kinds pooled across processes, in increasing precedence.
+_AGREED = (
+    StopKind.HOOK,
+    StopKind.KILL_SWITCH,
+    StopKind.TIME_LIMIT,
+    StopKind.SIGNAL,
+    StopKind.NONFINITE,
+)
+
+
+class Stopper:
+    """The stop decision of one `fit` call (a context manager: it holds the signal
+    handlers while the loop runs)."""
+
+    def __init__(self, conditions: StopConditions, num_steps: int):
+        self.conditions = conditions
+        self.num_steps = num_steps
+        self.kill_switch = (
+            None
+            if conditions.kill_switch is None
+            else os.fspath(conditions.kill_switch)
+        )
+        self.processes = jax.process_count()
+        self.signals = _Signals(conditions.handle_signals)
+        self.start = now()
+        self.hook_stop: StopReason | None = None
+        self.nonfinite_at: int | None = None
+
+    def __enter__(self) -> "Stopper":
+        self.signals.__enter__()
+        self.start = now()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.signals.__exit__(*exc)
+
+    # -- what the loop reports --------------------------------------------------
+    def hook_requested(self, step: int, message: str) -> None:
+        """A hook raised `StopTraining` after `step` (the first request wins)."""
+        if self.hook_stop is None:
+            self.hook_stop = StopReason(StopKind.HOOK, step, message)
+
+    def saw_metrics(self, step: int, metrics: dict[str, Any]) -> None:
+        """Steps built with `nonfinite="stop"` report `halted` once the state froze."""
+        if metrics.get("halted") and self.nonfinite_at is None:
+            self.nonfinite_at = step
+
+    @property
+    def frozen(self) -> bool:
+        return self.nonfinite_at is not None
+
+    # -- the decision -----------------------------------------------------------
+    def check(self, done: int) -> StopReason | None:
+        """The reason to stop after `done` steps, agreed by all processes: a local
+        reason (a signal, the kill switch, the time limit, a hook, a non-finite
+        loss) is pooled every `agree_every` steps, so every process stops at the
+        same step; reaching `num_steps` needs no agreement."""
+        reason = self._local(done)
+        if self.processes == 1 or (
+            reason is not None and reason.kind == StopKind.MAX_STEPS
+        ):
+            return reason
+        if done % self.conditions.agree_every:
+            return None  # local reasons persist until the next agreement
+        from .distributed import agree
+
+        code = 0 if reason is None else _AGREED.index(reason.kind) + 1
+        agreed = int(agree([code])[0])
+        if agreed == 0:
+            return None
+        kind = _AGREED[agreed - 1]
+        if reason is not None and reason.kind == kind:
+            return reason
+        return StopReason(kind, done, f"{kind} on another process")
+
+    def final(self, reason: StopReason, done: int) -> StopReason:
+        """The reason the run ended, once the last metrics are read: a non-finite
+        step seen only then still explains the end (the state froze there)."""
+        frozen = self.check(done)  # every process asks: it may be a collective
+        if frozen is not None and frozen.kind == StopKind.NONFINITE:
+            return frozen
+        return reason
+
+    def _local(self, done: int) -> StopReason | None:
+        if self.nonfinite_at is not None:
+            return StopReason(
+                StopKind.NONFINITE,
+                self.nonfinite_at,
+                f"non-finite loss or gradients at step {self.nonfinite_at}; the "
+                "returned state is the last finite one",
+            )
+        if self.hook_stop is not None:
+            return self.hook_stop
+        if self.signals.received is not None:
+            name = signal.Signals(self.signals.received).name
+            return StopReason(StopKind.SIGNAL, done, name)
+        if done >= self.num_steps:
+            return StopReason(
+                StopKind.MAX_STEPS, done, f"reached {self.num_steps} steps"
+            )
+        limit = self.conditions.time_limit
+        if limit is not None and now() - self.start >= limit:
+            return StopReason(
+                StopKind.TIME_LIMIT, done, f"time limit of {limit:g}s reached"
+            )
+        if self.kill_switch is not None and os.path.exists(self.kill_switch):
+            return StopReason(StopKind.KILL_SWITCH, done, f"found {self.kill_switch}")
+        return None

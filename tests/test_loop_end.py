@@ -1,0 +1,234 @@
+"""How `fit` ends: the final checkpoint before the end hooks, a save on the way out of
+an exception, the grouped `Evaluation` / `StopConditions` options, and plain-function
+hooks that never make the loop wait."""
+
+import numpy as np
+import optax
+import pytest
+
+import eqtrain
+from eqtrain import (
+    ConfigError,
+    Evaluation,
+    StopConditions,
+    StopKind,
+    at,
+    at_end,
+    checkpoint,
+    every,
+)
+
+from .conftest import make_batches, mse_loss
+from .test_loop import FakeCheckpointer, _spy_on, fresh_state
+
+
+OPT = optax.adam(1e-2)
+
+
+@pytest.fixture(scope="module")
+def step():
+    return eqtrain.jit(eqtrain.train_step(mse_loss, OPT))
+
+
+@pytest.fixture(scope="module")
+def batches():
+    return make_batches(12)
+
+
+class Recorder(FakeCheckpointer):
+    def __init__(self, every_n, events):
+        super().__init__(every_n)
+        self.events = events
+
+    def save(self, info, *, final):
+        super().save(info, final=final)
+        self.events.append(("save", info.step, final))
+
+
+def test_final_checkpoint_is_saved_before_the_end_hooks(step, batches):
+    events = []
+    ckpt = Recorder(100, events)
+
+    def export(info):
+        events.append(("end hook", info.step, None))
+        raise OSError(28, "No space left on device")  # e.g. the final export
+
+    with pytest.raises(OSError, match="No space"):
+        eqtrain.fit(
+            fresh_state(), step, batches, num_steps=5, hooks=[at_end(export)],
+            checkpointer=ckpt,
+        )  # fmt: skip
+    assert events == [("save", 5, True), ("end hook", 5, None)]
+    assert ckpt.finals == [(5, 5, ckpt.finals[0][2])]
+    assert ckpt.finals[0][2].kind == StopKind.MAX_STEPS
+    assert ckpt.closed == 1
+
+
+def test_a_hook_error_saves_the_latest_state_then_propagates(step, batches, capsys):
+    ckpt = FakeCheckpointer(100)
+
+    def broken(info):
+        if info.step == 4:
+            raise RuntimeError("the hook broke")
+
+    with pytest.raises(RuntimeError, match="the hook broke"):
+        eqtrain.fit(
+            fresh_state(), step, batches, num_steps=10,
+            hooks=[at([4], broken, uses_state=True)], checkpointer=ckpt,
+        )  # fmt: skip
+    assert ckpt.saves == []
+    [(saved_step, state_step, reason)] = ckpt.finals
+    assert saved_step == state_step == 4  # the hook waited for step 4: exact state
+    assert reason.kind == StopKind.ERROR and "the hook broke" in reason.message
+    assert ckpt.closed == 1
+    assert "the state of step 4 was saved first" in capsys.readouterr().err
+
+
+def test_a_late_hook_error_saves_the_newest_dispatched_state(step, batches):
+    ckpt = FakeCheckpointer(100)
+
+    @eqtrain.metrics_only  # runs late, while later steps run
+    def broken(info):
+        if info.step == 3:
+            raise RuntimeError("late")
+
+    with pytest.raises(RuntimeError, match="late"):
+        eqtrain.fit(
+            fresh_state(), step, batches, num_steps=12, hooks=[broken],
+            checkpointer=ckpt, read_every=5, read_seconds=1e9,
+        )  # fmt: skip
+    [(saved_step, state_step, reason)] = ckpt.finals
+    assert saved_step == state_step >= 3  # a newer, complete state: nothing lost
+    assert reason.kind == StopKind.ERROR
+
+
+def test_a_data_error_saves_the_steps_done(step, batches):
+    ckpt = FakeCheckpointer(100)
+
+    def data():
+        yield from batches[:3]
+        raise ValueError("corrupt record 3")
+
+    with pytest.raises(ValueError, match="corrupt record"):
+        eqtrain.fit(fresh_state(), step, data(), num_steps=10, checkpointer=ckpt)
+    assert [(s, k) for s, k, _ in ckpt.finals] == [(3, 3)]
+
+
+def test_an_error_before_the_first_step_saves_nothing(step):
+    ckpt = FakeCheckpointer(100)
+
+    def data():
+        raise ValueError("no data today")
+        yield
+
+    with pytest.raises(ValueError, match="no data today"):
+        eqtrain.fit(fresh_state(), step, data(), num_steps=10, checkpointer=ckpt)
+    assert ckpt.finals == [] and ckpt.closed == 1
+
+
+def test_a_failing_checkpointer_is_not_retried_and_its_error_propagates(step, batches):
+    class Full(FakeCheckpointer):
+        def save(self, info, *, final):
+            super().save(info, final=final)
+            raise OSError(28, "No space left on device")
+
+    ckpt = Full(2)
+    with pytest.raises(OSError, match="No space") as raised:
+        eqtrain.fit(fresh_state(), step, batches, num_steps=10, checkpointer=ckpt)
+    assert type(raised.value) is OSError  # not a wrapper
+    assert ckpt.saves == [(2, 2, None)] and ckpt.finals == []
+    assert ckpt.closed == 1
+
+
+def test_a_frozen_nonfinite_state_is_not_saved_on_error():
+    stop_step = eqtrain.jit(eqtrain.train_step(mse_loss, OPT, nonfinite="stop"))
+    batches = make_batches(8)
+    batches[2] = {**batches[2], "y": np.full_like(batches[2]["y"], np.nan)}
+    ckpt = FakeCheckpointer(100)
+
+    def broken(info):
+        if info.step == 3:  # the step that froze the state
+            raise RuntimeError("after the freeze")
+
+    with pytest.raises(RuntimeError):
+        eqtrain.fit(
+            fresh_state(), stop_step, batches, num_steps=8, checkpointer=ckpt,
+            hooks=[broken], read_every=1, handle_signals=False,
+        )  # fmt: skip
+    assert ckpt.finals == []
+
+
+def test_an_error_with_a_real_checkpointer_resumes_from_the_saved_step(
+    tmp_path, step, batches
+):
+    ckpt = checkpoint.Checkpointer(tmp_path, every_steps=100)
+
+    def broken(info):
+        if info.step == 6:
+            raise RuntimeError("boom")
+
+    with pytest.raises(RuntimeError, match="boom"):
+        eqtrain.fit(
+            fresh_state(), step, batches, num_steps=12, checkpointer=ckpt,
+            hooks=[every(6, broken, uses_state=True)],
+        )  # fmt: skip
+    restored = checkpoint.restore(tmp_path, fresh_state)
+    assert restored.step == 6 and int(restored.state.step) == 6
+    assert restored.manifest["stop_reason"]["kind"] == "error"
+
+
+def test_grouped_options_equal_the_keywords(step, batches):
+    evaluate = eqtrain.jit(eqtrain.eval_step(mse_loss), donate=False)
+    eval_data = make_batches(2, seed=1)
+    flat = eqtrain.fit(
+        fresh_state(), step, batches, num_steps=6, eval_step=evaluate,
+        eval_data=eval_data, eval_every=3, time_limit=1e6, handle_signals=False,
+    )  # fmt: skip
+    grouped = eqtrain.fit(
+        fresh_state(), step, batches, num_steps=6,
+        evaluation=Evaluation(evaluate, eval_data, every=3),
+        stop=StopConditions(time_limit=1e6, handle_signals=False),
+    )  # fmt: skip
+    assert flat.history == grouped.history
+    assert flat.history[2]["eval/loss"] == grouped.history[2]["eval/loss"]
+
+
+def test_grouped_and_keyword_options_are_not_mixed(step, batches):
+    evaluate = eqtrain.eval_step(mse_loss)
+    with pytest.raises(ConfigError, match="not both"):
+        eqtrain.fit(
+            fresh_state(), step, batches, num_steps=2,
+            evaluation=Evaluation(evaluate, batches), eval_every=1,
+        )  # fmt: skip
+    with pytest.raises(ConfigError, match="not both"):
+        eqtrain.fit(
+            fresh_state(), step, batches, num_steps=2,
+            stop=StopConditions(time_limit=5), kill_switch="STOP",
+        )  # fmt: skip
+    with pytest.raises(ConfigError, match="time_limit"):
+        StopConditions(time_limit=0)
+    with pytest.raises(ConfigError, match="agree_every"):
+        StopConditions(agree_every=0)
+    with pytest.raises(ConfigError, match="re-iterable"):
+        Evaluation(evaluate, iter(batches))
+
+
+def test_a_metrics_only_function_never_makes_the_loop_wait(batches, monkeypatch):
+    step = eqtrain.jit(eqtrain.train_step(mse_loss, OPT))
+    events, _ = _spy_on(step, monkeypatch)
+    seen = []
+
+    @eqtrain.metrics_only
+    def log(info):
+        seen.append(info.metrics["loss"])
+
+    eqtrain.fit(
+        fresh_state(), step, batches, num_steps=6, hooks=[log],
+        read_every=3, read_seconds=1e9,
+    )  # fmt: skip
+    # step k+1 is always dispatched before step k is read: no wait per step
+    assert events == [
+        ("dispatch", 1), ("dispatch", 2), ("dispatch", 3), ("dispatch", 4),
+        ("read", [1, 2, 3]), ("dispatch", 5), ("dispatch", 6), ("read", [4, 5, 6]),
+    ]  # fmt: skip
+    assert len(seen) == 6 and log.uses_state is False
