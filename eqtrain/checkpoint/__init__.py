@@ -12,14 +12,21 @@ from ._errors import (
     CheckpointWarning as CheckpointWarning,
     IncompatibleCheckpointError as IncompatibleCheckpointError,
 )
+from ._lock import RunInUseError as RunInUseError, RunLock as RunLock
 from ._manager import Checkpointer as Checkpointer
 from ._restore import (
+    DamagedCheckpointError as DamagedCheckpointError,
     Restored as Restored,
+    Resumed as Resumed,
     restore as restore,
     restore_or_init as restore_or_init,
+    resume_run as resume_run,
 )
 from ._storage import (
+    check_path as check_path,
+    damaged_steps as damaged_steps,
     list_steps as list_steps,
     read_manifest as read_manifest,
     resolve as resolve,
+    step_problems as step_problems,
 )

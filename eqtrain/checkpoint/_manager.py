@@ -2,19 +2,37 @@
 writes the state's arrays (OCDBT), the data loader's position and a run manifest,
 asynchronously; retention is applied by renaming steps away before deleting them."""
 
+import contextlib
 import os
 import time
+import uuid
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import jax
 import orbax.checkpoint as ocp
 
 from .._hooks import StepInfo
-from . import _manifest, _storage
+from . import _integrity, _manifest, _storage
 from ._errors import CheckpointError
 from ._policy import Policy
-from ._tree import to_disk
+from ._tree import array_leaves, path_name, to_disk
+
+
+def _reason(e: BaseException) -> str:
+    """The innermost cause of a failed write, in one line."""
+    while e.__cause__ is not None or e.__context__ is not None:
+        inner = e.__cause__ or e.__context__
+        if inner is None:
+            break
+        e = inner
+    if isinstance(e, OSError) and e.strerror:
+        where = f" ({e.filename})" if e.filename else ""
+        return f"{e.strerror}{where}"
+    text = str(e).strip().splitlines()
+    line = (text[0] if text else type(e).__name__).split(" [tensorstore_spec")[0]
+    return f"{type(e).__name__}: {line[:300]}"
 
 
 def _manager(directory: Path, *, async_save: bool) -> ocp.CheckpointManager:
@@ -55,10 +73,22 @@ class Checkpointer:
             saved so that a resumed run reads the same batches.
         config: the resolved run config (JSON-able mapping), saved in the manifest.
         async_save: write in the background (default) or block until written.
+        run_id: the run's identity, written in every manifest (from
+            `resume_run(...).run_id`). When given, a directory holding steps of
+            another run is refused here, at construction (before anything is
+            compiled). Default: the identity of the newest checkpoint in the
+            directory, or a new one.
+        started_from: the other run's checkpoint this run started from (recorded
+            in the manifests; `resume_run(...).started_from`).
 
-    Raises `CheckpointError` on the first save if the directory holds a step at or
-    beyond it that this run did not write (two runs would be mixed); resume with
-    `restore_or_init`, or start a new run directory.
+    Raises `CheckpointError` if the directory holds steps of another run (with
+    `run_id`), and on the first save if it holds a later step, or the same step
+    with other contents (two runs would be mixed); resume with `resume_run` /
+    `restore_or_init`, or start a new run directory. Saving a step that is
+    already on disk with the same arrays (a finished run run again) is a no-op.
+
+    A failed background write raises `CheckpointError` ("saving step N failed:
+    <reason>; last good checkpoint: M") at the next save or at `close()`.
     """
 
     def __init__(
@@ -75,6 +105,8 @@ class Checkpointer:
         data: Any = None,
         config: Mapping[str, Any] | None = None,
         async_save: bool = True,
+        run_id: str | None = None,
+        started_from: str | None = None,
     ):
         self.policy = Policy(
             every_steps=every_steps,
@@ -86,13 +118,36 @@ class Checkpointer:
             keep_best=keep_best,
         )
         self.directory = _storage.checkpoints_dir(run_dir).absolute()  # Orbax wants it
+        _storage.check_path(self.directory)
         self.data = data
         self.config = config
         self.async_save = async_save
+        self.started_from = started_from
         self.directory.mkdir(parents=True, exist_ok=True)
-        _storage.clean_leftovers(self.directory)
+        if jax.process_index() == 0:
+            _storage.clean_leftovers(self.directory)
         self._existing = _storage.steps(self.directory)
-        self._scores = {s: self._read_score(s) for s in self._existing}
+        manifests = {s: self._read_manifest(s) for s in self._existing}
+        if run_id is not None:
+            self._check_identity(run_id, manifests)
+        else:
+            run_id = (
+                next(
+                    (
+                        m["run_id"]
+                        for s, m in sorted(manifests.items(), reverse=True)
+                        if m and m.get("run_id")
+                    ),
+                    None,
+                )
+                or uuid.uuid4().hex
+            )
+        self.run_id = run_id
+        self._scores = {
+            s: self.policy.score((m or {}).get("metrics") or {})
+            for s, m in manifests.items()
+        }
+        self._pending: int | None = None  # the step being written in the background
         self._manager: ocp.CheckpointManager | None = None
         self._open()  # starting Orbax's manager takes ~0.4 s: not inside the loop
         self._last_step: int | None = None
@@ -115,16 +170,23 @@ class Checkpointer:
         if step == self._last_step:
             return
         start = time.perf_counter()
-        self._check_not_mixing(step)
-        manager = self._open()
-        manager.wait_until_finished()  # the previous save is committed: prune now
-        self._prune()
         state = info.state
         arrays, leaves = to_disk(state)
+        paths, stored = array_leaves(arrays)
+        sums = _integrity.checksums([path_name(p) for p in paths], stored)
+        if self._last_step is None and self._check_not_mixing(step, sums):
+            self._last_step = step  # this very state is on disk already
+            return
+        manager = self._open()
+        self._wait(manager)  # the previous save is committed: prune now
+        self._prune()
         position = (
             getattr(self.data, "position", None) if self.data is not None else None
         )
         manifest = _manifest.build(
+            run_id=self.run_id,
+            checksums=sums,
+            started_from=self.started_from,
             step=step,
             state=state,
             leaves=leaves,
@@ -144,6 +206,7 @@ class Checkpointer:
             ),
             force=True,
         )
+        self._pending = step
         self._scores[step] = self.policy.score(info.metrics)
         self._last_step = step
         self._last_time = time.monotonic()
@@ -152,18 +215,22 @@ class Checkpointer:
     def wait(self) -> None:
         """Block until the last save is written and committed."""
         if self._manager is not None:
-            self._manager.wait_until_finished()
+            self._wait(self._manager)
 
     def close(self) -> None:
         """Wait for the last save, apply retention, release Orbax's resources."""
-        if self._manager is not None:
-            self._manager.wait_until_finished()
-            self._prune()
-            self._manager.close()
-            self._manager = None
-        for thread in self._deleting:
-            thread.join()
-        self._deleting.clear()
+        try:
+            if self._manager is not None:
+                self._wait(self._manager)
+                self._prune()
+        finally:
+            if self._manager is not None:
+                manager, self._manager = self._manager, None
+                with contextlib.suppress(Exception):
+                    manager.close()
+            for thread in self._deleting:
+                thread.join()
+            self._deleting.clear()
 
     # -- internals -------------------------------------------------------------
     def _open(self) -> ocp.CheckpointManager:
@@ -171,29 +238,67 @@ class Checkpointer:
             self._manager = _manager(self.directory, async_save=self.async_save)
         return self._manager
 
-    def _check_not_mixing(self, step: int) -> None:
-        if self._last_step is not None:
-            return
-        later = [s for s in self._existing if s >= step]
-        if later:
+    def _wait(self, manager: ocp.CheckpointManager) -> None:
+        """Wait for the background write; a failure becomes one sentence."""
+        pending, self._pending = self._pending, None
+        try:
+            manager.wait_until_finished()
+        except Exception as e:  # noqa: BLE001 -- Orbax's errors wrap the cause
+            self._last_step = None if self._last_step == pending else self._last_step
+            good = _storage.steps(self.directory)
+            good = [s for s in good if s != pending]
             raise CheckpointError(
-                f"{self.directory} already holds checkpoint(s) {later[:5]} at or "
-                f"beyond step {step}, written by another run; saving here would "
-                "mix two runs. Resume with `eqtrain.checkpoint.restore_or_init("
-                "run_dir, init, resume='auto')`, delete them (`resume='never', "
-                "overwrite=True`), or use a new run directory."
+                f"saving step {pending} failed: {_reason(e)}; last good checkpoint: "
+                f"{self.directory / str(good[-1]) if good else 'none'}."
+            ) from None
+
+    def _check_identity(self, run_id: str, manifests: dict[int, Any]) -> None:
+        others = [
+            s
+            for s, m in manifests.items()
+            if m and m.get("run_id") and m.get("run_id") != run_id
+        ]
+        if others:
+            raise CheckpointError(
+                f"{self.directory} holds checkpoint(s) {others[-5:]} written by "
+                f"another run (run id {manifests[others[-1]]['run_id'][:12]}, this "
+                f"run: {run_id[:12]}); saving here would mix two runs. Resume it "
+                "(resume='auto'), delete them (resume='never', overwrite=True), or "
+                "use a new run directory."
             )
 
-    def _read_score(self, step: int) -> float | None:
-        if self.policy.best is None:
-            return None
+    def _check_not_mixing(self, step: int, sums: dict[str, str]) -> bool:
+        """Before the first save: refuse if a later step exists, or this step
+        with other arrays. True when this very state is already saved."""
+        existing = _storage.steps(self.directory)
+        later = [s for s in existing if s > step]
+        if later:
+            raise CheckpointError(
+                f"{self.directory} already holds checkpoint(s) {later[:5]} beyond "
+                f"step {step}; saving here would mix two runs (or a rolled-back "
+                "run with its old future). Resume with `resume_run(run_dir, init, "
+                "resume='auto')`, discard them (`overwrite=True`), or use a new "
+                "run directory."
+            )
+        if step not in existing:
+            return False
+        manifest = self._read_manifest(step) or {}
+        if manifest.get("checksums") == sums and sums:
+            return True
+        raise CheckpointError(
+            f"{self.directory} already holds a checkpoint of step {step} with other "
+            "contents, written by another run; saving here would mix two runs. "
+            "Resume with `resume_run(run_dir, init, resume='auto')`, delete it "
+            "(`resume='never', overwrite=True`), or use a new run directory."
+        )
+
+    def _read_manifest(self, step: int) -> dict[str, Any] | None:
         try:
-            manifest = _storage.read_json(
+            return _storage.read_json(
                 self.directory / str(step), _storage.MANIFEST, _storage.MANIFEST_FILE
             )
         except CheckpointError:
             return None
-        return self.policy.score(manifest.get("metrics") or {})
 
     def _prune(self) -> None:
         committed = _storage.steps(self.directory)

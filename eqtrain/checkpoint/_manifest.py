@@ -12,10 +12,11 @@ from typing import Any
 import jax
 from jax.sharding import NamedSharding
 
+from . import _integrity
 from ._tree import array_leaves
 
 
-FORMAT = 1
+FORMAT = 2  # 2: run_id and per-array checksums
 _PACKAGES = ("jax", "jaxlib", "equinox", "optax", "orbax-checkpoint", "numpy")
 
 
@@ -86,9 +87,14 @@ def build(
     config: Mapping[str, Any] | None,
     stop_reason: Any,
     final: bool,
+    run_id: str,
+    checksums: dict[str, str],
+    started_from: str | None = None,
 ) -> dict[str, Any]:
     return {
         "format": FORMAT,
+        "run_id": run_id,
+        "started_from": started_from,
         "step": step,
         "time": time.time(),
         "final": final,
@@ -107,4 +113,6 @@ def build(
         "processes": jax.process_count(),
         "mesh": mesh_shape(state),
         "leaves": leaves,
+        "checksum": _integrity.ALGORITHM,
+        "checksums": checksums,
     }

@@ -4,6 +4,8 @@ and `restore_or_init`, the explicit resume policy shared by scripts and the CLI.
 
 import dataclasses
 import os
+import sys
+import uuid
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -14,9 +16,16 @@ import jax
 import orbax.checkpoint as ocp
 
 from .._errors import ConfigError
-from . import _storage
+from . import _integrity, _storage
 from ._errors import CheckpointError, CheckpointWarning, IncompatibleCheckpointError
-from ._tree import ShardingsArg, abstract_on_disk, check_compatible, from_disk
+from ._tree import (
+    ShardingsArg,
+    abstract_on_disk,
+    check_compatible,
+    from_disk,
+    path_name,
+    unnest,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,13 +54,77 @@ def _template(like: Any) -> Any:
     return eqx.filter_eval_shape(lambda: like)
 
 
+class DamagedCheckpointError(CheckpointError):
+    """A step's files are unreadable, incomplete, or do not match the checksums
+    recorded when it was written."""
+
+
+def _summary(e: BaseException) -> str:
+    """One line: Orbax/TensorStore errors embed pages of JSON specs."""
+    text = str(e).strip().splitlines()
+    line = text[0] if text else type(e).__name__
+    line = line.split(" [tensorstore_spec")[0]
+    return line[:300] + ("..." if len(line) > 300 else "")
+
+
+def _first_line(e: BaseException) -> str:
+    return _summary(e)
+
+
+def quiet_closed_loop() -> None:
+    """Drop the "Event loop is closed" errors TensorStore's threads report (as
+    unraisable exceptions) when reads of a failed restore or save complete after
+    Orbax closed its asyncio loop: noise, not information. Everything else still
+    reaches the previous hook."""
+    previous = sys.unraisablehook
+    if getattr(previous, "_eqtrain_quiet", False):
+        return
+
+    def hook(unraisable: Any) -> None:
+        value = unraisable.exc_value
+        if isinstance(value, RuntimeError) and str(value) == "Event loop is closed":
+            return
+        previous(unraisable)
+
+    hook._eqtrain_quiet = True  # type: ignore[attr-defined]
+    sys.unraisablehook = hook
+
+
 def _restore_step(step_dir: Path, template: Any, shardings: ShardingsArg) -> Restored:
-    manifest = _storage.read_json(step_dir, _storage.MANIFEST, _storage.MANIFEST_FILE)
+    """Read and verify one step; `DamagedCheckpointError` for anything unreadable
+    or not as written, `IncompatibleCheckpointError` for another model."""
+    quiet_closed_loop()  # before Orbax starts: the noise comes from its threads
+    if not step_dir.is_dir():
+        raise DamagedCheckpointError(f"{step_dir} does not exist.")
+    try:
+        manifest = _storage.read_json(
+            step_dir, _storage.MANIFEST, _storage.MANIFEST_FILE
+        )
+    except CheckpointError as e:
+        raise DamagedCheckpointError(str(e)) from None
     check_compatible(manifest.get("leaves", {}), template, str(step_dir))
-    data = _storage.read_json(step_dir, _storage.DATA, _storage.DATA_FILE)
-    target, _, _, targets = abstract_on_disk(template, shardings)
-    with ocp.StandardCheckpointer() as checkpointer:
-        arrays = checkpointer.restore(step_dir / _storage.STATE, target)
+    try:
+        data = _storage.read_json(step_dir, _storage.DATA, _storage.DATA_FILE)
+        target, paths, _, targets = abstract_on_disk(template, shardings)
+        with ocp.StandardCheckpointer() as checkpointer:
+            arrays = checkpointer.restore(step_dir / _storage.STATE, target)
+    except Exception as e:  # damaged files surface as many error types
+        raise DamagedCheckpointError(
+            f"{step_dir} is unreadable ({type(e).__name__}: {_summary(e)})"
+        ) from None
+    recorded = manifest.get("checksums")
+    if recorded:
+        names = [path_name(p) for p in paths]
+        actual = _integrity.checksums(names, unnest(arrays, paths))
+        bad = _integrity.mismatches(recorded, actual)
+        if bad:
+            shown = ", ".join(bad[:5]) + (
+                f" and {len(bad) - 5} more" if len(bad) > 5 else ""
+            )
+            raise DamagedCheckpointError(
+                f"{step_dir} does not hold what was written: the checksums of "
+                f"{len(bad)} array(s) differ ({shown})"
+            )
     return Restored(
         state=from_disk(template, arrays, targets),
         step=int(step_dir.name),
@@ -61,12 +134,23 @@ def _restore_step(step_dir: Path, template: Any, shardings: ShardingsArg) -> Res
     )
 
 
+def _agreed(ok: bool) -> bool:
+    """In a multi-process run, a step counts as read only if every process read it
+    (each reads its own shards)."""
+    if jax.process_count() == 1:
+        return ok
+    from ..distributed import agree
+
+    return not bool(agree([0 if ok else 1])[0])
+
+
 def restore(
     path: str | os.PathLike[str],
     like: Any,
     *,
     step: int | None = None,
     shardings: ShardingsArg = None,
+    on_damaged: Callable[[Path, str], None] | None = None,
 ) -> Restored:
     """Restore a checkpoint into the structure of `like`.
 
@@ -77,19 +161,26 @@ def restore(
             `eqx.filter_eval_shape`: nothing is allocated) or a state (concrete or
             abstract) of the same structure.
         step: the step to restore; default: the latest readable one. A damaged
-            latest step is reported (a `CheckpointWarning` naming it) and the
-            previous one used; a chosen `step` never falls back.
+            latest step (unreadable, incomplete, or with arrays whose checksums
+            differ from those recorded when it was written) is reported (a
+            `CheckpointWarning` naming it) and the previous one used; a chosen
+            `step` (or a step directory as `path`) never falls back. A step
+            pruned by a run still writing the directory is skipped silently.
         shardings: where to put the arrays: None (first local device), one
             `Sharding`, a callable `(path, abstract_leaf) -> Sharding`, or a pytree
             shaped like the state with a `Sharding` per array leaf. The checkpoint's
             own layout does not matter (resharding on restore).
+        on_damaged: called with `(step_dir, reason)` for each damaged step skipped
+            (instead of the warning).
 
     Raises:
         IncompatibleCheckpointError: the checkpoint's leaves differ from `like`'s
             (the message names the first mismatched paths and shapes).
-        CheckpointError: no checkpoint, or none readable.
+        CheckpointError: no checkpoint, none readable, or a chosen step damaged
+            (one paragraph naming it).
     """
     directory, chosen = _storage.resolve(path)
+    _storage.check_path(directory)
     chosen = step if step is not None else chosen
     template = _template(like)
     if chosen is not None:
@@ -99,27 +190,53 @@ def restore(
                 f"no checkpoint {step_dir}; available steps: "
                 f"{_storage.steps(directory) or 'none'}."
             )
-        return _restore_step(step_dir, template, shardings)
-    available = _storage.steps(directory)
-    if not available:
-        raise CheckpointError(f"no complete checkpoint in {directory}.")
-    failures = []
-    for candidate in reversed(available):
+        try:
+            return _restore_step(step_dir, template, shardings)
+        except DamagedCheckpointError as e:
+            raise DamagedCheckpointError(
+                f"cannot restore the checkpoint you named: {e}. Name another step "
+                f"(available: {_storage.steps(directory) or 'none'}), or the run "
+                "directory to use its newest readable checkpoint."
+            ) from None
+    failures: list[str] = []
+    tried: set[int] = set()
+    while True:
+        # Re-listed after every failure: a run writing this directory may have
+        # pruned the step we picked (it then simply is no longer listed).
+        candidates = [s for s in _storage.steps(directory) if s not in tried]
+        if not candidates:
+            break
+        candidate = candidates[-1]
+        tried.add(candidate)
         step_dir = directory / str(candidate)
         try:
             restored = _restore_step(step_dir, template, shardings)
+            error = None
         except IncompatibleCheckpointError:
             raise
-        except Exception as e:  # damaged files surface as many error types
-            failures.append(f"  {step_dir}: {type(e).__name__}: {_first_line(e)}")
-            warnings.warn(
-                f"checkpoint {step_dir} is unreadable ({type(e).__name__}: "
-                f"{_first_line(e)}); trying the previous one.",
-                CheckpointWarning,
-                stacklevel=2,
-            )
+        except DamagedCheckpointError as e:
+            restored, error = None, e
+        if not _agreed(error is None):
+            if error is None:
+                error = DamagedCheckpointError(
+                    f"{step_dir}: unreadable on another process"
+                )
+            if not step_dir.exists():
+                continue  # pruned meanwhile: not damaged
+            reason = str(error)
+            failures.append(f"  {reason}")
+            if on_damaged is not None:
+                on_damaged(step_dir, reason)
+            else:
+                warnings.warn(
+                    f"damaged checkpoint: {reason}; trying the previous one.",
+                    CheckpointWarning,
+                    stacklevel=2,
+                )
             continue
         return restored
+    if not failures:
+        raise CheckpointError(f"no complete checkpoint in {directory}.")
     raise CheckpointError(
         f"none of the checkpoints in {directory} could be read:\n"
         + "\n".join(failures)
@@ -128,9 +245,246 @@ def restore(
     )
 
 
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip().splitlines()
-    return text[0][:300] if text else ""
+@dataclasses.dataclass(frozen=True)
+class Resumed:
+    """The state a run starts from, as decided by `resume_run`.
+
+    Attributes:
+        state: the restored (or freshly initialised) `TrainState`.
+        step: the restored checkpoint's step; None when starting fresh.
+        run_id: the run's identity, written in every manifest of the run: the
+            restored checkpoint's when the run continues, a new one when a run
+            starts (fresh, or from another run's checkpoint).
+        source: the step directory restored (None when starting fresh).
+        started_from: the checkpoint of another run this run started from, if any.
+        moved_aside: damaged steps renamed to `<step>.damaged-<time>`.
+        discarded: later steps deleted for a rollback (`overwrite=True`).
+    """
+
+    state: Any
+    step: int | None
+    run_id: str
+    source: Path | None = None
+    started_from: str | None = None
+    moved_aside: tuple[Path, ...] = ()
+    discarded: tuple[int, ...] = ()
+
+
+def new_run_id() -> str:
+    return uuid.uuid4().hex
+
+
+def _writer() -> bool:
+    return jax.process_index() == 0
+
+
+def _discard(directory: Path, doomed: list[int], why: str) -> None:
+    if not doomed:
+        return
+    if _writer():
+        for s in doomed:
+            _storage.remove_step(directory, s)
+    warnings.warn(
+        f"discarded checkpoint(s) {doomed} of {directory} ({why}).",
+        CheckpointWarning,
+        stacklevel=3,
+    )
+
+
+def _newest_manifest(directory: Path) -> dict[str, Any] | None:
+    for s in reversed(_storage.steps(directory)):
+        try:
+            return _storage.read_json(
+                directory / str(s), _storage.MANIFEST, _storage.MANIFEST_FILE
+            )
+        except CheckpointError:
+            continue
+    return None
+
+
+def _same_source(started_from: Any, src_dir: Path, src_step: int | None) -> bool:
+    if not isinstance(started_from, str):
+        return False
+    origin = Path(started_from)
+    if os.path.realpath(origin.parent) != os.path.realpath(src_dir):
+        return False
+    return src_step is None or origin.name == str(src_step)
+
+
+def resume_run(
+    run_dir: str | os.PathLike[str],
+    init: Callable[[], Any],
+    *,
+    resume: str | os.PathLike[str] = "auto",
+    overwrite: bool = False,
+    shardings: ShardingsArg = None,
+    data: Any = None,
+    like: Any = None,
+) -> Resumed:
+    """`restore_or_init` with everything a writer of `run_dir` needs to know:
+    the run's identity (pass `run_id` to `Checkpointer`), where it came from,
+    and which damaged steps were moved aside. Every refusal happens here, before
+    anything is trained or compiled.
+
+    - `"auto"`: the newest readable step of `run_dir`. Damaged newer steps
+      (unreadable, incomplete, checksums that differ) are renamed to
+      `<step>.damaged-<time>` with one `CheckpointWarning` naming them, so they
+      never block the run again. Nothing readable at all: `CheckpointError`
+      (never a silent restart from step 0).
+    - `"never"`: `init()`; refuses if `run_dir` holds checkpoints, unless
+      `overwrite=True` (they are deleted).
+    - a step of `run_dir` itself (a rollback): refused before training if later
+      steps exist, unless `overwrite=True` (they are discarded, with a warning).
+    - another run's checkpoint: starts a new run from it; refused if `run_dir`
+      already holds checkpoints of a different run, unless `overwrite=True`. When
+      `run_dir`'s checkpoints are those of a run started from that very
+      checkpoint, that run is continued (re-running the same command resumes).
+    """
+    directory = _storage.checkpoints_dir(run_dir)
+    _storage.check_path(directory)
+    template = init if like is None else like
+    existing = _storage.steps(directory)
+    resumed: Resumed
+    if isinstance(resume, str) and resume in ("auto", "never"):
+        mode = resume
+    else:
+        if str(resume) in ("", "none", "latest"):
+            raise ConfigError(
+                "`resume` must be 'auto', 'never' or a checkpoint path; got "
+                f"{resume!r}."
+            )
+        mode = "path"
+    if mode == "never":
+        if existing and not overwrite:
+            raise CheckpointError(
+                f"{directory} already holds checkpoints (steps "
+                f"{existing[-5:]}) and resume='never': refusing to mix two "
+                "runs. Use resume='auto' to continue it, overwrite=True to "
+                "delete them, or a new run directory."
+            )
+        if _writer():
+            for step in existing:
+                _storage.remove_step(directory, step)
+            _storage.clean_leftovers(directory)
+        return Resumed(init(), None, new_run_id())
+    if mode == "path":
+        src_dir, src_step = _storage.resolve(resume)
+        same = os.path.realpath(src_dir) == os.path.realpath(directory)
+        if same and src_step is None:
+            mode = "auto"
+        elif same:
+            return _rollback(
+                directory, src_step, existing, template, overwrite, shardings, data
+            )
+        elif existing:
+            newest = _newest_manifest(directory) or {}
+            if _same_source(newest.get("started_from"), src_dir, src_step):
+                mode = "auto"  # the run started from there: continue it
+            elif not overwrite:
+                raise CheckpointError(
+                    f"{directory} already holds checkpoints (steps {existing[-5:]}) "
+                    f"of another run; starting it over from {resume} would mix "
+                    "two runs. Continue the run there with --resume auto "
+                    "(resume='auto'), pass --overwrite (overwrite=True) to "
+                    "discard its checkpoints, or use a new run directory."
+                )
+    if mode == "auto":
+        if not existing:
+            leftovers = _storage.damaged_steps(directory)
+            if leftovers:
+                raise CheckpointError(
+                    f"{directory} holds no readable checkpoint, only damaged ones "
+                    f"moved aside earlier ({', '.join(leftovers[:3])}). Refusing "
+                    "to start over from step 0: move them away, or start anew "
+                    "with --resume never --overwrite (resume='never')."
+                )
+            if _writer():
+                _storage.clean_leftovers(directory)
+            return Resumed(init(), None, new_run_id())
+        seen: list[tuple[Path, str]] = []
+        restored = restore(
+            directory,
+            template,
+            shardings=shardings,
+            on_damaged=lambda d, why: seen.append((d, why)),
+        )
+        moved = []
+        for step_dir, why in seen:
+            target = step_dir
+            if _writer() and step_dir.exists():
+                target = _storage.move_aside(directory, int(step_dir.name))
+            moved.append((target, why))
+        if moved:
+            named = "; ".join(f"{why}, moved aside to {t.name}" for t, why in moved)
+            warnings.warn(
+                f"damaged checkpoint(s): {named}; resuming from step "
+                f"{restored.step} (the steps after it are trained again).",
+                CheckpointWarning,
+                stacklevel=2,
+            )
+        manifest = restored.manifest
+        resumed = Resumed(
+            restored.state,
+            restored.step,
+            manifest.get("run_id") or new_run_id(),
+            restored.path,
+            manifest.get("started_from"),
+            tuple(t for t, _ in moved),
+        )
+    else:  # another run's checkpoint: a new run starts from it
+        restored = restore(resume, template, shardings=shardings)
+        _discard(
+            directory,
+            existing,
+            "overwrite: a new run starts from " + str(restored.path),
+        )
+        resumed = Resumed(
+            restored.state,
+            restored.step,
+            new_run_id(),
+            restored.path,
+            str(restored.path),
+        )
+    _finish(resumed, restored, data)
+    return resumed
+
+
+def _rollback(
+    directory: Path,
+    step: int,
+    existing: list[int],
+    template: Any,
+    overwrite: bool,
+    shardings: ShardingsArg,
+    data: Any,
+) -> Resumed:
+    later = [s for s in existing if s > step]
+    if later and not overwrite:
+        raise CheckpointError(
+            f"resuming from {directory / str(step)} rolls the run back: it already "
+            f"holds the later checkpoint(s) {later[-5:]}, which would be mixed with "
+            "the retrained steps. Pass --overwrite (overwrite=True) to discard "
+            "them, or --resume auto to continue from the newest."
+        )
+    restored = restore(directory, template, step=step, shardings=shardings)
+    _discard(directory, later, f"overwrite: rolled back to step {step}")
+    manifest = restored.manifest
+    resumed = Resumed(
+        restored.state,
+        restored.step,
+        manifest.get("run_id") or new_run_id(),
+        restored.path,
+        manifest.get("started_from"),
+        discarded=tuple(later),
+    )
+    _finish(resumed, restored, data)
+    return resumed
+
+
+def _finish(resumed: Resumed, restored: Restored, data: Any) -> None:
+    if data is not None and restored.data_position is not None:
+        data.seek(restored.data_position)
+    jax.block_until_ready(resumed.state)
 
 
 def restore_or_init(
@@ -149,11 +503,15 @@ def restore_or_init(
         run_dir: the run directory (checkpoints under `run_dir/checkpoints`).
         init: builds a fresh state; only evaluated abstractly when restoring.
         resume: `"auto"`: continue from the latest readable checkpoint in
-            `run_dir`, or `init()` if it has none. `"never"`: `init()`, and refuse
-            if `run_dir` already holds checkpoints (unless `overwrite=True`, which
-            deletes them). A path (a run, checkpoints or step directory): restore
-            from there (the new checkpoints still go to `run_dir`).
-        overwrite: with `resume="never"`, delete existing checkpoints first.
+            `run_dir` (damaged newer steps are moved aside, with a warning), or
+            `init()` if it has none. `"never"`: `init()`, and refuse if `run_dir`
+            already holds checkpoints (unless `overwrite=True`, which deletes
+            them). A path (a run, checkpoints or step directory): restore from
+            there (the new checkpoints still go to `run_dir`); a step of
+            `run_dir` itself with later steps present is a rollback, refused
+            unless `overwrite=True` (the later steps are discarded).
+        overwrite: delete existing checkpoints that would be mixed with the new
+            ones (with `resume="never"`, a rollback, or another run's path).
         shardings: target shardings of restored arrays, as in `restore` (a fresh
             `init()` places its own arrays).
         data: a train `Loader`: it is moved to the checkpoint's position (`seek`).
@@ -162,38 +520,16 @@ def restore_or_init(
             it when `init` is costly even abstractly (e.g. it reads weights).
 
     Returns:
-        `(state, step)`, with `step` None when starting fresh.
+        `(state, step)`, with `step` None when starting fresh. `resume_run` also
+        returns the run's identity, for `Checkpointer(run_id=...)`.
     """
-    directory = _storage.checkpoints_dir(run_dir)
-    if isinstance(resume, str) and resume in ("auto", "never"):
-        existing = _storage.steps(directory)
-        if resume == "never":
-            if existing and not overwrite:
-                raise CheckpointError(
-                    f"{directory} already holds checkpoints (steps "
-                    f"{existing[-5:]}) and resume='never': refusing to mix two "
-                    "runs. Use resume='auto' to continue it, overwrite=True to "
-                    "delete them, or a new run directory."
-                )
-            for step in existing:
-                _storage.remove_step(directory, step)
-            _storage.clean_leftovers(directory)
-            return init(), None
-        if not existing:
-            if _storage.has_leftovers(directory):
-                _storage.clean_leftovers(directory)
-            return init(), None
-        restored = restore(
-            directory, init if like is None else like, shardings=shardings
-        )
-    else:
-        if str(resume) in ("", "none", "latest"):
-            raise ConfigError(
-                "`resume` must be 'auto', 'never' or a checkpoint path; got "
-                f"{resume!r}."
-            )
-        restored = restore(resume, init if like is None else like, shardings=shardings)
-    if data is not None and restored.data_position is not None:
-        data.seek(restored.data_position)
-    jax.block_until_ready(restored.state)
-    return restored.state, restored.step
+    resumed = resume_run(
+        run_dir,
+        init,
+        resume=resume,
+        overwrite=overwrite,
+        shardings=shardings,
+        data=data,
+        like=like,
+    )
+    return resumed.state, resumed.step

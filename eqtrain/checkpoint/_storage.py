@@ -5,6 +5,7 @@ import json
 import os
 import shutil
 import threading
+import time
 import uuid
 from pathlib import Path
 from typing import Any
@@ -19,21 +20,68 @@ MANIFEST = "manifest"
 DATA_FILE = "data_position.json"
 MANIFEST_FILE = "manifest.json"
 DELETING = ".eqtrain-deleting"
+DAMAGED = ".damaged-"
+# Characters that Orbax/TensorStore treat as glob or escape syntax in paths: a
+# checkpoint written under them could never be read back.
+SPECIAL = "[]*?\\"
 
 
 def checkpoints_dir(run_dir: str | os.PathLike[str]) -> Path:
     return Path(run_dir).absolute() / CHECKPOINTS  # Orbax needs absolute paths
 
 
+def check_path(path: str | os.PathLike[str]) -> None:
+    """Refuse a checkpoint path that Orbax/TensorStore cannot read back."""
+    text = os.fspath(Path(path).absolute())
+    bad = sorted({c for c in text if c in SPECIAL})
+    if bad:
+        raise CheckpointError(
+            f"the path {text} contains {' '.join(repr(c) for c in bad)}, which "
+            "Orbax/TensorStore treat as pattern syntax: checkpoints written there "
+            "could never be read back; choose a run directory without "
+            "[ ] * ? or backslash."
+        )
+
+
+def _is_step(p: Path) -> bool:
+    # An empty directory with a step's name holds nothing to restore: not a step.
+    return p.name.isdigit() and p.is_dir() and any(p.iterdir())
+
+
 def steps(directory: Path) -> list[int]:
     """Committed steps in a checkpoints directory, ascending. Orbax renames
     `<step>.orbax-checkpoint-tmp-*` to `<step>` only once the save is complete,
-    so torn saves (and steps being deleted) are not listed."""
+    so torn saves (and steps being deleted) are not listed; nor are empty
+    directories with a step's name."""
     if not directory.is_dir():
         return []
-    return sorted(
-        int(p.name) for p in directory.iterdir() if p.name.isdigit() and p.is_dir()
-    )
+    out = []
+    for p in directory.iterdir():
+        try:
+            if _is_step(p):
+                out.append(int(p.name))
+        except OSError:  # pruned while listing
+            continue
+    return sorted(out)
+
+
+def damaged_steps(directory: Path) -> list[str]:
+    """Names of the steps moved aside as damaged (`<step>.damaged-<time>`)."""
+    if not directory.is_dir():
+        return []
+    return sorted(p.name for p in directory.iterdir() if DAMAGED in p.name)
+
+
+def move_aside(directory: Path, step: int) -> Path:
+    """Rename a damaged step to `<step>.damaged-<time>` (kept, never read again)."""
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    target = directory / f"{step}{DAMAGED}{stamp}"
+    n = 1
+    while target.exists():
+        n += 1
+        target = directory / f"{step}{DAMAGED}{stamp}-{n}"
+    os.rename(directory / str(step), target)
+    return target
 
 
 def has_leftovers(directory: Path) -> bool:
@@ -77,7 +125,26 @@ def clean_leftovers(directory: Path) -> list[str]:
         if p.is_dir() and (DELETING in p.name or ".orbax-checkpoint-tmp" in p.name):
             shutil.rmtree(p, ignore_errors=True)
             removed.append(p.name)
+        elif p.name.isdigit() and p.is_dir() and not any(p.iterdir()):
+            p.rmdir()  # an empty directory with a step's name: nothing to lose
+            removed.append(p.name)
     return removed
+
+
+def step_problems(step_dir: Path) -> str | None:
+    """A cheap structural check of a step (no array is read): None if its
+    manifest, data position and array index are there, else what is missing.
+    Flipped bits or truncated array files are found only by restoring
+    (checksums)."""
+    try:
+        read_json(step_dir, MANIFEST, MANIFEST_FILE)
+        read_json(step_dir, DATA, DATA_FILE)
+    except CheckpointError as e:
+        return str(e)
+    for name in ("_METADATA", "manifest.ocdbt"):
+        if not (step_dir / STATE / name).is_file():
+            return f"{step_dir / STATE / name} is missing"
+    return None
 
 
 def read_json(step_dir: Path, item: str, filename: str) -> Any:
@@ -93,9 +160,11 @@ def resolve(path: str | os.PathLike[str]) -> tuple[Path, int | None]:
     """(checkpoints directory, step or None) for a run directory, a checkpoints
     directory or one step's directory."""
     p = Path(path).absolute()
-    if (p / CHECKPOINTS).is_dir():
+    if (p / CHECKPOINTS).is_dir() or (p / "config.toml").is_file():
         return p / CHECKPOINTS, None
-    if p.name.isdigit() and (p / STATE).exists():
+    if p.name.isdigit() and (
+        (p / STATE).exists() or (p / MANIFEST).exists() or p.parent.name == CHECKPOINTS
+    ):
         return p.parent, int(p.name)
     if p.is_dir():
         return p, None

@@ -49,7 +49,8 @@ def _errors() -> Iterator[dict[str, Any]]:
     last complete checkpoint."""
     where: dict[str, Any] = {}
     try:
-        yield where
+        with _plain_warnings():
+            yield where
     except EqtrainError as e:
         _fail(str(e))
     except OSError as e:
@@ -58,6 +59,27 @@ def _errors() -> Iterator[dict[str, Any]]:
         if not job.is_write_error(e):
             raise
         _fail(job.write_error_message(e, where.get("run_dir")))
+
+
+@contextlib.contextmanager
+def _plain_warnings() -> Iterator[None]:
+    """eqtrain's warnings (a damaged checkpoint moved aside, ...) as one
+    `warning: ...` paragraph, without Python's file and line."""
+    import warnings
+
+    previous = warnings.showwarning
+
+    def show(message: Any, category: Any, *args: Any, **kwargs: Any) -> None:
+        if category.__module__.startswith("eqtrain"):
+            typer.echo(f"warning: {' '.join(str(message).split())}", err=True)
+        else:
+            previous(message, category, *args, **kwargs)
+
+    warnings.showwarning = show
+    try:
+        yield
+    finally:
+        warnings.showwarning = previous
 
 
 def _echo(text: str) -> None:
@@ -90,7 +112,11 @@ def fit(
     ] = None,
     overwrite: Annotated[
         bool,
-        typer.Option(help="With --resume never: delete the run's old checkpoints."),
+        typer.Option(
+            help="Discard the run's checkpoints that would be mixed with new ones: "
+            "with --resume never (all), a rollback --resume RUN/checkpoints/N "
+            "(the later ones), or --resume of another run."
+        ),
     ] = False,
 ) -> None:
     """Train. With no CONFIG: a small byte-level Llama on the Python standard
@@ -261,10 +287,15 @@ def _format_info(data: dict[str, Any]) -> str:
         lines.append(f"last logged:  {json.dumps(shown)}")
     lines.append(f"checkpoints:  {len(data['checkpoints'])}")
     for c in data["checkpoints"]:
+        if c.get("error"):
+            lines.append(f"  step {c['step']:>8}  DAMAGED: {c['error']}")
+            continue
         reason = (c.get("stop_reason") or {}).get("kind", "")
         loss = (c.get("metrics") or {}).get("eval/loss")
         extra = f"  eval/loss {loss:.4f}" if isinstance(loss, float) else ""
         lines.append(f"  step {c['step']:>8}{extra}  {reason}".rstrip())
+    for name in data.get("damaged") or []:
+        lines.append(f"  moved aside (damaged): {name}")
     lines.append(f"HF export:    {data['export'] or '(none)'}")
     return "\n".join(lines)
 

@@ -188,13 +188,16 @@ def run_info(path: str | os.PathLike[str]) -> dict[str, Any]:
     config = open_run(p)
     run_dir = _run_dir_of(p)
     steps = checkpoint.list_steps(run_dir)
+    directory = run_dir / "checkpoints"
     checkpoints = []
+    readable = []
     for step in steps:
-        try:
-            manifest = checkpoint.read_manifest(run_dir, step=step)
-        except checkpoint.CheckpointError as e:
-            checkpoints.append({"step": step, "error": str(e)})
+        problem = checkpoint.step_problems(directory / str(step))
+        if problem is not None:
+            checkpoints.append({"step": step, "error": problem})
             continue
+        manifest = checkpoint.read_manifest(run_dir, step=step)
+        readable.append(step)
         checkpoints.append(
             {
                 "step": step,
@@ -202,6 +205,7 @@ def run_info(path: str | os.PathLike[str]) -> dict[str, Any]:
                 "stop_reason": manifest.get("stop_reason"),
                 "metrics": manifest.get("metrics", {}),
                 "mesh": manifest.get("mesh"),
+                "run_id": manifest.get("run_id"),
             }
         )
     last = _last_metrics(run_dir)
@@ -210,7 +214,9 @@ def run_info(path: str | os.PathLike[str]) -> dict[str, Any]:
         export = str(run_dir / config.export.hf)
     return {
         "run_dir": str(run_dir),
-        "steps_trained": steps[-1] if steps else 0,
+        # the newest step a resume would start from (damaged ones do not count)
+        "steps_trained": readable[-1] if readable else 0,
+        "damaged": checkpoint.damaged_steps(directory),
         "target_steps": config.loop.steps,
         "checkpoints": checkpoints,
         "last_metrics": last,

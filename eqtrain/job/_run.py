@@ -14,12 +14,12 @@ import jax
 
 from .. import checkpoint, hf, hooks as hooks_lib
 from .._errors import ConfigError
-from .._hooks import at_end, every
+from .._hooks import StopKind, StopReason, at_end, every
 from .._jit import jit
 from .._loop import FitResult, fit
-from .._step import eval_step, train_step
 from ..config import Config, to_dict, to_toml
 from ..data import Loader
+from ..step import eval_step, train_step
 from . import _build, _place, _preflight
 
 
@@ -154,6 +154,8 @@ class Prepared:
         fit_kwargs: everything else `fit` takes (hooks, evaluation, checkpointer,
             stop conditions, FLOP figures).
         resumed_from: the restored checkpoint's step, or None.
+        source: the restored step directory (of this run or another), or None.
+        lock: the run directory's lock (process 0), released by `close()`.
     """
 
     job: _build.Job
@@ -163,9 +165,16 @@ class Prepared:
     loader: Loader
     fit_kwargs: dict[str, Any]
     resumed_from: int | None
+    source: Path | None = None
+    lock: Any = None
 
     def close(self) -> None:
-        self.loader.close()
+        """Stop the loader's prefetch and release the run directory."""
+        try:
+            self.loader.close()
+        finally:
+            if self.lock is not None:
+                self.lock.release()
 
 
 def prepare(
@@ -185,22 +194,26 @@ def prepare(
             "the checkpoint afterwards with `eqtrain export RUN_DIR OUT`."
         )
     run_dir = Path(config.run_dir)
+    writer = jax.process_index() == 0
+    check_checkpoint_path(run_dir)
     # Every output target (run dir, TensorBoard, export, plot), before compiling.
-    _preflight.check_outputs(config, writer=jax.process_index() == 0)
+    _preflight.check_outputs(config, writer=writer)
     check_writable(run_dir)
-    write_config(config, run_dir)
-
-    data = config.data
-    loader = Loader(
-        rows,
-        data.batch_size,
-        seed=config.seed,
-        shuffle=data.shuffle,
-        prefetch=data.prefetch,
-        sharding=placement.batch_sharding,
-    )
+    # One run per directory: process 0 holds the lock until the run ends.
+    lock = checkpoint.RunLock(run_dir).acquire() if writer else None
+    loader = None
     try:
-        state, resumed = checkpoint.restore_or_init(
+        check_kill_switch(config)
+        data = config.data
+        loader = Loader(
+            rows,
+            data.batch_size,
+            seed=config.seed,
+            shuffle=data.shuffle,
+            prefetch=data.prefetch,
+            sharding=placement.batch_sharding,
+        )
+        start = checkpoint.resume_run(
             run_dir,
             lambda: placement.place(job.new_state()),
             like=job.abstract_state(),
@@ -209,9 +222,57 @@ def prepare(
             shardings=placement.state_shardings,
             data=loader,
         )
+        state, resumed = start.state, start.step
+        # Only once the restore succeeded: a refused resume leaves the config
+        # that the checkpoints were written with.
+        if writer:
+            write_config(config, run_dir)
+        prepared = _assemble(
+            config, job, placement, eval_rows, run_dir, loader, state, resumed, start
+        )
     except BaseException:
-        loader.close()
+        if loader is not None:
+            loader.close()
+        if lock is not None:
+            lock.release()
         raise
+    prepared.lock = lock
+    return prepared
+
+
+def check_kill_switch(config: Config) -> None:
+    """Refuse to start while the run's kill-switch file exists: the run would
+    stop after its first step."""
+    if config.loop.kill_switch is None:
+        return
+    path = Path(config.run_dir) / config.loop.kill_switch
+    if path.exists():
+        raise ConfigError(
+            f"the kill-switch file {path} exists, so the run would stop at once; "
+            f"remove {path} to continue."
+        )
+
+
+def check_checkpoint_path(run_dir: Path) -> None:
+    """Refuse a run directory whose checkpoints could never be read back."""
+    try:
+        checkpoint.check_path(run_dir)
+    except checkpoint.CheckpointError as e:
+        raise ConfigError(str(e)) from None
+
+
+def _assemble(
+    config: Config,
+    job: _build.Job,
+    placement: Any,
+    eval_rows: Any,
+    run_dir: Path,
+    loader: Loader,
+    state: Any,
+    resumed: int | None,
+    start: Any,
+) -> "Prepared":
+    data = config.data
     loop = config.loop
     precision = "bf16" if loop.precision == "bf16" else None
     step = jit(
@@ -238,6 +299,8 @@ def prepare(
         data=loader,
         config=to_dict(config),
         async_save=ckpt.async_save,
+        run_id=start.run_id,  # refuses another run's steps here, before compiling
+        started_from=start.started_from,
     )
     fit_kwargs = dict(
         num_steps=loop.steps,
@@ -253,7 +316,32 @@ def prepare(
         peak_flops=_peak_flops(config, placement.mesh),
         tokens_seen=(resumed or 0) * data.batch_size * data.seq_len,
     )
-    return Prepared(job, placement, state, step, loader, fit_kwargs, resumed)
+    return Prepared(
+        job, placement, state, step, loader, fit_kwargs, resumed, start.source
+    )
+
+
+def _nothing_to_do(
+    prepared: Prepared, run_dir: Path, say: Callable[[str], None]
+) -> RunResult:
+    """A finished run run again: no training, no hooks, no new files."""
+    config = prepared.job.config
+    done = prepared.resumed_from or 0
+    message = (
+        f"already at step {done} of {config.loop.steps}; nothing to do (raise "
+        "loop.steps to train further)"
+    )
+    say(message)
+    try:
+        prepared.fit_kwargs["checkpointer"].close()
+    finally:
+        prepared.close()
+    reason = StopReason(StopKind.MAX_STEPS, done, message)
+    export_dir = None
+    if config.export.hf is not None and (run_dir / config.export.hf).exists():
+        export_dir = run_dir / config.export.hf
+    result = FitResult(state=prepared.state, stop_reason=reason, history=[])
+    return RunResult(result, run_dir, done, export_dir, config)
 
 
 def run(
@@ -282,8 +370,11 @@ def run(
     prepared = prepare(config, resume=resume, overwrite=overwrite)
     config = prepared.job.config
     run_dir = Path(config.run_dir)
-    if prepared.resumed_from is not None:
-        say(f"resumed from {run_dir / 'checkpoints' / str(prepared.resumed_from)}")
+    done = prepared.resumed_from
+    if done is not None:
+        say(f"resumed from {prepared.source}")
+    if done is not None and done >= config.loop.steps:
+        return _nothing_to_do(prepared, run_dir, say)
     try:
         result = fit(
             prepared.state, prepared.step, prepared.loader, **prepared.fit_kwargs
