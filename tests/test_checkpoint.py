@@ -16,10 +16,15 @@ from eqtrain.checkpoint import (
     Checkpointer,
     CheckpointError,
     CheckpointWarning,
+    DamagedCheckpointError,
     IncompatibleCheckpointError,
+    RunInUseError,
+    RunLock,
     list_steps,
+    read_manifest,
     restore,
     restore_or_init,
+    resume_run,
 )
 from eqtrain.data import Loader
 
@@ -310,3 +315,169 @@ def placed(state, sharding_fn):
         for p, x in zip(paths, leaves, strict=True)
     )
     return jax.tree.map(lambda x: next(placed) if eqx.is_array(x) else x, state)
+
+
+# -- integrity, identity, concurrency (issue 19) ----------------------------------
+def _flip_bit(step_dir):
+    """One bit flipped in the largest array file, where it still decodes."""
+    big = max((step_dir / "state").rglob("d/*"), key=lambda f: f.stat().st_size)
+    data = bytearray(big.read_bytes())
+    data[int(len(data) * 0.7)] ^= 0x10
+    big.write_bytes(bytes(data))
+
+
+def test_bit_flip_fails_the_checksums(tmp_path):
+    train(init(width=64), make_batches(4), 4, Checkpointer(tmp_path, every_steps=2))
+    manifest = json.loads(
+        (tmp_path / "checkpoints" / "4" / "manifest" / "manifest.json").read_text()
+    )
+    assert manifest["checksum"] == "sum32x2" and manifest["run_id"]
+    assert set(manifest["checksums"]) == set(manifest["leaves"])
+    _flip_bit(tmp_path / "checkpoints" / "4")
+    with pytest.raises(DamagedCheckpointError, match="checksums of 1 array"):
+        restore(tmp_path, lambda: init(width=64), step=4)
+    with pytest.warns(CheckpointWarning, match=r"checkpoints/4 does not hold"):
+        assert restore(tmp_path, lambda: init(width=64)).step == 2
+    # a writer (resume) moves it aside, once
+    with pytest.warns(CheckpointWarning, match="moved aside to 4.damaged-"):
+        resumed = resume_run(tmp_path, lambda: init(width=64))
+    assert resumed.step == 2 and list_steps(tmp_path) == [2]
+    names = [p.name for p in (tmp_path / "checkpoints").iterdir()]
+    assert sorted(n.split(".")[0] for n in names if ".damaged-" in n) == ["4"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert resume_run(tmp_path, lambda: init(width=64)).step == 2
+
+
+def test_checksums_cover_every_dtype():
+    from eqtrain.checkpoint._integrity import checksums
+
+    leaves = [
+        jnp.arange(6.0).reshape(2, 3),
+        jnp.ones((3,), jnp.bfloat16),
+        jnp.array([True, False]),
+        jnp.arange(4, dtype=jnp.int8),
+        jax.random.key_data(jax.random.key(3)),
+    ]
+    names = [str(i) for i in range(len(leaves))]
+    sums = checksums(names, leaves)
+    assert set(sums) == set(names)
+    changed = [leaves[0].at[1, 2].set(5.0000005), *leaves[1:]]
+    assert checksums(names, changed)["0"] != sums["0"]
+    swapped = [leaves[0][::-1], *leaves[1:]]  # same values, other places
+    assert checksums(names, swapped)["0"] != sums["0"]
+
+
+def test_restore_relists_when_the_picked_step_is_pruned(tmp_path, monkeypatch):
+    """`eval`/`export` on a directory being written: the step picked is pruned
+    meanwhile (renamed away); the newest complete one is taken, silently."""
+    from eqtrain.checkpoint import _restore, _storage
+
+    train(init(), make_batches(4), 4, Checkpointer(tmp_path, every_steps=2))
+    real = _restore._restore_step
+    pruned = []
+
+    def racing(step_dir, *args):
+        if not pruned:
+            pruned.append(step_dir.name)
+            _storage.remove_step(step_dir.parent, int(step_dir.name))
+        return real(step_dir, *args)
+
+    monkeypatch.setattr(_restore, "_restore_step", racing)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert restore(tmp_path, init).step == 2
+    assert pruned == ["4"]
+
+
+def test_run_identity_not_step_numbers(tmp_path):
+    loader = Loader(rows(), 8, seed=1)
+    train(init(), loader, 4, Checkpointer(tmp_path, every_steps=2, data=loader))
+    run_id = json.loads(
+        (tmp_path / "checkpoints" / "2" / "manifest" / "manifest.json").read_text()
+    )["run_id"]
+    # another run's identity: refused at construction, before any training
+    with pytest.raises(CheckpointError, match="written by another run"):
+        Checkpointer(tmp_path, run_id="someone-else")
+    # the same run, finished, run again: nothing trained, nothing written
+    fresh = Loader(rows(), 8, seed=1)
+    resumed = resume_run(tmp_path, init, data=fresh)
+    assert resumed.run_id == run_id and resumed.step == 4
+    mtime = (tmp_path / "checkpoints" / "4").stat().st_mtime_ns
+    ck = Checkpointer(tmp_path, every_steps=2, data=fresh, run_id=resumed.run_id)
+    result = train(resumed.state, fresh, 4, ck)
+    assert result.stop_reason.kind == "max_steps"
+    assert (tmp_path / "checkpoints" / "4").stat().st_mtime_ns == mtime
+    # ... and continued further: same identity in the new manifests
+    train(resumed.state, fresh, 6, Checkpointer(tmp_path, every_steps=2))
+    assert read_manifest(tmp_path, step=6)["run_id"] == run_id
+
+
+def test_rollback_refused_before_training_unless_overwrite(tmp_path):
+    train(init(), make_batches(4), 4, Checkpointer(tmp_path, every_steps=2))
+    step2 = tmp_path / "checkpoints" / "2"
+    with pytest.raises(CheckpointError, match=r"rolls the run back.*\[4\]"):
+        resume_run(tmp_path, init, resume=step2)
+    with pytest.warns(CheckpointWarning, match=r"discarded checkpoint\(s\) \[4\]"):
+        resumed = resume_run(tmp_path, init, resume=step2, overwrite=True)
+    assert resumed.step == 2 and list_steps(tmp_path) == [2]
+
+
+def test_failed_background_save_is_one_sentence(tmp_path, monkeypatch, capfd):
+    import errno
+
+    import orbax.checkpoint as ocp
+
+    ck = Checkpointer(tmp_path, every_steps=1)
+    state = init()
+    ck.save(info(state, 1))
+    ck.wait()
+    real = ocp.StandardCheckpointHandler.async_save
+
+    class Failing:
+        def result(self, timeout=None):
+            raise OSError(errno.ENOSPC, "No space left on device", "/x/d/abc")
+
+    async def failing(self, *args, **kwargs):
+        return [*(await real(self, *args, **kwargs) or []), Failing()]
+
+    monkeypatch.setattr(ocp.StandardCheckpointHandler, "async_save", failing)
+    ck.save(info(state, 2))
+    with pytest.raises(CheckpointError) as e:
+        ck.close()
+    assert str(e.value) == (
+        "saving step 2 failed: No space left on device writing /x/d/abc; last good "
+        f"checkpoint: {tmp_path.absolute() / 'checkpoints' / '1'}."
+    )
+    err = capfd.readouterr().err
+    assert "Traceback" not in err and "Event loop is closed" not in err
+    assert list_steps(tmp_path) == [1]
+
+
+def test_run_lock(tmp_path, capsys):
+    import os
+    import subprocess
+
+    lock = RunLock(tmp_path).acquire()
+    info_ = json.loads((tmp_path / ".lock").read_text())
+    assert info_["pid"] == os.getpid()
+    with pytest.raises(RunInUseError, match=f"in use by PID {os.getpid()} since"):
+        RunLock(tmp_path).acquire()
+    lock.release()
+    assert not (tmp_path / ".lock").exists()
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    (tmp_path / ".lock").write_text(
+        json.dumps({"pid": dead.pid, "host": os.uname().nodename, "started": 1.0})
+    )
+    with RunLock(tmp_path):
+        assert json.loads((tmp_path / ".lock").read_text())["pid"] == os.getpid()
+    assert f"PID {dead.pid}" in capsys.readouterr().err
+    assert not (tmp_path / ".lock").exists()
+
+
+@pytest.mark.parametrize("name", ["a[1]", "b*", "c?", "d\\e"])
+def test_pattern_characters_refused(tmp_path, name):
+    with pytest.raises(CheckpointError, match="could never be read back"):
+        Checkpointer(tmp_path / name)
+    assert not (tmp_path / name).exists()

@@ -3,7 +3,9 @@ writes the state's arrays (OCDBT), the data loader's position and a run manifest
 asynchronously; retention is applied by renaming steps away before deleting them."""
 
 import contextlib
+import logging
 import os
+import re
 import time
 import uuid
 from collections.abc import Mapping
@@ -17,22 +19,46 @@ from .._hooks import StepInfo
 from . import _integrity, _manifest, _storage
 from ._errors import CheckpointError
 from ._policy import Policy
+from ._restore import quiet_closed_loop
 from ._tree import array_leaves, path_name, to_disk
 
 
 def _reason(e: BaseException) -> str:
     """The innermost cause of a failed write, in one line."""
-    while e.__cause__ is not None or e.__context__ is not None:
+    while True:
         inner = e.__cause__ or e.__context__
         if inner is None:
             break
         e = inner
     if isinstance(e, OSError) and e.strerror:
-        where = f" ({e.filename})" if e.filename else ""
+        where = f" writing {e.filename}" if e.filename else ""
         return f"{e.strerror}{where}"
-    text = str(e).strip().splitlines()
-    line = (text[0] if text else type(e).__name__).split(" [tensorstore_spec")[0]
+    text = str(e)
+    code = re.search(r"os_error_code='(\d+)'", text)  # TensorStore's I/O errors
+    if code:
+        path = re.search(r'Failed (?:writing|to write)[^"]*"([^"]+)"', text)
+        where = f" writing {path.group(1)}" if path else ""
+        return f"{os.strerror(int(code.group(1)))}{where}"
+    lines = text.strip().splitlines()
+    line = (lines[0] if lines else type(e).__name__).split(" [tensorstore_spec")[0]
     return f"{type(e).__name__}: {line[:300]}"
+
+
+class _QuietOrbaxErrors(logging.Filter):
+    """Orbax logs a failed background save as several ERROR records with full
+    tracebacks; `Checkpointer` reports it itself, in one sentence."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno < logging.ERROR:
+            return True
+        return f"{os.sep}orbax{os.sep}" not in (record.pathname or "")
+
+
+def _quiet_orbax() -> None:
+    logger = logging.getLogger("absl")
+    if not any(isinstance(f, _QuietOrbaxErrors) for f in logger.filters):
+        logger.addFilter(_QuietOrbaxErrors())
+    quiet_closed_loop()
 
 
 def _manager(directory: Path, *, async_save: bool) -> ocp.CheckpointManager:
@@ -119,6 +145,7 @@ class Checkpointer:
         )
         self.directory = _storage.checkpoints_dir(run_dir).absolute()  # Orbax wants it
         _storage.check_path(self.directory)
+        _quiet_orbax()
         self.data = data
         self.config = config
         self.async_save = async_save

@@ -271,7 +271,16 @@ class Resumed:
 
 
 def new_run_id() -> str:
-    return uuid.uuid4().hex
+    """A new run identity (uuid4 hex); process 0's in a multi-process run."""
+    run_id = uuid.uuid4()
+    if jax.process_count() == 1:
+        return run_id.hex
+    import numpy as np
+    from jax.experimental import multihost_utils
+
+    words = np.frombuffer(run_id.bytes, np.int32)
+    shared = np.asarray(multihost_utils.broadcast_one_to_all(words), np.int32)
+    return shared.tobytes().hex()
 
 
 def _writer() -> bool:

@@ -167,14 +167,14 @@ def _aborted(cfg: Any, stop: BaseException) -> None:
 def _summary(result: Any) -> None:
     fit_result = result.fit
     metrics = fit_result.metrics
+    final = "  ".join(
+        f"{k} {metrics[k]:.4f}"
+        for k in ("loss", "eval/loss", "eval/accuracy")
+        if isinstance(metrics.get(k), float)
+    )
     lines = [
         f"stopped: {fit_result.stop_reason}",
-        "final: "
-        + "  ".join(
-            f"{k} {metrics[k]:.4f}"
-            for k in ("loss", "eval/loss", "eval/accuracy")
-            if isinstance(metrics.get(k), float)
-        ),
+        *([f"final: {final}"] if final else []),
         f"run directory:  {result.run_dir}",
         f"  config:       {result.run_dir / 'config.toml'}",
         f"  metrics:      {result.run_dir / 'metrics.jsonl'}",

@@ -46,16 +46,21 @@ def open_run(path: str | os.PathLike[str], overrides: Iterable[str] = ()) -> Con
         )
     directory, step = _storage.resolve(p)
     run_dir = directory.parent
-    if step is not None or not (run_dir / "config.toml").exists():
+    has_config = (run_dir / "config.toml").exists()
+    recorded = None
+    if step is not None or not has_config:
         try:
-            manifest = checkpoint.read_manifest(p)
+            recorded = checkpoint.read_manifest(p).get("config")
         except checkpoint.CheckpointError as e:
-            raise ConfigError(
-                f"{p} is not an eqtrain run: it has no config.toml and {e}"
-            ) from None
-        if not manifest.get("config"):
+            if not has_config:
+                raise ConfigError(
+                    f"{p} is not an eqtrain run: it has no config.toml and {e}"
+                ) from None
+            # a step whose manifest is damaged: its restore says so, clearly
+        if recorded is None and not has_config:
             raise ConfigError(f"the checkpoint at {p} records no config.")
-        config = from_dict(manifest["config"], source=f"the manifest of {p}")
+    if recorded:
+        config = from_dict(recorded, source=f"the manifest of {p}")
     else:
         config = from_dict(read_toml(run_dir / "config.toml"), source=str(run_dir))
     config = dataclasses.replace(config, run_dir=str(run_dir))
