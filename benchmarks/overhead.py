@@ -2,7 +2,7 @@
 
 One small Llama-like decoder (defined below) trains with `optax.adamw` on the same
 pre-generated random-token batches, compiled once and warmed up before timing, in
-five ways per round (their order rotates from round to round):
+six ways per round (their order rotates from round to round):
 
 - raw: the overhead limit. A hand-written step (`jax.value_and_grad` of the loss,
   `optimizer.update`, `optax.apply_updates`, nothing else) under `jax.jit` over the
@@ -13,20 +13,24 @@ five ways per round (their order rotates from round to round):
   JsonlWriter])`, i.e. the default step (non-finite guard, gradient norm, metrics)
   and a loop that reads every step's metrics and runs both hooks for every step;
 - plain_hook: the same plus a plain function as a hook on every step
-  (`lambda info: losses.append(info.metrics["loss"])`);
+  (`lambda info: losses.append(info.metrics["loss"])`), which reads metrics only and
+  runs late (the default for hooks);
+- state_hook: the same function declared `eqtrain.uses_state`: the loop waits for
+  every step before dispatching the next (what a hook that reads `info.state` at
+  every step costs);
 - guard_skip / guard_ignore: the raw loop over `train_step`'s step with
   `nonfinite="skip"` (the default) and `"ignore"`, to isolate the guard's cost.
 
 It prints one JSON line per model configuration:
 
     {"config", "params", "leaves", "steps", "rounds", "raw_tokens_per_s",
-     "default", "plain_hook", "guard", "default_range", "plain_hook_range",
-     "guard_range"}
+     "default", "plain_hook", "state_hook", "guard", "default_range",
+     "plain_hook_range", "state_hook_range", "guard_range"}
 
 `default` is the median over rounds of the per-round default / raw throughput (the
 runs of a round are adjacent in time, so slow drifts of the shared machine
-cancel), `plain_hook` the same for the plain-function hook, and `guard` the median
-of guard_skip / guard_ignore. `*_range` are the lowest and highest per-round
+cancel), `plain_hook` and `state_hook` the same for the two hooks, and `guard`
+the median of guard_skip / guard_ignore. `*_range` are the lowest and highest per-round
 ratios. 1.0 means no cost; 0.95 means 5% fewer tokens per second. `base` is a step
 that is mostly compute; `many_small_leaves` (hundreds of state leaves, short steps)
 is where per-step host work and per-leaf device work would show. On the shared
@@ -246,24 +250,26 @@ def run_fit(
     batches: list,
     log: Path,
     *,
-    plain_hook: bool = False,
+    hook: str | None = None,
 ) -> tuple[float, float]:
     """Seconds for `eqtrain.fit` over `batches` with a progress bar and JSONL log
-    (and a plain-function hook), and the last loss."""
+    (and a plain-function hook, `"plain"` or declared `"state"`), and the last
+    loss."""
     losses: list[float] = []
     hooks: list[Any] = [
         eqtrain.hooks.ProgressBar(stream=io.StringIO()),
         eqtrain.hooks.JsonlWriter(log),
     ]
-    if plain_hook:
-        hooks.append(lambda info: losses.append(info.metrics["loss"]))
+    if hook is not None:
+        log = lambda info: losses.append(info.metrics["loss"])  # noqa: E731
+        hooks.append(eqtrain.uses_state(log) if hook == "state" else log)
     start = time.perf_counter()
     result = eqtrain.fit(state, compiled, batches, num_steps=len(batches), hooks=hooks)
     jax.block_until_ready(jtu.tree_leaves(result.state))  # fit has already waited
     elapsed = time.perf_counter() - start
     if result.stop_reason.kind != "max_steps" or len(result.history) != len(batches):
         raise RuntimeError(f"fit stopped early: {result.stop_reason}")
-    if plain_hook and len(losses) != len(batches):
+    if hook is not None and len(losses) != len(batches):
         raise RuntimeError(f"the plain hook ran {len(losses)} times")
     return elapsed, result.metrics["loss"]
 
@@ -322,7 +328,10 @@ def benchmark(cfg: Config, steps: int, rounds: int, warmup: int) -> dict[str, An
             "raw": lambda s, b: run_raw(raw, s, b),
             "default": lambda s, b: run_fit(compiled, s, b, next(logs)),
             "plain_hook": lambda s, b: run_fit(
-                compiled, s, b, next(logs), plain_hook=True
+                compiled, s, b, next(logs), hook="plain"
+            ),
+            "state_hook": lambda s, b: run_fit(
+                compiled, s, b, next(logs), hook="state"
             ),
             "guard_skip": lambda s, b: run_raw(skip, s, b),
             "guard_ignore": lambda s, b: run_raw(ignore, s, b),
@@ -337,6 +346,7 @@ def benchmark(cfg: Config, steps: int, rounds: int, warmup: int) -> dict[str, An
     ratios = {
         "default": paired(rates, "default", "raw"),
         "plain_hook": paired(rates, "plain_hook", "raw"),
+        "state_hook": paired(rates, "state_hook", "raw"),
         "guard": paired(rates, "guard_skip", "guard_ignore"),
     }
     record: dict[str, Any] = {

@@ -24,6 +24,7 @@ from ._hooks import (
     every as every,
     every_seconds as every_seconds,
     metrics_only as metrics_only,
+    uses_state as uses_state,
 )
 from ._jit import Jitted as Jitted, jit as jit
 from ._loop import (

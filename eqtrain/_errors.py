@@ -18,10 +18,13 @@ class DonatedStateError(EqtrainError, RuntimeError):
 
 
 class StopTraining(Exception):  # noqa: N818 -- a request, not an error
-    """Raise from a hook to stop `fit` cleanly after the current step.
+    """Raise from a hook to stop `fit` cleanly.
 
     `fit` catches it, records a `StopReason` of kind ``"hook"`` with the message,
-    runs the final hooks and the checkpointer, and returns normally.
+    runs the final hooks and the checkpointer, and returns normally. A hook that
+    declares `uses_state = True` stops the run at exactly the step it was called
+    for; other hooks run late, so the run stops at the first step boundary after
+    the hook ran (`StopReason.step` says which, and a warning says how far).
     """
 
     def __init__(self, message: str = "a hook requested a stop"):

@@ -97,18 +97,19 @@ class StepInfo:
     def state(self) -> Any:
         """The `TrainState` after this step (device arrays; reading them waits).
 
-        Available to hooks that use the state (the default for plain
-        callables). A hook that declared `uses_state = False` (see
-        `metrics_only`) runs late (metrics are read in batches), after later steps
-        were dispatched and this state's buffers donated to them, so it cannot see
-        it.
+        Available to hooks that declare `uses_state = True` (`@eqtrain.uses_state`,
+        or `every(n, hook, uses_state=True)`), and at the end. Other hooks run
+        late, after later steps were dispatched and this state's buffers donated
+        to them, so they cannot see it.
         """
         if self._state is None:
             raise StateUnavailableError(
                 f"`info.state` is not available to this hook at step {self.step}: "
-                "it declared `uses_state = False`, so it runs after the next step "
-                "was dispatched. Drop that declaration (or pass `uses_state=True` "
-                "to its schedule) to receive the state."
+                "hooks read metrics only, and run after the next step was "
+                "dispatched, unless they declare `uses_state = True`. Decorate it "
+                "with `@eqtrain.uses_state`, set `uses_state = True` on its class, "
+                "or schedule it with `every(n, hook, uses_state=True)`; it then "
+                "runs on the exact state of its step."
             )
         return self._state
 
@@ -120,28 +121,39 @@ class StepInfo:
 Hook = Callable[[StepInfo], Any]
 
 
-def uses_state(hook: Any) -> bool:
-    """Whether `hook` needs `info.state`: its `uses_state` attribute, default True."""
-    return bool(getattr(hook, "uses_state", True))
+def declares_state(hook: Any) -> bool:
+    """Whether `hook` declared that it needs `info.state` (its `uses_state`
+    attribute; default False: hooks read metrics only)."""
+    return bool(getattr(hook, "uses_state", False))
+
+
+def uses_state(hook: Hook) -> Hook:
+    """Declare that `hook` reads `info.state` or must act at its exact step.
+
+        @eqtrain.uses_state
+        def save_samples(info):
+            generate(info.state.model)
+
+    The loop then waits for each step the hook is due at before dispatching the
+    next one, so the hook sees that step's exact state, and a `StopTraining` it
+    raises stops the run at that very step. That wait costs a little on short
+    steps (see docs/performance.md); schedule such a hook sparsely
+    (`every(n, hook)`). Without the declaration a hook reads metrics only and
+    runs late, never making the loop wait.
+
+    Sets `hook.uses_state = True` and returns `hook` (for a callable object,
+    define the class attribute `uses_state = True` instead)."""
+    hook.uses_state = True  # type: ignore[attr-defined]
+    return hook
 
 
 def metrics_only(hook: Hook) -> Hook:
     """Declare that `hook` reads only `info.metrics` (and the other numbers of
-    `StepInfo`), never `info.state`: it then runs a little late, with metrics
-    read in batches, and never makes the loop wait for the device.
+    `StepInfo`), never `info.state`. That is the default for hooks without a
+    `uses_state` attribute; this undoes `uses_state` (e.g. on an instance of a
+    class that sets it).
 
-        @eqtrain.metrics_only
-        def log(info):
-            print(info.step, info.metrics["loss"])
-
-    A plain function without it gets the exact state of its step, and the loop
-    waits for that step to finish before dispatching the next one (see
-    docs/performance.md for what that costs). A `StopTraining` raised by a
-    metrics-only hook stops the run at the next step boundary after the hook ran,
-    which can be a few steps after the step it looked at.
-
-    Sets `hook.uses_state = False` and returns `hook` (for a callable object,
-    define the class attribute `uses_state = False` instead)."""
+    Sets `hook.uses_state = False` and returns `hook`."""
     hook.uses_state = False  # type: ignore[attr-defined]
     return hook
 
@@ -191,7 +203,7 @@ class Scheduled:
 
 
 def _flag(hook: Hook, given: bool | None) -> bool:
-    return uses_state(hook) if given is None else given
+    return declares_state(hook) if given is None else given
 
 
 def every(n: int, hook: Hook, *, uses_state: bool | None = None) -> Scheduled:
@@ -201,10 +213,10 @@ def every(n: int, hook: Hook, *, uses_state: bool | None = None) -> Scheduled:
         n: period in steps, >= 1.
         hook: the callable.
         uses_state: override the hook's own `uses_state` attribute (default
-            True: the hook gets the exact `info.state`, and the loop waits for
-            the device at its steps). Hooks that only read metrics (logging)
-            should be `False` (see `metrics_only`), so they never make the loop
-            wait.
+            False: the hook reads metrics, runs late and never makes the loop
+            wait). True: the hook gets the exact `info.state`, its
+            `StopTraining` stops at its step, and the loop waits for the device
+            at its steps (see `uses_state`).
     """
     if not isinstance(n, int) or n < 1:
         raise ConfigError(f"`every(n, ...)` needs an int n >= 1; got {n!r}.")

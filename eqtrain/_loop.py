@@ -539,8 +539,9 @@ def fit(
         hooks: callables `hook(info)`; a plain callable runs after every step, or
             wrap it with `every`, `at`, `every_seconds`, `at_end`. Hooks read
             metrics only unless they declare `uses_state = True` (an attribute, or
-            `every(n, hook, uses_state=True)`). Raise `StopTraining` from a hook
-            to stop after the current step.
+            `@eqtrain.uses_state`, or `every(n, hook, uses_state=True)`). Raise
+            `StopTraining` from a hook to stop: at its step when it declares
+            `uses_state`, else at the next step boundary after it ran.
         evaluation: an `Evaluation` (eval step, data, period, at the end); or the
             same as `eval_step`, `eval_data`, `eval_every`, `eval_at_end`.
         stop: `StopConditions` (time limit, kill switch, signals, multi-process

@@ -8,6 +8,7 @@ import os
 import signal
 import sys
 import threading
+import warnings
 from typing import Any
 
 import jax
@@ -109,6 +110,7 @@ class Stopper:
         self.signals = _Signals(conditions.handle_signals)
         self.start = now()
         self.hook_stop: StopReason | None = None
+        self.warned_late = False
         self.nonfinite_at: int | None = None
 
     def __enter__(self) -> "Stopper":
@@ -166,6 +168,22 @@ class Stopper:
             return frozen
         return reason
 
+    def _hook_stop(self, done: int) -> StopReason:
+        """A hook asked to stop after `hook_stop.step`; a hook that runs late (no
+        `uses_state`) asked once later steps were already dispatched."""
+        assert self.hook_stop is not None
+        asked = self.hook_stop.step
+        if done > asked and not self.warned_late:
+            self.warned_late = True
+            warnings.warn(
+                f"a hook raised StopTraining after step {asked}, but ran late (it "
+                f"does not declare `uses_state = True`), so the run stops at step "
+                f"{done}. Decorate the hook with `@eqtrain.uses_state` (or schedule "
+                "it with `uses_state=True`) to stop at the exact step.",
+                stacklevel=1,
+            )
+        return dataclasses.replace(self.hook_stop, step=done)
+
     def _local(self, done: int) -> StopReason | None:
         if self.nonfinite_at is not None:
             return StopReason(
@@ -175,7 +193,7 @@ class Stopper:
                 "returned state is the last finite one",
             )
         if self.hook_stop is not None:
-            return self.hook_stop
+            return self._hook_stop(done)
         if self.signals.received is not None:
             name = signal.Signals(self.signals.received).name
             return StopReason(StopKind.SIGNAL, done, name)

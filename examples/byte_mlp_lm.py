@@ -101,8 +101,9 @@ def sampler(prompt: bytes, length: int = 60):
         _, out = jax.lax.scan(next_byte, context, None, length=length)
         return out
 
+    @eqtrain.uses_state  # it reads info.state: the loop gives it the exact state
     def hook(info: eqtrain.StepInfo) -> None:
-        model = eqx.nn.inference_mode(info.state.model)  # this hook uses the state
+        model = eqx.nn.inference_mode(info.state.model)
         context = jnp.asarray(np.frombuffer(prompt[-CONTEXT:], np.uint8), jnp.int32)
         text = bytes(np.asarray(continue_text(model, context), np.uint8).tolist())
         sample = text.decode(errors="replace")

@@ -32,7 +32,7 @@ def test_overhead_quick():
     assert [r["config"] for r in records] == ["base", "many_small_leaves"]
     for r in records:
         assert r["raw_tokens_per_s"] > 0 and r["leaves"] > 0
-        for key in ("default", "plain_hook", "guard"):
+        for key in ("default", "plain_hook", "state_hook", "guard"):
             low, high = r[f"{key}_range"]
             assert r[key] > 0 and low <= r[key] <= high
     assert "warning" not in stderr  # same losses, a single trace

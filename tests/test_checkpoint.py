@@ -123,6 +123,7 @@ def test_plain_orbax_reads_it(tmp_path):
 
 
 def test_final_save_always_and_dedupe(tmp_path):
+    @eqtrain.uses_state  # stop at exactly step 3
     def stop_at_3(i):
         if i.step == 3:
             raise eqtrain.StopTraining("enough")

@@ -135,7 +135,7 @@ def test_kill_switch(step, batches, tmp_path):
         batches,
         num_steps=50,
         kill_switch=switch,
-        hooks=[at([3], lambda info: switch.touch())],
+        hooks=[at([3], lambda info: switch.touch(), uses_state=True)],  # exact step
     )
     assert (
         result.stop_reason.kind == "kill_switch"
@@ -145,6 +145,7 @@ def test_kill_switch(step, batches, tmp_path):
 
 
 def test_hook_requests_stop(step, batches):
+    @eqtrain.uses_state  # stops at the exact step it saw
     def stopper(info):
         if info.step == 5:
             raise StopTraining("loss is good enough")
@@ -247,6 +248,7 @@ def test_schedule_argument_errors():
 def test_state_hooks_see_exact_state_metrics_hooks_cannot(step, batches):
     seen = []
 
+    @eqtrain.uses_state
     def needs_state(info):
         seen.append((info.step, int(info.state.step), info.has_state))
 
@@ -354,7 +356,7 @@ def test_state_hook_makes_the_loop_wait_only_where_due(batches, monkeypatch):
         step,
         batches,
         num_steps=6,
-        hooks=[every(3, lambda info: info.state)],
+        hooks=[every(3, lambda info: info.state, uses_state=True)],
         read_seconds=1e9,  # only the hook decides when to read (no timed reads)
     )
     # steps 1-3 dispatched back to back; step 3 waited for (its hook uses the state)
@@ -468,9 +470,12 @@ def _run_with_reason(kind, step, batches, tmp_path):
         data = data[:5]
     elif kind == "kill_switch":
         kwargs["kill_switch"] = tmp_path / "STOP"
-        hooks.append(at([5], lambda i: (tmp_path / "STOP").touch()))
+        hooks.append(at([5], lambda i: (tmp_path / "STOP").touch(), uses_state=True))
     elif kind == "hook":
-        hooks.append(at([5], lambda i: (_ for _ in ()).throw(StopTraining("enough"))))
+        hooks.append(
+            at([5], lambda i: (_ for _ in ()).throw(StopTraining("enough")),
+               uses_state=True)
+        )  # fmt: skip
     elif kind == "nonfinite":
         data[5] = dict(data[5], y=np.full_like(data[5]["y"], np.nan))
     elif kind == "time_limit":

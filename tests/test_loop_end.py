@@ -1,6 +1,6 @@
 """How `fit` ends: the final checkpoint before the end hooks, a save on the way out of
 an exception, the grouped `Evaluation` / `StopConditions` options, and plain-function
-hooks that never make the loop wait."""
+hooks that never make the loop wait (and say so when they would need to)."""
 
 import numpy as np
 import optax
@@ -213,15 +213,17 @@ def test_grouped_and_keyword_options_are_not_mixed(step, batches):
         Evaluation(evaluate, iter(batches))
 
 
-def test_a_metrics_only_function_never_makes_the_loop_wait(batches, monkeypatch):
+@pytest.mark.parametrize("declared", [False, True])
+def test_a_plain_function_never_makes_the_loop_wait(batches, monkeypatch, declared):
     step = eqtrain.jit(eqtrain.train_step(mse_loss, OPT))
     events, _ = _spy_on(step, monkeypatch)
     seen = []
 
-    @eqtrain.metrics_only
-    def log(info):
+    def log(info):  # what a hurried user writes
         seen.append(info.metrics["loss"])
 
+    if declared:  # the same, declared (undoes an earlier `uses_state`)
+        log = eqtrain.metrics_only(eqtrain.uses_state(log))
     eqtrain.fit(
         fresh_state(), step, batches, num_steps=6, hooks=[log],
         read_every=3, read_seconds=1e9,
@@ -231,4 +233,34 @@ def test_a_metrics_only_function_never_makes_the_loop_wait(batches, monkeypatch)
         ("dispatch", 1), ("dispatch", 2), ("dispatch", 3), ("dispatch", 4),
         ("read", [1, 2, 3]), ("dispatch", 5), ("dispatch", 6), ("read", [4, 5, 6]),
     ]  # fmt: skip
-    assert len(seen) == 6 and log.uses_state is False
+    assert len(seen) == 6 and getattr(log, "uses_state", False) is False
+
+
+def test_a_plain_function_reading_the_state_is_told_to_declare_it(batches, step):
+    def peek(info):
+        return info.state.model
+
+    with pytest.raises(eqtrain.StateUnavailableError, match="@eqtrain.uses_state"):
+        eqtrain.fit(fresh_state(), step, batches, num_steps=4, hooks=[peek])
+    seen = []
+    declared = eqtrain.uses_state(lambda info: seen.append(int(info.state.step)))
+    assert declared.uses_state is True
+    eqtrain.fit(fresh_state(), step, batches, num_steps=4, hooks=[declared])
+    assert seen == [1, 2, 3, 4]
+
+
+def test_a_late_hooks_stop_lands_later_and_says_so(batches, step):
+    def stop_at_2(info):
+        if info.step == 2:
+            raise eqtrain.StopTraining("enough")
+
+    with pytest.warns(UserWarning, match=r"after step 2.*stops at step 4.*uses_state"):
+        result = eqtrain.fit(
+            fresh_state(), step, batches, num_steps=12, hooks=[stop_at_2],
+            read_every=3, read_seconds=1e9,
+        )  # fmt: skip
+    # steps 1-3 are read once step 4 is dispatched: the run stops after step 4,
+    # and the reason names the step the state is at
+    assert result.stop_reason.kind == StopKind.HOOK
+    assert result.stop_reason.message == "enough"
+    assert result.stop_reason.step == int(result.state.step) == 4

@@ -2,7 +2,7 @@
 writers for TensorBoard and Weights & Biases; `peak_flops` for MFU.
 
 Each is a plain callable `hook(info)`; schedule it with `eqtrain.every(n, hook)` or
-pass it as is (every step). They read only metrics (`uses_state = False`), so they
+pass it as is (every step). They read only metrics (no `uses_state`), so they
 run a little late (the loop reads metrics in batches) and never make the loop wait
 for the device.
 """
