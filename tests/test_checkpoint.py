@@ -181,6 +181,18 @@ def test_keep_best(tmp_path):
     assert list_steps(tmp_path / "max") == [1, 6]
 
 
+def test_best_metric_the_run_never_reports_fails_at_the_first_eval(tmp_path):
+    ckpt = Checkpointer(tmp_path, every_steps=2, best="eval/los")  # a typo
+    batches = make_batches(6)
+    evaluation = eqtrain.Evaluation(eqtrain.eval_step(mse_loss), batches[:2], every=2)
+    with pytest.raises(eqtrain.ConfigError, match=r"'eval/los'.*eval/loss"):
+        train(init(), batches, 6, ckpt, evaluation=evaluation)
+    assert list_steps(tmp_path) == [2]  # the step that showed it is saved
+    ok = Checkpointer(tmp_path / "ok", every_steps=2, best="eval/loss")
+    train(init(), batches, 6, ok, evaluation=evaluation)
+    assert list_steps(tmp_path / "ok") == [2, 4, 6]
+
+
 def test_pruning_renames_before_deleting(tmp_path, monkeypatch):
     import shutil
 

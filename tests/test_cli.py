@@ -166,6 +166,22 @@ def test_fit_eval_info_export_import_plot(tiny_config, tmp_path):
     assert (tmp_path / "p.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_periodic_exports_live_beside_the_final_one(tiny_config, tmp_path):
+    run_dir = tmp_path / "exports"
+    args = ["fit", tiny_config, "--run-dir", run_dir, "--set", "export.every=3"]
+    cli(*args, check_rc=0)
+    final, steps = run_dir / "hf", run_dir / "hf-steps"
+    assert (final / "config.json").is_file() and (final / "model.safetensors").is_file()
+    assert sorted(p.name for p in steps.iterdir()) == ["step_3", "step_6"]
+    assert all((steps / n / "config.json").is_file() for n in ("step_3", "step_6"))
+    again = cli(*args, "--set", "loop.steps=9", check_rc=0)  # continue: 3 more
+    assert sorted(p.name for p in steps.iterdir()) == ["step_3", "step_6", "step_9"]
+    assert (final / "config.json").is_file(), again.stderr
+    (steps / "notes.txt").write_text("mine")  # not ours to mix exports into
+    refused = cli(*args, "--set", "loop.steps=12")
+    assert_clean_error(refused, str(steps), "step_<k>")
+
+
 def test_config_show_prints_resolved_toml(tiny_config, tmp_path):
     shown = cli("config", "--show", tiny_config, "--set", "optim.lr=2e-4", check_rc=0)
     path = tmp_path / "resolved.toml"

@@ -15,6 +15,7 @@ from typing import Any
 import jax
 import orbax.checkpoint as ocp
 
+from .._errors import ConfigError
 from .._hooks import StepInfo
 from . import _integrity, _manifest, _storage
 from ._errors import CheckpointError
@@ -92,7 +93,9 @@ class Checkpointer:
         keep_every: also keep every step divisible by `keep_every`, permanently.
         best: also keep the `keep_best` checkpoints with the best value of this
             metric (e.g. `"eval/loss"`; read from `info.metrics` at save time, so
-            save on evaluation steps).
+            save on evaluation steps). A name the run does not report (a save
+            whose metrics hold `eval/...` values but not `best`) raises
+            `ConfigError` at that save, once its state is saved.
         best_mode: `"min"` or `"max"`.
         keep_best: how many best checkpoints to keep.
         data: the train `Loader` (anything with a `position`); its position is
@@ -238,6 +241,8 @@ class Checkpointer:
         self._last_step = step
         self._last_time = time.monotonic()
         self.blocking_times.append(time.perf_counter() - start)
+        if (problem := self.policy.missing_best(info.metrics)) is not None:
+            raise ConfigError(problem)  # after this state was handed over: kept
 
     def wait(self) -> None:
         """Block until the last save is written and committed."""

@@ -58,6 +58,24 @@ class Policy:
             return None
         return float(value)
 
+    def missing_best(self, metrics: Mapping[str, Any]) -> str | None:
+        """Why `best` can never be scored, judged from one step's metrics: the
+        step reports metrics of the same family (`eval/...` for `eval/loss`, or
+        the step's own for an unprefixed name) but not `best` (a typo)."""
+        if self.best is None or self.best in metrics:
+            return None
+        prefix = self.best.rpartition("/")[0]
+        family = sorted(
+            k for k in metrics if k.rpartition("/")[0] == prefix and k != "step"
+        )
+        if not family:
+            return None  # not a step that reports this family (e.g. no evaluation)
+        return (
+            f"checkpoint best metric {self.best!r} is not among the metrics the run "
+            f"reports ({', '.join(family)}), so no best checkpoint would ever be "
+            "kept. Set `best` to one of them."
+        )
+
     def keep(self, steps: list[int], scores: Mapping[int, float | None]) -> set[int]:
         """The steps to keep among `steps` (committed ones); the newest always."""
         if not steps:

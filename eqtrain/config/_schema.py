@@ -327,7 +327,7 @@ class ExportConfig:
     )
     every: int = setting(
         0,
-        "Also export every this many steps to <hf>/step_<k>; 0: only at the end.",
+        "Also export every this many steps to <hf>-steps/step_<k>; 0: only at the end.",
         min=0,
     )
     max_shard_size: str = setting(

@@ -125,15 +125,22 @@ def _probe(directory: Path, what: str, key: str) -> None:
 _STEP_DIR = re.compile(r"step_\d+(_ema)?")
 
 
+def steps_export_dir(target: Path) -> Path:
+    """Where `export.every` puts its `step_<k>` exports: `<hf>-steps`, beside the
+    final export (which replaces `<hf>` whole, so it cannot hold them)."""
+    return target.with_name(target.name + "-steps")
+
+
 def _is_export(path: Path) -> bool:
-    """An empty directory, an earlier export (config.json), or only the
-    per-step exports of `export.every` (`step_<k>/`) and their temporaries."""
+    """An empty directory or an earlier export (config.json): what
+    `hf.export(..., overwrite=True)` replaces."""
     names = os.listdir(path)
-    return (
-        not names
-        or "config.json" in names
-        or all(_STEP_DIR.fullmatch(n) or n.startswith(".") for n in names)
-    )
+    return not names or "config.json" in names
+
+
+def _holds_step_exports(path: Path) -> bool:
+    """Empty, or only per-step exports (`step_<k>/`) and their temporaries."""
+    return all(_STEP_DIR.fullmatch(n) or n.startswith(".") for n in os.listdir(path))
 
 
 def _check_export(target: Path, per_step: bool) -> None:
@@ -149,12 +156,16 @@ def _check_export(target: Path, per_step: bool) -> None:
             fix,
         )
     # The export is written to a temporary sibling and renamed: the parent must
-    # take files (and so must the target itself for per-step exports).
+    # take files (and so must the per-step exports' directory).
     parent = target.parent
     _check_dir(parent, "the export's parent directory", "export.hf", create=True)
     _probe(parent, "the export's parent directory", "export.hf")
     if per_step:
-        _check_dir(target, "the export directory (export.hf)", "export.hf", create=True)
+        steps = steps_export_dir(target)
+        what = "the per-step export directory (export.every)"
+        if steps.is_dir() and not _holds_step_exports(steps):
+            raise _fail(steps, what, "holds files other than step_<k> exports", fix)
+        _check_dir(steps, what, "export.every", create=True)
 
 
 # -- write errors that happen anyway ----------------------------------------------

@@ -104,8 +104,9 @@ def _hooks(job: _build.Job, run_dir: Path) -> list[Any]:
             model_type=job.model_type,
             which="ema" if export.ema else "model",
         )
-        if export.every:
-            out.append(every(export.every, hf.export_hook(target, **kwargs)))
+        if export.every:  # beside the final export, which replaces <hf> whole
+            steps = _preflight.steps_export_dir(target)
+            out.append(every(export.every, hf.export_hook(steps, **kwargs)))
         out.append(at_end(hf.export_hook(target, per_step=False, **kwargs)))
     return out
 
