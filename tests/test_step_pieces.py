@@ -135,7 +135,19 @@ def _compare(name, *, compiled):
                 np.testing.assert_array_equal(new[key], old[key], err_msg=key)
 
 
-@pytest.mark.parametrize("name", sorted(CASES))
+# Op by op is slow (~8 s a case): the default suite runs the cases that cover
+# accumulation, masking, EMA, both guards and a schedule; `nox -s slow` runs all
+# (every case also runs compiled below).
+OP_BY_OP_DEFAULT = {"plain", "accumulate_masked", "skip_nan_ema", "stop_nan_schedule"}
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        n if n in OP_BY_OP_DEFAULT else pytest.param(n, marks=pytest.mark.slow)
+        for n in sorted(CASES)
+    ],
+)
 def test_recipe_is_bit_identical_to_the_previous_step_op_by_op(name):
     """Op by op (no compilation, so no fusion), every state and metric is equal to
     the last bit: the recipe computes exactly what the previous step computed."""
