@@ -37,9 +37,9 @@ def cli(*args, cwd=None, timeout=240, check_rc=None):
     return done
 
 
-@pytest.fixture(scope="module")
-def tiny_config(tmp_path_factory):
-    root = tmp_path_factory.mktemp("cli")
+def write_tiny_config(root, extra=""):
+    """A one-layer byte Llama on small text dirs under `root`: 6 steps, eval and
+    checkpoints every 3; `extra` TOML is appended. Returns the config path."""
     (root / "train").mkdir()
     (root / "eval").mkdir()
     for i in range(3):
@@ -74,8 +74,14 @@ every = 3
 [log]
 progress = "lines"
 """
+        + extra
     )
     return config
+
+
+@pytest.fixture(scope="module")
+def tiny_config(tmp_path_factory):
+    return write_tiny_config(tmp_path_factory.mktemp("cli"))
 
 
 def assert_clean_error(done, *fragments):

@@ -8,7 +8,6 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 import time
 import warnings
 
@@ -20,19 +19,7 @@ import eqtrain.checkpoint as ckpt
 import eqtrain.config as config_lib
 from eqtrain import job
 
-
-EQTRAIN = [sys.executable, "-m", "eqtrain.cli"]
-TEXT = "def f(x):\n    return x + 1\n\nclass A:\n    pass\n" * 80
-
-
-def cli(*args, timeout=240):
-    return subprocess.run(
-        [*EQTRAIN, *map(str, args)],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env={**os.environ, "COLUMNS": "200"},
-    )
+from .test_cli import EQTRAIN, assert_clean_error, cli, write_tiny_config
 
 
 def ok(done):
@@ -42,11 +29,7 @@ def ok(done):
 
 
 def refused(done, *fragments):
-    assert done.returncode == 2, done.stdout + done.stderr
-    assert "Traceback" not in done.stderr, done.stderr
-    assert done.stderr.startswith("error: "), done.stderr
-    for fragment in fragments:
-        assert fragment in done.stderr, done.stderr
+    assert_clean_error(done, *fragments)
     return done
 
 
@@ -54,44 +37,7 @@ def refused(done, *fragments):
 def trained(tmp_path_factory):
     """A config and a run trained to step 6 (checkpoints 3 and 6)."""
     root = tmp_path_factory.mktemp("workflows")
-    (root / "train").mkdir()
-    (root / "eval").mkdir()
-    for i in range(3):
-        (root / "train" / f"{i}.txt").write_text(TEXT * (i + 1))
-    (root / "eval" / "0.txt").write_text(TEXT[::-1])
-    config = root / "tiny.toml"
-    config.write_text(
-        f"""
-run_dir = "{root / "run"}"
-
-[model]
-hidden_size = 32
-num_layers = 1
-
-[data]
-train = "{root / "train"}"
-eval = "{root / "eval"}"
-seq_len = 16
-batch_size = 8
-eval_rows = 16
-
-[optim]
-warmup_steps = 1
-
-[loop]
-steps = 6
-eval_every = 3
-
-[checkpoint]
-every = 3
-
-[export]
-hf = ""
-
-[log]
-progress = "lines"
-"""
-    )
+    config = write_tiny_config(root, extra='\n[export]\nhf = ""\n')
     ok(cli("fit", config))
     assert ckpt.list_steps(root / "run") == [3, 6]
     return config, root / "run"
