@@ -80,12 +80,89 @@ class Linear(eqx.Module):
         self.bias = jnp.zeros((out_features,), dtype) if use_bias else None
 
     def __call__(
-        self, x: Float[Array, "*batch in_features"]
+        self,
+        x: Float[Array, "*batch in_features"],
+        *,
+        key: PRNGKeyArray | None = None,
     ) -> Float[Array, "*batch out_features"]:
-        y = lax.dot_general(x, self.weight, (((x.ndim - 1,), (1,)), ((), ())))
-        if self.bias is not None:
-            y = y + _broadcast_last(self.bias, y.ndim)
-        return y
+        """`x @ weight.T + bias`; `key` is unused (a `LoRALinear` takes one)."""
+        del key
+        return _affine(x, self.weight, self.bias)
+
+
+def _matmul_t(x: Array, w: Array) -> Array:
+    """`x @ w.T` over the last dimension of `x`."""
+    return lax.dot_general(x, w, (((x.ndim - 1,), (1,)), ((), ())))
+
+
+def _affine(x: Array, weight: Array, bias: Array | None) -> Array:
+    y = _matmul_t(x, weight)
+    if bias is not None:
+        y = y + _broadcast_last(bias, y.ndim)
+    return y
+
+
+class LoRALinear(eqx.Module):
+    """A `Linear` with a low-rank adapter (LoRA, Hu et al. 2021, arXiv:2106.09685):
+    `y = x @ weight.T + bias + scale * (dropout(x) @ lora_a.T) @ lora_b.T`.
+
+    `weight` and `bias` are the base layer's arrays, under the same names, so a
+    wrapped model keeps every base path (`...q_proj.weight`) and adds two
+    (`...q_proj.lora_a`, `...q_proj.lora_b`). `lora_a` is `[rank, in]`, `lora_b`
+    `[out, rank]` (PEFT's `lora_A.weight` / `lora_B.weight`); under stacked
+    layers all four carry the leading layer axis. Build them with
+    `eqtrain.lora.apply`, not by hand.
+
+    Attributes:
+        scale: `alpha / rank` (or `alpha / sqrt(rank)` for rsLoRA).
+        dropout: dropout rate on the adapter's input; applied only when the
+            call gets a `key` (training steps pass one, evaluation does not).
+        enabled: `False` computes the base layer alone (`eqtrain.lora.disable`:
+            the same arrays, no copy).
+    """
+
+    weight: Float[Array, "*layers out_features in_features"]
+    bias: Float[Array, "*layers out_features"] | None
+    lora_a: Float[Array, "*layers rank in_features"]
+    lora_b: Float[Array, "*layers out_features rank"]
+    scale: float = eqx.field(static=True)
+    dropout: float = eqx.field(static=True)
+    enabled: bool = eqx.field(static=True, default=True)
+
+    def __call__(
+        self,
+        x: Float[Array, "*batch in_features"],
+        *,
+        key: PRNGKeyArray | None = None,
+    ) -> Float[Array, "*batch out_features"]:
+        y = _affine(x, self.weight, self.bias)
+        if not self.enabled:
+            return y
+        h = x
+        if self.dropout > 0 and key is not None:
+            keep = jr.bernoulli(key, 1.0 - self.dropout, x.shape)
+            h = jnp.where(keep, x / (1.0 - self.dropout), 0).astype(x.dtype)
+        update = _matmul_t(_matmul_t(h, self.lora_a), self.lora_b)
+        return y + (update * self.scale).astype(y.dtype)
+
+
+AnyLinear = Linear | LoRALinear
+"""A model's projection: a plain `Linear`, or one wrapped by `eqtrain.lora`."""
+
+
+def uses_key(module: Any) -> bool:
+    """Whether calling `module` consumes a PRNG key (an enabled LoRA adapter with
+    dropout somewhere inside). Models split their key per layer only then, so a
+    model without one compiles exactly as before."""
+    found = jtu.tree_leaves(module, is_leaf=lambda x: isinstance(x, LoRALinear))
+    return any(isinstance(x, LoRALinear) and x.enabled and x.dropout > 0 for x in found)
+
+
+def split_key(key: PRNGKeyArray | None, num: int) -> Any:
+    """`num` keys from `key`, or `num` Nones without one."""
+    if key is None:
+        return [None] * num
+    return list(jr.split(key, num))
 
 
 class Embedding(eqx.Module):
@@ -277,34 +354,39 @@ def stack_layers(
 def run_layers(
     layers: LayerT,
     x: Array,
-    call: Callable[[LayerT, Array], Array],
+    call: Callable[..., Array],
     *,
     scan: bool,
     remat: str,
+    key: PRNGKeyArray | None = None,
 ) -> Array:
-    """`x = call(layer_i, x)` for each layer of a stack, in order.
+    """`x = call(layer_i, x, key_i)` for each layer of a stack, in order.
 
     With `scan=True` the layer body is traced and compiled once (`lax.scan`), so
     compile time does not grow with depth; `scan=False` unrolls a Python loop (the
     reference). `remat` names a policy in `REMAT_POLICIES`; it applies
-    `jax.checkpoint` to each layer.
+    `jax.checkpoint` to each layer. `key` is split into one key per layer when
+    the layers use one (`uses_key`); otherwise every `key_i` is None.
     """
     check_remat(remat)
     dynamic, static = eqx.partition(layers, eqx.is_array)
+    num = jtu.tree_leaves(dynamic)[0].shape[0]
+    keys = jr.split(key, num) if key is not None and uses_key(layers) else None
 
-    def body(h: Array, params: Any) -> Array:
-        return call(eqx.combine(params, static), h)
+    def body(h: Array, xs: Any) -> Array:
+        params, k = xs
+        return call(eqx.combine(params, static), h, k)
 
     if remat != "none":
         # prevent_cse stops XLA from merging the recomputation with the forward pass
         # (undoing the remat); inside `scan` that cannot happen and it only costs.
         body = jax.checkpoint(body, policy=REMAT_POLICIES[remat], prevent_cse=not scan)
     if scan:
-        x, _ = lax.scan(lambda h, p: (body(h, p), None), x, dynamic)
+        x, _ = lax.scan(lambda h, p: (body(h, p), None), x, (dynamic, keys))
         return x
-    num = jtu.tree_leaves(dynamic)[0].shape[0]
     for i in range(num):
-        x = body(x, jtu.tree_map(lambda a, i=i: a[i], dynamic))
+        xs = jtu.tree_map(lambda a, i=i: a[i], (dynamic, keys))
+        x = body(x, xs)
     return x
 
 

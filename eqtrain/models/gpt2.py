@@ -15,6 +15,7 @@ from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from .._errors import ConfigError
 from ._layers import (
+    AnyLinear,
     Embedding,
     LayerNorm,
     Linear,
@@ -24,6 +25,7 @@ from ._layers import (
     default_positions,
     residual_scale,
     run_layers,
+    split_key,
     stack_layers,
     with_config_options,
 )
@@ -84,8 +86,8 @@ RUNTIME_OPTIONS = frozenset({"remat", "scan_layers", "attention_impl"})
 class GPT2Attention(eqx.Module):
     """Causal self-attention with fused q/k/v (`attn` in HF)."""
 
-    c_attn: Linear
-    c_proj: Linear
+    c_attn: AnyLinear
+    c_proj: AnyLinear
     n_head: int = eqx.field(static=True)
 
     def __init__(self, config: GPT2Config, key: PRNGKeyArray):
@@ -103,9 +105,11 @@ class GPT2Attention(eqx.Module):
         *,
         segment_ids: Int[Array, " seq"] | None,
         implementation: str | None,
+        key: PRNGKeyArray | None = None,
     ) -> Float[Array, "seq embd"]:
         seq, d = x.shape
-        qkv = self.c_attn(x).reshape(seq, 3, self.n_head, d // self.n_head)
+        ka, kp = split_key(key, 2)
+        qkv = self.c_attn(x, key=ka).reshape(seq, 3, self.n_head, d // self.n_head)
         out = attention(
             qkv[:, 0],
             qkv[:, 1],
@@ -114,14 +118,14 @@ class GPT2Attention(eqx.Module):
             sliding_window=None,
             implementation=implementation,
         )
-        return self.c_proj(out.reshape(seq, d))
+        return self.c_proj(out.reshape(seq, d), key=kp)
 
 
 class GPT2MLP(eqx.Module):
     """`c_proj(gelu_tanh(c_fc(x)))`."""
 
-    c_fc: Linear
-    c_proj: Linear
+    c_fc: AnyLinear
+    c_proj: AnyLinear
 
     def __init__(self, config: GPT2Config, key: PRNGKeyArray):
         kf, kp = jr.split(key)
@@ -131,8 +135,12 @@ class GPT2MLP(eqx.Module):
         std_out = std * residual_scale(config.n_layer)
         self.c_proj = Linear(f, d, use_bias=True, std=std_out, dtype=dtype, key=kp)
 
-    def __call__(self, x: Float[Array, "seq embd"]) -> Float[Array, "seq embd"]:
-        return self.c_proj(jax.nn.gelu(self.c_fc(x), approximate=True))
+    def __call__(
+        self, x: Float[Array, "seq embd"], *, key: PRNGKeyArray | None = None
+    ) -> Float[Array, "seq embd"]:
+        kf, kp = split_key(key, 2)
+        h = jax.nn.gelu(self.c_fc(x, key=kf), approximate=True)
+        return self.c_proj(h, key=kp)
 
 
 class GPT2Block(eqx.Module):
@@ -154,9 +162,16 @@ class GPT2Block(eqx.Module):
         self.ln_2 = norm()
         self.mlp = GPT2MLP(config, km)
 
-    def __call__(self, x: Float[Array, "seq embd"], **attn: Any) -> Array:
-        x = x + self.attn(self.ln_1(x), **attn)
-        return x + self.mlp(self.ln_2(x))
+    def __call__(
+        self,
+        x: Float[Array, "seq embd"],
+        *,
+        key: PRNGKeyArray | None = None,
+        **attn: Any,
+    ) -> Array:
+        ka, km = split_key(key, 2)
+        x = x + self.attn(self.ln_1(x), key=ka, **attn)
+        return x + self.mlp(self.ln_2(x), key=km)
 
 
 class GPT2(eqx.Module):
@@ -197,9 +212,9 @@ class GPT2(eqx.Module):
         """Logits for every position of one sequence (`jax.vmap` for a batch).
 
         Arguments as for `Llama.__call__`: with `segment_ids`, attention stays
-        within each segment and learned positions restart at 0 per segment.
+        within each segment and learned positions restart at 0 per segment;
+        `key` feeds LoRA adapter dropout (`eqtrain.lora`), if any.
         """
-        del key
         config = self.config
         if (
             segment_ids is None
@@ -217,9 +232,10 @@ class GPT2(eqx.Module):
         x = run_layers(
             self.h,
             x,
-            lambda block, h: block(h, **attn),
+            lambda block, h, k: block(h, key=k, **attn),
             scan=config.scan_layers,
             remat=config.remat,
+            key=key,
         )
         return self.wte.attend(self.ln_f(x))
 

@@ -16,6 +16,7 @@ from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from .._errors import ConfigError
 from ._layers import (
+    AnyLinear,
     Embedding,
     Linear,
     RMSNorm,
@@ -26,6 +27,7 @@ from ._layers import (
     default_positions,
     rope_cos_sin,
     run_layers,
+    split_key,
     stack_layers,
     with_config_options,
 )
@@ -137,10 +139,10 @@ RUNTIME_OPTIONS = frozenset({"remat", "scan_layers", "attention_impl"})
 class LlamaAttention(eqx.Module):
     """Grouped-query self-attention with rotary embeddings (`self_attn` in HF)."""
 
-    q_proj: Linear
-    k_proj: Linear
-    v_proj: Linear
-    o_proj: Linear
+    q_proj: AnyLinear
+    k_proj: AnyLinear
+    v_proj: AnyLinear
+    o_proj: AnyLinear
     num_heads: int = eqx.field(static=True)
     num_kv_heads: int = eqx.field(static=True)
     head_dim: int = eqx.field(static=True)
@@ -171,11 +173,13 @@ class LlamaAttention(eqx.Module):
         segment_ids: Int[Array, " seq"] | None,
         sliding_window: int | None,
         implementation: str | None,
+        key: PRNGKeyArray | None = None,
     ) -> Float[Array, "seq hidden"]:
         seq = x.shape[0]
-        q = self.q_proj(x).reshape(seq, self.num_heads, self.head_dim)
-        k = self.k_proj(x).reshape(seq, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).reshape(seq, self.num_kv_heads, self.head_dim)
+        kq, kk, kv, ko = split_key(key, 4)
+        q = self.q_proj(x, key=kq).reshape(seq, self.num_heads, self.head_dim)
+        k = self.k_proj(x, key=kk).reshape(seq, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x, key=kv).reshape(seq, self.num_kv_heads, self.head_dim)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         out = attention(
             q,
@@ -185,15 +189,15 @@ class LlamaAttention(eqx.Module):
             sliding_window=sliding_window,
             implementation=implementation,
         )
-        return self.o_proj(out.reshape(seq, self.num_heads * self.head_dim))
+        return self.o_proj(out.reshape(seq, self.num_heads * self.head_dim), key=ko)
 
 
 class LlamaMLP(eqx.Module):
     """SwiGLU: `down_proj(silu(gate_proj(x)) * up_proj(x))`."""
 
-    gate_proj: Linear
-    up_proj: Linear
-    down_proj: Linear
+    gate_proj: AnyLinear
+    up_proj: AnyLinear
+    down_proj: AnyLinear
 
     def __init__(self, config: LlamaConfig, key: PRNGKeyArray):
         kg, ku, kd = jr.split(key, 3)
@@ -207,8 +211,12 @@ class LlamaMLP(eqx.Module):
         self.up_proj = Linear(d, f, key=ku, **opts)
         self.down_proj = Linear(f, d, key=kd, **opts)
 
-    def __call__(self, x: Float[Array, "seq hidden"]) -> Float[Array, "seq hidden"]:
-        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+    def __call__(
+        self, x: Float[Array, "seq hidden"], *, key: PRNGKeyArray | None = None
+    ) -> Float[Array, "seq hidden"]:
+        kg, ku, kd = split_key(key, 3)
+        h = jax.nn.silu(self.gate_proj(x, key=kg)) * self.up_proj(x, key=ku)
+        return self.down_proj(h, key=kd)
 
 
 class LlamaDecoderLayer(eqx.Module):
@@ -228,9 +236,16 @@ class LlamaDecoderLayer(eqx.Module):
         self.post_attention_layernorm = norm()
         self.mlp = LlamaMLP(config, km)
 
-    def __call__(self, x: Float[Array, "seq hidden"], **attn: Any) -> Array:
-        x = x + self.self_attn(self.input_layernorm(x), **attn)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def __call__(
+        self,
+        x: Float[Array, "seq hidden"],
+        *,
+        key: PRNGKeyArray | None = None,
+        **attn: Any,
+    ) -> Array:
+        ka, km = split_key(key, 2)
+        x = x + self.self_attn(self.input_layernorm(x), key=ka, **attn)
+        return x + self.mlp(self.post_attention_layernorm(x), key=km)
 
 
 class Llama(eqx.Module):
@@ -258,7 +273,7 @@ class Llama(eqx.Module):
     embed_tokens: Embedding
     layers: LlamaDecoderLayer
     norm: RMSNorm
-    lm_head: Linear | None
+    lm_head: AnyLinear | None
     config: LlamaConfig = eqx.field(static=True)
 
     def __init__(self, config: LlamaConfig, key: PRNGKeyArray):
@@ -297,10 +312,9 @@ class Llama(eqx.Module):
                 in every segment, so each example's logits equal those of the
                 example alone.
             positions: explicit rotary positions (default: as described above).
-            key: unused (the model has no dropout); accepted for the common
-                `model(x, key=...)` convention.
+            key: randomness for dropout, which only LoRA adapters have
+                (`eqtrain.lora`); without adapter dropout it is unused.
         """
-        del key
         config = self.config
         positions = default_positions(tokens.shape[0], segment_ids, positions)
         cos, sin = rope_cos_sin(positions, config.head_size, config.rope_theta)
@@ -313,9 +327,10 @@ class Llama(eqx.Module):
         x = run_layers(
             self.layers,
             x,
-            lambda layer, h: layer(h, cos=cos, sin=sin, **attn),
+            lambda layer, h, k: layer(h, key=k, cos=cos, sin=sin, **attn),
             scan=config.scan_layers,
             remat=config.remat,
+            key=key,
         )
         x = self.norm(x)
         if self.lm_head is None:

@@ -11,6 +11,7 @@ import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import jax.tree_util as jtu
 from jax.sharding import Mesh, PartitionSpec
 
 from .._errors import ConfigError
@@ -256,6 +257,31 @@ def _without_tensor(spec: PartitionSpec) -> PartitionSpec:
     return PartitionSpec(*(drop(e) for e in spec))
 
 
+def _is_adapted(x: Any) -> bool:
+    return all(hasattr(x, name) for name in ("weight", "lora_a", "lora_b"))
+
+
+def adapter_rules(model: Any, rules: Rules) -> list[Rule]:
+    """Rules for the LoRA adapters of `model` (`eqtrain.lora`), derived from their
+    base weights' rules: `lora_a [..., rank, in]` follows the weight's input
+    dimension, `lora_b [..., out, rank]` its output dimension; a stacked-layer
+    mark stays on the leading dimensions. No adapters: no rules."""
+    flat, _ = jtu.tree_flatten_with_path(model, is_leaf=_is_adapted)
+    out: list[Rule] = []
+    for keys, layer in flat:
+        if not _is_adapted(layer):
+            continue
+        path = jtu.keystr(keys, simple=True, separator=".")
+        rank = len(layer.weight.shape)
+        entries = list(rules.match(path + ".weight") or ())
+        entries += [None] * (rank - len(entries))
+        *lead, dim_out, dim_in = entries[:rank]
+        where = r"(^|\.)" + re.escape(path)
+        out.append((where + r"\.lora_a$", PartitionSpec(*lead, None, dim_in)))
+        out.append((where + r"\.lora_b$", PartitionSpec(*lead, dim_out, None)))
+    return out
+
+
 def rules_for(
     model: Any,
     mesh: Mesh,
@@ -265,7 +291,9 @@ def rules_for(
 ) -> Rules:
     """The partition rules for `model` on `mesh`.
 
-    They are `extra` (first, so they win), then the model's tensor-parallel rules
+    They are the LoRA adapters' rules (derived from their base weights' rules,
+    see `adapter_rules`), then `extra` (so they win over the model's), then the
+    model's tensor-parallel rules
     (see `model_rules`; with `tensor` of size 1 they keep only their `LAYERS`
     marks, so FSDP alone places the weights), then the default FSDP pass.
 
@@ -293,4 +321,8 @@ def rules_for(
         own = []
     if tensor == 1:
         own = [(pattern, _without_tensor(spec)) for pattern, spec in own]
-    return Rules((*extra, *own), fsdp_min_size=fsdp_min_size)
+    base = Rules((*extra, *own), fsdp_min_size=fsdp_min_size)
+    adapters = adapter_rules(model, base)
+    if not adapters:
+        return base
+    return Rules((*adapters, *extra, *own), fsdp_min_size=fsdp_min_size)
