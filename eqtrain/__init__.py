@@ -5,7 +5,13 @@ The whole run is one immutable pytree (`TrainState`); pure step builders advance
 `fit` drives it, calling plain-callable hooks between steps.
 """
 
-from . import hooks as hooks, optim as optim, sharding as sharding, step as step
+from . import (
+    hooks as hooks,
+    lora as lora,
+    optim as optim,
+    sharding as sharding,
+    step as step,
+)
 from ._errors import (
     ConfigError as ConfigError,
     DonatedStateError as DonatedStateError,

@@ -8,6 +8,7 @@ manifest per step, saved asynchronously by `Checkpointer` (for `fit`), restored 
 """
 
 from ._errors import (
+    BaseChangedError as BaseChangedError,
     CheckpointError as CheckpointError,
     CheckpointWarning as CheckpointWarning,
     IncompatibleCheckpointError as IncompatibleCheckpointError,

@@ -14,3 +14,8 @@ class IncompatibleCheckpointError(CheckpointError, ValueError):
 
 class CheckpointWarning(UserWarning):
     """A checkpoint was skipped (unreadable) and an older one used instead."""
+
+
+class BaseChangedError(CheckpointError):
+    """A checkpoint storing only trained leaves (a LoRA run) references a base
+    model whose content changed since it was written."""

@@ -21,7 +21,7 @@ from . import _integrity, _manifest, _storage
 from ._errors import CheckpointError
 from ._policy import Policy
 from ._restore import quiet_closed_loop
-from ._tree import array_leaves, path_name, to_disk
+from ._tree import array_leaves, path_name, to_disk, trained_part
 
 
 def _reason(e: BaseException) -> str:
@@ -109,6 +109,12 @@ class Checkpointer:
             directory, or a new one.
         started_from: the other run's checkpoint this run started from (recorded
             in the manifests; `resume_run(...).started_from`).
+        base: a reference to the frozen base model (a JSON-able mapping with a
+            `"sha256"` of its content, e.g. a LoRA run's `model.init_from`
+            safetensors). Given, each checkpoint stores only the trained leaves
+            (and optimizer state, step, key, data position) plus this reference;
+            `restore`/`resume_run` rebuild the frozen leaves with `init` and
+            refuse a base whose hash changed.
 
     Raises `CheckpointError` if the directory holds steps of another run (with
     `run_id`), and on the first save if it holds a later step, or the same step
@@ -136,7 +142,14 @@ class Checkpointer:
         async_save: bool = True,
         run_id: str | None = None,
         started_from: str | None = None,
+        base: Mapping[str, Any] | None = None,
     ):
+        if base is not None and "sha256" not in base:
+            raise ConfigError(
+                "`base` must be a mapping with the base model's content hash under "
+                f"'sha256'; got {base!r}."
+            )
+        self.base = None if base is None else dict(base)
         self.policy = Policy(
             every_steps=every_steps,
             every_minutes=every_minutes,
@@ -201,7 +214,7 @@ class Checkpointer:
             return
         start = time.perf_counter()
         state = info.state
-        arrays, leaves = to_disk(state)
+        arrays, leaves = to_disk(state if self.base is None else trained_part(state))
         paths, stored = array_leaves(arrays)
         sums = _integrity.checksums([path_name(p) for p in paths], stored)
         if self._last_step is None and self._check_not_mixing(step, sums):
@@ -224,6 +237,7 @@ class Checkpointer:
             config=self.config,
             stop_reason=info.stop_reason,
             final=final,
+            base=self.base,
         )
         manager.save(
             step,

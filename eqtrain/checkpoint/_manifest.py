@@ -90,8 +90,9 @@ def build(
     run_id: str,
     checksums: dict[str, str],
     started_from: str | None = None,
+    base: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
-    return {
+    out = {
         "format": FORMAT,
         "run_id": run_id,
         "started_from": started_from,
@@ -116,3 +117,7 @@ def build(
         "checksum": _integrity.ALGORITHM,
         "checksums": checksums,
     }
+    if base is not None:
+        # Only the trained leaves are stored; the frozen ones are this base's.
+        out["base"] = jsonable(dict(base))
+    return out

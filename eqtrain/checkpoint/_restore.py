@@ -17,14 +17,21 @@ import orbax.checkpoint as ocp
 
 from .._errors import ConfigError
 from . import _integrity, _storage
-from ._errors import CheckpointError, CheckpointWarning, IncompatibleCheckpointError
+from ._errors import (
+    BaseChangedError,
+    CheckpointError,
+    CheckpointWarning,
+    IncompatibleCheckpointError,
+)
 from ._tree import (
     ShardingsArg,
     abstract_on_disk,
     check_compatible,
     from_disk,
     path_name,
+    trained_part,
     unnest,
+    with_frozen,
 )
 
 
@@ -90,9 +97,55 @@ def quiet_closed_loop() -> None:
     sys.unraisablehook = hook
 
 
-def _restore_step(step_dir: Path, template: Any, shardings: ShardingsArg) -> Restored:
+def _describe_base(base: Any) -> str:
+    where = base.get("path") or "a random initialisation"
+    extra = f" with seed {base['seed']}" if base.get("seed") is not None else ""
+    return f"{where}{extra}, sha256 {str(base.get('sha256'))[:12]}..."
+
+
+@dataclasses.dataclass
+class _Frozen:
+    """How a step that stores only trained leaves gets its frozen ones back:
+    `init()` rebuilds the whole state (the base included), called at most once;
+    `expected` is the reference of the base `init` builds (checked first)."""
+
+    init: Callable[[], Any] | None
+    expected: Any = None
+    _state: Any = None
+
+    def check(self, recorded: Any, step_dir: Path) -> None:
+        if self.init is None:
+            raise CheckpointError(
+                f"{step_dir} stores only the trained leaves of a run over a frozen "
+                f"base ({_describe_base(recorded)}); restore it with a function "
+                "that rebuilds that base: resume_run / restore_or_init with `init`, "
+                "or restore(..., init=...)."
+            )
+        expected = self.expected
+        if expected is not None and expected.get("sha256") != recorded.get("sha256"):
+            raise BaseChangedError(
+                f"{step_dir} was trained on the base {_describe_base(recorded)}, but "
+                f"the base now is {_describe_base(expected)}: its content changed, "
+                "so the adapters would be applied to other weights. Restore the "
+                "original base files, or start a new run directory."
+            )
+
+    def state(self) -> Any:
+        if self._state is None:
+            assert self.init is not None
+            self._state = self.init()
+        return self._state
+
+
+def _restore_step(
+    step_dir: Path,
+    template: Any,
+    shardings: ShardingsArg,
+    frozen: _Frozen | None = None,
+) -> Restored:
     """Read and verify one step; `DamagedCheckpointError` for anything unreadable
-    or not as written, `IncompatibleCheckpointError` for another model."""
+    or not as written, `IncompatibleCheckpointError` for another model,
+    `BaseChangedError` for a trained-leaves-only step whose base changed."""
     quiet_closed_loop()  # before Orbax starts: the noise comes from its threads
     if not step_dir.is_dir():
         raise DamagedCheckpointError(f"{step_dir} does not exist.")
@@ -102,6 +155,11 @@ def _restore_step(step_dir: Path, template: Any, shardings: ShardingsArg) -> Res
         )
     except CheckpointError as e:
         raise DamagedCheckpointError(str(e)) from None
+    base = manifest.get("base")
+    if base is not None:
+        frozen = frozen or _Frozen(None)
+        frozen.check(base, step_dir)
+        template = trained_part(template)
     check_compatible(manifest.get("leaves", {}), template, str(step_dir))
     try:
         data = _storage.read_json(step_dir, _storage.DATA, _storage.DATA_FILE)
@@ -125,8 +183,12 @@ def _restore_step(step_dir: Path, template: Any, shardings: ShardingsArg) -> Res
                 f"{step_dir} does not hold what was written: the checksums of "
                 f"{len(bad)} array(s) differ ({shown})"
             )
+    state = from_disk(template, arrays, targets)
+    if base is not None:
+        assert frozen is not None
+        state = with_frozen(state, frozen.state())
     return Restored(
-        state=from_disk(template, arrays, targets),
+        state=state,
         step=int(step_dir.name),
         data_position=data.get("position"),
         manifest=manifest,
@@ -151,6 +213,8 @@ def restore(
     step: int | None = None,
     shardings: ShardingsArg = None,
     on_damaged: Callable[[Path, str], None] | None = None,
+    init: Callable[[], Any] | None = None,
+    base: Any = None,
 ) -> Restored:
     """Restore a checkpoint into the structure of `like`.
 
@@ -172,6 +236,12 @@ def restore(
             own layout does not matter (resharding on restore).
         on_damaged: called with `(step_dir, reason)` for each damaged step skipped
             (instead of the warning).
+        init: builds a whole concrete state; needed only for checkpoints that
+            store just the trained leaves (`Checkpointer(base=...)`, a LoRA run):
+            their frozen leaves are taken from `init()` (called once).
+        base: the reference of the base `init` builds (a mapping with
+            `"sha256"`); a checkpoint recording another hash is refused with
+            `BaseChangedError` before `init` runs.
 
     Raises:
         IncompatibleCheckpointError: the checkpoint's leaves differ from `like`'s
@@ -183,6 +253,7 @@ def restore(
     _storage.check_path(directory)
     chosen = step if step is not None else chosen
     template = _template(like)
+    frozen = _Frozen(init, base)
     if chosen is not None:
         step_dir = directory / str(chosen)
         if not step_dir.is_dir():
@@ -191,7 +262,7 @@ def restore(
                 f"{_storage.steps(directory) or 'none'}."
             )
         try:
-            return _restore_step(step_dir, template, shardings)
+            return _restore_step(step_dir, template, shardings, frozen)
         except DamagedCheckpointError as e:
             raise DamagedCheckpointError(
                 f"cannot restore the checkpoint you named: {e}. Name another step "
@@ -210,7 +281,7 @@ def restore(
         tried.add(candidate)
         step_dir = directory / str(candidate)
         try:
-            restored = _restore_step(step_dir, template, shardings)
+            restored = _restore_step(step_dir, template, shardings, frozen)
             error = None
         except IncompatibleCheckpointError:
             raise
@@ -329,6 +400,7 @@ def resume_run(
     shardings: ShardingsArg = None,
     data: Any = None,
     like: Any = None,
+    base: Any = None,
 ) -> Resumed:
     """`restore_or_init` with everything a writer of `run_dir` needs to know:
     the run's identity (pass `run_id` to `Checkpointer`), where it came from,
@@ -348,6 +420,10 @@ def resume_run(
       already holds checkpoints of a different run, unless `overwrite=True`. When
       `run_dir`'s checkpoints are those of a run started from that very
       checkpoint, that run is continued (re-running the same command resumes).
+
+    `base`: the reference of the frozen base `init` builds, for runs whose
+    checkpoints store only trained leaves (`Checkpointer(base=...)`, LoRA): a
+    checkpoint recording another base hash is refused (`BaseChangedError`).
     """
     directory = _storage.checkpoints_dir(run_dir)
     _storage.check_path(directory)
@@ -383,7 +459,15 @@ def resume_run(
             mode = "auto"
         elif same:
             return _rollback(
-                directory, src_step, existing, template, overwrite, shardings, data
+                directory,
+                src_step,
+                existing,
+                template,
+                overwrite,
+                shardings,
+                data,
+                init=init,
+                base=base,
             )
         elif existing:
             newest = _newest_manifest(directory) or {}
@@ -416,6 +500,8 @@ def resume_run(
             template,
             shardings=shardings,
             on_damaged=lambda d, why: seen.append((d, why)),
+            init=init,
+            base=base,
         )
         moved = []
         for step_dir, why in seen:
@@ -441,7 +527,7 @@ def resume_run(
             tuple(t for t, _ in moved),
         )
     else:  # another run's checkpoint: a new run starts from it
-        restored = restore(resume, template, shardings=shardings)
+        restored = restore(resume, template, shardings=shardings, init=init, base=base)
         _discard(
             directory,
             existing,
@@ -466,6 +552,9 @@ def _rollback(
     overwrite: bool,
     shardings: ShardingsArg,
     data: Any,
+    *,
+    init: Callable[[], Any],
+    base: Any,
 ) -> Resumed:
     later = [s for s in existing if s > step]
     if later and not overwrite:
@@ -475,7 +564,9 @@ def _rollback(
             "the retrained steps. Pass --overwrite (overwrite=True) to discard "
             "them, or --resume auto to continue from the newest."
         )
-    restored = restore(directory, template, step=step, shardings=shardings)
+    restored = restore(
+        directory, template, step=step, shardings=shardings, init=init, base=base
+    )
     _discard(directory, later, f"overwrite: rolled back to step {step}")
     manifest = restored.manifest
     resumed = Resumed(
@@ -505,6 +596,7 @@ def restore_or_init(
     shardings: ShardingsArg = None,
     data: Any = None,
     like: Any = None,
+    base: Any = None,
 ) -> tuple[Any, int | None]:
     """The state to train from, by an explicit resume policy.
 
@@ -527,6 +619,8 @@ def restore_or_init(
         like: the structure to restore into (an abstract or concrete state, or a
             function building one); default: `init`, evaluated abstractly. Pass
             it when `init` is costly even abstractly (e.g. it reads weights).
+        base: the reference of the frozen base `init` builds, for checkpoints
+            that store only trained leaves (see `resume_run`).
 
     Returns:
         `(state, step)`, with `step` None when starting fresh. `resume_run` also
@@ -540,5 +634,6 @@ def restore_or_init(
         shardings=shardings,
         data=data,
         like=like,
+        base=base,
     )
     return resumed.state, resumed.step

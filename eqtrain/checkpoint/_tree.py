@@ -73,6 +73,22 @@ def describe(paths: list[tuple[str, ...]], leaves: list[Any]) -> dict[str, Any]:
     }
 
 
+def trained_part(state: Any) -> Any:
+    """`state` without its frozen model leaves (`None` there): what a checkpoint
+    that references its base (a LoRA run) stores."""
+    trainable = getattr(state, "trainable", None)
+    if trainable is None:
+        return state
+    kept = eqx.filter(state.model, trainable)
+    return eqx.tree_at(lambda s: s.model, state, kept, is_leaf=lambda x: x is None)
+
+
+def with_frozen(partial: Any, full: Any) -> Any:
+    """`partial` (restored trained part) completed by `full`'s frozen leaves."""
+    model = eqx.combine(partial.model, full.model)
+    return eqx.tree_at(lambda s: s.model, partial, model, is_leaf=lambda x: x is None)
+
+
 def to_disk(state: Any) -> tuple[dict[str, Any], dict[str, Any]]:
     """The nested dict of arrays to save, and the leaf description for the manifest."""
     paths, leaves = array_leaves(state)

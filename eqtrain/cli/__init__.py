@@ -215,16 +215,26 @@ def export(
         typer.Option(help="float32 | bfloat16 | float16 (default: the parameters')."),
     ] = None,
     ema: Annotated[bool, typer.Option(help="Export the EMA weights.")] = False,
+    merged: Annotated[
+        bool,
+        typer.Option(
+            help="LoRA runs: write the full model with the adapters merged "
+            "(default: the adapter in PEFT's format)."
+        ),
+    ] = False,
     overwrite: Annotated[
         bool, typer.Option(help="Replace an existing export at OUT_DIR.")
     ] = False,
 ) -> None:
     """Export a run's latest checkpoint (or the given step) in Hugging Face format
-    (safetensors, config.json, tokenizer)."""
+    (safetensors, config.json, tokenizer); a LoRA run's adapter in PEFT's format,
+    or with --merged the full model."""
     from .. import job
 
     with _errors():  # the refusals name --overwrite only where it would help
-        out = job.export_run(path, out_dir, dtype=dtype, ema=ema, overwrite=overwrite)
+        out = job.export_run(
+            path, out_dir, dtype=dtype, ema=ema, merged=merged, overwrite=overwrite
+        )
     typer.echo(f"exported to {out}")
 
 

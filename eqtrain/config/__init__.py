@@ -1,5 +1,5 @@
 """Typed run configuration for `eqtrain fit`: frozen dataclasses per TOML section
-(`model`, `data`, `optim`, `loop`, `checkpoint`, `mesh`, `log`, `export`, plus
+(`model`, `data`, `optim`, `loop`, `checkpoint`, `mesh`, `log`, `lora`, `export`, plus
 `run_dir` and `seed`), read from TOML files and `--set key=value` overrides.
 
     config = eqtrain.config.load("run.toml", ["optim.lr=1e-4", "loop.steps=10_000"])
@@ -24,6 +24,7 @@ from ._schema import (
     ExportConfig as ExportConfig,
     LogConfig as LogConfig,
     LoopConfig as LoopConfig,
+    LoRAConfig as LoRAConfig,
     MeshConfig as MeshConfig,
     ModelConfig as ModelConfig,
     OptimConfig as OptimConfig,

@@ -99,6 +99,13 @@ class ModelConfig:
     scan_layers: bool = setting(
         True, "Run the blocks with `lax.scan` (faster compiles) or unrolled."
     )
+    adapter_from: str | None = setting(
+        None,
+        "Continue training this PEFT LoRA adapter directory (adapter_config.json + "
+        "adapter_model.safetensors) on `model.init_from`'s weights; its rank, "
+        "alpha, targets and rsLoRA setting replace the [lora] ones.",
+        kind="path",
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -314,6 +321,36 @@ class LogConfig:
     )
 
 
+LORA_TARGETS = r"(^|\.)((q|k|v|o|gate|up|down)_proj|c_attn|c_proj|c_fc)$"
+
+
+@dataclasses.dataclass(frozen=True)
+class LoRAConfig:
+    rank: int = setting(
+        0,
+        "Rank of the LoRA adapters; 0: no LoRA (every weight trains). With LoRA "
+        "only the adapters (and `train_also`) train; the rest stays frozen.",
+        min=0,
+    )
+    alpha: float | None = setting(
+        None, "Updates are scaled by alpha / rank; unset: alpha = rank.", min=0
+    )
+    dropout: float = setting(
+        0.0, "Dropout on the adapters' inputs in training steps.", min=0, max=0.999
+    )
+    targets: str = setting(
+        LORA_TARGETS,
+        "Regex searched in each linear layer's dotted path (e.g. "
+        "`layers.self_attn.q_proj`); default: the attention and MLP projections.",
+    )
+    rslora: bool = setting(False, "Scale by alpha / sqrt(rank) (rsLoRA).")
+    train_also: str | None = setting(
+        None,
+        "Regex of more parameters to train besides the adapters, searched in "
+        "dotted paths (e.g. `norm` for the norms, `^lm_head` for the head).",
+    )
+
+
 @dataclasses.dataclass(frozen=True)
 class ExportConfig:
     hf: str | None = setting(
@@ -334,6 +371,16 @@ class ExportConfig:
         "5GB", "Split the safetensors into shards above this size.", kind="size"
     )
     ema: bool = setting(False, "Export the EMA weights (needs loop.ema).")
+    adapter: bool | None = setting(
+        None,
+        "With LoRA: write the adapter in PEFT's format (adapter_model.safetensors, "
+        "adapter_config.json) to <hf>; unset: true when LoRA is on.",
+    )
+    merged: bool = setting(
+        False,
+        "With LoRA: also write the full model with the adapters merged, in Hugging "
+        "Face format, to <hf>-merged (<hf> itself when export.adapter = false).",
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -353,6 +400,7 @@ class Config:
     checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
     mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
     log: LogConfig = dataclasses.field(default_factory=LogConfig)
+    lora: LoRAConfig = dataclasses.field(default_factory=LoRAConfig)
     export: ExportConfig = dataclasses.field(default_factory=ExportConfig)
     # The dotted keys a file or `--set` gave (see `explicit`): not a config key,
     # and two configs with the same values are equal however they were written.

@@ -49,6 +49,7 @@ def validate(config: Config) -> None:
     _mesh(config)
     _batches(config)
     _loop(config)
+    _lora(config)
     _export(config)
 
 
@@ -166,6 +167,55 @@ def _loop(config: Config) -> None:
                 "checkpoints must be saved on evaluation steps: make "
                 f"`checkpoint.every` ({ckpt.every}) a positive multiple of "
                 f"`loop.eval_every` ({loop.eval_every})."
+            )
+
+
+def lora_on(config: Config) -> bool:
+    """Whether the run trains LoRA adapters (`lora.rank` > 0 or an adapter to
+    continue)."""
+    return config.lora.rank > 0 or config.model.adapter_from is not None
+
+
+def _lora(config: Config) -> None:
+    import re
+
+    lora, given = config.lora, _changed(config)
+    if config.model.adapter_from is not None and config.model.init_from is None:
+        raise ConfigError(
+            f"`model.adapter_from` ({config.model.adapter_from!r}) continues a PEFT "
+            "adapter on its base model: set `model.init_from` to that base's "
+            "Hugging Face directory."
+        )
+    if not lora_on(config):
+        other = sorted(k for k in given if k.startswith("lora."))
+        if other:
+            raise ConfigError(
+                f"`{other[0]}` is set but `lora.rank` is 0 (LoRA off): set "
+                "lora.rank (e.g. 8) to train adapters, or remove it."
+            )
+        for key in ("export.adapter", "export.merged"):
+            section, name = key.split(".")
+            if getattr(config.export, name):
+                raise ConfigError(
+                    f"`{key}` exports LoRA adapters, but LoRA is off (lora.rank = "
+                    "0): set lora.rank, or remove it."
+                )
+        return
+    for key, pattern in (("targets", lora.targets), ("train_also", lora.train_also)):
+        if pattern is None:
+            continue
+        try:
+            re.compile(pattern)
+        except re.error as e:
+            raise ConfigError(
+                f"`lora.{key}` is not a valid regex: {pattern!r} ({e})."
+            ) from None
+    if config.export.adapter is False and not config.export.merged:
+        if config.export.hf is not None and "export.hf" in given:
+            raise ConfigError(
+                "`export.hf` is set, but with LoRA on and export.adapter = false "
+                "and export.merged = false there is nothing to export: set one of "
+                'them, or export.hf = "".'
             )
 
 

@@ -12,6 +12,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from .. import lora
 from .._errors import ConfigError
 from ..config import parse_size
 from ..models import as_dtype
@@ -61,6 +62,12 @@ def export(
     Returns:
         `out_dir` as a string.
     """
+    if lora.adapter_paths(model):
+        raise ConfigError(
+            "this model carries LoRA adapters, which a Hugging Face model has no "
+            "place for: export them in PEFT's format with `export_adapter`, or the "
+            "full model with `export(lora.merge(model), ...)`."
+        )
     config = model.config if config is None else config
     model_type = _maps.infer_model_type(config, model_type)
     arch = _maps.ARCHS[model_type]

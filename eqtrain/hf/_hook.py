@@ -4,12 +4,15 @@
 import os
 from typing import Any
 
+from .. import lora
 from .._errors import ConfigError
 from .._hooks import StepInfo
 from ._export import export
+from ._peft import export_adapter
 
 
 _WHICH = ("model", "ema", "both")
+_FORMS = ("full", "adapter", "merged")
 
 
 class export_hook:  # noqa: N801 -- a hook factory, named like a function
@@ -25,8 +28,12 @@ class export_hook:  # noqa: N801 -- a hook factory, named like a function
             each time.
         which: `"model"`, `"ema"` (`info.state.ema_model`; the state must keep an
             EMA) or `"both"` (the EMA goes to `<target>_ema`).
+        form: `"full"` (a Hugging Face model), or for a model with LoRA adapters
+            `"adapter"` (PEFT's adapter files, `export_adapter`) or `"merged"`
+            (a Hugging Face model with the adapters folded in).
         **export_kwargs: passed on to `eqtrain.hf.export` (`dtype`,
-            `max_shard_size`, `tokenizer`, `model_type`, ...).
+            `max_shard_size`, `tokenizer`, `model_type`, ...); an adapter export
+            uses `model_type` only.
 
     Example:
         >>> from eqtrain import at_end, every
@@ -42,10 +49,14 @@ class export_hook:  # noqa: N801 -- a hook factory, named like a function
         *,
         per_step: bool = True,
         which: str = "model",
+        form: str = "full",
         **export_kwargs: Any,
     ):
         if which not in _WHICH:
             raise ConfigError(f"`which` must be one of {_WHICH}; got {which!r}.")
+        if form not in _FORMS:
+            raise ConfigError(f"`form` must be one of {_FORMS}; got {form!r}.")
+        self.form = form
         if "overwrite" in export_kwargs:
             raise ConfigError(
                 "export_hook always replaces its own earlier export; drop `overwrite`."
@@ -66,10 +77,17 @@ class export_hook:  # noqa: N801 -- a hook factory, named like a function
             return  # e.g. `every(n)` and `at_end` firing on the same final step
         state, target = info.state, self.target(info.step)
         if self.which in ("model", "both"):
-            export(state.model, None, target, overwrite=True, **self.export_kwargs)
+            self._write(state.model, target)
         if self.which in ("ema", "both"):
             ema_target = target if self.which == "ema" else target + "_ema"
-            export(
-                state.ema_model, None, ema_target, overwrite=True, **self.export_kwargs
-            )
+            self._write(state.ema_model, ema_target)
         self.last_step = info.step
+
+    def _write(self, model: Any, target: str) -> None:
+        if self.form == "adapter":
+            model_type = self.export_kwargs.get("model_type")
+            export_adapter(model, target, model_type=model_type, overwrite=True)
+            return
+        if self.form == "merged":
+            model = lora.merge(model)
+        export(model, None, target, overwrite=True, **self.export_kwargs)

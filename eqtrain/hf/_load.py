@@ -144,6 +144,24 @@ def _read_config(path: str) -> dict[str, Any]:
     return config
 
 
+def content_hash(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """A reference to a Hugging Face directory's weights: its absolute `path`,
+    the sha256 of each safetensors file and one `sha256` over them (what a LoRA
+    run's checkpoints record of their frozen base). Reads every byte once."""
+    import hashlib
+
+    path = os.path.abspath(os.fspath(path))
+    files = {}
+    for file in _weight_files(path):
+        digest = hashlib.sha256()
+        with open(file, "rb") as f:
+            while chunk := f.read(1 << 24):
+                digest.update(chunk)
+        files[os.path.basename(file)] = digest.hexdigest()
+    combined = hashlib.sha256(json.dumps(files, sort_keys=True).encode()).hexdigest()
+    return {"path": path, "files": files, "sha256": combined}
+
+
 def _weight_files(path: str) -> list[str]:
     index = os.path.join(path, INDEX_NAME)
     if os.path.exists(index):

@@ -8,13 +8,15 @@ from pathlib import Path
 from typing import Any
 
 import equinox as eqx
+import jax
 import jax.random as jr
 import numpy as np
 
-from .. import data as data_lib, hf, models, optim
+from .. import data as data_lib, hf, lora as lora_lib, models, optim
 from .._errors import ConfigError
 from .._state import TrainState
 from ..config import Config, explicit
+from ..config._validate import lora_on
 from ..losses import causal_lm_loss
 
 
@@ -33,6 +35,8 @@ class Job:
         model_type: the Hugging Face `model_type` an export writes.
         optimizer: the optax transformation from the `optim` section.
         loss_fn: the loss the steps differentiate.
+        lora: the LoRA adapters the run trains (`[lora]`, or `model.adapter_from`'s
+            adapter_config.json), or None: every weight trains.
     """
 
     config: Config
@@ -41,6 +45,7 @@ class Job:
     model_type: str
     optimizer: Any
     loss_fn: Callable[..., Any] = causal_lm_loss
+    lora: lora_lib.LoRA | None = None
 
     @property
     def run_dir(self) -> Path:
@@ -51,50 +56,129 @@ class Job:
         """The model family's registry entry (`eqtrain.models.family`)."""
         return models.family(self.model_type)
 
-    def new_model(self) -> Any:
-        """The initial model: `model.init_from`'s weights, or a random init."""
+    def base_model(self) -> Any:
+        """The base model: `model.init_from`'s weights, or a random init."""
         m = self.config.model
         if m.init_from is not None:
             model, _ = hf.load(m.init_from, dtype=m.param_dtype)
             return model.with_options(remat=m.remat, scan_layers=m.scan_layers)
         return self.family.model(self.model_config, jr.key(self.config.seed))
 
-    def new_state(self) -> TrainState:
-        """The initial `TrainState` (allocates the model and optimizer state)."""
+    def with_adapters(self, model: Any) -> Any:
+        """`model` with the run's LoRA adapters (`model.adapter_from`'s values, or
+        new ones: `lora_b` zero); unchanged without LoRA."""
+        if self.lora is None:
+            return model
+        adapter = self.config.model.adapter_from
+        if adapter is not None:
+            return hf.load_adapter(model, adapter, model_type=self.model_type)
+        key = jr.fold_in(jr.key(self.config.seed), ADAPTER_SEED)
+        return lora_lib.apply(model, self.lora, key=key)
+
+    def new_model(self) -> Any:
+        """The initial model: the base model with the run's adapters, if any."""
+        return self.with_adapters(self.base_model())
+
+    def trainable(self, model: Any) -> Any:
+        """The trainable filter: everything, or with LoRA the adapters (and
+        `lora.train_also`)."""
+        if self.lora is None:
+            return True
+        return lora_lib.trainable(model, also=self.config.lora.train_also)
+
+    def _state(self, model: Any, seed: int) -> TrainState:
         return TrainState.create(
-            self.new_model(),
+            model,
             self.optimizer,
-            key=self.config.seed,
+            key=seed,
+            trainable=self.trainable(model),
             ema=self.config.loop.ema is not None,
         )
+
+    def new_state(self) -> TrainState:
+        """The initial `TrainState` (allocates the model and optimizer state)."""
+        return self._state(self.new_model(), self.config.seed)
 
     def abstract_state(self) -> TrainState:
         """The state's structure, shapes and dtypes, without reading weights."""
 
         def init() -> TrainState:
-            return TrainState.create(
-                self.family.model(self.model_config, jr.key(0)),
-                self.optimizer,
-                key=0,
-                ema=self.config.loop.ema is not None,
-            )
+            base = self.family.model(self.model_config, jr.key(0))
+            return self._state(self.with_adapters(base), 0)
 
         return eqx.filter_eval_shape(init)
+
+    def base_reference(self) -> dict[str, Any] | None:
+        """What a LoRA run's checkpoints record of their frozen base (None without
+        LoRA): `model.init_from`'s path and the sha256 of its safetensors, or for
+        a random base its seed and the sha256 of its arrays."""
+        if self.lora is None:
+            return None
+        init_from = self.config.model.init_from
+        if init_from is not None:
+            return hf.content_hash(init_from)
+        import hashlib
+
+        digest = hashlib.sha256()
+        for leaf in jax.tree.leaves(eqx.filter(self.base_model(), eqx.is_array)):
+            digest.update(np.asarray(jax.device_get(leaf)).tobytes())
+        return {"path": None, "seed": self.config.seed, "sha256": digest.hexdigest()}
+
+    def num_trainable(self) -> tuple[int, int]:
+        """`(trainable, total)` parameter counts."""
+        abstract = self.abstract_state()
+        total = models.num_params(abstract.model)
+        return models.num_params(abstract.params), total
 
     def flops_per_token(self) -> float:
         seq_len = self.config.data.seq_len
         return self.family.flops_per_token(self.model_config, seq_len)
 
 
+ADAPTER_SEED = 0x10A  # folded into the run's seed for the adapters' initial values
+
+
 def build(config: Config) -> Job:
     """The `Job` of `config`: reads the tokenizer and `model.init_from`'s
-    config.json, checks that they agree, and builds the optimizer."""
+    config.json, checks that they agree, builds the optimizer, and checks the
+    LoRA settings against the model (abstractly: nothing is allocated)."""
     tokenizer = make_tokenizer(config)
     config, model_config, model_type = _model_config(config, tokenizer)
     opt_fields = dataclasses.asdict(config.optim.resolved(config.loop.steps))
     opt_fields.pop("accumulate")
     optimizer = optim.build(**opt_fields, total_steps=config.loop.steps)
-    return Job(config, tokenizer, model_config, model_type, optimizer)
+    job = Job(config, tokenizer, model_config, model_type, optimizer)
+    if lora_on(config):
+        job.lora = _lora_spec(config)
+        try:
+            job.abstract_state()  # targets, rank and train_also against the model
+        except ConfigError as e:
+            raise ConfigError(f"[lora]: {e}") from None
+    return job
+
+
+def _lora_spec(config: Config) -> lora_lib.LoRA:
+    adapter = config.model.adapter_from
+    if adapter is not None:
+        spec = hf.adapter_spec(adapter)
+        if config.lora.rank not in (0, spec.rank):
+            raise ConfigError(
+                f"`lora.rank` is {config.lora.rank} but the adapter in "
+                f"`model.adapter_from` ({adapter}) has rank {spec.rank}; unset "
+                "lora.rank (the adapter decides it)."
+            )
+        return spec
+    c = config.lora
+    try:
+        return lora_lib.LoRA(
+            rank=c.rank,
+            alpha=c.alpha,
+            dropout=c.dropout,
+            targets=c.targets,
+            rslora=c.rslora,
+        )
+    except ConfigError as e:
+        raise ConfigError(f"[lora]: {e}") from None
 
 
 # -- tokenizer ------------------------------------------------------------------

@@ -1,7 +1,14 @@
 """`eqtrain fit --dry-run`: what a run would do — mesh, parameters, a per-leaf
 sharding table and a per-device memory estimate — without training or writing."""
 
-from .. import models, sharding
+import math
+from typing import Any
+
+import equinox as eqx
+import jax
+
+from .. import lora, models, sharding
+from .._state import TrainState
 from ..config import Config
 from . import _build, _place
 
@@ -21,6 +28,39 @@ def _activations(config: Config, job: _build.Job, parallel: int) -> int:
         kept = m.num_layers * per_layer
     logits = 2 * micro * seq * job.model_config.vocab_size
     return int((kept + logits) * width)
+
+
+def _bytes(tree: Any) -> int:
+    leaves = jax.tree.leaves(tree)
+    return sum(math.prod(x.shape) * x.dtype.itemsize for x in leaves if _shaped(x))
+
+
+def _shaped(x: Any) -> bool:
+    return hasattr(x, "shape") and hasattr(x, "dtype")
+
+
+def _lora_lines(job: _build.Job, abstract: Any) -> list[str]:
+    """LoRA: the adapters, trainable vs frozen counts, optimizer state saved."""
+    if job.lora is None:
+        return []
+    spec = job.lora
+    total = models.num_params(abstract.model)
+    trained = models.num_params(abstract.params)
+    layers = len(lora.adapter_paths(abstract.model))
+    full = eqx.filter_eval_shape(
+        lambda m: TrainState.create(m, job.optimizer, key=0), abstract.model
+    )
+    ours, theirs = _bytes(abstract.opt_state), _bytes(full.opt_state)
+    fmt = sharding.format_bytes
+    return [
+        f"lora         rank {spec.rank}, scale {spec.scale:g}"
+        f"{' (rsLoRA)' if spec.rslora else ''}, dropout {spec.dropout:g}, on "
+        f"{layers} linear layer groups (targets {spec.targets!r})",
+        f"trainable    {trained:,} of {total:,} parameters "
+        f"({100 * trained / total:.2f}%); frozen {total - trained:,}",
+        f"opt. state   {fmt(ours)} (full fine-tuning: {fmt(theirs)}; saved "
+        f"{fmt(theirs - ours)})",
+    ]
 
 
 def report(config: Config) -> str:
@@ -44,6 +84,7 @@ def report(config: Config) -> str:
         f"run_dir      {config.run_dir} (nothing written: dry run)",
         f"model        {job.model_type}, {num:,} parameters "
         f"({config.model.param_dtype})",
+        *_lora_lines(job, abstract),
         f"data         {len(rows['tokens']):,} train rows x {config.data.seq_len} "
         f"tokens; {0 if eval_rows is None else len(eval_rows['tokens']):,} eval rows; "
         f"tokenizer {type(job.tokenizer).__name__} ({job.tokenizer.vocab_size} ids)",

@@ -8,7 +8,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from .. import checkpoint, checkpoint as _storage, hf
+from .. import checkpoint, checkpoint as _storage, hf, lora
 from .._errors import ConfigError
 from .._hooks import StepInfo
 from .._loop import evaluate
@@ -75,7 +75,11 @@ def _restore(path: Path, job: _build.Job, placement: _place.Placement) -> Any:
             f"{path} holds no checkpoint yet; train it first (`eqtrain fit`)."
         )
     return checkpoint.restore(
-        path, job.abstract_state(), shardings=placement.state_shardings
+        path,
+        job.abstract_state(),
+        shardings=placement.state_shardings,
+        init=lambda: placement.place(job.new_state()),  # a LoRA run's frozen base
+        base=job.base_reference(),
     )
 
 
@@ -105,13 +109,20 @@ def export_run(
     *,
     dtype: str | None = None,
     ema: bool = False,
+    merged: bool = False,
     overwrite: bool = False,
     overrides: Iterable[str] = (),
 ) -> Path:
     """Export a run's latest checkpoint (or a step directory) in Hugging Face
-    format to `out_dir`."""
+    format to `out_dir`. A LoRA run's export is its adapter in PEFT's format, or
+    with `merged` the full model with the adapters folded in."""
     config = open_run(path, overrides)
     job = _build.build(config)
+    if merged and job.lora is None:
+        raise ConfigError(
+            f"--merged merges LoRA adapters, but the run at {path} trains no "
+            "adapters (lora.rank = 0); drop --merged."
+        )
     placement = _place.placement(job)
     state = _restore(Path(path), job, placement).state
     if ema and state.ema is None:
@@ -119,6 +130,14 @@ def export_run(
             f"the run at {path} keeps no EMA weights (loop.ema was unset); drop --ema."
         )
     model = state.ema_model if ema else state.model
+    if job.lora is not None and not merged:
+        return Path(
+            hf.export_adapter(
+                model, out_dir, model_type=job.model_type, overwrite=overwrite
+            )
+        )
+    if merged:
+        model = lora.merge(model)
     return Path(
         hf.export(
             model,

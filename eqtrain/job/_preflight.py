@@ -16,6 +16,7 @@ from typing import Any
 
 from .._errors import ConfigError
 from ..config import Config
+from ..config._validate import lora_on
 
 
 PROBE_BYTES = 64 * 1024
@@ -64,8 +65,27 @@ def check_outputs(config: Config, *, writer: bool = True) -> None:
         tb = run_dir / "tb"
         _check_dir(tb, "the TensorBoard directory", "log.tensorboard", create=True)
         _probe(tb, "the TensorBoard directory", "log.tensorboard")
-    if config.export.hf is not None:
-        _check_export(run_dir / config.export.hf, bool(config.export.every))
+    for target in export_targets(config, run_dir).values():
+        _check_export(target, bool(config.export.every))
+
+
+def export_targets(config: Any, run_dir: Path) -> dict[str, Path]:
+    """What a run exports where, by form: `{"full": <hf>}` without LoRA; with
+    LoRA `{"adapter": <hf>}` (PEFT files; unless export.adapter = false) and,
+    with export.merged, `{"merged": <hf>-merged}` (<hf> itself without the
+    adapter)."""
+    export = config.export
+    if export.hf is None:
+        return {}
+    target = run_dir / export.hf
+    if not lora_on(config):
+        return {"full": target}
+    out: dict[str, Path] = {}
+    if export.adapter is not False:
+        out["adapter"] = target
+    if export.merged:
+        out["merged"] = target.with_name(target.name + "-merged") if out else target
+    return out
 
 
 def _fail(path: Path, what: str, why: str, fix: str) -> ConfigError:
@@ -135,7 +155,7 @@ def _is_export(path: Path) -> bool:
     """An empty directory or an earlier export (config.json): what
     `hf.export(..., overwrite=True)` replaces."""
     names = os.listdir(path)
-    return not names or "config.json" in names
+    return not names or "config.json" in names or "adapter_config.json" in names
 
 
 def _holds_step_exports(path: Path) -> bool:
@@ -151,7 +171,8 @@ def _check_export(target: Path, per_step: bool) -> None:
         raise _fail(
             target,
             "the export directory (export.hf)",
-            "is not empty and holds no config.json, so it is not an earlier "
+            "is not empty and holds no config.json (or adapter_config.json), so it "
+            "is not an earlier "
             "export and will not be overwritten",
             fix,
         )

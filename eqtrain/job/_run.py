@@ -96,7 +96,6 @@ def _hooks(job: _build.Job, run_dir: Path) -> list[Any]:
         out += [every(log.every, writer), at_end(writer)]
     export = config.export
     if export.hf is not None:
-        target = run_dir / export.hf
         kwargs = dict(
             dtype=export.dtype,
             max_shard_size=export.max_shard_size,
@@ -104,10 +103,13 @@ def _hooks(job: _build.Job, run_dir: Path) -> list[Any]:
             model_type=job.model_type,
             which="ema" if export.ema else "model",
         )
-        if export.every:  # beside the final export, which replaces <hf> whole
-            steps = _preflight.steps_export_dir(target)
-            out.append(every(export.every, hf.export_hook(steps, **kwargs)))
-        out.append(at_end(hf.export_hook(target, per_step=False, **kwargs)))
+        for form, target in _preflight.export_targets(config, run_dir).items():
+            if export.every:  # beside the final export, which replaces it whole
+                steps = _preflight.steps_export_dir(target)
+                hook = hf.export_hook(steps, form=form, **kwargs)
+                out.append(every(export.every, hook))
+            hook = hf.export_hook(target, per_step=False, form=form, **kwargs)
+            out.append(at_end(hook))
     return out
 
 
@@ -214,6 +216,7 @@ def prepare(
             prefetch=data.prefetch,
             sharding=placement.batch_sharding,
         )
+        base = job.base_reference()  # a LoRA run's frozen base (None otherwise)
         start = checkpoint.resume_run(
             run_dir,
             lambda: placement.place(job.new_state()),
@@ -222,6 +225,7 @@ def prepare(
             overwrite=overwrite,
             shardings=placement.state_shardings,
             data=loader,
+            base=base,
         )
         state, resumed = start.state, start.step
         # Only once the restore succeeded: a refused resume leaves the config
@@ -229,7 +233,16 @@ def prepare(
         if writer:
             write_config(config, run_dir)
         prepared = _assemble(
-            config, job, placement, eval_rows, run_dir, loader, state, resumed, start
+            config,
+            job,
+            placement,
+            eval_rows,
+            run_dir,
+            loader,
+            state,
+            resumed,
+            start,
+            base,
         )
     except BaseException:
         if loader is not None:
@@ -272,6 +285,7 @@ def _assemble(
     state: Any,
     resumed: int | None,
     start: Any,
+    base: Any,
 ) -> "Prepared":
     data = config.data
     loop = config.loop
@@ -302,6 +316,7 @@ def _assemble(
         async_save=ckpt.async_save,
         run_id=start.run_id,  # refuses another run's steps here, before compiling
         started_from=start.started_from,
+        base=base,  # LoRA: store the trained leaves and a reference to the base
     )
     fit_kwargs = dict(
         num_steps=loop.steps,

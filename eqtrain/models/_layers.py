@@ -135,15 +135,18 @@ class LoRALinear(eqx.Module):
         *,
         key: PRNGKeyArray | None = None,
     ) -> Float[Array, "*batch out_features"]:
-        y = _affine(x, self.weight, self.bias)
         if not self.enabled:
-            return y
+            return _affine(x, self.weight, self.bias)
         h = x
         if self.dropout > 0 and key is not None:
             keep = jr.bernoulli(key, 1.0 - self.dropout, x.shape)
             h = jnp.where(keep, x / (1.0 - self.dropout), 0).astype(x.dtype)
         update = _matmul_t(_matmul_t(h, self.lora_a), self.lora_b)
-        return y + (update * self.scale).astype(y.dtype)
+        y = _matmul_t(x, self.weight)
+        y = y + (update * self.scale).astype(y.dtype)
+        if self.bias is not None:
+            y = y + _broadcast_last(self.bias, y.ndim)
+        return y
 
 
 AnyLinear = Linear | LoRALinear
