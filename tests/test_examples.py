@@ -87,4 +87,8 @@ def test_example_configs_run(path, tmp_path):
     )
     result = job.run(short, echo=lambda s: None)
     assert result.fit.stop_reason.kind == "max_steps"
-    assert (tmp_path / "run" / "hf" / "config.json").exists()
+    if config.lora.rank:  # the adapter in PEFT's format, and the merged model
+        assert (tmp_path / "run" / "hf" / "adapter_config.json").exists()
+        assert (tmp_path / "run" / "hf-merged" / "config.json").exists()
+    else:
+        assert (tmp_path / "run" / "hf" / "config.json").exists()

@@ -152,9 +152,7 @@ def test_frozen_base_is_untouched_and_has_no_optimizer_state(kind):
         model, optax.adamw(1e-2), key=0, trainable=lora.trainable(model)
     )
     adapters = lora.num_adapter_params(model)
-    opt_elems = sum(
-        x.size for x in jax.tree.leaves(state.opt_state) if eqx.is_array(x)
-    )
+    opt_elems = sum(x.size for x in jax.tree.leaves(state.opt_state) if eqx.is_array(x))
     assert opt_elems == 2 * adapters + 1  # adam's mu and nu, and its count
     step = eqtrain.jit(eqtrain.train_step(causal_lm_loss, optax.adamw(1e-2)))
     rng = np.random.default_rng(0)
@@ -167,7 +165,10 @@ def test_frozen_base_is_untouched_and_has_no_optimizer_state(kind):
         state, metrics = step(state, batch)
     after = jax.device_get(state.model)
     for path, x, y in zip(
-        _array_paths(before), jax.tree.leaves(before), jax.tree.leaves(after)
+        _array_paths(before),
+        jax.tree.leaves(before),
+        jax.tree.leaves(after),
+        strict=True,
     ):
         if lora.is_adapter_path(path):
             continue
@@ -177,7 +178,10 @@ def test_frozen_base_is_untouched_and_has_no_optimizer_state(kind):
     changed = [
         p
         for p, x, y in zip(
-            _array_paths(before), jax.tree.leaves(before), jax.tree.leaves(after)
+            _array_paths(before),
+            jax.tree.leaves(before),
+            jax.tree.leaves(after),
+            strict=True,
         )
         if not np.array_equal(np.asarray(x), np.asarray(y))
     ]
@@ -277,9 +281,7 @@ def test_adapter_rules_follow_the_base_weights():
     assert rules.match("opt_state.0.mu.layers.mlp.down_proj.lora_a") == P(
         "layers", None, "tensor"
     )
-    assert rules.match("model.layers.mlp.down_proj.lora_b") == P(
-        "layers", "fsdp", None
-    )
+    assert rules.match("model.layers.mlp.down_proj.lora_b") == P("layers", "fsdp", None)
     assert rules.match("model.layers.self_attn.q_proj.weight") == P(
         "layers", "tensor", "fsdp"
     )
@@ -294,7 +296,9 @@ def _lora_run(axes, kind, steps=6):
     step = eqtrain.train_step(causal_lm_loss, opt)
     shardings = None
     if axes is not None:
-        mesh = sharding.make_mesh(dict(zip(("data", "fsdp", "tensor"), axes)))
+        mesh = sharding.make_mesh(
+            dict(zip(("data", "fsdp", "tensor"), axes, strict=True))
+        )
         rules = sharding.rules_for(state.model, mesh, fsdp_min_size=64)
         state_sh = sharding.state_shardings(state, mesh, rules, optimizer=opt)
         shardings = (state_sh, sharding.batch_sharding(mesh))

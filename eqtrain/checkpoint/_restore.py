@@ -160,6 +160,8 @@ def _restore_step(
         frozen = frozen or _Frozen(None)
         frozen.check(base, step_dir)
         template = trained_part(template)
+        if isinstance(shardings, eqx.Module):  # a state-shaped pytree
+            shardings = trained_part(shardings)
     check_compatible(manifest.get("leaves", {}), template, str(step_dir))
     try:
         data = _storage.read_json(step_dir, _storage.DATA, _storage.DATA_FILE)

@@ -2,6 +2,7 @@
 `transformers`' `save_pretrained` would write (safetensors, config.json,
 generation_config.json, tokenizer files); `load` reads such a directory back
 (safetensors only, strictly). Architectures: `llama`, `mistral`, `qwen2`, `gpt2`.
+LoRA adapters go both ways in PEFT's format: `export_adapter`, `load_adapter`.
 """
 
 from ..config import parse_size as parse_size
@@ -19,3 +20,8 @@ from ._load import (
     tokenizer_for as tokenizer_for,
 )
 from ._maps import ARCHS as ARCHS, infer_model_type as infer_model_type
+from ._peft import (
+    adapter_spec as adapter_spec,
+    export_adapter as export_adapter,
+    load_adapter as load_adapter,
+)

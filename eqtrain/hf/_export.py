@@ -193,7 +193,8 @@ def _write_json(path: str, content: Any) -> None:
 
 # -- atomic directory replacement ----------------------------------------------------
 def _looks_like_export(path: str) -> bool:
-    return not os.listdir(path) or os.path.exists(os.path.join(path, "config.json"))
+    names = os.listdir(path)
+    return not names or "config.json" in names or "adapter_config.json" in names
 
 
 def _check_target(out_dir: str, overwrite: bool) -> None:
@@ -210,9 +211,9 @@ def _check_target(out_dir: str, overwrite: bool) -> None:
         )
     if not _looks_like_export(out_dir):
         raise HFExportExistsError(
-            f"{out_dir} is not empty and holds no config.json, so it is not an "
-            "earlier export and will not be overwritten (not even with overwrite). "
-            "Export to a new directory."
+            f"{out_dir} is not empty and holds no config.json (nor an adapter's), "
+            "so it is not an earlier export and will not be overwritten (not even "
+            "with overwrite). Export to a new directory."
         )
     if not overwrite and os.listdir(out_dir):
         raise HFExportExistsError(

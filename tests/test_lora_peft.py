@@ -1,0 +1,234 @@
+"""LoRA adapters through `peft` itself: eqtrain's PEFT export loads onto the
+`transformers` base without a warning and with the same logits, peft's own
+adapters load into eqtrain, and bad adapter directories are clear errors."""
+
+import json
+import os
+import shutil
+import warnings
+
+import jax
+import jax.numpy as jnp
+import jax.random as jr
+import jax.tree_util as jtu
+import numpy as np
+import pytest
+
+from eqtrain import ConfigError, hf, lora
+from eqtrain.hf import HFFileNotFoundError, HFFormatError
+
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+peft = pytest.importorskip("peft")
+
+SEQ = 12
+
+
+def _hf_base(family):
+    """A small randomised `transformers` model (fixed seed), in eval mode."""
+    torch.manual_seed(0)
+    if family == "gpt2":
+        cfg = transformers.GPT2Config(
+            vocab_size=97, n_positions=32, n_embd=32, n_layer=2, n_head=4
+        )
+        model = transformers.GPT2LMHeadModel(cfg)
+    else:
+        cfg = transformers.LlamaConfig(
+            vocab_size=97,
+            hidden_size=32,
+            intermediate_size=48,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            rope_theta=300.0,
+        )
+        model = transformers.LlamaForCausalLM(cfg)
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.3 * torch.randn(p.shape, generator=gen, dtype=p.dtype))
+    return model.eval()
+
+
+@pytest.fixture(scope="module", params=["llama", "gpt2"])
+def base_dir(request, tmp_path_factory):
+    path = tmp_path_factory.mktemp(request.param) / "base"
+    _hf_base(request.param).save_pretrained(path)
+    return request.param, path
+
+
+def _tokens():
+    return np.random.default_rng(0).integers(0, 97, SEQ).astype(np.int32)
+
+
+def _torch_logits(model):
+    with torch.no_grad():
+        ids = torch.from_numpy(_tokens().astype(np.int64))[None]
+        return model(input_ids=ids).logits[0].float().numpy()
+
+
+def _ours(model):
+    return np.asarray(jax.jit(lambda m: m(jnp.asarray(_tokens())))(model))
+
+
+def _randomize_adapters(model, seed=3):
+    count = [0]
+
+    def fill(path, x):
+        name = jtu.keystr(path, simple=True, separator=".")
+        if not lora.is_adapter_path(name):
+            return x
+        count[0] += 1
+        return 0.2 * jr.normal(jr.fold_in(jr.key(seed), count[0]), x.shape, x.dtype)
+
+    return jtu.tree_map_with_path(fill, model)
+
+
+def _peft_load(base_dir, adapter_dir):
+    """peft's own loader; any warning about the adapter (peft's missing or
+    unexpected keys, a `Conv1D` without fan_in_fan_out, ...) is a failure. The
+    deprecation notices transformers raises at peft's own calls are not ours."""
+    base = transformers.AutoModelForCausalLM.from_pretrained(
+        base_dir, dtype=torch.float32
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        warnings.filterwarnings("ignore", category=FutureWarning)
+        warnings.filterwarnings("ignore", category=DeprecationWarning)
+        model = peft.PeftModel.from_pretrained(base, adapter_dir)
+    return model.eval()
+
+
+SPECS = {
+    "default": lora.LoRA(rank=4, alpha=8),
+    "rslora_subset": lora.LoRA(
+        rank=4,
+        alpha=6,
+        rslora=True,
+        targets=r"(self_attn\.[qv]_proj|attn\.c_proj)$",
+    ),
+}
+
+
+@pytest.mark.parametrize("which", list(SPECS))
+def test_export_loads_in_peft_with_the_same_logits(base_dir, which, tmp_path):
+    family, path = base_dir
+    base, _ = hf.load(path)
+    model = _randomize_adapters(lora.apply(base, SPECS[which], key=jr.key(0)))
+    out = hf.export_adapter(model, tmp_path / "adapter", spec=SPECS[which])
+    settings = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert settings["peft_type"] == "LORA" and settings["r"] == 4
+    assert settings["use_rslora"] == SPECS[which].rslora
+    assert settings["fan_in_fan_out"] == (family == "gpt2")
+    theirs = _peft_load(path, out)
+    # the prefix trap: without `base_model.model.`, peft keeps lora_B = 0
+    b_weights = [p for n, p in theirs.named_parameters() if "lora_B" in n]
+    assert b_weights and all(torch.count_nonzero(p) > 0 for p in b_weights)
+    expected = _torch_logits(theirs)
+    np.testing.assert_allclose(_ours(model), expected, rtol=0, atol=1e-4)
+    plain = _ours(base)
+    assert np.max(np.abs(plain - expected)) > 1e-2  # the adapter has an effect
+    if which == "rslora_subset":
+        wrapped = {
+            n.rsplit(".", 1)[0] for n, _ in theirs.named_modules() if "lora_A" in n
+        }
+        wanted = "attn.c_proj" if family == "gpt2" else "self_attn.q_proj"
+        assert any(n.endswith(wanted) for n in wrapped)
+        assert not any(n.endswith(("mlp.c_proj", "k_proj", "up_proj")) for n in wrapped)
+
+
+def test_round_trip_and_peft_written_adapters(base_dir, tmp_path):
+    family, path = base_dir
+    base, _ = hf.load(path)
+    model = _randomize_adapters(lora.apply(base, SPECS["default"], key=jr.key(0)))
+    hf.export_adapter(model, tmp_path / "ours")
+    back = hf.load_adapter(base, tmp_path / "ours")
+    for x, y in zip(jax.tree.leaves(back), jax.tree.leaves(model), strict=True):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    # an adapter peft made itself, on some layers only
+    targets = ["c_attn", "c_fc"] if family == "gpt2" else ["q_proj", "down_proj"]
+    theirs = peft.get_peft_model(
+        _hf_base(family),
+        peft.LoraConfig(
+            r=2,
+            lora_alpha=5,
+            target_modules=targets,
+            layers_to_transform=[1],
+            fan_in_fan_out=family == "gpt2",
+        ),
+    )
+    gen = torch.Generator().manual_seed(4)
+    with torch.no_grad():
+        for name, p in theirs.named_parameters():
+            if "lora_" in name:
+                p.copy_(0.3 * torch.randn(p.shape, generator=gen))
+    theirs.save_pretrained(tmp_path / "peft")
+    expected = _torch_logits(theirs.eval())
+    loaded = hf.load_adapter(base, tmp_path / "peft")
+    assert sorted(p.rsplit(".", 1)[-1] for p in lora.adapter_paths(loaded)) == sorted(
+        targets
+    )
+    np.testing.assert_allclose(_ours(loaded), expected, rtol=0, atol=1e-4)
+    spec = hf.adapter_spec(tmp_path / "peft")
+    assert spec.rank == 2 and spec.scale == 2.5
+
+
+def _adapter(tmp_path, base):
+    model = _randomize_adapters(lora.apply(base, SPECS["default"], key=jr.key(0)))
+    return hf.export_adapter(model, tmp_path / "adapter")
+
+
+def _rewrite(directory, change):
+    from safetensors.numpy import load_file, save_file
+
+    file = os.path.join(directory, "adapter_model.safetensors")
+    save_file(change(load_file(file)), file)
+
+
+def test_bad_adapter_directories_are_clear_errors(base_dir, tmp_path):
+    _, path = base_dir
+    base, _ = hf.load(path)
+    with pytest.raises(HFFileNotFoundError, match="not a directory"):
+        hf.load_adapter(base, tmp_path / "missing")
+    good = _adapter(tmp_path, base)
+
+    def variant(name):
+        target = tmp_path / name
+        shutil.copytree(good, target)
+        return target
+
+    pickled = variant("pickled")
+    os.replace(pickled / "adapter_model.safetensors", pickled / "adapter_model.bin")
+    with pytest.raises(HFFormatError, match="pickle"):
+        hf.load_adapter(base, pickled)
+    other = variant("ia3")
+    settings = json.loads((other / "adapter_config.json").read_text())
+    (other / "adapter_config.json").write_text(
+        json.dumps({**settings, "peft_type": "IA3"})
+    )
+    with pytest.raises(HFFormatError, match="'IA3' adapter"):
+        hf.load_adapter(base, other)
+    unprefixed = variant("unprefixed")
+    _rewrite(
+        unprefixed,
+        lambda t: {k.removeprefix("base_model.model."): v for k, v in t.items()},
+    )
+    with pytest.raises(HFFormatError, match="silently ignore"):
+        hf.load_adapter(base, unprefixed)
+    foreign = variant("foreign")
+    _rewrite(
+        foreign,
+        lambda t: {
+            **t,
+            "base_model.model.model.vision.lora_A.weight": next(iter(t.values())),
+        },
+    )
+    with pytest.raises(HFFormatError, match="does not have"):
+        hf.load_adapter(base, foreign)
+    shapes = variant("shapes")
+    _rewrite(shapes, lambda t: {k: np.concatenate([v, v]) for k, v in t.items()})
+    with pytest.raises(HFFormatError, match="shape"):
+        hf.load_adapter(base, shapes)
+    with pytest.raises(ConfigError, match="no LoRA adapters"):
+        hf.export_adapter(base, tmp_path / "none")
