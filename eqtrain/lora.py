@@ -29,7 +29,7 @@ import jax.tree_util as jtu
 from jaxtyping import PRNGKeyArray, PyTree
 
 from ._errors import ConfigError
-from .models._layers import Linear, LoRALinear
+from .models import Linear, LoRALinear
 
 
 __all__ = [

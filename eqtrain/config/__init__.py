@@ -31,4 +31,4 @@ from ._schema import (
 )
 from ._toml import to_dict as to_dict, to_toml as to_toml, toml_value as toml_value
 from ._units import parse_size as parse_size
-from ._validate import validate as validate
+from ._validate import lora_on as lora_on, validate as validate

@@ -22,7 +22,7 @@ import numpy as np
 
 from .. import lora
 from .._errors import ConfigError
-from ..models._layers import LoRALinear
+from ..lora import LoRALinear
 from . import _maps, _safetensors
 from ._errors import HFFileNotFoundError, HFFormatError
 from ._export import _atomic_dir, _check_target, _num_layers, _write_json

@@ -15,8 +15,7 @@ import numpy as np
 from .. import data as data_lib, hf, lora as lora_lib, models, optim
 from .._errors import ConfigError
 from .._state import TrainState
-from ..config import Config, explicit
-from ..config._validate import lora_on
+from ..config import Config, explicit, lora_on
 from ..losses import causal_lm_loss
 
 

@@ -15,8 +15,7 @@ from types import TracebackType
 from typing import Any
 
 from .._errors import ConfigError
-from ..config import Config
-from ..config._validate import lora_on
+from ..config import Config, lora_on
 
 
 PROBE_BYTES = 64 * 1024

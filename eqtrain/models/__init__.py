@@ -16,6 +16,8 @@ config section both ways, FLOPs, tensor-parallel rules and Hugging Face names:
 from . import gpt2 as gpt2, llama as llama, mlp as mlp
 from ._layers import (
     REMAT_POLICIES as REMAT_POLICIES,
+    Linear as Linear,
+    LoRALinear as LoRALinear,
     as_dtype as as_dtype,
     num_params as num_params,
 )
