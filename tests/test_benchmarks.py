@@ -43,3 +43,11 @@ def test_models_quick():
     pytest.importorskip("transformers")
     records, _ = _quick("models.py")
     assert records[-1]["config"] == "quick" and records[-1]["ratio"] > 0
+
+
+def test_lora_quick():
+    (record,), _ = _quick("lora.py")
+    assert record["config"] == "default"
+    assert 0 < record["trainable"] < 0.2 and 0 < record["checkpoint"] < 0.2
+    low, high = record["step_range"]
+    assert low <= record["step"] <= high

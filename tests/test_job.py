@@ -287,6 +287,15 @@ ELSEWHERE = {
     "log.wandb_mode": "test_wandb_hook",
     "log.wandb_name": "test_wandb_hook",
     "export.ema": "test_loop_step_options",
+    "model.adapter_from": "test_lora_job.py: test_adapter_from_continues_a_peft...",
+    "lora.rank": "test_lora_job.py: test_lora_keys_reach_the_run",
+    "lora.alpha": "test_lora_job.py: test_lora_keys_reach_the_run",
+    "lora.dropout": "test_lora_job.py: test_lora_keys_reach_the_run",
+    "lora.targets": "test_lora_job.py: test_lora_keys_reach_the_run",
+    "lora.rslora": "test_lora_job.py: test_lora_keys_reach_the_run",
+    "lora.train_also": "test_lora_job.py: test_lora_keys_reach_the_run",
+    "export.adapter": "test_lora_job.py: test_lora_keys_reach_the_run",
+    "export.merged": "test_lora_job.py: test_lora_keys_reach_the_run",
 }
 
 

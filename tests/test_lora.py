@@ -70,9 +70,9 @@ def _map_with_path(fn, tree):
     "kind,options",
     [
         ("llama", {}),
-        ("llama", {"scan_layers": False}),
-        ("llama", {"remat": "full"}),
-        ("gpt2", {}),
+        pytest.param("llama", {"scan_layers": False}, marks=pytest.mark.slow),
+        pytest.param("llama", {"remat": "full"}, marks=pytest.mark.slow),
+        pytest.param("gpt2", {}, marks=pytest.mark.slow),
         ("gpt2", {"scan_layers": False}),
     ],
 )
@@ -316,7 +316,9 @@ def _lora_run(axes, kind, steps=6):
     return np.asarray(jax.device_get(losses)), state
 
 
-@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+@pytest.mark.parametrize(
+    "kind", ["llama", pytest.param("gpt2", marks=pytest.mark.slow)]
+)
 def test_lora_on_a_2x2x2_mesh_equals_one_device(kind):
     reference, ref_state = _lora_run(None, kind)
     losses, state = _lora_run((2, 2, 2), kind)

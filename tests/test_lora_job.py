@@ -208,6 +208,49 @@ def test_adapter_from_continues_a_peft_adapter(lora_run, tmp_path):
     job.run(config, echo=lambda s: None)
 
 
+def test_lora_keys_reach_the_run(lora_run, tmp_path):
+    _, path, _ = lora_run
+    from eqtrain.job import _preflight
+
+    built = job.build(
+        config_lib.load(
+            path,
+            [
+                "lora.rank=2",
+                "lora.alpha=3",
+                "lora.dropout=0.25",
+                "lora.rslora=true",
+                r"lora.targets=self_attn\.[qv]_proj$",
+                "lora.train_also=^norm",
+                "export.adapter=false",
+                "export.merged=true",
+            ],
+        )
+    )
+    abstract = built.abstract_state()
+    model = abstract.model
+    assert lora.adapter_paths(model) == [
+        "layers.self_attn.q_proj",
+        "layers.self_attn.v_proj",
+    ]
+    q = model.layers.self_attn.q_proj
+    assert q.lora_a.shape == (2, 2, 32) and q.dropout == 0.25
+    assert q.scale == pytest.approx(3 / 2**0.5)  # rsLoRA
+    assert abstract.trainable.norm.weight and not abstract.trainable.embed_tokens.weight
+    run_dir = tmp_path / "run"
+    assert _preflight.export_targets(built.config, run_dir) == {
+        "merged": run_dir / "hf"
+    }
+    both = config_lib.load(path, ["export.merged=true"])
+    assert _preflight.export_targets(both, run_dir) == {
+        "adapter": run_dir / "hf",
+        "merged": run_dir / "hf-merged",
+    }
+    off = ["lora.rank=0", "lora.alpha=", "lora.dropout=0", "export.merged=false"]
+    none = job.build(config_lib.load(path, off))
+    assert none.lora is None and not lora.adapter_paths(none.abstract_state().model)
+
+
 def test_dry_run_shows_trainable_and_frozen(lora_run):
     _, path, _ = lora_run
     text = job.report(config_lib.load(path))

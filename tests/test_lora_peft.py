@@ -232,3 +232,47 @@ def test_bad_adapter_directories_are_clear_errors(base_dir, tmp_path):
         hf.load_adapter(base, shapes)
     with pytest.raises(ConfigError, match="no LoRA adapters"):
         hf.export_adapter(base, tmp_path / "none")
+
+
+def test_trained_norms_travel_as_modules_to_save(base_dir, tmp_path):
+    """`train_also` leaves (here the norms) are written whole with their modules as
+    PEFT's `modules_to_save`: peft loads them, and so does `load_adapter`."""
+    family, path = base_dir
+    base, _ = hf.load(path)
+    model = _randomize_adapters(lora.apply(base, SPECS["default"], key=jr.key(0)))
+    also = r"(norm|ln_\d|ln_f)\."
+    mask = lora.trainable(model, also=also)
+
+    flat, _ = jtu.tree_flatten_with_path(mask)
+    names = [jtu.keystr(k, simple=True, separator=".") for k, f in flat if f]
+    chosen = {n for n in names if not lora.is_adapter_path(n)}
+    assert chosen
+
+    def nudge(keys, x):
+        name = jtu.keystr(keys, simple=True, separator=".")
+        if name in chosen:
+            return x + 0.5 * jr.normal(jr.key(len(name)), x.shape, x.dtype)
+        return x
+
+    model = jtu.tree_map_with_path(nudge, model)
+    out = hf.export_adapter(model, tmp_path / "adapter", trained=mask)
+    settings = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert settings["modules_to_save"]
+    theirs = _peft_load(path, out)
+    np.testing.assert_allclose(_ours(model), _torch_logits(theirs), rtol=0, atol=1e-4)
+    back = hf.load_adapter(base, out)
+    np.testing.assert_allclose(_ours(back), _ours(model), rtol=0, atol=1e-6)
+
+
+def test_merged_export_loads_in_transformers_with_the_same_logits(base_dir, tmp_path):
+    family, path = base_dir
+    base, _ = hf.load(path)
+    model = _randomize_adapters(lora.apply(base, SPECS["default"], key=jr.key(0)))
+    hf.export(lora.merge(model), None, tmp_path / "merged")
+    theirs, info = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path / "merged", dtype=torch.float32, output_loading_info=True
+    )
+    assert not any(v for k, v in info.items() if k != "error_msgs"), info
+    np.testing.assert_allclose(
+        _ours(model), _torch_logits(theirs.eval()), rtol=0, atol=1e-4
+    )

@@ -194,8 +194,7 @@ def _lora(config: Config) -> None:
                 "lora.rank (e.g. 8) to train adapters, or remove it."
             )
         for key in ("export.adapter", "export.merged"):
-            section, name = key.split(".")
-            if getattr(config.export, name):
+            if getattr(config.export, key.split(".")[1]):
                 raise ConfigError(
                     f"`{key}` exports LoRA adapters, but LoRA is off (lora.rank = "
                     "0): set lora.rank, or remove it."

@@ -33,7 +33,9 @@ class export_hook:  # noqa: N801 -- a hook factory, named like a function
             (a Hugging Face model with the adapters folded in).
         **export_kwargs: passed on to `eqtrain.hf.export` (`dtype`,
             `max_shard_size`, `tokenizer`, `model_type`, ...); an adapter export
-            uses `model_type` only.
+            uses `model_type` and `spec` (the `lora.LoRA`, to record its alpha
+            and rsLoRA as written) only, and writes the state's other trained
+            leaves as PEFT's `modules_to_save`.
 
     Example:
         >>> from eqtrain import at_end, every
@@ -76,18 +78,26 @@ class export_hook:  # noqa: N801 -- a hook factory, named like a function
         if info.step == self.last_step:
             return  # e.g. `every(n)` and `at_end` firing on the same final step
         state, target = info.state, self.target(info.step)
+        trained = getattr(state, "trainable", None)
         if self.which in ("model", "both"):
-            self._write(state.model, target)
+            self._write(state.model, target, trained)
         if self.which in ("ema", "both"):
             ema_target = target if self.which == "ema" else target + "_ema"
-            self._write(state.ema_model, ema_target)
+            self._write(state.ema_model, ema_target, trained)
         self.last_step = info.step
 
-    def _write(self, model: Any, target: str) -> None:
+    def _write(self, model: Any, target: str, trained: Any) -> None:
         if self.form == "adapter":
-            model_type = self.export_kwargs.get("model_type")
-            export_adapter(model, target, model_type=model_type, overwrite=True)
+            export_adapter(
+                model,
+                target,
+                model_type=self.export_kwargs.get("model_type"),
+                spec=self.export_kwargs.get("spec"),
+                trained=None if trained is True else trained,
+                overwrite=True,
+            )
             return
+        kwargs = {k: v for k, v in self.export_kwargs.items() if k != "spec"}
         if self.form == "merged":
             model = lora.merge(model)
-        export(model, None, target, overwrite=True, **self.export_kwargs)
+        export(model, None, target, overwrite=True, **kwargs)

@@ -18,6 +18,7 @@ from typing import Any
 
 import jax.numpy as jnp
 import jax.random as jr
+import jax.tree_util as jtu
 import numpy as np
 
 from .. import lora
@@ -25,7 +26,7 @@ from .._errors import ConfigError
 from ..lora import LoRALinear
 from . import _maps, _safetensors
 from ._errors import HFFileNotFoundError, HFFormatError
-from ._export import _atomic_dir, _check_target, _num_layers, _write_json
+from ._export import _atomic_dir, _check_target, _num_layers, _write_json, hf_tensors
 
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -77,6 +78,7 @@ def export_adapter(
     model_type: str | None = None,
     base_model_name_or_path: str | None = None,
     spec: lora.LoRA | None = None,
+    trained: Any = None,
     overwrite: bool = False,
 ) -> str:
     """Write the LoRA adapters of `model` as PEFT's adapter directory, atomically.
@@ -93,6 +95,10 @@ def export_adapter(
         spec: the `lora.LoRA` the adapters were made with, to record its `alpha`
             and `rslora` as written (default: `lora_alpha = scale * r`, which
             PEFT reads as the same scale).
+        trained: the trainable mask (`state.trainable`): trained leaves other
+            than the adapters (`lora.trainable(..., also=...)`, e.g. the norms)
+            are written whole with their modules, as PEFT's `modules_to_save`.
+            `None`: the adapters only.
         overwrite: replace an earlier export at `out_dir`.
 
     Raises:
@@ -124,6 +130,12 @@ def export_adapter(
                 tensors[f"{PREFIX}{name}.lora_{which}.weight"] = np.ascontiguousarray(
                     part
                 )
+    modules = _trained_modules(model, trained, arch, num_layers)
+    if modules:
+        whole = hf_tensors(lora.unwrap(model), arch, None)
+        for name, value in whole.items():
+            if name.rsplit(".", 1)[0] in modules:
+                tensors[PREFIX + name] = value
     adapted = {p for p, _ in found}
     alpha, rslora = _clean(scale * rank), False
     if spec is not None and spec.rank == rank and math.isclose(spec.scale, scale):
@@ -139,7 +151,7 @@ def export_adapter(
         "target_modules": _target_modules(model, arch, adapted, num_layers),
         "fan_in_fan_out": bool(arch.conv1d),
         "bias": "none",
-        "modules_to_save": None,
+        "modules_to_save": sorted(modules) or None,
         "init_lora_weights": True,
         "inference_mode": True,
     }
@@ -151,6 +163,35 @@ def export_adapter(
         )
         _write_json(os.path.join(tmp, ADAPTER_CONFIG), settings)
     return out_dir
+
+
+def _trained_modules(
+    model: Any, trained: Any, arch: _maps.Arch, num_layers: int
+) -> set[str]:
+    """The HF module names holding trained leaves other than the adapters."""
+    if trained is None:
+        return set()
+    flat_mask = jtu.tree_leaves(trained)
+    flat, _ = jtu.tree_flatten_with_path(model, is_leaf=lambda x: x is None)
+    if len(flat) != len(flat_mask):
+        raise ConfigError(
+            "`trained` must be the model's trainable mask (`state.trainable`); its "
+            "structure does not match the model's."
+        )
+    out: set[str] = set()
+    for (keys, _), flag in zip(flat, flat_mask, strict=True):
+        path = jtu.keystr(keys, simple=True, separator=".")
+        if not flag or lora.is_adapter_path(path):
+            continue
+        if path.rsplit(".", 1)[0] in set(lora.adapter_paths(model)):
+            raise ConfigError(
+                f"`{path}` trains besides its adapter; PEFT files cannot hold a "
+                "trained base weight of an adapted layer. Leave it frozen, or "
+                "export the merged model instead."
+            )
+        for name in _maps.hf_names(arch, path, num_layers):
+            out.add(name.rsplit(".", 1)[0])
+    return out
 
 
 def _clean(x: float) -> float | int:
@@ -188,7 +229,6 @@ def _read_settings(path: str) -> dict[str, Any]:
         ("use_dora", "DoRA"),
         ("rank_pattern", "per-module ranks (rank_pattern)"),
         ("alpha_pattern", "per-module alphas (alpha_pattern)"),
-        ("modules_to_save", "fully trained extra modules (modules_to_save)"),
         ("lora_bias", "adapter biases (lora_bias)"),
     ):
         if settings.get(key):
@@ -228,7 +268,7 @@ def adapter_spec(path: str | os.PathLike[str]) -> lora.LoRA:
     path = os.fspath(path)
     settings = _read_settings(path)
     tensors = _read_tensors(path)
-    modules = sorted({_split(k, path)[0] for k in tensors})
+    modules = sorted({_split(k, path)[0] for k in _lora_keys(tensors, path)})
     paths = sorted({_unindexed(m) for m in modules})
     return lora.LoRA(
         rank=settings["r"],
@@ -237,6 +277,11 @@ def adapter_spec(path: str | os.PathLike[str]) -> lora.LoRA:
         targets="^(" + "|".join(re.escape(p) for p in paths) + ")$",
         rslora=bool(settings.get("use_rslora")),
     )
+
+
+def _lora_keys(tensors: dict[str, np.ndarray], path: str) -> list[str]:
+    """The adapter tensors' names (the others are `modules_to_save` weights)."""
+    return [k for k in tensors if ".lora_" in k or not k.startswith(PREFIX)]
 
 
 def _split(key: str, path: str) -> tuple[str, str]:
@@ -291,7 +336,10 @@ def load_adapter(
         for i, name in enumerate(names):
             where[name] = (p, i if stacked else None)
     found: dict[str, dict[str, dict[int | None, np.ndarray]]] = {}
-    for key, value in tensors.items():
+    lora_keys = _lora_keys(tensors, path)
+    saved = {k[len(PREFIX) :]: v for k, v in tensors.items() if k not in lora_keys}
+    for key in lora_keys:
+        value = tensors[key]
         module, which = _split(key, path)
         if module not in where:
             shown = ", ".join(sorted(where)[:4])
@@ -329,7 +377,57 @@ def load_adapter(
             dropout=layer.dropout,
         )
 
-    return lora._replace_linears(adapted, fill)
+    adapted = lora._replace_linears(adapted, fill)
+    return _with_saved_modules(adapted, saved, arch, num_layers, path)
+
+
+def _with_saved_modules(
+    model: Any,
+    saved: dict[str, np.ndarray],
+    arch: _maps.Arch,
+    num_layers: int,
+    path: str,
+) -> Any:
+    """`model` with the weights of PEFT's `modules_to_save` (HF names) put in."""
+    if not saved:
+        return model
+    targets: dict[str, tuple[str, int | None]] = {}
+    for p, _ in _maps.leaves(lora.unwrap(model)):
+        names = _maps.hf_names(arch, p, num_layers)
+        stacked = p.startswith(arch.layers + ".")
+        for i, name in enumerate(names):
+            targets[name] = (p, i if stacked else None)
+    updates: dict[str, dict[int | None, np.ndarray]] = {}
+    for name, value in saved.items():
+        if name not in targets:
+            raise HFFormatError(
+                f"tensor {PREFIX + name!r} of {path} (a module to save) names a "
+                f"weight this {type(model).__name__} does not have."
+            )
+        p, index = targets[name]
+        if _maps.is_conv1d(arch, p):
+            value = value.T
+        updates.setdefault(p, {})[index] = value
+
+    def put(keys: Any, leaf: Any) -> Any:
+        p = jtu.keystr(keys, simple=True, separator=".")
+        if p not in updates:
+            return leaf
+        out = np.array(leaf, np.float32)
+        for index, value in updates[p].items():
+            want = out.shape if index is None else out.shape[1:]
+            if tuple(value.shape) != tuple(want):
+                raise HFFormatError(
+                    f"the saved module weight for `{p}` in {path} has shape "
+                    f"{tuple(value.shape)}; this model needs {tuple(want)}."
+                )
+            if index is None:
+                out[...] = value
+            else:
+                out[index] = value
+        return jnp.asarray(out, leaf.dtype)
+
+    return jtu.tree_map_with_path(put, model)
 
 
 def _stack(

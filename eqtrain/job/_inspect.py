@@ -133,7 +133,12 @@ def export_run(
     if job.lora is not None and not merged:
         return Path(
             hf.export_adapter(
-                model, out_dir, model_type=job.model_type, overwrite=overwrite
+                model,
+                out_dir,
+                model_type=job.model_type,
+                spec=job.lora,
+                trained=state.trainable,
+                overwrite=overwrite,
             )
         )
     if merged:

@@ -103,6 +103,8 @@ def _hooks(job: _build.Job, run_dir: Path) -> list[Any]:
             model_type=job.model_type,
             which="ema" if export.ema else "model",
         )
+        if job.lora is not None:
+            kwargs["spec"] = job.lora
         for form, target in _preflight.export_targets(config, run_dir).items():
             if export.every:  # beside the final export, which replaces it whole
                 steps = _preflight.steps_export_dir(target)
