@@ -332,3 +332,38 @@ def test_lora_on_a_2x2x2_mesh_equals_one_device(kind):
     assert proj.weight.sharding.spec == P(None, "tensor", "fsdp")
     assert proj.lora_a.sharding.spec == P(None, None, "fsdp")  # `in`, as the weight
     assert proj.lora_b.sharding.spec[1] == "tensor"  # `out`, as the weight
+
+
+# -- checkpoints of the trained part, over a referenced base ------------------------
+def test_checkpoint_stores_trained_leaves_and_checks_the_base(tmp_path):
+    from eqtrain import checkpoint
+
+    def init():
+        model = adapted()
+        return eqtrain.TrainState.create(
+            model, optax.adam(1e-3), key=0, trainable=lora.trainable(model)
+        )
+
+    state = init()
+    trained = randomize_adapters(state.model)
+    state = eqx.tree_at(lambda s: s.model, state, trained)
+    ref = {"path": None, "seed": 0, "sha256": "a" * 64}
+    ckpt = checkpoint.Checkpointer(tmp_path, async_save=False, base=ref)
+    ckpt.save(eqtrain.StepInfo(step=1, metrics={}, num_steps=1, _state=state))
+    ckpt.close()
+    manifest = checkpoint.read_manifest(tmp_path, step=1)
+    assert manifest["base"] == ref
+    assert not any(k.endswith(".weight") for k in manifest["leaves"])
+    restored = checkpoint.restore(tmp_path, init, init=init, base=ref).state
+    for x, y in zip(
+        jax.tree.leaves(eqx.filter(restored.model, eqx.is_array)),
+        jax.tree.leaves(eqx.filter(state.model, eqx.is_array)),
+        strict=True,
+    ):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    with pytest.raises(checkpoint.CheckpointError, match="only the trained leaves"):
+        checkpoint.restore(tmp_path, init)
+    with pytest.raises(checkpoint.BaseChangedError, match="seed it was trained with"):
+        checkpoint.restore(tmp_path, init, init=init, base={**ref, "sha256": "b" * 64})
+    with pytest.raises(eqtrain.ConfigError, match="sha256"):
+        checkpoint.Checkpointer(tmp_path / "other", base={"path": "x"})

@@ -287,6 +287,9 @@ def config_lib_error():
 
 def test_cli_export_adapter_and_merged(lora_run, tmp_path):
     root, _, _ = lora_run
+    info = cli("info", root / "run", check_rc=0).stdout
+    assert "(2 layers, hidden 32, vocab 259)" in info  # init_from's architecture
+    assert "lora:         rank 4" in info
     done = cli("export", root / "run", tmp_path / "adapter", check_rc=0)
     assert "exported to" in done.stdout
     assert (tmp_path / "adapter" / "adapter_model.safetensors").is_file()

@@ -126,8 +126,13 @@ class _Frozen:
             raise BaseChangedError(
                 f"{step_dir} was trained on the base {_describe_base(recorded)}, but "
                 f"the base now is {_describe_base(expected)}: its content changed, "
-                "so the adapters would be applied to other weights. Restore the "
-                "original base files, or start a new run directory."
+                "so the adapters would be applied to other weights. "
+                + (
+                    "Restore the original base files"
+                    if recorded.get("path")
+                    else "Use the seed it was trained with"
+                )
+                + ", or start a new run directory."
             )
 
     def state(self) -> Any:

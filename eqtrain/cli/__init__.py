@@ -287,6 +287,13 @@ def _format_info(data: dict[str, Any]) -> str:
         f"{model['hidden_size']}, vocab {model['vocab_size'] or 'tokenizer'})",
         f"trained:      {data['steps_trained']} / {data['target_steps']} steps",
     ]
+    adapters = data["config"].get("lora") or {}
+    if adapters.get("rank") or model.get("adapter_from"):
+        lines.insert(
+            2,
+            f"lora:         rank {adapters.get('rank') or '(from adapter_from)'}, "
+            "adapters only (the base stays frozen)",
+        )
     last = data["last_metrics"]
     if last:
         shown = {

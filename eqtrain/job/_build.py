@@ -159,7 +159,10 @@ def build(config: Config) -> Job:
 def _lora_spec(config: Config) -> lora_lib.LoRA:
     adapter = config.model.adapter_from
     if adapter is not None:
-        spec = hf.adapter_spec(adapter)
+        try:
+            spec = hf.adapter_spec(adapter)
+        except (hf.HFFormatError, hf.HFFileNotFoundError) as e:
+            raise ConfigError(f"`model.adapter_from` ({adapter}): {e}") from None
         if config.lora.rank not in (0, spec.rank):
             raise ConfigError(
                 f"`lora.rank` is {config.lora.rank} but the adapter in "

@@ -238,6 +238,7 @@ def run_info(path: str | os.PathLike[str]) -> dict[str, Any]:
             }
         )
     last = _last_metrics(run_dir)
+    config = _with_architecture(config)
     export = None
     if config.export.hf is not None and (run_dir / config.export.hf).exists():
         export = str(run_dir / config.export.hf)
@@ -252,6 +253,21 @@ def run_info(path: str | os.PathLike[str]) -> dict[str, Any]:
         "export": export,
         "config": to_dict(config),
     }
+
+
+def _with_architecture(config: Config) -> Config:
+    """`config` with the architecture fields of `model.init_from` filled in (the
+    run's config.toml leaves them to the directory), when it is readable."""
+    m = config.model
+    if m.init_from is None:
+        return config
+    try:
+        model_config, hf_type = hf.load_config(m.init_from, dtype=m.param_dtype)
+        model_type = hf.infer_model_type(model_config, hf_type)
+    except Exception:  # a moved or damaged base: show what the config says
+        return config
+    section = _build.model_section(model_config, model_type, base=m)
+    return dataclasses.replace(config, model=section)
 
 
 def _last_metrics(run_dir: Path) -> dict[str, Any] | None:
