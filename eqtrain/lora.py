@@ -42,6 +42,8 @@ __all__ = [
     "enable",
     "is_adapter_path",
     "linear_paths",
+    "linears",
+    "map_linears",
     "merge",
     "num_adapter_params",
     "trainable",
@@ -120,7 +122,9 @@ def _path(keys: Any) -> str:
     return jtu.keystr(keys, simple=True, separator=".")
 
 
-def _linears(model: Any) -> Iterator[tuple[str, Any]]:
+def linears(model: Any) -> Iterator[tuple[str, Any]]:
+    """`(dotted path, layer)` for every linear layer of `model` (`Linear` or
+    `LoRALinear`), in pytree order."""
     flat, _ = jtu.tree_flatten_with_path(model, is_leaf=_is_linear)
     for keys, leaf in flat:
         if _is_linear(leaf):
@@ -130,12 +134,12 @@ def _linears(model: Any) -> Iterator[tuple[str, Any]]:
 def linear_paths(model: Any) -> list[str]:
     """Dotted paths of the model's linear layers, wrapped or not
     (`layers.self_attn.q_proj`, ..., `lm_head`)."""
-    return [path for path, _ in _linears(model)]
+    return [path for path, _ in linears(model)]
 
 
 def adapter_paths(model: Any) -> list[str]:
     """Dotted paths of the linear layers that carry an adapter."""
-    return [path for path, x in _linears(model) if isinstance(x, LoRALinear)]
+    return [path for path, x in linears(model) if isinstance(x, LoRALinear)]
 
 
 def is_adapter_path(path: str) -> bool:
@@ -143,7 +147,8 @@ def is_adapter_path(path: str) -> bool:
     return path.rsplit(".", 1)[-1] in ADAPTER_LEAVES
 
 
-def _replace_linears(model: Any, fn: Callable[[str, Any], Any]) -> Any:
+def map_linears(model: PyTree, fn: Callable[[str, Any], Any]) -> PyTree:
+    """`model` with each linear layer replaced by `fn(dotted path, layer)`."""
     flat, treedef = jtu.tree_flatten_with_path(model, is_leaf=_is_linear)
     leaves = [fn(_path(k), x) if _is_linear(x) else x for k, x in flat]
     return jtu.tree_unflatten(treedef, leaves)
@@ -166,7 +171,7 @@ def apply(model: PyTree, spec: LoRA, *, key: PRNGKeyArray) -> PyTree:
             regex selects none of them, or `rank` exceeds a target's smaller
             dimension (each names what it found).
     """
-    found = list(_linears(model))
+    found = list(linears(model))
     if not found:
         raise ConfigError(
             f"LoRA needs linear layers (eqtrain `Linear`), and "
@@ -212,7 +217,7 @@ def apply(model: PyTree, spec: LoRA, *, key: PRNGKeyArray) -> PyTree:
             dropout=float(spec.dropout),
         )
 
-    return _replace_linears(model, wrap)
+    return map_linears(model, wrap)
 
 
 def _leaf_paths(model: Any) -> list[str]:
@@ -253,7 +258,7 @@ def trainable(model: PyTree, also: str | None = None) -> PyTree[bool]:
 def num_adapter_params(model: Any) -> int:
     """Number of elements in the adapter arrays."""
     total = 0
-    for _, x in _linears(model):
+    for _, x in linears(model):
         if isinstance(x, LoRALinear):
             total += math.prod(x.lora_a.shape) + math.prod(x.lora_b.shape)
     return int(total)
@@ -290,12 +295,12 @@ def merge(model: PyTree) -> PyTree:
         weight = merged_weight(layer) if layer.enabled else layer.weight
         return _plain(weight, layer.bias)
 
-    return _replace_linears(model, fold)
+    return map_linears(model, fold)
 
 
 def unwrap(model: PyTree) -> PyTree:
     """The base model: adapters dropped, base arrays shared (no copy)."""
-    return _replace_linears(
+    return map_linears(
         model,
         lambda _, x: _plain(x.weight, x.bias) if isinstance(x, LoRALinear) else x,
     )
@@ -309,7 +314,7 @@ def _switch(model: PyTree, enabled: bool) -> PyTree:
         object.__setattr__(out, "enabled", enabled)  # a static field; arrays shared
         return out
 
-    return _replace_linears(model, flip)
+    return map_linears(model, flip)
 
 
 def disable(model: PyTree) -> PyTree:

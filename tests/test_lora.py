@@ -73,7 +73,7 @@ def _map_with_path(fn, tree):
         pytest.param("llama", {"scan_layers": False}, marks=pytest.mark.slow),
         pytest.param("llama", {"remat": "full"}, marks=pytest.mark.slow),
         pytest.param("gpt2", {}, marks=pytest.mark.slow),
-        ("gpt2", {"scan_layers": False}),
+        pytest.param("gpt2", {"scan_layers": False}, marks=pytest.mark.slow),
     ],
 )
 def test_step_zero_is_bit_identical(kind, options):

@@ -40,7 +40,7 @@ def _arch(model: Any, model_type: str | None) -> _maps.Arch:
 
 
 def _adapters(model: Any) -> list[tuple[str, LoRALinear]]:
-    found = [(p, x) for p, x in lora._linears(model) if isinstance(x, LoRALinear)]
+    found = [(p, x) for p, x in lora.linears(model) if isinstance(x, LoRALinear)]
     if not found:
         raise ConfigError(
             "the model carries no LoRA adapters to export; wrap it with "
@@ -377,7 +377,7 @@ def load_adapter(
             dropout=layer.dropout,
         )
 
-    adapted = lora._replace_linears(adapted, fill)
+    adapted = lora.map_linears(adapted, fill)
     return _with_saved_modules(adapted, saved, arch, num_layers, path)
 
 
