@@ -14,11 +14,18 @@ tokens) is the caller's, as is where the reference log-probabilities come from
                           beta=0.1)
 """
 
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import equinox as eqx
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, ArrayLike, Float, Int
+import jax.random as jr
+from jaxtyping import Array, ArrayLike, Float, Int, PRNGKeyArray
 
+from . import lora
 from ._errors import ConfigError
+from ._state import trainable_mask
 
 
 Metrics = dict[str, Float[Array, ""]]
@@ -181,3 +188,146 @@ def simpo(
         logits
     ) - label_smoothing * jax.nn.log_sigmoid(-logits)
     return losses, _reward_metrics(chosen, rejected, policy_chosen, policy_rejected)
+
+
+# -- a loss function for the step builders ------------------------------------------
+KINDS = ("dpo", "ipo", "orpo", "simpo")
+REFERENCES = ("copy", "adapters_off", "batch")
+_NEEDS_REFERENCE = ("dpo", "ipo")
+
+
+class WithReference(eqx.Module):
+    """A policy and a frozen copy of it as one model pytree: the reference lives
+    in the state (never closed over as a constant inside `jit`), and
+    `reference_trainable` leaves it out of the gradients and optimizer state.
+    Calling it calls the policy."""
+
+    policy: Any
+    reference: Any
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.policy(*args, **kwargs)
+
+
+def with_reference(model: Any) -> WithReference:
+    """`model` as the policy, and a copy of its arrays as the reference (a copy,
+    so donating the state never frees the reference's arrays under it)."""
+    copied = jax.tree.map(lambda x: jnp.copy(x) if eqx.is_array(x) else x, model)
+    return WithReference(policy=model, reference=copied)
+
+
+def reference_trainable(model: WithReference, policy: Any = True) -> Any:
+    """The trainable filter of a `WithReference`: `policy` (a filter spec of the
+    policy, e.g. `lora.trainable(...)`) for the policy, nothing of the reference."""
+    return WithReference(
+        policy=trainable_mask(model.policy, policy),
+        reference=trainable_mask(model.reference, False),
+    )
+
+
+def _check_reference(model: Any, reference: str | None) -> None:
+    if reference == "copy" and not isinstance(model, WithReference):
+        raise ConfigError(
+            "reference='copy' reads the frozen copy of a `WithReference` model; "
+            "build the state from `preference.with_reference(model)` with "
+            "`trainable=preference.reference_trainable(...)`."
+        )
+    if reference == "adapters_off" and not lora.adapter_paths(model):
+        raise ConfigError(
+            "reference='adapters_off' is the policy with its LoRA adapters off, "
+            "but this model has no adapters (it would be its own reference and "
+            "never learn); wrap it with `lora.apply`, or use reference='copy'."
+        )
+
+
+def _logps(model: Any, tokens: Array, targets: Array, mask: Array, key: Any) -> Any:
+    keys = None if key is None else jr.split(key, tokens.shape[0])
+    logits = jax.vmap(lambda t, k: model(t, key=k))(tokens, keys)
+    return sequence_logprobs(logits, targets, mask)
+
+
+def preference_loss_fn(
+    kind: str = "dpo",
+    *,
+    reference: str | None = "adapters_off",
+    beta: float | None = None,
+    label_smoothing: float = 0.0,
+    orpo_lambda: float = 0.1,
+    gamma: float = 0.5,
+) -> Callable[..., tuple[Float[Array, ""], Metrics]]:
+    """A preference loss `loss_fn(model, batch, key) -> (loss, aux)` for
+    `eqtrain.train_step` and the step pieces.
+
+    The batch holds pairs: `chosen_tokens`, `chosen_targets`, `chosen_mask` and
+    the same for `rejected_` (int32/float `[pairs, seq]`; the masks select the
+    completion's target tokens), and with `reference="batch"` the reference's
+    sequence log-probs `reference_chosen`, `reference_rejected` (`[pairs]`,
+    sums over the completion, e.g. precomputed once). Both completions run
+    through the policy in one batch. The loss is the mean over pairs, and
+    `aux["weight"]` is the number of pairs, so accumulation weighs pairs (not
+    tokens).
+
+    Args:
+        kind: `"dpo"`, `"ipo"` (both need a reference), `"orpo"` or `"simpo"`.
+        reference: where the reference log-probs come from: `"copy"` (the model
+            is a `WithReference`), `"adapters_off"` (the policy with its LoRA
+            adapters switched off, `eqtrain.lora.disable`: no second copy of the
+            weights) or `"batch"`. Ignored (may be None) for ORPO and SimPO.
+        beta: DPO/IPO's beta (default 0.1) or SimPO's (default 2.0).
+        label_smoothing: DPO's and SimPO's (0: off).
+        orpo_lambda: ORPO's weight of the odds-ratio term.
+        gamma: SimPO's target reward margin.
+    """
+    if kind not in KINDS:
+        raise ConfigError(f"preference `kind` must be one of {KINDS}; got {kind!r}.")
+    needs = kind in _NEEDS_REFERENCE
+    if needs and reference not in REFERENCES:
+        raise ConfigError(
+            f"{kind} needs a reference model: `reference` must be one of "
+            f"{REFERENCES}; got {reference!r}."
+        )
+    beta = (2.0 if kind == "simpo" else 0.1) if beta is None else beta
+
+    def loss_fn(
+        model: Any, batch: Mapping[str, ArrayLike], key: PRNGKeyArray | None = None
+    ) -> tuple[Float[Array, ""], Metrics]:
+        get = lambda name: jnp.asarray(batch[name])  # noqa: E731
+        pairs = get("chosen_tokens").shape[0]
+        tokens = jnp.concatenate([get("chosen_tokens"), get("rejected_tokens")])
+        targets = jnp.concatenate([get("chosen_targets"), get("rejected_targets")])
+        mask = jnp.concatenate([get("chosen_mask"), get("rejected_mask")])
+        mask = mask.astype(jnp.float32)
+        targets = jnp.where(mask > 0, targets, 0)
+        if needs:
+            _check_reference(model, reference)
+        policy = model.policy if needs and reference == "copy" else model
+        logp, count = _logps(policy, tokens, targets, mask, key)
+        count = jnp.maximum(count, 1.0)
+        pc, pr = logp[:pairs], logp[pairs:]
+        mean_c, mean_r = pc / count[:pairs], pr / count[pairs:]
+        if needs:
+            if reference == "batch":
+                rc, rr = get("reference_chosen"), get("reference_rejected")
+            else:
+                ref = model.reference if reference == "copy" else lora.disable(model)
+                ref_logp, _ = _logps(ref, tokens, targets, mask, None)
+                ref_logp = jax.lax.stop_gradient(ref_logp)
+                rc, rr = ref_logp[:pairs], ref_logp[pairs:]
+            if kind == "dpo":
+                losses, metrics = dpo(
+                    pc, pr, rc, rr, beta=beta, label_smoothing=label_smoothing
+                )
+            else:
+                losses, metrics = ipo(
+                    mean_c, mean_r, rc / count[:pairs], rr / count[pairs:], beta=beta
+                )
+        elif kind == "orpo":
+            losses, metrics = orpo(mean_c, mean_r, -mean_c, orpo_lambda=orpo_lambda)
+        else:
+            losses, metrics = simpo(
+                mean_c, mean_r, beta=beta, gamma=gamma, label_smoothing=label_smoothing
+            )
+        metrics["weight"] = jnp.asarray(pairs, jnp.float32)
+        return jnp.mean(losses), metrics
+
+    return loss_fn

@@ -109,3 +109,133 @@ def test_bad_settings_name_the_field():
         preference.dpo(*f32(PC, PR, RC, RR), label_smoothing=0.7)
     with pytest.raises(ConfigError, match="orpo_lambda"):
         preference.orpo(*f32(AC, AR, NLL), orpo_lambda=-0.1)
+
+
+# -- the loss function in a training step -------------------------------------------
+import equinox as eqx  # noqa: E402
+import jax.random as jr  # noqa: E402
+import optax  # noqa: E402
+
+import eqtrain  # noqa: E402
+from eqtrain import lora  # noqa: E402
+from eqtrain.models import Llama, LlamaConfig  # noqa: E402
+
+
+TINY = LlamaConfig(
+    vocab_size=16,
+    hidden_size=16,
+    intermediate_size=32,
+    num_hidden_layers=1,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+)
+GOOD, BAD = 3, 5
+
+
+def toy_pairs(n, seed=0, prompt=4, completion=3):
+    """Random prompts; the chosen completion repeats token 3, the rejected 5."""
+    rng = np.random.default_rng(seed)
+    prompts = rng.integers(6, 16, (n, prompt))
+    out = {}
+    for name, token in (("chosen", GOOD), ("rejected", BAD)):
+        rows = np.concatenate([prompts, np.full((n, completion), token)], axis=1)
+        out[f"{name}_tokens"] = rows[:, :-1].astype(np.int32)
+        out[f"{name}_targets"] = rows[:, 1:].astype(np.int32)
+        mask = np.zeros(rows[:, 1:].shape, np.float32)
+        mask[:, prompt - 1 :] = 1.0  # the completion's targets only
+        out[f"{name}_mask"] = mask
+    return out
+
+
+def policy_logps(model, batch):
+    logps = []
+    for name in ("chosen", "rejected"):
+        logits = jax.vmap(model)(jnp.asarray(batch[f"{name}_tokens"]))
+        logps.append(
+            preference.sequence_logprobs(
+                logits, jnp.asarray(batch[f"{name}_targets"]), batch[f"{name}_mask"]
+            )[0]
+        )
+    return logps
+
+
+def state_for(reference, model=None):
+    base = model or Llama(TINY, jr.key(0))
+    if reference == "copy":
+        wrapped = preference.with_reference(base)
+        trainable = preference.reference_trainable(wrapped)
+        return eqtrain.TrainState.create(
+            wrapped, optax.adam(1e-2), key=0, trainable=trainable
+        )
+    adapted = lora.apply(base, lora.LoRA(rank=4, alpha=8), key=jr.key(1))
+    return eqtrain.TrainState.create(
+        adapted, optax.adam(1e-2), key=0, trainable=lora.trainable(adapted)
+    )
+
+
+@pytest.mark.parametrize("reference", ["copy", "adapters_off", "batch"])
+def test_dpo_step_one_is_log_2_in_every_reference_mode(reference):
+    batch = toy_pairs(8)
+    state = state_for("adapters_off" if reference == "batch" else reference)
+    if reference == "batch":  # precomputed from the policy itself
+        rc, rr = policy_logps(state.model, batch)
+        batch = {**batch, "reference_chosen": rc, "reference_rejected": rr}
+    loss_fn = preference.preference_loss_fn("dpo", reference=reference, beta=0.1)
+    loss, aux = loss_fn(state.model, batch, None)
+    assert float(loss) == pytest.approx(np.log(2.0), abs=1e-6)
+    assert float(aux["rewards/margins"]) == pytest.approx(0.0, abs=1e-6)
+    assert float(aux["weight"]) == 8.0  # pairs, not tokens
+
+
+def test_dpo_learns_the_toy_preference_and_keeps_the_reference_frozen():
+    opt = optax.adam(1e-2)
+    state = state_for("copy")
+    frozen = jax.device_get(
+        jax.tree.leaves(eqx.filter(state.model.reference, eqx.is_array))
+    )
+    loss_fn = preference.preference_loss_fn("dpo", reference="copy", beta=0.5)
+    step = eqtrain.jit(eqtrain.train_step(loss_fn, opt))
+    for i in range(25):
+        state, metrics = step(state, toy_pairs(8, seed=i))
+    assert float(metrics["rewards/accuracies"]) > 0.9
+    assert float(metrics["loss"]) < np.log(2.0) - 0.1
+    after = jax.tree.leaves(eqx.filter(state.model.reference, eqx.is_array))
+    for x, y in zip(frozen, after, strict=True):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+@pytest.mark.parametrize("kind", ["dpo", pytest.param("simpo", marks=pytest.mark.slow)])
+def test_accumulation_weighs_pairs(kind):
+    """Four micro-batches equal one batch (pairs weighted, not tokens): the
+    rejected completions here are longer than the chosen ones in some rows."""
+    batch = toy_pairs(8)
+    batch["rejected_mask"][:4, -1] = 0.0  # unequal token counts across rows
+    opt = optax.sgd(0.1)
+    loss_fn = preference.preference_loss_fn(kind, reference="adapters_off")
+    results = []
+    for accumulate in (1, 4):
+        step = eqtrain.jit(eqtrain.train_step(loss_fn, opt, accumulate=accumulate))
+        results.append(step(state_for("adapters_off"), batch))
+    (s1, m1), (s4, m4) = results
+    for name in ("loss", "rewards/accuracies", "logps/chosen"):
+        np.testing.assert_allclose(float(m1[name]), float(m4[name]), rtol=1e-5)
+    a = jax.tree.leaves(eqx.filter(s1.params, eqx.is_array))
+    b = jax.tree.leaves(eqx.filter(s4.params, eqx.is_array))
+    for x, y in zip(a, b, strict=True):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-5, atol=1e-7)
+
+
+def test_loss_fn_refuses_a_reference_it_cannot_have():
+    plain = Llama(TINY, jr.key(0))
+    with pytest.raises(ConfigError, match="no adapters"):
+        preference.preference_loss_fn("dpo")(plain, toy_pairs(2), None)
+    with pytest.raises(ConfigError, match="WithReference"):
+        preference.preference_loss_fn("dpo", reference="copy")(plain, toy_pairs(2))
+    with pytest.raises(ConfigError, match="needs a reference"):
+        preference.preference_loss_fn("ipo", reference=None)
+    with pytest.raises(ConfigError, match="kind"):
+        preference.preference_loss_fn("kto")
+    loss, _ = preference.preference_loss_fn("orpo", reference=None)(
+        plain, toy_pairs(2), None
+    )
+    assert np.isfinite(float(loss))
