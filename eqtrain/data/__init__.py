@@ -4,14 +4,33 @@ resumable `Loader` with per-process slicing and prefetch.
     docs = stdlib_corpus("train")                        # the built-in corpus
     rows = chunk_documents(docs, ByteTokenizer(), seq_len=256)
     loader = Loader(rows, batch_size=16, seed=0)         # resumable: loader.position
+
+Post-training (SFT, preference pairs) with the model's own chat template:
+
+    template = chat_template(tok.directory)              # Jinja, or the built-in one
+    rows, report = sft_rows(records, tok, seq_len=512, format="chat", template=template)
+    pairs, report = preference_rows(records, tok, seq_len=512, template=template)
 """
 
+from ._chat import (
+    BuiltinChatTemplate as BuiltinChatTemplate,
+    ChatTemplate as ChatTemplate,
+    JinjaChatTemplate as JinjaChatTemplate,
+    chat_template as chat_template,
+    read_chat_template as read_chat_template,
+)
 from ._corpus import stdlib_corpus as stdlib_corpus, stdlib_files as stdlib_files
 from ._errors import (
     DataError as DataError,
     DataFileNotFoundError as DataFileNotFoundError,
 )
 from ._loader import Loader as Loader
+from ._post import (
+    SkipReport as SkipReport,
+    infer_format as infer_format,
+    preference_rows as preference_rows,
+    sft_rows as sft_rows,
+)
 from ._sources import (
     column as column,
     from_files as from_files,

@@ -61,6 +61,15 @@ class ByteTokenizer:
     def encode(self, text: str) -> Int[np.ndarray, " n"]:
         return np.frombuffer(text.encode("utf-8"), np.uint8).astype(np.int32)
 
+    def encode_with_offsets(
+        self, text: str
+    ) -> tuple[Int[np.ndarray, " n"], Int[np.ndarray, "n 2"]]:
+        """`encode(text)` and each token's `[start, end)` character span in `text`
+        (every byte of a character spans that character)."""
+        widths = [len(char.encode("utf-8")) for char in text]
+        starts = np.repeat(np.arange(len(text), dtype=np.int32), widths)
+        return self.encode(text), np.stack([starts, starts + 1], axis=1)
+
     def decode(self, ids: Sequence[int] | np.ndarray) -> str:
         ids = np.asarray(ids, np.int64).reshape(-1)
         return bytes(ids[ids < 256].astype(np.uint8)).decode("utf-8", errors="replace")
@@ -89,6 +98,10 @@ class HFTokenizer:
     common spelling (`<s>`, `</s>`, `<|endoftext|>`, `<pad>`, `[PAD]`, ...) found in
     the vocabulary. `pad_id` falls back to `eos_id`: padding is masked out of the
     loss, so its id only has to exist.
+
+    `directory` is the directory the file was read from (None when built from a
+    tokenizer object): `eqtrain.data.chat_template(tok.directory)` reads the
+    model's chat template from it.
     """
 
     def __init__(
@@ -98,11 +111,13 @@ class HFTokenizer:
         bos_id: int | None,
         eos_id: int | None,
         pad_id: int | None,
+        directory: str | None = None,
     ):
         self._tok = tokenizer
         self.bos_id = bos_id
         self.eos_id = eos_id
         self.pad_id = pad_id if pad_id is not None else eos_id
+        self.directory = directory
 
     @classmethod
     def from_file(
@@ -137,7 +152,13 @@ class HFTokenizer:
         ids = {}
         for kind, given in (("bos", bos), ("eos", eos), ("pad", pad)):
             ids[kind] = _special_id(tok, kind, given or names.get(kind), path)
-        return cls(tok, bos_id=ids["bos"], eos_id=ids["eos"], pad_id=ids["pad"])
+        return cls(
+            tok,
+            bos_id=ids["bos"],
+            eos_id=ids["eos"],
+            pad_id=ids["pad"],
+            directory=os.path.dirname(os.path.abspath(path)),
+        )
 
     @property
     def vocab_size(self) -> int:
@@ -146,6 +167,15 @@ class HFTokenizer:
     def encode(self, text: str) -> Int[np.ndarray, " n"]:
         ids = self._tok.encode(text, add_special_tokens=False).ids
         return np.asarray(ids, np.int32)
+
+    def encode_with_offsets(
+        self, text: str
+    ) -> tuple[Int[np.ndarray, " n"], Int[np.ndarray, "n 2"]]:
+        """`encode(text)` and each token's `[start, end)` character span in `text`
+        (the `tokenizers` Encoding's offsets)."""
+        encoding = self._tok.encode(text, add_special_tokens=False)
+        offsets = np.asarray(encoding.offsets, np.int32).reshape(-1, 2)
+        return np.asarray(encoding.ids, np.int32), offsets
 
     def decode(self, ids: Sequence[int] | np.ndarray) -> str:
         ids = np.asarray(ids, np.int64).reshape(-1).tolist()

@@ -1,0 +1,489 @@
+"""Chat templates: conversations -> token ids and the mask of the tokens to learn,
+with a model's own Jinja template (rendered as `transformers` renders it) or the
+built-in one of `encode_chat`.
+
+    template = chat_template(tokenizer.directory)   # its Jinja template, or built-in
+    ids, mask = template.encode(messages, tokenizer)
+"""
+
+import json
+import os
+from collections.abc import Mapping, Sequence
+from datetime import datetime
+from typing import Any, Protocol, runtime_checkable
+
+import numpy as np
+from jaxtyping import Float, Int
+
+from ._errors import DataError, PathLike, check_exists
+from ._text import ROLES, encode_chat
+from ._tokenizers import Tokenizer
+
+
+Ids = Int[np.ndarray, " n"]
+Mask = Float[np.ndarray, " n"]
+PromptIds = Int[np.ndarray, " prompt"]
+CompletionIds = Int[np.ndarray, " completion"]
+CompletionMask = Float[np.ndarray, " completion"]
+# Lists of {role, content} mappings; annotated loosely so that a malformed one
+# reaches `check_messages` (and its clear error) rather than a type checker.
+Messages = Sequence[Any]
+
+# Roles a message may have under a Jinja template; the template itself may accept
+# fewer (and say so with `raise_exception`).
+JINJA_ROLES = ("system", "developer", "user", "assistant", "tool", "ipython")
+# The special tokens transformers passes to templates (`special_tokens_map`).
+SPECIAL_TOKENS = (
+    "bos_token",
+    "eos_token",
+    "unk_token",
+    "sep_token",
+    "pad_token",
+    "cls_token",
+    "mask_token",
+)
+TEMPLATE_FILE = "chat_template.jinja"
+
+
+class ChatTemplateError(DataError):
+    """One conversation that a chat template cannot encode.
+
+    `reason` is a short phrase for skip reports, e.g. "with malformed messages".
+    """
+
+    def __init__(self, message: str, *, reason: str):
+        super().__init__(message)
+        self.reason = reason
+
+
+@runtime_checkable
+class ChatTemplate(Protocol):
+    """Conversations -> `(ids, mask)`: int32 ids and a float32 mask that is 1 on
+    the tokens to learn (assistant answers and their end-of-turn text)."""
+
+    def encode(self, messages: Messages, tokenizer: Tokenizer) -> tuple[Ids, Mask]:
+        """One conversation; the mask covers every assistant turn."""
+        ...
+
+    def encode_prompt_completion(
+        self, prompt: Messages, completion: Messages, tokenizer: Tokenizer
+    ) -> tuple[PromptIds, CompletionIds, CompletionMask]:
+        """`(prompt_ids, completion_ids, completion_mask)`: `prompt_ids` ends where
+        the assistant's answer starts, and `prompt_ids + completion_ids` is the
+        conversation `prompt + completion`; the mask covers the completion's
+        assistant turns."""
+        ...
+
+
+class BuiltinChatTemplate:
+    """The template of `encode_chat` (`<|role|>` headers, EOS after answers), for
+    tokenizers without a chat template of their own."""
+
+    def encode(self, messages: Messages, tokenizer: Tokenizer) -> tuple[Ids, Mask]:
+        messages = check_messages(messages, ROLES)
+        return encode_chat(messages, tokenizer)
+
+    def encode_prompt_completion(
+        self, prompt: Messages, completion: Messages, tokenizer: Tokenizer
+    ) -> tuple[PromptIds, CompletionIds, CompletionMask]:
+        if not completion:
+            raise ChatTemplateError(
+                "the completion has no messages.", reason="with an empty completion"
+            )
+        prompt_ids, _ = self.encode(prompt, tokenizer)
+        ids, mask = self.encode([*prompt, *completion], tokenizer)
+        # encode_chat concatenates per-message pieces, so the prompt is a prefix
+        cut = len(prompt_ids)
+        return prompt_ids, ids[cut:], mask[cut:]
+
+    def __repr__(self) -> str:
+        return "BuiltinChatTemplate()"
+
+
+class JinjaChatTemplate:
+    """A model's Jinja chat template, rendered as `transformers`'
+    `apply_chat_template` renders it, and tokenized without added special tokens.
+
+    The template runs in jinja2's immutable sandbox (templates are data, never
+    code), with transformers' environment: `trim_blocks`, `lstrip_blocks`, the
+    `loopcontrols` extension, a `tojson` filter that does not escape HTML, the
+    globals `raise_exception` (raises `DataError` with the template's message) and
+    `strftime_now`, and the variables `messages`, `add_generation_prompt`, the
+    special tokens (`bos_token`, `eos_token`, ...) and `tools`/`documents`
+    (always None). A `{% generation %}` block renders its body.
+
+    The mask is computed from renders of prefixes: assistant turn i spans from
+    the end of `render(messages[:i], add_generation_prompt=True)` to the end of
+    `render(messages[:i + 1])` less trailing whitespace (so the answer and its
+    end-of-turn text, e.g. `answer<|im_end|>`, but not the newline after it). A
+    token is learned when its character span overlaps an assistant span (the
+    rule of transformers' `return_assistant_tokens_mask`): a token straddling a
+    boundary, e.g. `" Hi"` after a template's `"Assistant:"`, carries answer text
+    and is learned.
+
+    `encode_prompt_completion` tokenizes the prompt's render (with the generation
+    prompt) and the rest of the conversation's render separately, as TRL does, so
+    the two completions of a preference pair share the prompt's ids exactly; where
+    special tokens separate the turns this equals tokenizing the whole render.
+
+    Message roles must be among `JINJA_ROLES` (the template may accept fewer).
+    Needs a tokenizer with `encode_with_offsets` (`HFTokenizer`, `ByteTokenizer`).
+    """
+
+    def __init__(self, source: str, special_tokens: Mapping[str, str] | None = None):
+        self.source = source
+        self.special_tokens = dict(special_tokens or {})
+        self._compiled = _compile(source)
+
+    def render(self, messages: Messages, *, add_generation_prompt: bool = False) -> str:
+        """The template's text for `messages` (as `apply_chat_template(...,
+        tokenize=False)`).
+
+        Raises:
+            ChatTemplateError: the template raised (e.g. `raise_exception` on a
+                bad role order), or failed on these messages.
+        """
+        try:
+            return self._compiled.render(
+                **self.special_tokens,
+                messages=_plain(list(messages)),
+                add_generation_prompt=add_generation_prompt,
+                tools=None,
+                documents=None,
+            )
+        except ChatTemplateError:
+            raise
+        except Exception as error:  # jinja errors, and the template's own bugs
+            message = f"{type(error).__name__}: {error}"
+            raise ChatTemplateError(
+                f"the chat template failed on this conversation: {message}",
+                reason=f"rejected by the chat template ({message})",
+            ) from error
+
+    def encode(self, messages: Messages, tokenizer: Tokenizer) -> tuple[Ids, Mask]:
+        messages = check_messages(messages, JINJA_ROLES)
+        text = self.render(messages)
+        spans = self._assistant_spans(messages, text, start=0)
+        return _tokens_and_mask(text, spans, tokenizer)
+
+    def encode_prompt_completion(
+        self, prompt: Messages, completion: Messages, tokenizer: Tokenizer
+    ) -> tuple[PromptIds, CompletionIds, CompletionMask]:
+        prompt = check_messages(prompt, JINJA_ROLES)
+        completion = check_messages(completion, JINJA_ROLES, first=len(prompt))
+        if not completion:
+            raise ChatTemplateError(
+                "the completion has no messages.", reason="with an empty completion"
+            )
+        messages = prompt + completion
+        text = self.render(messages)
+        answer = completion[0]["role"] == "assistant"
+        head = self._prefix(prompt, text, add_generation_prompt=answer)
+        spans = self._assistant_spans(messages, text, start=len(prompt))
+        prompt_ids, _ = _tokens_and_mask(text[:head], [], tokenizer)
+        shifted = [(a - head, b - head) for a, b in spans]
+        ids, mask = _tokens_and_mask(text[head:], shifted, tokenizer)
+        return prompt_ids, ids, mask
+
+    def _assistant_spans(
+        self, messages: list[dict[str, Any]], text: str, *, start: int
+    ) -> list[tuple[int, int]]:
+        """Character spans in `text` of the assistant turns from `start` on."""
+        spans = []
+        for i in range(start, len(messages)):
+            if messages[i]["role"] != "assistant":
+                continue
+            begin = self._prefix(messages[:i], text, add_generation_prompt=True)
+            end = self._prefix(messages[: i + 1], text, add_generation_prompt=False)
+            spans.append((begin, max(begin, len(text[:end].rstrip()))))
+        return spans
+
+    def _prefix(
+        self, messages: list[dict[str, Any]], text: str, *, add_generation_prompt: bool
+    ) -> int:
+        """The length of the render of `messages`, checked to be a prefix of `text`."""
+        part = self.render(messages, add_generation_prompt=add_generation_prompt)
+        if not text.startswith(part):
+            raise ChatTemplateError(
+                f"the chat template is not prefix-stable: rendering the first "
+                f"{len(messages)} messages (add_generation_prompt="
+                f"{add_generation_prompt}) gives {part[-60:]!r} at the end, which is "
+                "not how the whole conversation's rendering goes on (the template "
+                "rewrites earlier turns), so it cannot be masked by turn. Use a "
+                "template that renders each turn the same way whatever follows "
+                "(e.g. the built-in one: template=None).",
+                reason="with a chat template that cannot be masked by turn "
+                "(not prefix-stable)",
+            )
+        return len(part)
+
+    def __repr__(self) -> str:
+        return f"JinjaChatTemplate({len(self.source)} characters)"
+
+
+def chat_template(source: PathLike | None = None) -> ChatTemplate:
+    """The chat template of a tokenizer directory or a `.jinja` file; the built-in
+    one (`encode_chat`'s) for None or a directory without a template.
+
+    A directory's template is its `chat_template.jinja` (as transformers 5's
+    `save_pretrained` writes it), else `tokenizer_config.json`'s `chat_template`
+    (a string, or a list of `{"name", "template"}` of which `"default"` is used).
+    The special tokens (`bos_token`, ...) passed to the template come from the
+    `tokenizer_config.json` (and a legacy `special_tokens_map.json`) next to it.
+    A file other than a `.jinja` one (e.g. a `tokenizer.json`) stands for its
+    directory.
+
+    Raises:
+        DataFileNotFoundError: `source` does not exist.
+        DataError: a file there does not parse, or its templates have no default.
+    """
+    if source is None:
+        return BuiltinChatTemplate()
+    path = os.fspath(source)
+    check_exists(path, "chat template")
+    if os.path.isfile(path) and path.endswith(".jinja"):
+        text = _read(path)
+        return JinjaChatTemplate(text, read_special_tokens(os.path.dirname(path)))
+    directory = path if os.path.isdir(path) else os.path.dirname(path)
+    text = read_chat_template(directory)
+    if text is None:
+        return BuiltinChatTemplate()
+    return JinjaChatTemplate(text, read_special_tokens(directory))
+
+
+def read_chat_template(directory: PathLike) -> str | None:
+    """The Jinja source of `directory`'s chat template, or None if it has none
+    (see `chat_template` for where it is looked for).
+
+    Raises:
+        DataError: `tokenizer_config.json` does not parse, or lists templates
+            without a `"default"` one.
+    """
+    directory = os.fspath(directory)
+    jinja = os.path.join(directory, TEMPLATE_FILE)
+    if os.path.isfile(jinja):
+        return _read(jinja)
+    config_path = os.path.join(directory, "tokenizer_config.json")
+    value = _read_json(config_path).get("chat_template")
+    if isinstance(value, list):  # [{"name": ..., "template": ...}, ...]
+        value = {t.get("name"): t.get("template") for t in value if isinstance(t, dict)}
+    if isinstance(value, dict):
+        if "default" not in value:
+            raise DataError(
+                f"{config_path} lists chat templates named {sorted(map(str, value))} "
+                "but none named 'default'. Name one 'default', or pass the `.jinja` "
+                "file of the one to use."
+            )
+        value = value["default"]
+    if value is not None and not isinstance(value, str):
+        raise DataError(
+            f"{config_path}'s chat_template must be a string or a list of "
+            f"{{name, template}}; got {type(value).__name__}. Fix the file."
+        )
+    return value
+
+
+def read_special_tokens(directory: PathLike) -> dict[str, str]:
+    """The special token strings (`bos_token`, `eos_token`, ...) that transformers
+    passes to chat templates, from `tokenizer_config.json` (which wins) and
+    `special_tokens_map.json` in `directory`; `{}` if there are none."""
+    directory = os.fspath(directory)
+    tokens: dict[str, str] = {}
+    for name in ("special_tokens_map.json", "tokenizer_config.json"):
+        config = _read_json(os.path.join(directory, name))
+        for key in SPECIAL_TOKENS:
+            value = config.get(key)
+            if isinstance(value, dict):  # an AddedToken written as a dict
+                value = value.get("content")
+            if isinstance(value, str):
+                tokens[key] = value
+    return tokens
+
+
+def check_messages(
+    messages: Any, roles: Sequence[str], *, first: int = 0
+) -> list[dict[str, Any]]:
+    """`messages` as plain dicts without None-valued keys (as transformers
+    normalizes them), each checked to have a role among `roles` and a string
+    content.
+
+    Raises:
+        ChatTemplateError: a message is malformed (the error names it).
+    """
+    if isinstance(messages, (str, bytes, Mapping)) or not isinstance(
+        messages, Sequence
+    ):
+        raise ChatTemplateError(
+            f"messages must be a list of {{role, content}} mappings; got "
+            f"{type(messages).__name__}.",
+            reason="with messages that are not a list",
+        )
+    return [_check_message(m, i, roles) for i, m in enumerate(messages, start=first)]
+
+
+def _check_message(message: Any, i: int, roles: Sequence[str]) -> dict[str, Any]:
+    if not isinstance(message, Mapping) or not isinstance(message.get("role"), str):
+        got = sorted(message) if isinstance(message, Mapping) else type(message)
+        raise ChatTemplateError(
+            f"message {i} must be a mapping with a string 'role' and 'content'; got "
+            f"{got}. Write messages as {{'role': 'user', 'content': '...'}}.",
+            reason="with a message that is not a {role, content} mapping",
+        )
+    clean = {k: v for k, v in message.items() if v is not None}
+    if clean["role"] not in roles:
+        raise ChatTemplateError(
+            f"message {i} has role {clean['role']!r}; the chat template knows "
+            f"{list(roles)}.",
+            reason="with a message role the template does not know",
+        )
+    if not isinstance(clean.get("content"), str):
+        got = type(clean.get("content")).__name__
+        raise ChatTemplateError(
+            f"message {i} ({clean['role']}) has content of type {got}; it must be a "
+            "string.",
+            reason="with a message content that is not a string",
+        )
+    return clean
+
+
+def _tokens_and_mask(
+    text: str, spans: list[tuple[int, int]], tokenizer: Tokenizer
+) -> tuple[Ids, Mask]:
+    """Tokens of `text` and 1 on those overlapping a span of `spans`."""
+    encode = getattr(tokenizer, "encode_with_offsets", None)
+    if encode is None:
+        raise DataError(
+            f"a Jinja chat template needs a tokenizer with `encode_with_offsets` "
+            f"(HFTokenizer or ByteTokenizer); got {tokenizer!r}. Use one of those, "
+            "or the built-in template (template=None)."
+        )
+    ids, offsets = encode(text)
+    mask = np.zeros(len(ids), np.float32)
+    for begin, end in spans:
+        mask[(offsets[:, 1] > begin) & (offsets[:, 0] < end)] = 1.0
+    return np.asarray(ids, np.int32), mask
+
+
+def _compile(source: str) -> Any:
+    """`source` compiled in transformers' sandboxed chat-template environment."""
+    import jinja2
+    from jinja2.ext import Extension, loopcontrols
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    class Generation(Extension):
+        # transformers' AssistantTracker tag; here its body just renders
+        tags = {"generation"}
+
+        def parse(self, parser: Any) -> Any:
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            call = self.call_method("_body")
+            return jinja2.nodes.CallBlock(call, [], [], body).set_lineno(lineno)
+
+        def _body(self, caller: Any) -> str:
+            return caller()
+
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[Generation, loopcontrols]
+    )
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = lambda format: datetime.now().strftime(format)
+    env.globals["namespace"] = _namespace_class(jinja2)
+    try:
+        return env.from_string(source)
+    except jinja2.TemplateError as error:
+        raise DataError(
+            f"the chat template does not parse: {error}. Fix the template, or use the "
+            "built-in one (template=None)."
+        ) from error
+
+
+def _tojson(
+    value: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: Any = None,
+    sort_keys: bool = False,
+) -> str:
+    # jinja's own tojson escapes HTML characters; chat templates want plain JSON
+    return json.dumps(
+        value,
+        ensure_ascii=ensure_ascii,
+        indent=indent,
+        separators=separators,
+        sort_keys=sort_keys,
+    )
+
+
+def _raise_exception(message: str) -> None:
+    raise ChatTemplateError(
+        f"the chat template refused this conversation: {message}",
+        reason=f"rejected by the chat template ({message})",
+    )
+
+
+def _namespace_class(jinja2: Any) -> type:
+    """jinja's `namespace`, refusing underscore-prefixed attributes (a way out of
+    the sandbox), as transformers does."""
+
+    class Namespace(jinja2.utils.Namespace):
+        def __init__(*args: Any, **kwargs: Any):
+            self, args = args[0], args[1:]
+            attrs = dict(*args, **kwargs)
+            for name in attrs:
+                Namespace._check(name)
+            jinja2.utils.Namespace.__init__(self, attrs)
+
+        def __setitem__(self, name: str, value: Any) -> None:
+            Namespace._check(name)
+            jinja2.utils.Namespace.__setitem__(self, name, value)
+
+        @staticmethod
+        def _check(name: Any) -> None:
+            if isinstance(name, str) and name.startswith("_"):
+                raise jinja2.exceptions.SecurityError(
+                    f"chat templates cannot set underscore-prefixed attributes on a "
+                    f"namespace; got {name!r}."
+                )
+
+    return Namespace
+
+
+def _plain(value: Any) -> Any:
+    """`value` rebuilt from plain JSON types, so a template sees no object with
+    methods of its own (anything else becomes a placeholder such as `<ndarray>`)."""
+    if value is None or type(value) in (str, int, float, bool):
+        return value
+    if isinstance(value, np.generic):
+        return _plain(value.item())
+    if isinstance(value, Mapping):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    # subclasses (e.g. str enums) can carry methods: strip them to the base type
+    if isinstance(value, str):
+        return str.__str__(value)
+    if isinstance(value, int):
+        return int.__int__(value)
+    if isinstance(value, float):
+        return float.__float__(value)
+    return f"<{type(value).__name__}>"
+
+
+def _read(path: str) -> str:
+    with open(path, encoding="utf-8") as f:
+        return f.read()
+
+
+def _read_json(path: str) -> dict[str, Any]:
+    if not os.path.isfile(path):
+        return {}
+    try:
+        with open(path, encoding="utf-8") as f:
+            value = json.load(f)
+    except (OSError, ValueError) as error:
+        raise DataError(
+            f"could not parse {path}: {error}. Fix or remove it."
+        ) from error
+    return value if isinstance(value, dict) else {}

@@ -1,0 +1,474 @@
+"""Post-training rows: SFT rows (the LM batch format, loss on completions only)
+and preference pairs (what `eqtrain.preference.preference_loss_fn` reads), built
+from chat, prompt/completion or preference records with a chat template
+(`_chat.py`); bad rows are skipped and counted in a `SkipReport`.
+
+    rows, report = sft_rows(from_files("sft.jsonl"), tok, seq_len=512, format="chat")
+    pairs, report = preference_rows(from_files("prefs.parquet"), tok, seq_len=512)
+    print(report)   # "3 of 200 rows skipped: 3 with chosen == rejected (first: row 7)"
+
+Formats (TRL's): `"chat"` (`messages`), `"prompt_completion"` (`prompt`,
+`completion`: both strings or both message lists) and `"preference"` (`prompt`,
+`chosen`, `rejected`; or, implicitly, `chosen`/`rejected` conversations whose
+shared leading messages are the prompt).
+"""
+
+import dataclasses
+import os
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from .._errors import ConfigError
+from . import _text
+from ._chat import BuiltinChatTemplate, ChatTemplate, ChatTemplateError, chat_template
+from ._errors import DataError
+from ._tokenizers import Tokenizer, require_id
+
+
+FORMATS = ("chat", "prompt_completion", "preference", "text")
+SFT_FORMATS = ("chat", "prompt_completion")
+Rows = dict[str, np.ndarray]
+# (prompt ids, completion ids, completion mask)
+Encoded = tuple[np.ndarray, np.ndarray, np.ndarray]
+TemplateLike = ChatTemplate | str | os.PathLike[str] | None
+
+
+@dataclasses.dataclass(frozen=True)
+class SkipReport:
+    """How many of `total` records were kept, and why the others were skipped.
+
+    `reasons` maps a reason (a phrase such as "with chosen == rejected") to the
+    number of rows skipped for it, and `first` to the index of the first such row.
+    `str(report)` is one line for a log, `""` when nothing was skipped.
+    """
+
+    total: int
+    kept: int
+    reasons: dict[str, int] = dataclasses.field(default_factory=dict)
+    first: dict[str, int] = dataclasses.field(default_factory=dict)
+
+    @property
+    def skipped(self) -> int:
+        return self.total - self.kept
+
+    def __str__(self) -> str:
+        if not self.skipped:
+            return ""
+        return f"{self.skipped} of {self.total} rows skipped: {self.details()}"
+
+    def details(self) -> str:
+        """The reasons with their counts and first rows, most frequent first."""
+        order = sorted(self.reasons, key=lambda r: (-self.reasons[r], self.first[r]))
+        return ", ".join(
+            f"{self.reasons[r]} {r} (first: row {self.first[r]})" for r in order
+        )
+
+
+class _Skip(Exception):
+    """A row to skip, for `reason`."""
+
+    def __init__(self, reason: str):
+        super().__init__(reason)
+        self.reason = reason
+
+
+def infer_format(records: Any) -> str:
+    """The record format its columns/fields name: `"chat"` (`messages`),
+    `"preference"` (`chosen` and `rejected`, with or without `prompt`),
+    `"prompt_completion"` (`prompt` and `completion`) or `"text"` (`text`), in
+    this order of precedence.
+
+    Raises:
+        DataError: no format fits (the error lists the columns).
+    """
+    columns = set(_columns(records))
+    if "messages" in columns:
+        return "chat"
+    if {"chosen", "rejected"} <= columns:
+        return "preference"
+    if {"prompt", "completion"} <= columns:
+        return "prompt_completion"
+    if "text" in columns:
+        return "text"
+    raise DataError(
+        f"cannot tell the data's format from its columns {sorted(columns)}: "
+        "expected 'messages' (chat), 'chosen' + 'rejected' (preference, with an "
+        "optional 'prompt'), 'prompt' + 'completion' or 'text'. Rename the "
+        "columns, or pass the format explicitly."
+    )
+
+
+def sft_rows(
+    records: Any,
+    tokenizer: Tokenizer,
+    *,
+    seq_len: int,
+    format: str | None = None,
+    template: TemplateLike = None,
+    max_prompt_len: int | None = None,
+    pack: bool = True,
+) -> tuple[Rows, SkipReport]:
+    """SFT rows in the LM batch format (`tokens`, `targets`, `loss_mask`,
+    `segment_ids`: int32/float32 `[N, seq_len]`), with loss only on the tokens
+    of completions (or assistant turns) and their end of turn.
+
+    String prompt/completion: `[BOS] + prompt + completion + EOS` (BOS when the
+    tokenizer has one), learning the completion and EOS. Message lists go through
+    `template`.
+
+    Truncation: a prompt longer than `max_prompt_len` tokens is cut from its
+    start (TRL's `keep_end`; a leading BOS is kept); completions are never cut,
+    and a row still longer than `seq_len + 1` tokens is skipped. A `chat`
+    conversation longer than `seq_len + 1` tokens keeps its start and is skipped
+    if no learned token remains.
+
+    Args:
+        records: a `datasets.Dataset` (e.g. `from_files("sft.jsonl")`), a list of
+            dicts or a mapping of columns.
+        tokenizer: any `Tokenizer`; a Jinja template needs `encode_with_offsets`.
+        seq_len: S, the row width (rows hold S + 1 tokens: inputs and targets).
+        format: `"chat"` or `"prompt_completion"`; inferred from the columns when
+            omitted.
+        template: a `ChatTemplate`, or a path for `chat_template` (a tokenizer
+            directory or a `.jinja` file); None: the built-in template.
+        max_prompt_len: default `seq_len // 2`.
+        pack: pack examples into rows (`pack`, with segment ids) or put one per
+            row (`collate`, padding masked, `segment_ids` 1 on the example).
+
+    Returns:
+        `(rows, report)`: the rows and the `SkipReport` of the bad records.
+
+    Raises:
+        DataError: no records, or every record was skipped (the error lists why).
+        ConfigError: `format` is not an SFT format, or `max_prompt_len` is not in
+            `[1, seq_len]`.
+    """
+    _text._check_positive(seq_len=seq_len)
+    rows = _records(records)
+    format = format or infer_format(rows)
+    if format not in SFT_FORMATS:
+        raise ConfigError(
+            f"SFT `format` must be one of {SFT_FORMATS}; got {format!r}. For "
+            "preference data use `preference_rows`, for plain text `chunk_documents`."
+        )
+    encode = _sft_encoder(format, tokenizer, seq_len, template, max_prompt_len)
+    examples, report = _collect(rows, encode)
+    ids, masks = [e[0] for e in examples], [e[1] for e in examples]
+    pad = tokenizer.pad_id or 0
+    if pack:
+        return _text.pack(ids, masks=masks, seq_len=seq_len, pad_id=pad), report
+    rows = _text.collate(
+        ids, masks=masks, max_length=seq_len, pad_id=pad, segment_ids=True
+    )
+    return rows, report
+
+
+def preference_rows(
+    records: Any,
+    tokenizer: Tokenizer,
+    *,
+    seq_len: int,
+    template: TemplateLike = None,
+    max_prompt_len: int | None = None,
+) -> tuple[Rows, SkipReport]:
+    """One row per preference pair: `chosen_tokens`, `chosen_targets`,
+    `chosen_mask` and the same for `rejected_` (int32 tokens/targets, float32
+    masks, `[N, seq_len]`), as `eqtrain.preference.preference_loss_fn` reads them.
+
+    Each sequence is prompt + completion (at most `seq_len + 1` ids): tokens are
+    `ids[:-1]`, targets `ids[1:]`, the mask is 1 where the target is a completion
+    token (or its end of turn); padding on the right has the tokenizer's pad id,
+    target 0 and mask 0. Both sequences of a pair start with the same prompt ids.
+
+    Truncation: a prompt longer than `max_prompt_len` tokens is cut from its
+    start (TRL's `keep_end`; a leading BOS is kept); completions are never cut,
+    and a pair whose prompt plus longer completion is still over `seq_len + 1`
+    tokens is skipped.
+
+    Args:
+        records: with `prompt`, `chosen`, `rejected` (strings, or message lists:
+            the conversation so far and the assistant replies), or `chosen` and
+            `rejected` conversations whose shared leading messages are the prompt.
+        tokenizer: as for `sft_rows`.
+        seq_len: S, the row width.
+        template: as for `sft_rows`.
+        max_prompt_len: default `seq_len // 2`.
+
+    Returns:
+        `(rows, report)`.
+
+    Raises:
+        DataError: no records, or every record was skipped (the error lists why).
+    """
+    _text._check_positive(seq_len=seq_len)
+    limit = _prompt_limit(seq_len, max_prompt_len)
+    pair = _pair_encoder(tokenizer, _template(template))
+
+    def encode(row: Any) -> tuple[Encoded, Encoded]:
+        prompt, chosen, rejected = _preference_fields(row)
+        return pair(prompt, chosen), pair(prompt, rejected)
+
+    def fit(row: Any) -> tuple[np.ndarray, ...]:
+        (p, c, cm), (q, r, rm) = encode(row)
+        if not np.array_equal(p, q):
+            raise _Skip("with chosen and rejected prompts that tokenize differently")
+        _check_learned(cm)
+        _check_learned(rm)
+        p = _truncate_prompt(p, limit, tokenizer.bos_id)
+        if len(p) + max(len(c), len(r)) > seq_len + 1:
+            raise _Skip(_too_long(seq_len))
+        return p, c, cm, r, rm
+
+    pairs, report = _collect(_records(records), fit)
+    return _pair_rows(pairs, seq_len, tokenizer.pad_id or 0), report
+
+
+# -- encoders ---------------------------------------------------------------------
+def _sft_encoder(
+    format: str,
+    tokenizer: Tokenizer,
+    seq_len: int,
+    template: TemplateLike,
+    max_prompt_len: int | None,
+) -> Callable[[Any], tuple[np.ndarray, np.ndarray]]:
+    """`row -> (ids, mask)` for `format`, truncated (or skipped) to fit a row."""
+    resolved = _template(template)
+    if format == "chat":
+        return lambda row: _chat_example(row, tokenizer, seq_len, resolved)
+    limit = _prompt_limit(seq_len, max_prompt_len)
+    pair = _pair_encoder(tokenizer, resolved)
+
+    def encode(row: Any) -> tuple[np.ndarray, np.ndarray]:
+        prompt, completion = _field(row, "prompt"), _field(row, "completion")
+        _same_kind(("prompt", prompt), ("completion", completion))
+        if _is_empty(completion):
+            raise _Skip("with an empty completion")
+        p, c, mask = pair(prompt, completion)
+        _check_learned(mask)
+        p = _truncate_prompt(p, limit, tokenizer.bos_id)
+        if len(p) + len(c) > seq_len + 1:
+            raise _Skip(_too_long(seq_len))
+        return np.concatenate([p, c]), np.concatenate(
+            [np.zeros(len(p), np.float32), mask]
+        )
+
+    return encode
+
+
+def _chat_example(
+    row: Any, tokenizer: Tokenizer, seq_len: int, template: ChatTemplate
+) -> tuple[np.ndarray, np.ndarray]:
+    messages = _field(row, "messages")
+    if isinstance(messages, (list, tuple)) and not any(
+        isinstance(m, Mapping) and m.get("role") == "assistant" for m in messages
+    ):
+        raise _Skip("with no assistant message")
+    ids, mask = template.encode(messages, tokenizer)
+    ids, mask = ids[: seq_len + 1], mask[: seq_len + 1]  # keep the start
+    if not mask[1:].any():  # the first token is never a target
+        raise _Skip(f"with no assistant token in the first {seq_len + 1} tokens")
+    return ids, mask
+
+
+def _pair_encoder(
+    tokenizer: Tokenizer, template: ChatTemplate
+) -> Callable[[Any, Any], Encoded]:
+    """`(prompt, completion) -> (prompt ids, completion ids, completion mask)` for
+    strings (BOS + prompt, completion + EOS) or message lists (`template`)."""
+
+    def encode(prompt: Any, completion: Any) -> Encoded:
+        if isinstance(prompt, str):
+            return _encode_text(prompt, completion, tokenizer)
+        return template.encode_prompt_completion(prompt, completion, tokenizer)
+
+    return encode
+
+
+def _encode_text(prompt: str, completion: str, tokenizer: Tokenizer) -> Encoded:
+    eos = require_id(tokenizer, "eos", "string completions (they end with EOS)")
+    bos = [] if tokenizer.bos_id is None else [tokenizer.bos_id]
+    p = np.concatenate([np.asarray(bos, np.int32), tokenizer.encode(prompt)])
+    c = np.concatenate([tokenizer.encode(completion), np.asarray([eos], np.int32)])
+    return p.astype(np.int32), c.astype(np.int32), np.ones(len(c), np.float32)
+
+
+def _template(template: TemplateLike) -> ChatTemplate:
+    if template is None:
+        return BuiltinChatTemplate()
+    if isinstance(template, (str, os.PathLike)):
+        return chat_template(template)
+    if not isinstance(template, ChatTemplate):
+        raise ConfigError(
+            f"`template` must be a ChatTemplate, a path (a tokenizer directory or a "
+            f"`.jinja` file) or None; got {type(template).__name__}. Build one with "
+            "`eqtrain.data.chat_template(path)`."
+        )
+    return template
+
+
+# -- fields -----------------------------------------------------------------------
+def _preference_fields(row: Any) -> tuple[Any, Any, Any]:
+    """`(prompt, chosen, rejected)` of a row, the prompt extracted from the shared
+    leading messages when the row has none."""
+    chosen, rejected = _field(row, "chosen"), _field(row, "rejected")
+    prompt = row.get("prompt") if isinstance(row, Mapping) else None
+    if prompt is None and _kind(chosen) == _kind(rejected) == "messages":
+        if chosen == rejected:
+            raise _Skip("with chosen == rejected")
+        prompt, chosen, rejected = _split_shared(list(chosen), list(rejected))
+    if prompt is None:
+        raise _Skip("missing 'prompt'")
+    _same_kind(("prompt", prompt), ("chosen", chosen), ("rejected", rejected))
+    if chosen == rejected:
+        raise _Skip("with chosen == rejected")
+    if _is_empty(chosen) or _is_empty(rejected):
+        raise _Skip("with an empty chosen or rejected completion")
+    return prompt, chosen, rejected
+
+
+def _split_shared(chosen: list[Any], rejected: list[Any]) -> tuple[list, list, list]:
+    """The shared leading messages (the implicit prompt) and the two remainders."""
+    n = 0
+    while n < min(len(chosen), len(rejected)) and chosen[n] == rejected[n]:
+        n += 1
+    return chosen[:n], chosen[n:], rejected[n:]
+
+
+def _field(row: Any, name: str) -> Any:
+    """`row[name]`; a missing or null field skips the row."""
+    if not isinstance(row, Mapping):
+        raise _Skip("that are not mappings")
+    value = row.get(name)
+    if value is None:
+        raise _Skip(f"missing {name!r}")
+    return value
+
+
+def _kind(value: Any) -> str | None:
+    if isinstance(value, str):
+        return "text"
+    if isinstance(value, (list, tuple)):
+        return "messages"
+    return None
+
+
+def _same_kind(*fields: tuple[str, Any]) -> None:
+    kinds = {_kind(value) for _, value in fields}
+    if None in kinds or len(kinds) > 1:
+        names = [repr(name) for name, _ in fields]
+        listed = ", ".join(names[:-1]) + " and " + names[-1]
+        each = "both" if len(names) == 2 else "all"
+        raise _Skip(f"with {listed} not {each} text or {each} message lists")
+
+
+def _is_empty(value: Any) -> bool:
+    """A blank string, or messages none of which has non-blank text content."""
+    if isinstance(value, str):
+        return not value.strip()
+    return not any(
+        not isinstance(m, Mapping) or str(m.get("content") or "").strip() for m in value
+    )
+
+
+# -- rows -------------------------------------------------------------------------
+def _prompt_limit(seq_len: int, max_prompt_len: int | None) -> int:
+    limit = max(1, seq_len // 2) if max_prompt_len is None else max_prompt_len
+    if not isinstance(limit, int) or not 1 <= limit <= seq_len:
+        raise ConfigError(
+            f"`max_prompt_len` must be an int in [1, seq_len={seq_len}]; got "
+            f"{max_prompt_len!r}. Leave it unset for seq_len // 2."
+        )
+    return limit
+
+
+def _truncate_prompt(ids: np.ndarray, limit: int, bos: int | None) -> np.ndarray:
+    """The last `limit` tokens of a prompt (keep_end), keeping a leading BOS."""
+    if len(ids) <= limit:
+        return ids
+    if bos is not None and ids[0] == bos and limit > 1:
+        return np.concatenate([ids[:1], ids[len(ids) - limit + 1 :]])
+    return ids[len(ids) - limit :]
+
+
+def _check_learned(mask: np.ndarray) -> None:
+    if not mask.any():  # e.g. a completion of tool messages only
+        raise _Skip("with no completion token to learn")
+
+
+def _too_long(seq_len: int) -> str:
+    return f"longer than {seq_len + 1} tokens after truncating the prompt"
+
+
+def _pair_rows(pairs: list[tuple[np.ndarray, ...]], seq_len: int, pad: int) -> Rows:
+    n = len(pairs)
+    rows: Rows = {}
+    for side in ("chosen", "rejected"):
+        rows[f"{side}_tokens"] = np.full((n, seq_len), pad, np.int32)
+        rows[f"{side}_targets"] = np.zeros((n, seq_len), np.int32)
+        rows[f"{side}_mask"] = np.zeros((n, seq_len), np.float32)
+    for i, (prompt, c, cm, r, rm) in enumerate(pairs):
+        for side, completion, mask in (("chosen", c, cm), ("rejected", r, rm)):
+            ids = np.concatenate([prompt, completion])
+            learn = np.concatenate([np.zeros(len(prompt), np.float32), mask])
+            width = len(ids) - 1
+            rows[f"{side}_tokens"][i, :width] = ids[:-1]
+            rows[f"{side}_targets"][i, :width] = ids[1:]
+            rows[f"{side}_mask"][i, :width] = learn[1:]
+    return rows
+
+
+# -- records and skips ------------------------------------------------------------
+def _columns(records: Any) -> list[str]:
+    if isinstance(records, Mapping):
+        return list(records)
+    if hasattr(records, "column_names"):  # datasets.Dataset
+        return list(records.column_names)
+    names: dict[str, None] = {}
+    for record in records:
+        if isinstance(record, Mapping):
+            names.update(dict.fromkeys(record))
+    return list(names)
+
+
+def _records(records: Any) -> list[Any]:
+    """The records as a list of rows (dicts, unless malformed)."""
+    if isinstance(records, Mapping):
+        lengths = {name: len(values) for name, values in records.items()}
+        if len(set(lengths.values())) > 1:
+            raise DataError(
+                f"the columns have different lengths: {lengths}. Pass columns of "
+                "one length."
+            )
+        rows = [
+            dict(zip(records, values, strict=True))
+            for values in zip(*records.values(), strict=True)
+        ]
+    elif hasattr(records, "to_list"):  # datasets.Dataset
+        rows = records.to_list()
+    else:
+        rows = list(records)
+    if not rows:
+        raise DataError("the data holds no records; pass at least one.")
+    return rows
+
+
+def _collect(
+    rows: Sequence[Any], encode: Callable[[Any], Any]
+) -> tuple[list, SkipReport]:
+    """`encode` over `rows`, skipping (and counting) the rows it rejects."""
+    kept, reasons, first = [], {}, {}
+    for i, row in enumerate(rows):
+        try:
+            kept.append(encode(row))
+        except (_Skip, ChatTemplateError) as skip:
+            reasons[skip.reason] = reasons.get(skip.reason, 0) + 1
+            first.setdefault(skip.reason, i)
+    report = SkipReport(total=len(rows), kept=len(kept), reasons=reasons, first=first)
+    if not kept:
+        raise DataError(
+            f"all {len(rows)} rows were skipped: {report.details()}. Check the "
+            "format and field names, and seq_len/max_prompt_len."
+        )
+    return kept, report
