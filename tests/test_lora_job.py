@@ -301,3 +301,13 @@ def test_cli_export_adapter_and_merged(lora_run, tmp_path):
     b, _ = hf.load(root / "run" / "hf-merged")
     for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def test_import_with_lora_points_at_init_from(lora_run, tmp_path):
+    root, _, _ = lora_run
+    from eqtrain import ConfigError
+
+    config = config_lib.load(None, ["lora.rank=4"])
+    with pytest.raises(ConfigError, match="model.init_from"):
+        job.import_hf(root / "base", tmp_path / "imported", config=config)
+    assert not (tmp_path / "imported").exists()

@@ -7,6 +7,7 @@ import os
 import shutil
 import warnings
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import jax.random as jr
@@ -86,16 +87,18 @@ def _randomize_adapters(model, seed=3):
 
 
 def _peft_load(base_dir, adapter_dir):
-    """peft's own loader; any warning about the adapter (peft's missing or
-    unexpected keys, a `Conv1D` without fan_in_fan_out, ...) is a failure. The
-    deprecation notices transformers raises at peft's own calls are not ours."""
+    """peft's own loader; any warning (peft's missing or unexpected keys, a
+    `Conv1D` without fan_in_fan_out, ...) is a failure, except the one
+    deprecation notice transformers 5 raises at peft 0.21's own call of
+    `model.is_gradient_checkpointing` (not about the adapter)."""
     base = transformers.AutoModelForCausalLM.from_pretrained(
         base_dir, dtype=torch.float32
     )
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        warnings.filterwarnings("ignore", category=FutureWarning)
-        warnings.filterwarnings("ignore", category=DeprecationWarning)
+        warnings.filterwarnings(
+            "ignore", message=".*is_gradient_checkpointing", category=FutureWarning
+        )
         model = peft.PeftModel.from_pretrained(base, adapter_dir)
     return model.eval()
 
@@ -144,8 +147,21 @@ def test_round_trip_and_peft_written_adapters(base_dir, tmp_path):
     model = _randomize_adapters(lora.apply(base, SPECS["default"], key=jr.key(0)))
     hf.export_adapter(model, tmp_path / "ours")
     back = hf.load_adapter(base, tmp_path / "ours")
-    for x, y in zip(jax.tree.leaves(back), jax.tree.leaves(model), strict=True):
-        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    # arrays bit for bit, and the static fields (scale, dropout) too
+    assert eqx.tree_equal(back, model)
+    np.testing.assert_array_equal(_ours(back), _ours(model))
+    # some peft versions write the adapter name into the keys
+    infix = tmp_path / "infix"
+    shutil.copytree(tmp_path / "ours", infix)
+    _rewrite(infix, lambda t: {_with_default(k): v for k, v in t.items()})
+    assert eqx.tree_equal(hf.load_adapter(base, infix), model)
+    # adapters take the base's dtype
+    half = jtu.tree_map(
+        lambda x: x.astype(jnp.bfloat16) if eqx.is_inexact_array(x) else x, base
+    )
+    loaded = hf.load_adapter(half, tmp_path / "ours")
+    layer = dict(lora.linears(loaded))[lora.adapter_paths(loaded)[0]]
+    assert layer.lora_a.dtype == layer.lora_b.dtype == jnp.bfloat16
     # an adapter peft made itself, on some layers only
     targets = ["c_attn", "c_fc"] if family == "gpt2" else ["q_proj", "down_proj"]
     theirs = peft.get_peft_model(
@@ -179,6 +195,12 @@ def _adapter(tmp_path, base):
     return hf.export_adapter(model, tmp_path / "adapter")
 
 
+def _with_default(key):
+    return key.replace(".lora_A.", ".lora_A.default.").replace(
+        ".lora_B.", ".lora_B.default."
+    )
+
+
 def _rewrite(directory, change):
     from safetensors.numpy import load_file, save_file
 
@@ -186,8 +208,20 @@ def _rewrite(directory, change):
     save_file(change(load_file(file)), file)
 
 
+def _lower_rank(layer):
+    """The same adapter cut to rank 2 (another rank than the model's others)."""
+    return lora.LoRALinear(
+        weight=layer.weight,
+        bias=layer.bias,
+        lora_a=layer.lora_a[..., :2, :],
+        lora_b=layer.lora_b[..., :2],
+        scale=layer.scale,
+        dropout=layer.dropout,
+    )
+
+
 def test_bad_adapter_directories_are_clear_errors(base_dir, tmp_path):
-    _, path = base_dir
+    family, path = base_dir
     base, _ = hf.load(path)
     with pytest.raises(HFFileNotFoundError, match="not a directory"):
         hf.load_adapter(base, tmp_path / "missing")
@@ -198,6 +232,14 @@ def test_bad_adapter_directories_are_clear_errors(base_dir, tmp_path):
         shutil.copytree(good, target)
         return target
 
+    bare = variant("bare")
+    os.remove(bare / "adapter_config.json")
+    with pytest.raises(HFFileNotFoundError, match="no adapter_config.json"):
+        hf.load_adapter(base, bare)
+    weightless = variant("weightless")
+    os.remove(weightless / "adapter_model.safetensors")
+    with pytest.raises(HFFileNotFoundError, match="no adapter_model.safetensors"):
+        hf.load_adapter(base, weightless)
     pickled = variant("pickled")
     os.replace(pickled / "adapter_model.safetensors", pickled / "adapter_model.bin")
     with pytest.raises(HFFormatError, match="pickle"):
@@ -214,7 +256,7 @@ def test_bad_adapter_directories_are_clear_errors(base_dir, tmp_path):
         unprefixed,
         lambda t: {k.removeprefix("base_model.model."): v for k, v in t.items()},
     )
-    with pytest.raises(HFFormatError, match="silently ignore"):
+    with pytest.raises(HFFormatError, match="skip it and keep lora_B at zero"):
         hf.load_adapter(base, unprefixed)
     foreign = variant("foreign")
     _rewrite(
@@ -228,8 +270,24 @@ def test_bad_adapter_directories_are_clear_errors(base_dir, tmp_path):
         hf.load_adapter(base, foreign)
     shapes = variant("shapes")
     _rewrite(shapes, lambda t: {k: np.concatenate([v, v]) for k, v in t.items()})
-    with pytest.raises(HFFormatError, match="shape"):
+    with pytest.raises(
+        HFFormatError, match=r"has shape \(8, 32\), but this model needs \(4, 32\)"
+    ):
         hf.load_adapter(base, shapes)
+    half = variant("half")
+    # one layer's lora_B lost: loading it as zero would hide a truncated file
+    lost = (
+        ".1.self_attn.q_proj.lora_B" if family == "llama" else ".1.attn.c_attn.lora_B"
+    )
+    _rewrite(half, lambda t: {k: v for k, v in t.items() if lost not in k})
+    with pytest.raises(HFFormatError, match=rf"no lora_B partner \('\S+{lost}"):
+        hf.load_adapter(base, half)
+    mixed = lora.map_linears(
+        _randomize_adapters(lora.apply(base, SPECS["default"], key=jr.key(0))),
+        lambda p, x: _lower_rank(x) if p.endswith("q_proj") or "c_attn" in p else x,
+    )
+    with pytest.raises(ConfigError, match=r"ranks \[2, 4\]"):
+        hf.export_adapter(mixed, tmp_path / "mixed")
     with pytest.raises(ConfigError, match="no LoRA adapters"):
         hf.export_adapter(base, tmp_path / "none")
 

@@ -6,8 +6,10 @@ adapter_config.json); `load_adapter` reads one back onto an eqtrain model, and
 PEFT names a tensor `base_model.model.<HF module>.lora_A.weight` (`[rank, in]`)
 or `.lora_B.weight` (`[out, rank]`), one per layer; GPT-2's `Conv1D` targets have
 the same adapter layouts as `nn.Linear` ones (only their base weight is stored
-transposed). Without the `base_model.model.` prefix PEFT silently ignores the
-tensors and keeps `lora_B = 0`, so the prefix is checked on read.
+transposed). Without the `base_model.model.` prefix PEFT skips the tensors and
+keeps `lora_B = 0`, an adapter that does nothing (since peft 0.14 with a
+"missing adapter keys" warning, before that silently), so the prefix is checked
+on read.
 """
 
 import json
@@ -257,7 +259,10 @@ def _read_tensors(path: str) -> dict[str, np.ndarray]:
                 "code. Where you trust the file, `PeftModel.from_pretrained(...)"
                 ".save_pretrained(new_dir)` writes adapter_model.safetensors."
             )
-        raise HFFileNotFoundError(f"{path} has no {ADAPTER_WEIGHTS}.")
+        raise HFFileNotFoundError(
+            f"{path} has no {ADAPTER_WEIGHTS}, so it holds no adapter weights "
+            "(`PeftModel.save_pretrained` writes them there)."
+        )
     return _safetensors.read(file)[0]
 
 
@@ -289,8 +294,10 @@ def _split(key: str, path: str) -> tuple[str, str]:
     if not key.startswith(PREFIX):
         raise HFFormatError(
             f"tensor {key!r} in {os.path.join(path, ADAPTER_WEIGHTS)} lacks PEFT's "
-            f"{PREFIX!r} prefix; peft itself would silently ignore it (and keep "
-            "lora_B at zero). Rewrite the names with the prefix."
+            f"{PREFIX!r} prefix; peft itself would skip it and keep lora_B at zero "
+            "(silently before peft 0.14, since then with only a missing-keys "
+            "warning), so the adapter would do nothing. Rename it to "
+            f"{PREFIX + key!r} (and the file's other keys likewise)."
         )
     match = _KEY.match(key[len(PREFIX) :])
     if match is None:
@@ -321,7 +328,8 @@ def load_adapter(
     Raises:
         HFFileNotFoundError, HFFormatError: missing files, a pickled adapter, a
             non-LoRA or unsupported adapter, tensor names without PEFT's prefix or
-            naming modules the model lacks, shapes that do not fit the model.
+            naming modules the model lacks, a lora_A without its lora_B (or the
+            reverse), shapes that do not fit the model.
     """
     path = os.fspath(path)
     settings = _read_settings(path)
@@ -335,21 +343,29 @@ def load_adapter(
         stacked = p.startswith(arch.layers + ".")
         for i, name in enumerate(names):
             where[name] = (p, i if stacked else None)
-    found: dict[str, dict[str, dict[int | None, np.ndarray]]] = {}
+    file = os.path.join(path, ADAPTER_WEIGHTS)
+    # eqtrain path -> "A" | "B" -> layer index (None: unstacked) -> (key, tensor)
+    found: dict[str, dict[str, dict[int | None, tuple[str, np.ndarray]]]] = {}
     lora_keys = _lora_keys(tensors, path)
     saved = {k[len(PREFIX) :]: v for k, v in tensors.items() if k not in lora_keys}
     for key in lora_keys:
-        value = tensors[key]
         module, which = _split(key, path)
         if module not in where:
             shown = ", ".join(sorted(where)[:4])
             raise HFFormatError(
-                f"tensor {key!r} of {path} adapts the module {module!r}, which this "
+                f"tensor {key!r} in {file} adapts the module {module!r}, which this "
                 f"{type(model).__name__} does not have (its linear layers are named "
                 f"like {shown}, ...). Is it an adapter for another base model?"
             )
         p, index = where[module]
-        found.setdefault(p, {}).setdefault(which, {})[index] = value
+        found.setdefault(p, {}).setdefault(which, {})[index] = (key, tensors[key])
+    if not found:
+        raise HFFormatError(
+            f"{file} holds no LoRA tensors (`...lora_A.weight`, `...lora_B.weight`); "
+            "there is no adapter to load."
+        )
+    for parts in found.values():
+        _check_pairs(parts, file)
     rank = settings["r"]
     spec = lora.LoRA(
         rank=rank,
@@ -367,7 +383,7 @@ def load_adapter(
         new = {}
         for which, name in (("A", "lora_a"), ("B", "lora_b")):
             current = getattr(layer, name)
-            new[name] = _stack(parts.get(which, {}), current, path, p, which)
+            new[name] = _stack(parts[which], current, file)
         return LoRALinear(
             weight=layer.weight,
             bias=layer.bias,
@@ -391,6 +407,7 @@ def _with_saved_modules(
     """`model` with the weights of PEFT's `modules_to_save` (HF names) put in."""
     if not saved:
         return model
+    file = os.path.join(path, ADAPTER_WEIGHTS)
     targets: dict[str, tuple[str, int | None]] = {}
     for p, _ in _maps.leaves(lora.unwrap(model)):
         names = _maps.hf_names(arch, p, num_layers)
@@ -401,7 +418,7 @@ def _with_saved_modules(
     for name, value in saved.items():
         if name not in targets:
             raise HFFormatError(
-                f"tensor {PREFIX + name!r} of {path} (a module to save) names a "
+                f"tensor {PREFIX + name!r} in {file} (a module to save) names a "
                 f"weight this {type(model).__name__} does not have."
             )
         p, index = targets[name]
@@ -418,7 +435,7 @@ def _with_saved_modules(
             want = out.shape if index is None else out.shape[1:]
             if tuple(value.shape) != tuple(want):
                 raise HFFormatError(
-                    f"the saved module weight for `{p}` in {path} has shape "
+                    f"the saved module weight for `{p}` in {file} has shape "
                     f"{tuple(value.shape)}; this model needs {tuple(want)}."
                 )
             if index is None:
@@ -430,25 +447,42 @@ def _with_saved_modules(
     return jtu.tree_map_with_path(put, model)
 
 
+def _check_pairs(
+    parts: dict[str, dict[int | None, tuple[str, np.ndarray]]], file: str
+) -> None:
+    """Every lora_A tensor of a module has its lora_B, and the reverse."""
+    a, b = parts.get("A", {}), parts.get("B", {})
+    for have, other, want in ((a, b, "B"), (b, a, "A")):
+        for index in set(have) - set(other):
+            key = have[index][0]
+            raise HFFormatError(
+                f"tensor {key!r} in {file} has no lora_{want} partner "
+                f"({_PARTNER.sub(f'.lora_{want}', key)!r} is missing); the file is "
+                "incomplete. Save the adapter again."
+            )
+
+
+_PARTNER = re.compile(r"\.lora_[AB](?=(\.default)?\.weight$)")
+
+
 def _stack(
-    parts: dict[int | None, np.ndarray], like: Any, path: str, module: str, which: str
+    parts: dict[int | None, tuple[str, np.ndarray]], like: Any, file: str
 ) -> Any:
     """One eqtrain adapter array from PEFT's per-layer tensors (missing layers:
-    zeros, in both A and B, so the layer's update is zero)."""
+    zeros, in both A and B, so the layer's update is zero), in `like`'s dtype."""
     shape = tuple(like.shape)
     stacked = len(shape) == 3
     per_layer = shape[1:] if stacked else shape
-    for index, value in parts.items():
+    for key, value in parts.values():
         if tuple(value.shape) != per_layer:
-            layer = "" if index is None else f" (layer {index})"
             raise HFFormatError(
-                f"lora_{which} of {module}{layer} in {path} has shape "
-                f"{tuple(value.shape)}, but this model needs {per_layer}: the "
-                "adapter was made for another base model or rank."
+                f"tensor {key!r} in {file} has shape {tuple(value.shape)}, but this "
+                f"model needs {per_layer}: the adapter was made for another base "
+                "model or rank."
             )
     if not stacked:
-        return jnp.asarray(parts[None], like.dtype)
+        return jnp.asarray(parts[None][1], like.dtype)
     out = np.zeros(shape, np.float32)
-    for index, value in parts.items():
+    for index, (_, value) in parts.items():
         out[index] = np.asarray(value, np.float32)
     return jnp.asarray(out, like.dtype)

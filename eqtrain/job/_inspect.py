@@ -185,6 +185,13 @@ def import_hf(
     model = dataclasses.replace(base.model, init_from=hf_dir)
     config = dataclasses.replace(base, model=model, run_dir=str(out))
     job = _build.build(config)
+    if job.lora is not None:
+        raise ConfigError(
+            "`eqtrain import` copies the model's weights into a new run, but LoRA "
+            "runs keep their base outside the run (checkpoints hold the adapters and "
+            f"name the base by content): set model.init_from = {hf_dir!r} in a "
+            "config with [lora] and run `eqtrain fit` on it instead."
+        )
     check_writable(out)
     if overwrite:
         shutil.rmtree(out / "checkpoints", ignore_errors=True)
