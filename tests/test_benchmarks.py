@@ -51,3 +51,14 @@ def test_lora_quick():
     assert 0 < record["trainable"] < 1 and 0 < record["checkpoint"] < 1
     low, high = record["step_range"]
     assert low <= record["step"] <= high
+
+
+def test_preference_quick():
+    (record,), _ = _quick("preference.py")
+    assert record["config"] == "tiny" and record["rounds"] == 2
+    for key in ("copy", "precomputed", "adapters_off"):
+        low, high = record[f"{key}_range"]
+        assert 0 < low <= record[key] <= high
+    variants = ("sft", "copy", "precomputed", "lora_sft", "adapters_off")
+    assert all(record["ms"][key] > 0 for key in variants)
+    assert record["targets"] == {"precomputed": 1.1, "copy": 1.5}
