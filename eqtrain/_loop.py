@@ -64,12 +64,20 @@ TOKEN_KEYS = ("tokens", "input_ids")
 
 
 def count_tokens(batch: Batch) -> int | None:
-    """Tokens in a batch: the size of its `tokens`/`input_ids` entry (shape only,
-    no device access), or `None` when there is none."""
+    """Tokens in a batch: the size of its `tokens`/`input_ids` entry, or the sum
+    over its `*_tokens` entries (a preference batch's `chosen_tokens` and
+    `rejected_tokens`); shapes only, no device access. `None` when there is none."""
     if isinstance(batch, Mapping):
         for name in TOKEN_KEYS:
             if name in batch:
                 return int(math.prod(np.shape(batch[name])))
+        sizes = [
+            int(math.prod(np.shape(v)))
+            for k, v in batch.items()
+            if isinstance(k, str) and k.endswith("_tokens")
+        ]
+        if sizes:
+            return sum(sizes)
     return None
 
 

@@ -7,7 +7,8 @@ Every loss takes per-pair log-probabilities (arrays of shape `[pairs]`) and
 returns `(per-pair loss, metrics)`; the mean over pairs (weighted by pairs, not
 tokens) is the caller's, as is where the reference log-probabilities come from
 (a frozen copy, the same model with its LoRA adapters off via
-`eqtrain.lora.disable`, or values precomputed into the batch).
+`eqtrain.lora.disable`, or values precomputed into the batch with
+`pair_logprobs`).
 
     logp, count = sequence_logprobs(logits, targets, completion_mask)
     losses, metrics = dpo(policy_chosen, policy_rejected, ref_chosen, ref_rejected,
@@ -192,7 +193,7 @@ def simpo(
 
 # -- a loss function for the step builders ------------------------------------------
 KINDS = ("dpo", "ipo", "orpo", "simpo")
-REFERENCES = ("copy", "adapters_off", "batch")
+REFERENCES = ("copy", "adapters_off", "precomputed")
 _NEEDS_REFERENCE = ("dpo", "ipo")
 
 
@@ -246,6 +247,30 @@ def _logps(model: Any, tokens: Array, targets: Array, mask: Array, key: Any) -> 
     return sequence_logprobs(logits, targets, mask)
 
 
+def _pairs(batch: Mapping[str, ArrayLike]) -> tuple[int, Array, Array, Array]:
+    """Both completions of every pair as one batch: `(pairs, tokens, targets,
+    mask)`, chosen rows first; masked targets point at id 0."""
+    get = lambda name: jnp.asarray(batch[name])  # noqa: E731
+    pairs = get("chosen_tokens").shape[0]
+    tokens = jnp.concatenate([get("chosen_tokens"), get("rejected_tokens")])
+    targets = jnp.concatenate([get("chosen_targets"), get("rejected_targets")])
+    mask = jnp.concatenate([get("chosen_mask"), get("rejected_mask")])
+    mask = mask.astype(jnp.float32)
+    return pairs, tokens, jnp.where(mask > 0, targets, 0), mask
+
+
+def pair_logprobs(
+    model: Any, batch: Mapping[str, ArrayLike]
+) -> tuple[Float[Array, " pairs"], Float[Array, " pairs"]]:
+    """`(chosen, rejected)` sequence log-probs (sums over each completion's mask)
+    of `model` on a batch of pairs, without dropout: what `reference="precomputed"`
+    reads back as `reference_chosen` / `reference_rejected`. Jit it (e.g.
+    `eqx.filter_jit`) to precompute a reference over a dataset once."""
+    pairs, tokens, targets, mask = _pairs(batch)
+    logp, _ = _logps(model, tokens, targets, mask, None)
+    return logp[:pairs], logp[pairs:]
+
+
 def preference_loss_fn(
     kind: str = "dpo",
     *,
@@ -260,9 +285,10 @@ def preference_loss_fn(
 
     The batch holds pairs: `chosen_tokens`, `chosen_targets`, `chosen_mask` and
     the same for `rejected_` (int32/float `[pairs, seq]`; the masks select the
-    completion's target tokens), and with `reference="batch"` the reference's
-    sequence log-probs `reference_chosen`, `reference_rejected` (`[pairs]`,
-    sums over the completion, e.g. precomputed once). Both completions run
+    completion's target tokens; `eqtrain.data.preference_rows` makes them), and
+    with `reference="precomputed"` the reference's sequence log-probs
+    `reference_chosen`, `reference_rejected` (`[pairs]`, sums over the
+    completion, e.g. from `pair_logprobs` over the dataset once). Both completions run
     through the policy in one batch. The loss is the mean over pairs, and
     `aux["weight"]` is the number of pairs, so accumulation weighs pairs (not
     tokens).
@@ -272,7 +298,8 @@ def preference_loss_fn(
         reference: where the reference log-probs come from: `"copy"` (the model
             is a `WithReference`), `"adapters_off"` (the policy with its LoRA
             adapters switched off, `eqtrain.lora.disable`: no second copy of the
-            weights) or `"batch"`. Ignored (may be None) for ORPO and SimPO.
+            weights) or `"precomputed"` (read from the batch). Ignored (may be
+            None) for ORPO and SimPO.
         beta: DPO/IPO's beta (default 0.1) or SimPO's (default 2.0).
         label_smoothing: DPO's and SimPO's (0: off).
         orpo_lambda: ORPO's weight of the odds-ratio term.
@@ -291,13 +318,7 @@ def preference_loss_fn(
     def loss_fn(
         model: Any, batch: Mapping[str, ArrayLike], key: PRNGKeyArray | None = None
     ) -> tuple[Float[Array, ""], Metrics]:
-        get = lambda name: jnp.asarray(batch[name])  # noqa: E731
-        pairs = get("chosen_tokens").shape[0]
-        tokens = jnp.concatenate([get("chosen_tokens"), get("rejected_tokens")])
-        targets = jnp.concatenate([get("chosen_targets"), get("rejected_targets")])
-        mask = jnp.concatenate([get("chosen_mask"), get("rejected_mask")])
-        mask = mask.astype(jnp.float32)
-        targets = jnp.where(mask > 0, targets, 0)
+        pairs, tokens, targets, mask = _pairs(batch)
         if needs:
             _check_reference(model, reference)
         policy = model.policy if needs and reference == "copy" else model
@@ -306,8 +327,9 @@ def preference_loss_fn(
         pc, pr = logp[:pairs], logp[pairs:]
         mean_c, mean_r = pc / count[:pairs], pr / count[pairs:]
         if needs:
-            if reference == "batch":
-                rc, rr = get("reference_chosen"), get("reference_rejected")
+            if reference == "precomputed":
+                rc = jnp.asarray(batch["reference_chosen"])
+                rr = jnp.asarray(batch["reference_rejected"])
             else:
                 ref = model.reference if reference == "copy" else lora.disable(model)
                 ref_logp, _ = _logps(ref, tokens, targets, mask, None)

@@ -296,6 +296,17 @@ ELSEWHERE = {
     "lora.train_also": "test_lora_job.py: test_lora_keys_reach_the_run",
     "export.adapter": "test_lora_job.py: test_lora_keys_reach_the_run",
     "export.merged": "test_lora_job.py: test_lora_keys_reach_the_run",
+    "task.kind": "test_post_training.py: test_task_kind_and_data_keys_reach_the_rows",
+    "task.beta": "test_post_training.py: test_task_keys_reach_the_loss",
+    "task.label_smoothing": "test_post_training.py: test_task_keys_reach_the_loss",
+    "task.orpo_lambda": "test_post_training.py: test_task_keys_reach_the_loss",
+    "task.simpo_gamma": "test_post_training.py: test_task_keys_reach_the_loss",
+    "task.reference": "test_post_training.py: test_task_keys_reach_the_loss, "
+    "test_dpo_step_one_is_log_2_in_every_reference_mode",
+    "data.format": "test_post_training.py: test_task_kind_and_data_keys_reach_the_rows",
+    "data.chat_template": "test_post_training.py: test_task_kind_and_data_keys_...",
+    "data.max_prompt_len": "test_post_training.py: test_task_kind_and_data_keys_...",
+    "data.pack": "test_post_training.py: test_task_kind_and_data_keys_reach_the_rows",
 }
 
 

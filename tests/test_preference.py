@@ -173,12 +173,15 @@ def state_for(reference, model=None):
     )
 
 
-@pytest.mark.parametrize("reference", ["copy", "adapters_off", "batch"])
+@pytest.mark.parametrize("reference", ["copy", "adapters_off", "precomputed"])
 def test_dpo_step_one_is_log_2_in_every_reference_mode(reference):
     batch = toy_pairs(8)
-    state = state_for("adapters_off" if reference == "batch" else reference)
-    if reference == "batch":  # precomputed from the policy itself
-        rc, rr = policy_logps(state.model, batch)
+    state = state_for("adapters_off" if reference == "precomputed" else reference)
+    if reference == "precomputed":  # from the policy itself
+        rc, rr = preference.pair_logprobs(state.model, batch)
+        np.testing.assert_array_equal(
+            np.asarray(rc), np.asarray(policy_logps(state.model, batch)[0])
+        )
         batch = {**batch, "reference_chosen": rc, "reference_rejected": rr}
     loss_fn = preference.preference_loss_fn("dpo", reference=reference, beta=0.1)
     loss, aux = loss_fn(state.model, batch, None)

@@ -169,7 +169,7 @@ def _summary(result: Any) -> None:
     metrics = fit_result.metrics
     final = "  ".join(
         f"{k} {metrics[k]:.4f}"
-        for k in ("loss", "eval/loss", "eval/accuracy")
+        for k in ("loss", "eval/loss", "eval/accuracy", "eval/rewards/accuracies")
         if isinstance(metrics.get(k), float)
     )
     lines = [

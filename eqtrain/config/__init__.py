@@ -17,6 +17,7 @@ from ._parse import (
     schema as schema,
 )
 from ._schema import (
+    PREFERENCE_TASKS as PREFERENCE_TASKS,
     SECTIONS as SECTIONS,
     CheckpointConfig as CheckpointConfig,
     Config as Config,
@@ -28,7 +29,14 @@ from ._schema import (
     MeshConfig as MeshConfig,
     ModelConfig as ModelConfig,
     OptimConfig as OptimConfig,
+    TaskConfig as TaskConfig,
 )
 from ._toml import to_dict as to_dict, to_toml as to_toml, toml_value as toml_value
 from ._units import parse_size as parse_size
-from ._validate import lora_on as lora_on, validate as validate
+from ._validate import (
+    data_format as data_format,
+    eval_metrics as eval_metrics,
+    lora_on as lora_on,
+    reference_mode as reference_mode,
+    validate as validate,
+)

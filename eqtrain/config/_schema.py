@@ -29,6 +29,10 @@ def setting(
 
 
 ARCHS = ("llama", "mistral", "qwen2", "gpt2")
+TASKS = ("lm", "sft", "dpo", "ipo", "orpo", "simpo")
+PREFERENCE_TASKS = ("dpo", "ipo", "orpo", "simpo")
+DATA_FORMATS = ("auto", "text", "chat", "prompt_completion", "preference")
+REFERENCES = ("auto", "copy", "adapters_off", "precomputed")
 OPTIMIZERS = ("adamw", "adam", "lion", "sgd", "adafactor")
 SCHEDULES = ("constant", "linear", "cosine", "wsd")
 DTYPES = ("float32", "bfloat16", "float16")
@@ -123,8 +127,37 @@ class DataConfig:
         "files when train = `stdlib`, else none; `none`: no evaluation.",
         kind="path",
     )
+    format: str = setting(
+        "auto",
+        "What the data files hold: `text` (plain text, for task.kind = lm), "
+        "`chat` (a `messages` column of role/content turns), `prompt_completion` "
+        "(`prompt` and `completion` columns) or `preference` (`prompt`, `chosen`, "
+        "`rejected`); strings or message lists. `auto`: text for lm, else read "
+        "from the columns.",
+        choices=DATA_FORMATS,
+    )
     text_column: str = setting(
         "text", "Column holding the text in .json/.jsonl/.parquet/.csv files."
+    )
+    chat_template: str = setting(
+        "auto",
+        "How conversations become tokens: a `.jinja` file, `builtin` (eqtrain's "
+        "own template), or `auto`: the tokenizer directory's template "
+        "(chat_template.jinja, or tokenizer_config.json's chat_template) when it "
+        "has one, else builtin.",
+        kind="path",
+    )
+    max_prompt_len: int | None = setting(
+        None,
+        "Prompts longer than this many tokens keep only their end; a row whose "
+        "prompt and completion still exceed seq_len + 1 tokens is skipped. Unset: "
+        "data.seq_len // 2.",
+        min=1,
+    )
+    pack: bool = setting(
+        True,
+        "SFT: pack several examples into each row (segment ids keep attention and "
+        "loss within each); false: one example per row, padded.",
     )
     pattern: str = setting(
         "**/*.txt", "Glob of the files read from a directory of text files."
@@ -321,6 +354,43 @@ class LogConfig:
     )
 
 
+@dataclasses.dataclass(frozen=True)
+class TaskConfig:
+    kind: str = setting(
+        "lm",
+        "What the run learns: `lm` (next-token prediction on every token), `sft` "
+        "(supervised fine-tuning: the loss on completion/assistant tokens only), "
+        "or preference optimisation on prompt/chosen/rejected pairs: `dpo`, "
+        "`ipo` (both against a reference model), `orpo`, `simpo` (none needed).",
+        choices=TASKS,
+    )
+    beta: float | None = setting(
+        None,
+        "dpo/ipo/simpo: the beta of the loss; unset: 0.1 (dpo, ipo), 2.0 (simpo).",
+        min=0,
+    )
+    label_smoothing: float = setting(
+        0.0,
+        "dpo/simpo: the assumed fraction of flipped preference labels "
+        "(conservative DPO); 0: off.",
+        min=0,
+        max=0.5,
+    )
+    orpo_lambda: float = setting(
+        0.1, "orpo: weight of the odds-ratio term added to the chosen NLL.", min=0
+    )
+    simpo_gamma: float = setting(0.5, "simpo: the target reward margin.", min=0)
+    reference: str = setting(
+        "auto",
+        "dpo/ipo: the reference model. `copy`: a frozen copy of the initial model "
+        "in the state; `adapters_off`: the policy with its LoRA adapters off (no "
+        "copy; needs [lora]); `precomputed`: its log-probs computed once before "
+        "training and stored in <run_dir>/reference; `auto`: adapters_off with "
+        "LoRA, else copy.",
+        choices=REFERENCES,
+    )
+
+
 LORA_TARGETS = r"(^|\.)((q|k|v|o|gate|up|down)_proj|c_attn|c_proj|c_fc)$"
 
 
@@ -401,6 +471,7 @@ class Config:
     mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
     log: LogConfig = dataclasses.field(default_factory=LogConfig)
     lora: LoRAConfig = dataclasses.field(default_factory=LoRAConfig)
+    task: TaskConfig = dataclasses.field(default_factory=TaskConfig)
     export: ExportConfig = dataclasses.field(default_factory=ExportConfig)
     # The dotted keys a file or `--set` gave (see `explicit`): not a config key,
     # and two configs with the same values are equal however they were written.

@@ -3,7 +3,7 @@
 from .._errors import ConfigError
 from ..losses import CAUSAL_LM_AUX
 from ._parse import _did_you_mean, explicit, schema
-from ._schema import Config
+from ._schema import PREFERENCE_TASKS, Config
 
 
 # Model keys that only the Llama family reads, and those an HF directory decides.
@@ -29,9 +29,51 @@ ARCH_KEYS = (
 )
 
 
-# What `eval_step(causal_lm_loss)` reports, the loss of every config-built run:
+# What `eval_step(causal_lm_loss)` reports, the loss of lm and sft runs:
 # "eval/" + "loss" and the loss's aux names.
 EVAL_METRICS = ("eval/loss", *(f"eval/{name}" for name in CAUSAL_LM_AUX))
+# What a preference run's evaluations report (`eqtrain.preference`'s metrics).
+PREFERENCE_METRICS = (
+    "rewards/chosen",
+    "rewards/rejected",
+    "rewards/margins",
+    "rewards/accuracies",
+    "logps/chosen",
+    "logps/rejected",
+)
+
+
+def eval_metrics(config: Config) -> tuple[str, ...]:
+    """The metrics the run's evaluations report."""
+    kind = config.task.kind
+    if kind not in PREFERENCE_TASKS:
+        return EVAL_METRICS
+    extra = ("log_odds_ratio",) if kind == "orpo" else ()
+    names = ("loss", *PREFERENCE_METRICS, *extra, "weight")
+    return tuple(f"eval/{name}" for name in names)
+
+
+def data_format(config: Config) -> str:
+    """`data.format`, with `auto` resolved as far as the config alone tells:
+    `text` for lm, `preference` for the preference tasks, and `auto` (the data's
+    columns decide) for sft."""
+    given, kind = config.data.format, config.task.kind
+    if given != "auto":
+        return given
+    if kind == "lm":
+        return "text"
+    return "preference" if kind in PREFERENCE_TASKS else "auto"
+
+
+def reference_mode(config: Config) -> str | None:
+    """`task.reference` resolved: None for the tasks without a reference model,
+    `auto` becomes adapters_off with LoRA, else copy."""
+    if config.task.kind not in ("dpo", "ipo"):
+        return None
+    ref = config.task.reference
+    if ref == "auto":
+        return "adapters_off" if lora_on(config) else "copy"
+    return ref
 
 
 def eval_source(config: Config) -> str:
@@ -39,7 +81,8 @@ def eval_source(config: Config) -> str:
     "none" otherwise."""
     source = config.data.eval
     if source == "auto":
-        return "stdlib" if config.data.train == "stdlib" else "none"
+        text = config.task.kind == "lm"
+        return "stdlib" if config.data.train == "stdlib" and text else "none"
     return source
 
 
@@ -50,6 +93,7 @@ def validate(config: Config) -> None:
     _batches(config)
     _loop(config)
     _lora(config)
+    _task(config)
     _export(config)
 
 
@@ -146,13 +190,13 @@ def _loop(config: Config) -> None:
                 f"`checkpoint.best` ({ckpt.best!r}) must be an evaluation metric "
                 "such as 'eval/loss' (train metrics are too noisy to rank by)."
             )
-        if ckpt.best not in EVAL_METRICS:
-            names = ", ".join(f"'{m}'" for m in EVAL_METRICS)
+        metrics = eval_metrics(config)
+        if ckpt.best not in metrics:
+            names = ", ".join(f"'{m}'" for m in metrics)
             raise ConfigError(
                 f"`checkpoint.best` ({ckpt.best!r}) is not a metric this run "
                 f"produces: its evaluations report {names}. A misspelt name would "
-                "keep no best checkpoint at all."
-                + _did_you_mean(ckpt.best, EVAL_METRICS)
+                "keep no best checkpoint at all." + _did_you_mean(ckpt.best, metrics)
             )
         if eval_source(config) == "none":
             raise ConfigError(
@@ -230,3 +274,58 @@ def _export(config: Config) -> None:
             "`export.every` is set but `export.hf` is empty: name the export "
             "directory or set export.every = 0."
         )
+
+
+# The task keys each kind reads; setting one that the kind ignores is a mistake.
+_TASK_KEYS = {
+    "beta": ("dpo", "ipo", "simpo"),
+    "label_smoothing": ("dpo", "simpo"),
+    "orpo_lambda": ("orpo",),
+    "simpo_gamma": ("simpo",),
+    "reference": ("dpo", "ipo"),
+}
+_FORMATS = {
+    "lm": ("text",),
+    "sft": ("chat", "prompt_completion"),
+    **{kind: ("preference",) for kind in PREFERENCE_TASKS},
+}
+
+
+def _task(config: Config) -> None:
+    kind, given = config.task.kind, _changed(config)
+    for key, kinds in _TASK_KEYS.items():
+        if f"task.{key}" in given and kind not in kinds:
+            raise ConfigError(
+                f"`task.{key}` is set but task.kind = {kind!r} does not use it (it "
+                f"applies to {', '.join(kinds)}); remove it or change task.kind."
+            )
+    fmt = data_format(config)
+    if fmt != "auto" and fmt not in _FORMATS[kind]:
+        wants = " or ".join(f"'{f}'" for f in _FORMATS[kind])
+        raise ConfigError(
+            f"task.kind = {kind!r} trains on {wants} data, but data.format = "
+            f"{config.data.format!r}. Set data.format to match the data (or leave "
+            "it `auto`), or change task.kind."
+        )
+    if kind != "lm" and config.data.train == "stdlib":
+        raise ConfigError(
+            f"task.kind = {kind!r} needs {_FORMATS[kind][0]!r} data, but data.train "
+            "is 'stdlib' (plain text). Point data.train at a .jsonl/.json/.parquet "
+            "file with the columns the task reads."
+        )
+    if reference_mode(config) == "adapters_off" and not lora_on(config):
+        raise ConfigError(
+            "`task.reference` = 'adapters_off' uses the policy with its LoRA "
+            "adapters switched off as the reference, but LoRA is off (lora.rank = "
+            "0): set lora.rank, or task.reference = 'copy' or 'precomputed'."
+        )
+    if kind == "lm":
+        other = sorted(k for k in given if k.startswith("data.") and k in _POST_KEYS)
+        if other:
+            raise ConfigError(
+                f"`{other[0]}` applies to post-training data, but task.kind = 'lm' "
+                "trains on plain text; remove it or set task.kind."
+            )
+
+
+_POST_KEYS = ("data.chat_template", "data.max_prompt_len", "data.pack")

@@ -66,6 +66,9 @@ def from_files(
             f"the files {files} are empty (0 bytes). Point `from_files` at files "
             "that hold rows."
         )
+    # No "Generating train split" bars in a run's output (restored after).
+    quiet = datasets.utils.are_progress_bars_disabled()
+    datasets.utils.disable_progress_bars()
     try:
         dataset = datasets.load_dataset(
             format,
@@ -85,6 +88,9 @@ def from_files(
             f"could not read {files} as {format!r}: {error.__cause__ or error}. "
             "Check the files' contents and `format=`."
         ) from error
+    finally:
+        if not quiet:
+            datasets.utils.enable_progress_bars()
     if len(dataset) == 0:
         raise DataError(
             f"the files {files} hold no rows. Point `from_files` at non-empty files."

@@ -31,6 +31,9 @@ class export_hook:  # noqa: N801 -- a hook factory, named like a function
         form: `"full"` (a Hugging Face model), or for a model with LoRA adapters
             `"adapter"` (PEFT's adapter files, `export_adapter`) or `"merged"`
             (a Hugging Face model with the adapters folded in).
+        pick: the part of the state's model to export (applied to the trainable
+            filter too), e.g. `lambda m: m.policy` for a
+            `preference.WithReference`; default: the whole model.
         **export_kwargs: passed on to `eqtrain.hf.export` (`dtype`,
             `max_shard_size`, `tokenizer`, `model_type`, ...); an adapter export
             uses `model_type` and `spec` (the `lora.LoRA`, to record its alpha
@@ -52,6 +55,7 @@ class export_hook:  # noqa: N801 -- a hook factory, named like a function
         per_step: bool = True,
         which: str = "model",
         form: str = "full",
+        pick: Any = None,
         **export_kwargs: Any,
     ):
         if which not in _WHICH:
@@ -59,6 +63,7 @@ class export_hook:  # noqa: N801 -- a hook factory, named like a function
         if form not in _FORMS:
             raise ConfigError(f"`form` must be one of {_FORMS}; got {form!r}.")
         self.form = form
+        self.pick = pick if pick is not None else (lambda model: model)
         if "overwrite" in export_kwargs:
             raise ConfigError(
                 "export_hook always replaces its own earlier export; drop `overwrite`."
@@ -79,11 +84,13 @@ class export_hook:  # noqa: N801 -- a hook factory, named like a function
             return  # e.g. `every(n)` and `at_end` firing on the same final step
         state, target = info.state, self.target(info.step)
         trained = getattr(state, "trainable", None)
+        if trained is not None and trained is not True:
+            trained = self.pick(trained)
         if self.which in ("model", "both"):
-            self._write(state.model, target, trained)
+            self._write(self.pick(state.model), target, trained)
         if self.which in ("ema", "both"):
             ema_target = target if self.which == "ema" else target + "_ema"
-            self._write(state.ema_model, ema_target, trained)
+            self._write(self.pick(state.ema_model), ema_target, trained)
         self.last_step = info.step
 
     def _write(self, model: Any, target: str, trained: Any) -> None:

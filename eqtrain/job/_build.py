@@ -12,10 +12,16 @@ import jax
 import jax.random as jr
 import numpy as np
 
-from .. import data as data_lib, hf, lora as lora_lib, models, optim
+from .. import data as data_lib, hf, lora as lora_lib, models, optim, preference
 from .._errors import ConfigError
 from .._state import TrainState
-from ..config import Config, explicit, lora_on
+from ..config import (
+    PREFERENCE_TASKS,
+    Config,
+    explicit,
+    lora_on,
+    reference_mode,
+)
 from ..losses import causal_lm_loss
 
 
@@ -36,6 +42,10 @@ class Job:
         loss_fn: the loss the steps differentiate.
         lora: the LoRA adapters the run trains (`[lora]`, or `model.adapter_from`'s
             adapter_config.json), or None: every weight trains.
+        reference: a DPO/IPO run's reference model (`copy`, `adapters_off` or
+            `precomputed`; `task.reference` resolved), else None.
+        template: the chat template of post-training data (None for plain text).
+        notes: what the data pipelines skipped, said at the start of the run.
     """
 
     config: Config
@@ -45,6 +55,9 @@ class Job:
     optimizer: Any
     loss_fn: Callable[..., Any] = causal_lm_loss
     lora: lora_lib.LoRA | None = None
+    reference: str | None = None
+    template: Any = None
+    notes: list[str] = dataclasses.field(default_factory=list)
 
     @property
     def run_dir(self) -> Path:
@@ -75,15 +88,37 @@ class Job:
         return lora_lib.apply(model, self.lora, key=key)
 
     def new_model(self) -> Any:
-        """The initial model: the base model with the run's adapters, if any."""
-        return self.with_adapters(self.base_model())
+        """The initial model: the base model with the run's adapters, if any
+        (and with `task.reference = "copy"`, a frozen copy of it beside)."""
+        return self._with_reference(self.with_adapters(self.base_model()))
+
+    def _with_reference(self, model: Any) -> Any:
+        if self.reference == "copy":
+            return preference.with_reference(model)
+        return model
 
     def trainable(self, model: Any) -> Any:
         """The trainable filter: everything, or with LoRA the adapters (and
-        `lora.train_also`)."""
+        `lora.train_also`); a reference copy never trains."""
+        if isinstance(model, preference.WithReference):
+            return preference.reference_trainable(model, self.trainable(model.policy))
         if self.lora is None:
             return True
         return lora_lib.trainable(model, also=self.config.lora.train_also)
+
+    @staticmethod
+    def policy(model: Any) -> Any:
+        """The trained model inside a state's model (what is exported): the
+        policy of a `preference.WithReference`, else `model` itself."""
+        if isinstance(model, preference.WithReference):
+            return model.policy
+        return model
+
+    @property
+    def tokens_per_row(self) -> int:
+        """Tokens one training row feeds the model (a preference row is a pair)."""
+        pair = self.config.task.kind in PREFERENCE_TASKS
+        return self.config.data.seq_len * (2 if pair else 1)
 
     def _state(self, model: Any, seed: int) -> TrainState:
         return TrainState.create(
@@ -103,7 +138,7 @@ class Job:
 
         def init() -> TrainState:
             base = self.family.model(self.model_config, jr.key(0))
-            return self._state(self.with_adapters(base), 0)
+            return self._state(self._with_reference(self.with_adapters(base)), 0)
 
         return eqx.filter_eval_shape(init)
 
@@ -130,6 +165,8 @@ class Job:
         return models.num_params(abstract.params), total
 
     def flops_per_token(self) -> float:
+        """The policy's training FLOPs per token (a reference forward, where the
+        step runs one, is not counted: MFU counts the model being trained)."""
         seq_len = self.config.data.seq_len
         return self.family.flops_per_token(self.model_config, seq_len)
 
@@ -147,6 +184,10 @@ def build(config: Config) -> Job:
     opt_fields.pop("accumulate")
     optimizer = optim.build(**opt_fields, total_steps=config.loop.steps)
     job = Job(config, tokenizer, model_config, model_type, optimizer)
+    job.reference = reference_mode(config)
+    job.loss_fn = task_loss(config, job.reference)
+    if config.task.kind != "lm":
+        job.template = _chat_template(config)
     if lora_on(config):
         job.lora = _lora_spec(config)
         try:
@@ -154,6 +195,54 @@ def build(config: Config) -> Job:
         except ConfigError as e:
             raise ConfigError(f"[lora]: {e}") from None
     return job
+
+
+def task_loss(config: Config, reference: str | None) -> Callable[..., Any]:
+    """The loss of `task.kind`: next-token cross-entropy for lm and sft (whose
+    rows mask out everything but completions), else the preference loss."""
+    t = config.task
+    if t.kind in ("lm", "sft"):
+        return causal_lm_loss
+    try:
+        return preference.preference_loss_fn(
+            t.kind,
+            reference=reference,
+            beta=t.beta,
+            label_smoothing=t.label_smoothing,
+            orpo_lambda=t.orpo_lambda,
+            gamma=t.simpo_gamma,
+        )
+    except ConfigError as e:
+        raise ConfigError(f"[task]: {e}") from None
+
+
+def _chat_template(config: Config) -> Any:
+    """`data.chat_template` resolved: a `.jinja` file, the built-in template, or
+    (`auto`) the tokenizer directory's template when it has one."""
+    name = config.data.chat_template
+    if name == "builtin":
+        return data_lib.BuiltinChatTemplate()
+    if name != "auto":
+        path = Path(name)
+        if not path.is_file() or path.suffix != ".jinja":
+            raise ConfigError(
+                f"`data.chat_template` names {name!r}, which is not a .jinja file. "
+                "Pass a .jinja file, 'builtin' or 'auto'."
+            )
+        return _template_from(path, "data.chat_template")
+    tokenizer = config.data.tokenizer
+    if tokenizer == "auto":
+        tokenizer = config.model.init_from or "byte"
+    if tokenizer == "byte":
+        return data_lib.BuiltinChatTemplate()
+    return _template_from(Path(tokenizer), "data.tokenizer")
+
+
+def _template_from(path: Path, key: str) -> Any:
+    try:
+        return data_lib.chat_template(path)
+    except data_lib.DataError as e:
+        raise ConfigError(f"the chat template of `{key}` ({path}): {e}") from None
 
 
 def _lora_spec(config: Config) -> lora_lib.LoRA:
@@ -284,37 +373,125 @@ def _documents(source: str, config: Config, split: str, key: str) -> list[str]:
     return data_lib.text_column(table, config.data.text_column, source=source)
 
 
+def num_rows(rows: Rows) -> int:
+    """Rows (or preference pairs) in `rows`."""
+    return len(next(iter(rows.values())))
+
+
 def train_rows(job: Job) -> Rows:
-    """The training rows (`tokens`, `targets`, `loss_mask`) of `data.train`;
-    fewer than one batch of them is an error saying how many there are."""
+    """The training rows of `data.train` (`tokens`, `targets`, `loss_mask`, ...;
+    pairs for preference tasks); fewer than one batch of them is an error saying
+    how many there are."""
     config = job.config
-    docs = _documents(config.data.train, config, "train", "data.train")
-    rows = data_lib.chunk_documents(docs, job.tokenizer, seq_len=config.data.seq_len)
-    n = len(rows["tokens"])
+    if config.task.kind == "lm":
+        docs = _documents(config.data.train, config, "train", "data.train")
+        rows = data_lib.chunk_documents(
+            docs, job.tokenizer, seq_len=config.data.seq_len
+        )
+    else:
+        rows = post_rows(job, config.data.train, "data.train")
+    n = num_rows(rows)
     if n < config.data.batch_size:
+        what = "pairs" if "chosen_tokens" in rows else "rows"
         raise ConfigError(
-            f"the training data has {n} rows of {config.data.seq_len} tokens, fewer "
-            f"than one batch (`data.batch_size` = {config.data.batch_size}). Lower "
-            "data.batch_size or data.seq_len, or add text."
+            f"the training data has {n} {what} of {config.data.seq_len} tokens, "
+            f"fewer than one batch (`data.batch_size` = {config.data.batch_size}). "
+            "Lower data.batch_size or data.seq_len, or add data."
         )
     return rows
+
+
+def post_rows(job: Job, source: str, key: str) -> Rows:
+    """The SFT or preference rows of the file `source` (the config key `key`);
+    skipped records are noted in `job.notes`."""
+    config = job.config
+    path = Path(source)
+    if not path.is_file() or path.suffix.lower() not in _RECORD_FILES:
+        what = "does not exist" if not path.exists() else "is not such a file"
+        raise ConfigError(
+            f"`{key}` names {source!r}, which {what}: task.kind = "
+            f"{config.task.kind!r} reads records from a "
+            f"{'/'.join(_RECORD_FILES)} file."
+        )
+    try:
+        records = data_lib.from_files(path)
+        fmt = config.data.format
+        if fmt == "auto":  # the columns say
+            fmt = data_lib.infer_format(records)
+        else:
+            _check_columns(records, fmt, key, source)
+        kind = config.task.kind
+        wanted = ("preference",) if kind in PREFERENCE_TASKS else _SFT_FORMATS
+        if fmt not in wanted:
+            raise ConfigError(
+                f"`{key}` ({source}) holds {fmt!r} data (from its columns), but "
+                f"task.kind = {kind!r} trains on {' or '.join(wanted)} data. Use "
+                "another file, or set data.format / task.kind."
+            )
+        settings = dict(
+            seq_len=config.data.seq_len,
+            template=job.template,
+            max_prompt_len=config.data.max_prompt_len,
+        )
+        if fmt == "preference":
+            rows, report = data_lib.preference_rows(records, job.tokenizer, **settings)
+        else:
+            rows, report = data_lib.sft_rows(
+                records, job.tokenizer, format=fmt, pack=config.data.pack, **settings
+            )
+    except data_lib.DataError as e:
+        raise ConfigError(f"`{key}` ({source}): {e}") from None
+    if report.skipped:
+        job.notes.append(f"{key} ({path.name}): {report}")
+    return rows
+
+
+_RECORD_FILES = (".jsonl", ".json", ".parquet", ".csv")
+_COLUMNS = {
+    "chat": ("messages",),
+    "prompt_completion": ("prompt", "completion"),
+    "preference": ("chosen", "rejected"),
+}
+
+
+def _check_columns(records: Any, fmt: str, key: str, source: str) -> None:
+    """An explicit `data.format` whose columns the file lacks is a config error
+    (not every row skipped as "missing")."""
+    have = list(getattr(records, "column_names", []) or [])
+    missing = [c for c in _COLUMNS.get(fmt, ()) if c not in have]
+    if missing:
+        raise ConfigError(
+            f"data.format = {fmt!r} reads the column(s) {list(_COLUMNS[fmt])}, but "
+            f"`{key}` ({source}) has {have}; it holds "
+            f"{data_lib.infer_format(records)!r} data. Set data.format to match "
+            "(or `auto`), or use another file."
+        )
+
+
+_SFT_FORMATS = ("chat", "prompt_completion")
 
 
 def eval_rows(job: Job) -> Rows | None:
     """The evaluation rows of `data.eval` (at most `data.eval_rows`), or None."""
     config = job.config
     source = config.data.eval
+    text = config.task.kind == "lm"
     if source == "auto":
-        source = "stdlib" if config.data.train == "stdlib" else "none"
+        source = "stdlib" if config.data.train == "stdlib" and text else "none"
     if source == "none" or config.loop.eval_every == 0 and not config.loop.eval_at_end:
         return None
-    docs = _documents(source, config, "eval", "data.eval")
-    rows = data_lib.chunk_documents(docs, job.tokenizer, seq_len=config.data.seq_len)
-    n = min(config.data.eval_rows, len(rows["tokens"]))
+    if text:
+        docs = _documents(source, config, "eval", "data.eval")
+        rows = data_lib.chunk_documents(
+            docs, job.tokenizer, seq_len=config.data.seq_len
+        )
+    else:
+        rows = post_rows(job, source, "data.eval")
+    n = min(config.data.eval_rows, num_rows(rows))
     n -= n % min(config.data.batch_size, n)  # whole batches: one compiled shape
     return {k: v[:n] for k, v in rows.items()}
 
 
 def eval_batch_size(rows: Rows, config: Config) -> int:
     """The eval batch: `data.batch_size`, or all rows when there are fewer."""
-    return min(config.data.batch_size, len(rows["tokens"]))
+    return min(config.data.batch_size, num_rows(rows))

@@ -18,6 +18,7 @@ def _activations(config: Config, job: _build.Job, parallel: int) -> int:
     device (f32 unless bf16 compute), for one micro-batch."""
     c, m = config, job.config.model
     micro = c.data.batch_size // c.optim.accumulate // parallel or 1
+    micro *= job.tokens_per_row // c.data.seq_len  # a preference row is a pair
     seq, hidden = c.data.seq_len, m.hidden_size
     inter = m.intermediate_size or 4 * hidden
     width = 2 if c.loop.precision == "bf16" else 4
@@ -63,6 +64,23 @@ def _lora_lines(job: _build.Job, abstract: Any) -> list[str]:
     ]
 
 
+def _unit(rows: Any) -> str:
+    return "pairs" if rows is not None and "chosen_tokens" in rows else "rows"
+
+
+def _task_lines(job: _build.Job) -> list[str]:
+    """The task line (post-training runs only) and what the data skipped."""
+    task = job.config.task
+    if task.kind == "lm":
+        return []
+    line = f"task         {task.kind}"
+    if job.reference is not None:
+        line += f", reference {job.reference}"
+    if job.template is not None:
+        line += f"; chat template {type(job.template).__name__}"
+    return [line, *(f"skipped      {note}" for note in job.notes)]
+
+
 def report(config: Config) -> str:
     """The dry-run report of `config` (nothing is trained, allocated or written)."""
     planned = _place.plan(config)
@@ -85,8 +103,11 @@ def report(config: Config) -> str:
         f"model        {job.model_type}, {num:,} parameters "
         f"({config.model.param_dtype})",
         *_lora_lines(job, abstract),
-        f"data         {len(rows['tokens']):,} train rows x {config.data.seq_len} "
-        f"tokens; {0 if eval_rows is None else len(eval_rows['tokens']):,} eval rows; "
+        *_task_lines(job),
+        f"data         {_build.num_rows(rows):,} train {_unit(rows)} x "
+        f"{config.data.seq_len} tokens; "
+        f"{0 if eval_rows is None else _build.num_rows(eval_rows):,} eval "
+        f"{_unit(eval_rows)}; "
         f"tokenizer {type(job.tokenizer).__name__} ({job.tokenizer.vocab_size} ids)",
         f"steps        {config.loop.steps} x batch {config.data.batch_size} "
         f"(accumulate {config.optim.accumulate}); optimizer {config.optim.name}, "

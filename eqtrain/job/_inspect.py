@@ -21,7 +21,7 @@ from ..config import (
     validate,
 )
 from ..plot import read_metrics
-from . import _build, _place
+from . import _build, _place, _reference
 from ._run import check_writable, evaluation, write_config
 
 
@@ -97,10 +97,18 @@ def evaluate_run(
             f"{config.data.eval!r}); pass one with --set data.eval=PATH."
         )
     placement = _place.placement(job)
+    if job.reference == "precomputed":  # the run's stored pass, or a new one
+        _reference.attach(
+            job, placement, {"eval": rows}, job.run_dir, writer=False, say=_quiet
+        )
     restored = _restore(Path(path), job, placement)
     loader, evaluator = evaluation(job, placement, rows)
     metrics = evaluate(restored.state, evaluator, loader)
     return {"step": restored.step, **metrics}
+
+
+def _quiet(text: str) -> None:
+    pass
 
 
 def export_run(
@@ -129,7 +137,7 @@ def export_run(
         raise ConfigError(
             f"the run at {path} keeps no EMA weights (loop.ema was unset); drop --ema."
         )
-    model = state.ema_model if ema else state.model
+    model = job.policy(state.ema_model if ema else state.model)
     if job.lora is not None and not merged:
         return Path(
             hf.export_adapter(
@@ -137,7 +145,7 @@ def export_run(
                 out_dir,
                 model_type=job.model_type,
                 spec=job.lora,
-                trained=state.trainable,
+                trained=job.policy(state.trainable),
                 overwrite=overwrite,
             )
         )

@@ -20,7 +20,7 @@ from .._loop import FitResult, fit
 from ..config import Config, to_dict, to_toml
 from ..data import Loader
 from ..step import eval_step, train_step
-from . import _build, _place, _preflight
+from . import _build, _place, _preflight, _reference
 
 
 @dataclasses.dataclass
@@ -102,6 +102,7 @@ def _hooks(job: _build.Job, run_dir: Path) -> list[Any]:
             tokenizer=job.tokenizer,
             model_type=job.model_type,
             which="ema" if export.ema else "model",
+            pick=job.policy,  # a preference run's state also holds its reference
         )
         if job.lora is not None:
             kwargs["spec"] = job.lora
@@ -183,11 +184,18 @@ class Prepared:
 
 
 def prepare(
-    config: Config, *, resume: str | None = None, overwrite: bool = False
+    config: Config,
+    *,
+    resume: str | None = None,
+    overwrite: bool = False,
+    echo: Callable[[str], None] | None = None,
 ) -> Prepared:
     """Assemble the run `config` describes, without training: check everything,
-    create the run directory, restore or initialise the state, compile nothing
-    yet. `run` is `prepare` followed by `eqtrain.fit`."""
+    create the run directory, restore or initialise the state (and for
+    `task.reference = "precomputed"`, compute or read the reference log-probs),
+    compile nothing yet. `run` is `prepare` followed by `eqtrain.fit`.
+    Progress notes go to `echo` (default: standard error)."""
+    say = echo or _stderr
     planned = _place.plan(config)
     job, placement = planned.job, planned.placement
     rows, eval_rows = planned.rows, planned.eval_rows
@@ -209,6 +217,11 @@ def prepare(
     loader = None
     try:
         check_kill_switch(config)
+        for note in job.notes:  # rows the data pipelines skipped
+            say(note)
+        if job.reference == "precomputed":
+            splits = {"train": rows, "eval": eval_rows}
+            _reference.attach(job, placement, splits, run_dir, writer=writer, say=say)
         data = config.data
         loader = Loader(
             rows,
@@ -254,6 +267,10 @@ def prepare(
         raise
     prepared.lock = lock
     return prepared
+
+
+def _stderr(text: str) -> None:
+    print(text, file=sys.stderr, flush=True)
 
 
 def check_kill_switch(config: Config) -> None:
@@ -332,7 +349,7 @@ def _assemble(
         kill_switch=None if loop.kill_switch is None else run_dir / loop.kill_switch,
         flops_per_token=job.flops_per_token(),
         peak_flops=_peak_flops(config, placement.mesh),
-        tokens_seen=(resumed or 0) * data.batch_size * data.seq_len,
+        tokens_seen=(resumed or 0) * data.batch_size * job.tokens_per_row,
     )
     return Prepared(
         job, placement, state, step, loader, fit_kwargs, resumed, start.source
@@ -384,8 +401,8 @@ def run(
         ConfigError: a bad config, missing files, an unwritable run directory,
             or a tokenizer that does not fit the model — all before compiling.
     """
-    say = echo or (lambda text: print(text, file=sys.stderr, flush=True))
-    prepared = prepare(config, resume=resume, overwrite=overwrite)
+    say = echo or _stderr
+    prepared = prepare(config, resume=resume, overwrite=overwrite, echo=say)
     config = prepared.job.config
     run_dir = Path(config.run_dir)
     done = prepared.resumed_from
