@@ -38,6 +38,7 @@ def test_overhead_quick():
     assert "warning" not in stderr  # same losses, a single trace
 
 
+@pytest.mark.slow  # the default suite's time: `nox -s slow`
 def test_models_quick():
     pytest.importorskip("torch")
     pytest.importorskip("transformers")
@@ -45,6 +46,7 @@ def test_models_quick():
     assert records[-1]["config"] == "quick" and records[-1]["ratio"] > 0
 
 
+@pytest.mark.slow  # the default suite's time: `nox -s slow`
 def test_lora_quick():
     (record,), _ = _quick("lora.py")
     assert record["config"] == "tiny"
@@ -53,6 +55,7 @@ def test_lora_quick():
     assert low <= record["step"] <= high
 
 
+@pytest.mark.slow  # the default suite's time: `nox -s slow`
 def test_preference_quick():
     (record,), _ = _quick("preference.py")
     assert record["config"] == "tiny" and record["rounds"] == 2

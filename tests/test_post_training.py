@@ -423,3 +423,129 @@ def test_cli_refuses_a_bad_task_with_one_line(files, tmp_path):
     assert proc.returncode == 2
     assert proc.stderr.startswith("error: ") and "Traceback" not in proc.stderr
     assert "chat" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_sft_then_dpo_from_an_hf_directory_keep_its_chat_template(tmp_path):
+    """`model.init_from` with a tokenizer and a Jinja chat template: the rows are
+    rendered with the model's template, and the exports carry it, so that
+    transformers' `apply_chat_template` on the fine-tuned model formats prompts
+    exactly as the training data was formatted."""
+    transformers = pytest.importorskip("transformers")
+    from .test_data_chat import CHATML, build_bpe
+
+    base = tmp_path / "base"
+    (tmp_path / "bpe").mkdir()
+    tok = data.HFTokenizer.from_file(
+        build_bpe(tmp_path / "bpe"), eos="<|im_end|>", pad="<pad>"
+    )
+    config = LlamaConfig(
+        vocab_size=400,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+    )
+    hf.export(Llama(config, jr.key(0)), config, base, tokenizer=tok, overwrite=True)
+    settings = json.loads((base / "tokenizer_config.json").read_text())
+    settings["chat_template"] = CHATML
+    (base / "tokenizer_config.json").write_text(json.dumps(settings))
+
+    chats = _write(tmp_path / "chat.jsonl", _chats(40))
+    sft = config_lib.load(
+        None,
+        [
+            o
+            for o in tiny(tmp_path / "sft", chats, "task.kind=sft")
+            if not o.startswith("model.")
+        ]
+        + [f"model.init_from={base}"],
+    )
+    built = _build.build(sft)
+    assert isinstance(built.template, data.JinjaChatTemplate)
+    run(sft)
+    out = tmp_path / "sft" / "run" / "hf"
+    assert (out / "chat_template.jinja").read_text() == CHATML
+    theirs = transformers.AutoTokenizer.from_pretrained(out)
+    messages = _chats(1)[0]["messages"]
+    ids = theirs.apply_chat_template(messages, tokenize=True)
+    ids = ids if isinstance(ids, list) else ids["input_ids"]
+    ours, _ = built.template.encode(messages, built.tokenizer)
+    assert list(map(int, ids)) == ours.tolist()
+    # DPO on the SFT model's export: its template again, and the policy exported
+    pairs = [
+        {
+            "prompt": [{"role": "user", "content": r["prompt"]}],
+            "chosen": [{"role": "assistant", "content": r["chosen"]}],
+            "rejected": [{"role": "assistant", "content": r["rejected"]}],
+        }
+        for r in _pairs(16)
+    ]
+    dpo = config_lib.load(
+        None,
+        [
+            o
+            for o in tiny(tmp_path / "dpo", _write(tmp_path / "p.jsonl", pairs))
+            if not o.startswith("model.")
+        ]
+        + [f"model.init_from={out}", "task.kind=dpo", "loop.steps=1"],
+    )
+    result = run(dpo)
+    assert result.fit.history[0]["loss"] == pytest.approx(LOG2, abs=1e-6)
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "dpo/run/hf")
+    assert model.config.vocab_size == 400
+    assert (tmp_path / "dpo" / "run" / "hf" / "chat_template.jinja").exists()
+
+
+def test_precomputed_reference_survives_a_kill_and_resume(files, tmp_path):
+    """`eqtrain fit` with a precomputed reference, SIGKILLed after its reference
+    file and a checkpoint are written, then run again: the stored log-probs are
+    read back (not recomputed) and the run ends with the same weights as one
+    that was never interrupted."""
+    import os
+    import signal
+    import subprocess
+    import time
+
+    from safetensors.numpy import load_file
+
+    from .test_cli import EQTRAIN
+
+    def args(run_dir):
+        sets = tiny(tmp_path, files["pairs"], "task.kind=dpo", "loop.steps=12")
+        sets = [s for s in sets if not s.startswith(("run_dir", "log.progress"))]
+        sets += ["task.reference=precomputed", "log.progress=lines"]
+        sets += ["checkpoint.every=3", "checkpoint.async_save=false"]
+        return [
+            *EQTRAIN,
+            "fit",
+            "--run-dir",
+            str(run_dir),
+            *[x for s in sets for x in ("--set", s)],
+        ]
+
+    straight = subprocess.run(
+        args(tmp_path / "straight"), capture_output=True, text=True, timeout=240
+    )
+    assert straight.returncode == 0, straight.stderr[-2000:]
+    killed = tmp_path / "killed"
+    proc = subprocess.Popen(
+        args(killed), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+    )
+    deadline = time.monotonic() + 180
+    while not (killed / "checkpoints" / "6").exists():
+        assert proc.poll() is None and time.monotonic() < deadline, "no checkpoint"
+        time.sleep(0.05)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=30)
+    assert proc.returncode == -signal.SIGKILL
+    assert "computing the reference" in proc.stderr.read()
+    again = subprocess.run(args(killed), capture_output=True, text=True, timeout=240)
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert "resumed from" in again.stderr
+    assert "computing the reference" not in again.stderr
+    ours = load_file(killed / "hf" / "model.safetensors")
+    theirs = load_file(tmp_path / "straight" / "hf" / "model.safetensors")
+    for name, value in theirs.items():
+        np.testing.assert_array_equal(ours[name], value)

@@ -242,3 +242,21 @@ def test_loss_fn_refuses_a_reference_it_cannot_have():
         plain, toy_pairs(2), None
     )
     assert np.isfinite(float(loss))
+
+
+def test_the_reference_copy_is_an_input_of_the_compiled_step_not_a_constant():
+    """A new reference under the same compiled step changes the loss with no
+    retrace: the reference's arrays are arguments of the jitted step."""
+    loss_fn = preference.preference_loss_fn("dpo", reference="copy")
+    step = eqtrain.jit(eqtrain.train_step(loss_fn, optax.sgd(0.0)))
+    batch = toy_pairs(4)
+    _, first = step(state_for("copy"), batch)
+    other = state_for("copy")
+    moved = jax.tree.map(
+        lambda x: x * 1.5 if eqx.is_inexact_array(x) else x, other.model.reference
+    )
+    other = eqx.tree_at(lambda s: s.model.reference, other, moved)
+    _, second = step(other, batch)
+    assert float(first["loss"]) == pytest.approx(np.log(2.0), abs=1e-6)
+    assert abs(float(second["loss"]) - np.log(2.0)) > 1e-3
+    assert step.num_traces == 1

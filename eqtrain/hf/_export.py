@@ -35,6 +35,7 @@ def export(
     bos_token_id: int | None = None,
     eos_token_id: int | None = None,
     model_type: str | None = None,
+    chat_template: str | None = None,
     overwrite: bool = False,
 ) -> str:
     """Write `model` as a Hugging Face checkpoint directory that
@@ -57,6 +58,11 @@ def export(
             `o_proj_bias=False` is `qwen2`, else with a `sliding_window`
             `mistral`, else `llama`. A type that cannot express the config (e.g.
             Mistral with biases) raises `ConfigError`.
+        chat_template: a Jinja chat template (e.g. the one a fine-tuning run
+            rendered its data with) written with an `HFTokenizer`'s files: as
+            `chat_template.jinja` (transformers 5) and in `tokenizer_config.json`
+            (transformers 4), so that `apply_chat_template` formats prompts as
+            the model was trained.
         overwrite: replace an existing export at `out_dir`.
 
     Returns:
@@ -86,7 +92,7 @@ def export(
             _write_json(os.path.join(tmp, name), content)
         _write_weights(tmp, tensors, limit)
         if tokenizer is not None and hasattr(tokenizer, "_tok"):
-            _write_tokenizer(tmp, tokenizer)
+            _write_tokenizer(tmp, tokenizer, chat_template)
     return out_dir
 
 
@@ -172,8 +178,11 @@ def _write_weights(directory: str, tensors: dict[str, np.ndarray], limit: int) -
     _write_json(os.path.join(directory, INDEX_NAME), index)
 
 
-def _write_tokenizer(directory: str, tokenizer: Any) -> None:
-    """tokenizer.json and a `tokenizer_config.json` for `PreTrainedTokenizerFast`."""
+def _write_tokenizer(
+    directory: str, tokenizer: Any, chat_template: str | None = None
+) -> None:
+    """tokenizer.json and a `tokenizer_config.json` for `PreTrainedTokenizerFast`
+    (and `chat_template.jinja`, when there is a template)."""
     tok = tokenizer._tok
     tok.save(os.path.join(directory, "tokenizer.json"))
     names = {}
@@ -182,6 +191,11 @@ def _write_tokenizer(directory: str, tokenizer: Any) -> None:
         if token_id is not None:
             names[f"{kind}_token"] = tok.id_to_token(token_id)
     config = {"tokenizer_class": "PreTrainedTokenizerFast", **names}
+    if chat_template is not None:
+        config["chat_template"] = chat_template
+        path = os.path.join(directory, "chat_template.jinja")
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(chat_template)
     _write_json(os.path.join(directory, "tokenizer_config.json"), config)
 
 

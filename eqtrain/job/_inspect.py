@@ -160,6 +160,7 @@ def export_run(
             max_shard_size=config.export.max_shard_size,
             tokenizer=job.tokenizer,
             model_type=job.model_type,
+            chat_template=getattr(job.template, "source", None),
             overwrite=overwrite,
         )
     )

@@ -104,6 +104,9 @@ def _hooks(job: _build.Job, run_dir: Path) -> list[Any]:
             which="ema" if export.ema else "model",
             pick=job.policy,  # a preference run's state also holds its reference
         )
+        template = getattr(job.template, "source", None)  # a Jinja chat template
+        if template is not None:
+            kwargs["chat_template"] = template
         if job.lora is not None:
             kwargs["spec"] = job.lora
         for form, target in _preflight.export_targets(config, run_dir).items():
