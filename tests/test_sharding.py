@@ -450,6 +450,7 @@ def test_batch_arrays_are_split():
     assert {s.data.shape for s in batch.addressable_shards} == {(2, 16)}
 
 
+@pytest.mark.slow  # the default suite's time: `nox -s slow`
 def test_mesh_benchmark_quick(capsys):
     """`benchmarks/mesh.py --quick` runs (in this process: it has the 8 devices)."""
     path = Path(__file__).parent.parent / "benchmarks" / "mesh.py"

@@ -209,6 +209,12 @@ def prepare(
             'would need every process\'s shards); set export.hf = "" and export '
             "the checkpoint afterwards with `eqtrain export RUN_DIR OUT`."
         )
+    if jax.process_count() > 1 and job.reference == "precomputed":
+        raise ConfigError(
+            "task.reference = 'precomputed' is not supported in a multi-process run "
+            "yet (its pass runs in one process); use task.reference = 'copy', or "
+            "'adapters_off' with [lora]."
+        )
     run_dir = Path(config.run_dir)
     writer = jax.process_index() == 0
     check_checkpoint_path(run_dir)
