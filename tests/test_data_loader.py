@@ -271,3 +271,18 @@ def test_a_dataset_or_a_list_of_examples_with_a_transform():
         transform=lambda ex: {"n": np.array([len(t) for t in ex])},
     )
     assert [b["n"].tolist() for b in loader] == [[9, 9, 9], [9, 9, 9]]
+
+
+def test_add_columns_keeps_the_position_and_checks_lengths():
+    rows = {"x": np.arange(12).reshape(6, 2)}
+    loader = Loader(rows, 2, seed=0)
+    it = iter(loader)
+    next(it)
+    loader.add_columns({"y": np.arange(6) * 10})
+    batch = next(iter(loader))
+    assert loader.position == {"epoch": 0, "index": 2}
+    np.testing.assert_array_equal(batch["y"], batch["x"][:, 0] * 5)
+    with pytest.raises(ConfigError, match="one entry per row"):
+        loader.add_columns({"z": np.zeros(5)})
+    with pytest.raises(ConfigError, match="already has"):
+        loader.add_columns({"y": np.zeros(6)})

@@ -220,8 +220,8 @@ def test_a_killed_reference_pass_continues_from_its_parts(files, tmp_path, monke
     assert [p.name for p in (tmp_path / "run" / "reference").iterdir()] == [
         "train.safetensors"
     ]
-    rows = prepared.loader.peek()
-    assert {"reference_chosen", "reference_rejected"} <= set(rows)
+    batch = prepared.loader.peek()
+    assert {"reference_chosen", "reference_rejected"} <= set(batch)
 
 
 def test_orpo_and_simpo_need_no_reference(files, tmp_path):
@@ -387,6 +387,10 @@ def test_bad_data_files_fail_before_compiling(files, tmp_path):
         job.report(load(tmp_path, files["chat"], "task.kind=dpo"))
     with pytest.raises(ConfigError, match="reads records from"):
         job.report(load(tmp_path, tmp_path, "task.kind=sft"))
+    broken = tmp_path / "broken.jsonl"
+    broken.write_text(files["pairs"].read_text()[:500] + '\n{"prompt": "x", \n')
+    with pytest.raises(ConfigError, match=r"first bad line is \S*broken.jsonl:\d+"):
+        job.report(load(tmp_path, broken, "task.kind=dpo"))
     bad = _write(
         tmp_path / "bad.jsonl",
         [{"prompt": "p", "chosen": "same", "rejected": "same"}] * 9
@@ -549,3 +553,18 @@ def test_precomputed_reference_survives_a_kill_and_resume(files, tmp_path):
     theirs = load_file(tmp_path / "straight" / "hf" / "model.safetensors")
     for name, value in theirs.items():
         np.testing.assert_array_equal(ours[name], value)
+
+
+def test_changing_the_reference_layout_of_a_run_is_refused_before_work(files, tmp_path):
+    """A run trained with a reference copy in its state cannot resume without
+    one (or the reverse): one sentence, nothing computed, nothing touched."""
+    first = load(tmp_path, files["pairs"], "task.kind=dpo", "loop.steps=1")
+    run(first)
+    steps = sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir())
+    changed = load(
+        tmp_path, files["pairs"], "task.kind=dpo", "task.reference=precomputed"
+    )
+    with pytest.raises(ConfigError, match="task.reference = 'copy'.*new run dir"):
+        run(changed)
+    assert not (tmp_path / "run" / "reference").exists()
+    assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == steps

@@ -294,13 +294,20 @@ def _format_info(data: dict[str, Any]) -> str:
             f"lora:         rank {adapters.get('rank') or '(from adapter_from)'}, "
             "adapters only (the base stays frozen)",
         )
+    task = data["config"].get("task") or {}
+    if task.get("kind", "lm") != "lm":
+        reference = task.get("reference")
+        with_ref = task["kind"] in ("dpo", "ipo") and reference
+        lines.insert(
+            2,
+            f"task:         {task['kind']}"
+            + (f" (reference: {reference})" if with_ref else ""),
+        )
     last = data["last_metrics"]
     if last:
-        shown = {
-            k: v
-            for k, v in last.items()
-            if k in ("step", "loss", "eval/loss", "eval/accuracy", "stop_reason")
-        }
+        names = ("step", "loss", "eval/loss", "eval/accuracy")
+        names += ("eval/rewards/accuracies", "stop_reason")
+        shown = {k: v for k, v in last.items() if k in names}
         lines.append(f"last logged:  {json.dumps(shown)}")
     lines.append(f"checkpoints:  {len(data['checkpoints'])}")
     for c in data["checkpoints"]:

@@ -224,6 +224,33 @@ class Loader:
             )
         return (epoch + 1, 0) if index == self.num_batches else (epoch, index)
 
+    def add_columns(self, columns: Mapping[str, Any]) -> None:
+        """Add per-row arrays to a loader over a dict of arrays (e.g. values
+        computed from the rows once, such as a reference model's log-probs); the
+        position is kept, and the next iterator's batches carry them.
+
+        Raises:
+            ConfigError: the loader is not over a dict of arrays, a name is
+                taken, or an array's leading length is not the number of rows.
+        """
+        table = self._table
+        if table.kind != "arrays":
+            raise ConfigError(
+                "`add_columns` needs a loader over a dict of arrays; this one reads "
+                f"a {table.kind}."
+            )
+        for name, value in columns.items():
+            array = np.asarray(value)
+            if name in table.data:
+                raise ConfigError(f"the loader already has a column {name!r}.")
+            if array.ndim == 0 or array.shape[0] != table.num_rows:
+                raise ConfigError(
+                    f"column {name!r} has shape {array.shape}; it needs one entry "
+                    f"per row ({table.num_rows} rows)."
+                )
+            table.data[name] = array
+        self._supersede()
+
     def __len__(self) -> int:
         """Batches per epoch (per pass for an eval loader)."""
         return self.num_batches

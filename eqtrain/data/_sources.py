@@ -78,15 +78,15 @@ def from_files(
         )
     except (ValueError, TypeError, KeyError, OSError, StopIteration) as error:
         raise DataError(
-            f"could not read {files} as {format!r}: {error}. Check the files' "
-            "contents and `format=`."
+            f"could not read {files} as {format!r}: {error}.{_bad_line(files, format)} "
+            "Check the files' contents and `format=`."
         ) from error
     except Exception as error:  # datasets wraps parse errors in DatasetGenerationError
         if type(error).__name__ != "DatasetGenerationError":
             raise
         raise DataError(
-            f"could not read {files} as {format!r}: {error.__cause__ or error}. "
-            "Check the files' contents and `format=`."
+            f"could not read {files} as {format!r}: {error.__cause__ or error}."
+            f"{_bad_line(files, format)} Check the files' contents and `format=`."
         ) from error
     finally:
         if not quiet:
@@ -96,6 +96,30 @@ def from_files(
             f"the files {files} hold no rows. Point `from_files` at non-empty files."
         )
     return dataset
+
+
+def _bad_line(files: list[str], format: str) -> str:
+    """` The first bad line is <file>:<n>.` for a JSON Lines file with a line
+    that does not parse as JSON (datasets reports a byte position only)."""
+    if format != "json":
+        return ""
+    import json
+
+    for path in files:
+        try:
+            with open(path, encoding="utf-8") as f:
+                first = f.read(1)
+                if first in ("[", "{") and not path.endswith(".jsonl"):
+                    continue  # one JSON document, not JSON Lines
+                f.seek(0)
+                for n, line in enumerate(f, start=1):
+                    if line.strip():
+                        json.loads(line)
+        except json.JSONDecodeError as e:
+            return f" The first bad line is {path}:{n} ({e.msg})."
+        except (OSError, UnicodeDecodeError):
+            return ""
+    return ""
 
 
 def _infer_format(files: list[str]) -> str:

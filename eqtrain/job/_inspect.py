@@ -98,9 +98,10 @@ def evaluate_run(
         )
     placement = _place.placement(job)
     if job.reference == "precomputed":  # the run's stored pass, or a new one
-        _reference.attach(
+        values = _reference.attach(
             job, placement, {"eval": rows}, job.run_dir, writer=False, say=_quiet
         )
+        rows = {**rows, **values["eval"]}
     restored = _restore(Path(path), job, placement)
     loader, evaluator = evaluation(job, placement, rows)
     metrics = evaluate(restored.state, evaluator, loader)

@@ -85,12 +85,15 @@ def attach(
     *,
     writer: bool,
     say: Callable[[str], None],
-) -> None:
-    """Add `reference_chosen` / `reference_rejected` to each split's rows (in
-    place), reading `<run_dir>/reference/<split>.safetensors` when it matches the
-    rows and the initial model, else computing and writing it."""
+    initial: Any = None,
+) -> dict[str, Rows]:
+    """The `reference_chosen` / `reference_rejected` columns of each split's
+    rows: `<run_dir>/reference/<split>.safetensors` when it matches the rows and
+    the initial model, else computed (with `initial`, the run's initial model on
+    the mesh, when the caller has it; else rebuilt) and written."""
     model_id = identity(job)
-    model = None
+    model = initial
+    out = {}
     for name, rows in splits.items():
         if rows is None:
             continue
@@ -101,7 +104,8 @@ def attach(
             if model is None:
                 model = _initial_model(job, placement)
             values = _compute(model, rows, job, placement, path, key, writer, say)
-        rows.update(values)
+        out[name] = values
+    return out
 
 
 def _initial_model(job: _build.Job, placement: Any) -> Any:

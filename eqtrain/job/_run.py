@@ -17,7 +17,7 @@ from .._errors import ConfigError
 from .._hooks import StopKind, StopReason, at_end, every
 from .._jit import jit
 from .._loop import FitResult, fit
-from ..config import Config, to_dict, to_toml
+from ..config import Config, from_dict, read_toml, reference_mode, to_dict, to_toml
 from ..data import Loader
 from ..step import eval_step, train_step
 from . import _build, _place, _preflight, _reference
@@ -228,9 +228,7 @@ def prepare(
         check_kill_switch(config)
         for note in job.notes:  # rows the data pipelines skipped
             say(note)
-        if job.reference == "precomputed":
-            splits = {"train": rows, "eval": eval_rows}
-            _reference.attach(job, placement, splits, run_dir, writer=writer, say=say)
+        check_same_state_layout(config, run_dir, resume or config.checkpoint.resume)
         data = config.data
         loader = Loader(
             rows,
@@ -252,6 +250,15 @@ def prepare(
             base=base,
         )
         state, resumed = start.state, start.step
+        if job.reference == "precomputed":  # the reference's log-probs, per pair
+            splits = {"train": rows, "eval": eval_rows}
+            initial = state.model if resumed is None else None  # fresh: step 0
+            values = _reference.attach(
+                job, placement, splits, run_dir, writer=writer, say=say, initial=initial
+            )
+            loader.add_columns(values["train"])
+            if eval_rows is not None:
+                eval_rows = {**eval_rows, **values["eval"]}
         # Only once the restore succeeded: a refused resume leaves the config
         # that the checkpoints were written with.
         if writer:
@@ -280,6 +287,32 @@ def prepare(
 
 def _stderr(text: str) -> None:
     print(text, file=sys.stderr, flush=True)
+
+
+def check_same_state_layout(config: Config, run_dir: Path, resume: str) -> None:
+    """Refuse to resume a run whose checkpoints hold a reference copy (DPO/IPO
+    with `task.reference = "copy"`) with a config that has none, or the
+    reverse: the state would not match its checkpoints."""
+    recorded = run_dir / "config.toml"
+    if resume != "auto" or not recorded.is_file():
+        return
+    if not checkpoint.list_steps(run_dir):
+        return
+    try:
+        before = from_dict(read_toml(recorded), source=str(recorded))
+    except ConfigError:
+        return  # an unreadable config.toml: the restore itself reports the state
+    was, now = reference_mode(before), reference_mode(config)
+    if (was == "copy") == (now == "copy"):
+        return
+    raise ConfigError(
+        f"the run in {run_dir} was trained with task.kind = {before.task.kind!r}, "
+        f"task.reference = {was or 'none'!r}, and this config asks for "
+        f"task.kind = {config.task.kind!r}, task.reference = {now or 'none'!r}: "
+        "only a 'copy' reference is part of the saved state, so its checkpoints "
+        f"cannot continue this way. Keep task.reference = {was or 'none'!r} (or "
+        "the task) to resume, or start a new run directory."
+    )
 
 
 def check_kill_switch(config: Config) -> None:
