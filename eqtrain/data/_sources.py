@@ -106,17 +106,17 @@ def _bad_line(files: list[str], format: str) -> str:
     import json
 
     for path in files:
+        if not path.endswith(".jsonl"):
+            continue  # maybe one JSON document, not JSON Lines
+        number = 0
         try:
             with open(path, encoding="utf-8") as f:
-                first = f.read(1)
-                if first in ("[", "{") and not path.endswith(".jsonl"):
-                    continue  # one JSON document, not JSON Lines
-                f.seek(0)
-                for n, line in enumerate(f, start=1):
+                for line in f:
+                    number += 1
                     if line.strip():
                         json.loads(line)
         except json.JSONDecodeError as e:
-            return f" The first bad line is {path}:{n} ({e.msg})."
+            return f" The first bad line is {path}:{number} ({e.msg})."
         except (OSError, UnicodeDecodeError):
             return ""
     return ""
