@@ -115,6 +115,8 @@ class Checkpointer:
             (and optimizer state, step, key, data position) plus this reference;
             `restore`/`resume_run` rebuild the frozen leaves with `init` and
             refuse a base whose hash changed.
+        extra: more JSON-able entries for every manifest (e.g. the architecture
+            of a run started from a Hugging Face directory), under their names.
 
     Raises `CheckpointError` if the directory holds steps of another run (with
     `run_id`), and on the first save if it holds a later step, or the same step
@@ -143,6 +145,7 @@ class Checkpointer:
         run_id: str | None = None,
         started_from: str | None = None,
         base: Mapping[str, Any] | None = None,
+        extra: Mapping[str, Any] | None = None,
     ):
         if base is not None and "sha256" not in base:
             raise ConfigError(
@@ -150,6 +153,7 @@ class Checkpointer:
                 f"'sha256'; got {base!r}."
             )
         self.base = None if base is None else dict(base)
+        self.extra = dict(extra or {})
         self.policy = Policy(
             every_steps=every_steps,
             every_minutes=every_minutes,
@@ -238,6 +242,7 @@ class Checkpointer:
             stop_reason=info.stop_reason,
             final=final,
             base=self.base,
+            extra=self.extra,
         )
         manager.save(
             step,

@@ -91,6 +91,7 @@ def build(
     checksums: dict[str, str],
     started_from: str | None = None,
     base: Mapping[str, Any] | None = None,
+    extra: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     out = {
         "format": FORMAT,
@@ -120,4 +121,8 @@ def build(
     if base is not None:
         # Only the trained leaves are stored; the frozen ones are this base's.
         out["base"] = jsonable(dict(base))
+    for name, value in (extra or {}).items():
+        if name in out:
+            raise ValueError(f"manifest entry {name!r} is eqtrain's own")
+        out[name] = jsonable(value)
     return out

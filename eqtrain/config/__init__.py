@@ -34,6 +34,7 @@ from ._schema import (
 from ._toml import to_dict as to_dict, to_toml as to_toml, toml_value as toml_value
 from ._units import parse_size as parse_size
 from ._validate import (
+    ARCH_KEYS as ARCH_KEYS,
     data_format as data_format,
     eval_metrics as eval_metrics,
     lora_on as lora_on,

@@ -333,7 +333,8 @@ class LogConfig:
     progress: str = setting(
         "auto",
         "`bar`: a live progress bar; `lines`: a line per log step; `none`; "
-        "`auto`: a bar on a terminal, else lines.",
+        "`auto`: a bar on a terminal, else a line about every 5% of the run and "
+        "at evaluations (every log.every steps when that key is set).",
         choices=("auto", "bar", "lines", "none"),
     )
     tensorboard: bool = setting(

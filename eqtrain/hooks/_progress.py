@@ -11,8 +11,9 @@ class ProgressBar:
     """A `rich` progress bar: step, loss, tokens/s, MFU, elapsed and ETA.
 
     When the output is not a terminal (a log file, CI), it degrades to a plain
-    line every `plain_every` steps (default: about every 5% of the run), so logs
-    stay readable.
+    line every `plain_every` steps (default: about every 5% of the run), at the
+    steps that report evaluation metrics and at the last step, so logs stay
+    readable.
 
     Args:
         plain_every: period of the plain lines when not on a terminal.
@@ -89,7 +90,8 @@ class ProgressBar:
         if self._plain:
             every = self.plain_every or max(1, info.num_steps // 20)
             final = info.stop_reason is not None or info.step >= info.num_steps
-            if info.step % every == 0 or final:
+            evaluated = any(k.startswith("eval/") for k in info.metrics)
+            if info.step % every == 0 or final or evaluated:
                 eta = ""
                 if info.step and info.elapsed and info.num_steps > info.step:
                     left = (info.num_steps - info.step) * info.elapsed / info.step

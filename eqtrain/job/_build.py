@@ -150,6 +150,13 @@ class Job:
             return None
         init_from = self.config.model.init_from
         if init_from is not None:
+            if not (Path(init_from) / "config.json").is_file():
+                raise ConfigError(
+                    f"this LoRA run's frozen base, model.init_from = {init_from!r}, "
+                    "is gone (no config.json there): its checkpoints hold only the "
+                    "adapters. Put the base back there, or pass its new place with "
+                    "--set model.init_from=PATH (its content is checked)."
+                )
             return hf.content_hash(init_from)
         import hashlib
 
@@ -174,12 +181,23 @@ class Job:
 ADAPTER_SEED = 0x10A  # folded into the run's seed for the adapters' initial values
 
 
-def build(config: Config) -> Job:
+def build(config: Config, *, recorded: Path | None = None) -> Job:
     """The `Job` of `config`: reads the tokenizer and `model.init_from`'s
     config.json, checks that they agree, builds the optimizer, and checks the
-    LoRA settings against the model (abstractly: nothing is allocated)."""
-    tokenizer = make_tokenizer(config)
-    config, model_config, model_type = _model_config(config, tokenizer)
+    LoRA settings against the model (abstractly: nothing is allocated).
+
+    `recorded`: a run's copy of `model.init_from`'s config and tokenizer files
+    (`<run_dir>/init_from`, see `record_init_from`), read instead of the
+    directory itself: an existing run's architecture is the one it was trained
+    with, and the base directory may be gone (its weights are still needed to
+    start a run, and by a LoRA run's frozen base)."""
+    if recorded is not None and (
+        config.model.init_from is None or not (recorded / "config.json").is_file()
+    ):
+        recorded = None
+    source = config.model.init_from if recorded is None else str(recorded)
+    tokenizer = make_tokenizer(config, source)
+    config, model_config, model_type = _model_config(config, tokenizer, source)
     opt_fields = dataclasses.asdict(config.optim.resolved(config.loop.steps))
     opt_fields.pop("accumulate")
     optimizer = optim.build(**opt_fields, total_steps=config.loop.steps)
@@ -187,7 +205,7 @@ def build(config: Config) -> Job:
     job.reference = reference_mode(config)
     job.loss_fn = task_loss(config, job.reference)
     if config.task.kind != "lm":
-        job.template = _chat_template(config)
+        job.template = _chat_template(config, source)
     if lora_on(config):
         job.lora = _lora_spec(config)
         try:
@@ -216,7 +234,7 @@ def task_loss(config: Config, reference: str | None) -> Callable[..., Any]:
         raise ConfigError(f"[task]: {e}") from None
 
 
-def _chat_template(config: Config) -> Any:
+def _chat_template(config: Config, init_from: str | None) -> Any:
     """`data.chat_template` resolved: a `.jinja` file, the built-in template, or
     (`auto`) the tokenizer directory's template when it has one."""
     name = config.data.chat_template
@@ -232,7 +250,7 @@ def _chat_template(config: Config) -> Any:
         return _template_from(path, "data.chat_template")
     tokenizer = config.data.tokenizer
     if tokenizer == "auto":
-        tokenizer = config.model.init_from or "byte"
+        tokenizer = init_from or "byte"
     if tokenizer == "byte":
         return data_lib.BuiltinChatTemplate()
     return _template_from(Path(tokenizer), "data.tokenizer")
@@ -273,11 +291,12 @@ def _lora_spec(config: Config) -> lora_lib.LoRA:
 
 
 # -- tokenizer ------------------------------------------------------------------
-def make_tokenizer(config: Config) -> Any:
-    """The tokenizer `data.tokenizer` names."""
+def make_tokenizer(config: Config, init_from: str | None = None) -> Any:
+    """The tokenizer `data.tokenizer` names (`auto`: the one in `init_from`, by
+    default `model.init_from`)."""
     name = config.data.tokenizer
     if name == "auto":
-        init_from = config.model.init_from
+        init_from = init_from or config.model.init_from
         name = hf.tokenizer_for(init_from) if init_from else "byte"
     if name == "byte":
         return data_lib.ByteTokenizer()
@@ -293,10 +312,12 @@ def make_tokenizer(config: Config) -> Any:
 
 
 # -- model ------------------------------------------------------------------------
-def _model_config(config: Config, tokenizer: Any) -> tuple[Config, Any, str]:
+def _model_config(
+    config: Config, tokenizer: Any, source: str | None
+) -> tuple[Config, Any, str]:
     m = config.model
     if m.init_from is not None:
-        model_config, hf_type = hf.load_config(m.init_from, dtype=m.param_dtype)
+        model_config, hf_type = hf.load_config(source, dtype=m.param_dtype)
         model_type = hf.infer_model_type(model_config, hf_type)
         config = dataclasses.replace(
             config, model=model_section(model_config, model_type, base=m)
@@ -495,3 +516,67 @@ def eval_rows(job: Job) -> Rows | None:
 def eval_batch_size(rows: Rows, config: Config) -> int:
     """The eval batch: `data.batch_size`, or all rows when there are fewer."""
     return min(config.data.batch_size, num_rows(rows))
+
+
+# -- a run's record of model.init_from ------------------------------------------------
+RECORD = "init_from"
+"""`<run_dir>/init_from/`: the config and tokenizer files of `model.init_from`
+(no weights), so that the run's architecture and tokenizer never depend on that
+directory staying where it was."""
+RECORD_FILES = (
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+)
+
+
+def record_init_from(config: Config, run_dir: Path) -> dict[str, Any] | None:
+    """Copy `model.init_from`'s config and tokenizer files into
+    `<run_dir>/init_from/` (replacing an older copy whole, atomically) and
+    return the manifest entry of the architecture (its config.json); None
+    without `init_from`."""
+    import json
+    import os
+    import shutil
+    import tempfile
+
+    init_from = config.model.init_from
+    if init_from is None:
+        return None
+    source = Path(init_from)
+    target = run_dir / RECORD
+    tmp = Path(tempfile.mkdtemp(prefix=".init_from-", dir=run_dir))
+    try:
+        for name in RECORD_FILES:
+            if (source / name).is_file():
+                shutil.copy2(source / name, tmp / name)
+        old = run_dir / ".init_from.old"
+        shutil.rmtree(old, ignore_errors=True)
+        if target.exists():
+            os.replace(target, old)
+        os.replace(tmp, target)
+        shutil.rmtree(old, ignore_errors=True)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    with open(target / "config.json", encoding="utf-8") as f:
+        return {"path": str(source.resolve()), "config": json.load(f)}
+
+
+def recorded_init_from(run_dir: Path, manifest: dict[str, Any] | None) -> Path | None:
+    """A run's record of `model.init_from` (`<run_dir>/init_from`), or, for a
+    checkpoint without its run directory, one made from its manifest's
+    architecture entry (config.json only) in a temporary directory; None."""
+    import json
+    import tempfile
+
+    if (run_dir / RECORD / "config.json").is_file():
+        return run_dir / RECORD
+    entry = (manifest or {}).get(RECORD)
+    if not entry or "config" not in entry:
+        return None
+    tmp = Path(tempfile.mkdtemp(prefix="eqtrain-init_from-"))
+    (tmp / "config.json").write_text(json.dumps(entry["config"]), encoding="utf-8")
+    return tmp

@@ -13,6 +13,7 @@ from .._errors import ConfigError
 from .._hooks import StepInfo
 from .._loop import evaluate
 from ..config import (
+    ARCH_KEYS,
     Config,
     apply_overrides,
     from_dict,
@@ -60,6 +61,11 @@ def open_run(path: str | os.PathLike[str], overrides: Iterable[str] = ()) -> Con
         if recorded is None and not has_config:
             raise ConfigError(f"the checkpoint at {p} records no config.")
     if recorded:
+        model = recorded.get("model") or {}
+        if model.get("init_from"):  # the architecture is the directory's (or the
+            # run's record of it): the manifest's resolved copy is not a setting
+            model = {k: v for k, v in model.items() if k not in ARCH_KEYS}
+            recorded = {**recorded, "model": model}
         config = from_dict(recorded, source=f"the manifest of {p}")
     else:
         config = from_dict(read_toml(run_dir / "config.toml"), source=str(run_dir))
@@ -89,7 +95,7 @@ def evaluate_run(
     """Evaluate a run's latest checkpoint (or the given step directory) on its
     configured eval data. Returns `{"step": k, "eval/loss": ..., ...}`."""
     config = open_run(path, overrides)
-    job = _build.build(config)
+    job = _open_job(path, config)
     rows = _build.eval_rows(job)
     if rows is None:
         raise ConfigError(
@@ -126,7 +132,7 @@ def export_run(
     format to `out_dir`. A LoRA run's export is its adapter in PEFT's format, or
     with `merged` the full model with the adapters folded in."""
     config = open_run(path, overrides)
-    job = _build.build(config)
+    job = _open_job(path, config)
     if merged and job.lora is None:
         raise ConfigError(
             f"--merged merges LoRA adapters, but the run at {path} trains no "
@@ -255,7 +261,7 @@ def run_info(path: str | os.PathLike[str]) -> dict[str, Any]:
             }
         )
     last = _last_metrics(run_dir)
-    config = _with_architecture(config)
+    config = _with_architecture(config, _record_of(p))
     export = None
     if config.export.hf is not None and (run_dir / config.export.hf).exists():
         export = str(run_dir / config.export.hf)
@@ -272,14 +278,34 @@ def run_info(path: str | os.PathLike[str]) -> dict[str, Any]:
     }
 
 
-def _with_architecture(config: Config) -> Config:
+def _open_job(path: str | os.PathLike[str], config: Config) -> _build.Job:
+    """The job of an existing run, built with the run's own record of
+    `model.init_from`'s architecture and tokenizer (so that a moved or deleted
+    base directory does not matter; a LoRA run still needs its base's weights)."""
+    return _build.build(config, recorded=_record_of(Path(path)))
+
+
+def _record_of(path: Path) -> Path | None:
+    run_dir = _run_dir_of(path)
+    manifest = None
+    if not (run_dir / _build.RECORD / "config.json").is_file():
+        try:
+            manifest = checkpoint.read_manifest(path)
+        except (checkpoint.CheckpointError, OSError):
+            manifest = None
+    return _build.recorded_init_from(run_dir, manifest)
+
+
+def _with_architecture(config: Config, record: Path | None = None) -> Config:
     """`config` with the architecture fields of `model.init_from` filled in (the
-    run's config.toml leaves them to the directory), when it is readable."""
+    run's config.toml leaves them to the directory): from the run's record of
+    it, else from the directory, when either is readable."""
     m = config.model
     if m.init_from is None:
         return config
     try:
-        model_config, hf_type = hf.load_config(m.init_from, dtype=m.param_dtype)
+        source = str(record) if record is not None else m.init_from
+        model_config, hf_type = hf.load_config(source, dtype=m.param_dtype)
         model_type = hf.infer_model_type(model_config, hf_type)
     except Exception:  # a moved or damaged base: show what the config says
         return config

@@ -38,10 +38,12 @@ class Plan:
     placement: Placement
 
 
-def plan(config: Any) -> Plan:
-    """Build `config`'s job, read and tokenize its data, and place it on the
-    mesh: every check that can fail does so here, before any compilation."""
-    job = _build.build(config)
+def plan(config: Any, *, recorded: Any = None) -> Plan:
+    """Build `config`'s job (with `recorded`, the run's record of
+    `model.init_from`, see `_build.build`), read and tokenize its data, and place
+    it on the mesh: every check that can fail does so here, before any
+    compilation."""
+    job = _build.build(config, recorded=recorded)
     rows = _build.train_rows(job)
     return Plan(job, rows, _build.eval_rows(job), placement(job))
 

@@ -17,7 +17,15 @@ from .._errors import ConfigError
 from .._hooks import StopKind, StopReason, at_end, every
 from .._jit import jit
 from .._loop import FitResult, fit
-from ..config import Config, from_dict, read_toml, reference_mode, to_dict, to_toml
+from ..config import (
+    Config,
+    explicit,
+    from_dict,
+    read_toml,
+    reference_mode,
+    to_dict,
+    to_toml,
+)
 from ..data import Loader
 from ..step import eval_step, train_step
 from . import _build, _place, _preflight, _reference
@@ -65,11 +73,18 @@ def write_config(config: Config, run_dir: Path) -> Path:
 
 
 def _progress_hooks(config: Config) -> list[Any]:
+    """`bar`: a live bar; `lines`: a line every `log.every` steps; `auto`: the bar
+    on a terminal, else a line about every 5% of the run (and at evaluations;
+    every `log.every` steps when that key is set), so that a log file stays
+    short."""
     mode = config.log.progress
     if mode == "none":
         return []
-    if mode == "lines" or (mode == "auto" and not sys.stderr.isatty()):
+    if mode == "lines":
         return [every(config.log.every, hooks_lib.ConsoleLogger(stream=sys.stderr))]
+    if mode == "auto" and not sys.stderr.isatty():
+        period = config.log.every if "log.every" in explicit(config) else None
+        return [hooks_lib.ProgressBar(plain_every=period, force_terminal=False)]
     return [hooks_lib.ProgressBar(force_terminal=True)]
 
 
@@ -199,7 +214,7 @@ def prepare(
     compile nothing yet. `run` is `prepare` followed by `eqtrain.fit`.
     Progress notes go to `echo` (default: standard error)."""
     say = echo or _stderr
-    planned = _place.plan(config)
+    planned = _place.plan(config, recorded=_fallback_record(config))
     job, placement = planned.job, planned.placement
     rows, eval_rows = planned.rows, planned.eval_rows
     config = job.config
@@ -263,6 +278,7 @@ def prepare(
         # that the checkpoints were written with.
         if writer:
             write_config(config, run_dir)
+        architecture = _record(config, run_dir, writer)
         prepared = _assemble(
             config,
             job,
@@ -274,6 +290,7 @@ def prepare(
             resumed,
             start,
             base,
+            architecture,
         )
     except BaseException:
         if loader is not None:
@@ -283,6 +300,36 @@ def prepare(
         raise
     prepared.lock = lock
     return prepared
+
+
+def _fallback_record(config: Config) -> Path | None:
+    """The run directory's record of `model.init_from` when that directory's
+    config.json is gone (a resumed full fine-tuning run needs only the
+    architecture: its weights are in the checkpoints)."""
+    init_from = config.model.init_from
+    if init_from is None or (Path(init_from) / "config.json").is_file():
+        return None
+    record = Path(config.run_dir) / _build.RECORD
+    return record if (record / "config.json").is_file() else None
+
+
+def _record(config: Config, run_dir: Path, writer: bool) -> dict[str, Any] | None:
+    """Record `model.init_from`'s config and tokenizer files in the run (process
+    0), and return the architecture for the manifests; a base directory that is
+    gone keeps the run's earlier record."""
+    init_from = config.model.init_from
+    if init_from is None:
+        return None
+    if (Path(init_from) / "config.json").is_file():
+        if writer:
+            return _build.record_init_from(config, run_dir)
+        source = Path(init_from)
+    else:
+        source = run_dir / _build.RECORD
+    import json
+
+    with open(source / "config.json", encoding="utf-8") as f:
+        return {"path": str(Path(init_from).resolve()), "config": json.load(f)}
 
 
 def _stderr(text: str) -> None:
@@ -347,6 +394,7 @@ def _assemble(
     resumed: int | None,
     start: Any,
     base: Any,
+    architecture: Any = None,
 ) -> "Prepared":
     data = config.data
     loop = config.loop
@@ -378,6 +426,7 @@ def _assemble(
         run_id=start.run_id,  # refuses another run's steps here, before compiling
         started_from=start.started_from,
         base=base,  # LoRA: store the trained leaves and a reference to the base
+        extra={_build.RECORD: architecture} if architecture else None,
     )
     fit_kwargs = dict(
         num_steps=loop.steps,

@@ -1,0 +1,114 @@
+"""Runs that stand on their own (a run started from a Hugging Face directory keeps
+that directory's config and tokenizer files, so eval/export/resume work after it
+is moved or deleted), and progress lines that keep a log file short."""
+
+import json
+import shutil
+
+import jax.random as jr
+import pytest
+
+from eqtrain import EqtrainError, checkpoint, config as config_lib, data, hf, job
+from eqtrain.models import Llama, LlamaConfig
+
+from .test_cli import TEXT
+
+
+@pytest.fixture
+def base(tmp_path):
+    """An HF directory with a BPE tokenizer (tokenizer.json) and a tiny Llama."""
+    from .test_data_chat import build_bpe
+
+    (tmp_path / "bpe").mkdir()
+    tok = data.HFTokenizer.from_file(build_bpe(tmp_path / "bpe"), eos="</s>")
+    config = LlamaConfig(
+        vocab_size=400,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
+    out = tmp_path / "base"
+    hf.export(Llama(config, jr.key(0)), config, out, tokenizer=tok)
+    (tmp_path / "text").mkdir()
+    (tmp_path / "text" / "a.txt").write_text(TEXT * 3)
+    return out
+
+
+def _config(tmp_path, base, *extra):
+    return config_lib.load(
+        None,
+        [
+            f"run_dir={tmp_path / 'run'}",
+            f"model.init_from={base}",
+            f"data.train={tmp_path / 'text'}",
+            f"data.eval={tmp_path / 'text'}",
+            "data.seq_len=16",
+            "data.batch_size=8",
+            "data.eval_rows=16",
+            "loop.steps=4",
+            "loop.eval_every=2",
+            "checkpoint.every=2",
+            "optim.warmup_steps=1",
+            "log.progress=none",
+            *extra,
+        ],
+    )
+
+
+def test_a_run_from_an_hf_directory_stands_on_its_own(tmp_path, base):
+    job.run(_config(tmp_path, base), echo=lambda s: None)
+    run = tmp_path / "run"
+    record = run / "init_from"
+    assert {p.name for p in record.iterdir()} >= {"config.json", "tokenizer.json"}
+    manifest = checkpoint.read_manifest(run)
+    assert manifest["init_from"]["config"] == json.loads(
+        (base / "config.json").read_text()
+    )
+    shutil.move(base, tmp_path / "moved")  # the base directory is gone
+
+    assert job.evaluate_run(run)["step"] == 4
+    assert job.evaluate_run(run / "checkpoints" / "2")["step"] == 2
+    out = job.export_run(run, tmp_path / "out")
+    assert (out / "tokenizer.json").exists()
+    assert json.loads((out / "config.json").read_text())["vocab_size"] == 400
+    info = job.run_info(run)
+    assert info["config"]["model"]["hidden_size"] == 32
+    # resuming a full fine-tuning run needs the architecture only
+    result = job.run(_config(tmp_path, base, "loop.steps=6"), echo=lambda s: None)
+    assert result.resumed_from == 4 and result.fit.state.step == 6
+    # the record's copy is what a run reads, even if the base comes back changed
+    shutil.move(tmp_path / "moved", base)
+    settings = json.loads((base / "config.json").read_text())
+    settings["hidden_size"] = 48
+    (base / "config.json").write_text(json.dumps(settings))
+    assert job.evaluate_run(run)["step"] == 6
+
+
+def test_a_lora_run_without_its_base_says_so(tmp_path, base):
+    job.run(_config(tmp_path, base, "lora.rank=2"), echo=lambda s: None)
+    shutil.rmtree(base)
+    with pytest.raises(EqtrainError, match="base"):
+        job.evaluate_run(tmp_path / "run")
+
+
+def test_progress_in_a_log_file_is_about_twenty_lines(tmp_path, base, capfd):
+    config = _config(
+        tmp_path, base, "loop.steps=60", "checkpoint.every=0", "loop.eval_every=0"
+    )
+    config = config_lib.apply_overrides(config, ["log.progress=auto", "export.hf="])
+    job.run(config, echo=lambda s: None)
+    lines = [ln for ln in capfd.readouterr().err.splitlines() if ln.startswith("step ")]
+    assert 18 <= len(lines) <= 22, lines
+    assert lines[-1].startswith("step 60/60")
+    # log.every, when set, sets the period of the lines
+    config = config_lib.apply_overrides(config, ["log.every=20", "loop.steps=120"])
+    job.run(config, echo=lambda s: None)
+    lines = [ln for ln in capfd.readouterr().err.splitlines() if ln.startswith("step ")]
+    assert [ln.split(" |")[0] for ln in lines] == [
+        "step 80/120",
+        "step 100/120",
+        "step 120/120",
+    ]
