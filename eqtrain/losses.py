@@ -51,8 +51,21 @@ def _weighted_mean(values: Array, weights: Array, total: Array) -> Array:
     return jnp.sum(values * weights) / jnp.where(total > 0, total, 1.0)
 
 
+def vocab_mask(
+    logits: Float[Array, "*rows vocab"], vocab_size: int | None
+) -> Float[Array, "*rows vocab"]:
+    """`logits` with the entries of ids >= `vocab_size` (a padded vocabulary's
+    extra rows, see `eqtrain.models.resize_vocab`) set to -inf, so that softmax,
+    log-probs and argmax ignore them; unchanged for None or an unpadded
+    vocabulary."""
+    if vocab_size is None or vocab_size >= logits.shape[-1]:
+        return logits
+    ids = jnp.arange(logits.shape[-1])
+    return jnp.where(ids < vocab_size, logits, -jnp.inf)
+
+
 def causal_lm_loss_fn(
-    *, z_loss: float | int = 0.0
+    *, z_loss: float | int = 0.0, vocab_size: int | None = None
 ) -> Callable[..., tuple[Float[Array, ""], Aux]]:
     """A causal-LM cross-entropy `loss_fn(model, batch, key) -> (loss, aux)`.
 
@@ -60,6 +73,9 @@ def causal_lm_loss_fn(
         z_loss: coefficient of the auxiliary `log(Z)**2` penalty on the softmax
             normaliser (PaLM uses 1e-4); 0 disables it. When on, it is added to the
             loss and reported as `aux["z_loss"]` (unscaled mean of `log(Z)**2`).
+        vocab_size: the real vocabulary of a model whose embedding and head are
+            padded (`models.resize_vocab`): the logits of the padded ids are
+            masked out of the softmax (`vocab_mask`). None: no mask.
 
     Returns:
         The loss function; see `causal_lm_loss` for the batch format.
@@ -86,6 +102,7 @@ def causal_lm_loss_fn(
             logits = jax.vmap(call)(tokens, segs, keys)
         else:
             logits = jax.vmap(lambda t, k: model(t, key=k))(tokens, keys)
+        logits = vocab_mask(logits, vocab_size)
         # Masked targets may hold anything (e.g. -100): point them at a valid id.
         targets = jnp.where(mask > 0, targets, 0)
         nll, log_z, correct = _token_cross_entropy(logits, targets)

@@ -27,6 +27,7 @@ from jaxtyping import Array, ArrayLike, Float, Int, PRNGKeyArray
 from . import lora
 from ._errors import ConfigError
 from ._state import trainable_mask
+from .losses import vocab_mask
 
 
 Metrics = dict[str, Float[Array, ""]]
@@ -36,6 +37,8 @@ def sequence_logprobs(
     logits: Float[Array, "*batch seq vocab"],
     targets: Int[Array, "*batch seq"],
     mask: ArrayLike,
+    *,
+    vocab_size: int | None = None,
 ) -> tuple[Float[Array, "*batch"], Float[Array, "*batch"]]:
     """`(sum over masked positions of log p(target), number of masked positions)`
     per sequence, in float32.
@@ -44,8 +47,9 @@ def sequence_logprobs(
         logits: next-token logits (any float dtype).
         targets: the token each position should predict.
         mask: which positions count (the completion's tokens), bool or 0/1.
+        vocab_size: the real vocabulary of a padded model (`losses.vocab_mask`).
     """
-    logits = logits.astype(jnp.float32)
+    logits = vocab_mask(logits, vocab_size).astype(jnp.float32)
     log_z = jax.nn.logsumexp(logits, axis=-1)
     picked = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
     weight = jnp.asarray(mask).astype(jnp.float32)
@@ -241,10 +245,17 @@ def _check_reference(model: Any, reference: str | None) -> None:
         )
 
 
-def _logps(model: Any, tokens: Array, targets: Array, mask: Array, key: Any) -> Any:
+def _logps(
+    model: Any,
+    tokens: Array,
+    targets: Array,
+    mask: Array,
+    key: Any,
+    vocab_size: int | None = None,
+) -> Any:
     keys = None if key is None else jr.split(key, tokens.shape[0])
     logits = jax.vmap(lambda t, k: model(t, key=k))(tokens, keys)
-    return sequence_logprobs(logits, targets, mask)
+    return sequence_logprobs(logits, targets, mask, vocab_size=vocab_size)
 
 
 def _pairs(batch: Mapping[str, ArrayLike]) -> tuple[int, Array, Array, Array]:
@@ -260,14 +271,14 @@ def _pairs(batch: Mapping[str, ArrayLike]) -> tuple[int, Array, Array, Array]:
 
 
 def pair_logprobs(
-    model: Any, batch: Mapping[str, ArrayLike]
+    model: Any, batch: Mapping[str, ArrayLike], *, vocab_size: int | None = None
 ) -> tuple[Float[Array, " pairs"], Float[Array, " pairs"]]:
     """`(chosen, rejected)` sequence log-probs (sums over each completion's mask)
     of `model` on a batch of pairs, without dropout: what `reference="precomputed"`
     reads back as `reference_chosen` / `reference_rejected`. Jit it (e.g.
     `eqx.filter_jit`) to precompute a reference over a dataset once."""
     pairs, tokens, targets, mask = _pairs(batch)
-    logp, _ = _logps(model, tokens, targets, mask, None)
+    logp, _ = _logps(model, tokens, targets, mask, None, vocab_size)
     return logp[:pairs], logp[pairs:]
 
 
@@ -279,6 +290,7 @@ def preference_loss_fn(
     label_smoothing: float = 0.0,
     orpo_lambda: float = 0.1,
     gamma: float = 0.5,
+    vocab_size: int | None = None,
 ) -> Callable[..., tuple[Float[Array, ""], Metrics]]:
     """A preference loss `loss_fn(model, batch, key) -> (loss, aux)` for
     `eqtrain.train_step` and the step pieces.
@@ -304,6 +316,8 @@ def preference_loss_fn(
         label_smoothing: DPO's and SimPO's (0: off).
         orpo_lambda: ORPO's weight of the odds-ratio term.
         gamma: SimPO's target reward margin.
+        vocab_size: the real vocabulary of a model with a padded embedding and
+            head (`models.resize_vocab`): padded logits are masked out.
     """
     if kind not in KINDS:
         raise ConfigError(f"preference `kind` must be one of {KINDS}; got {kind!r}.")
@@ -322,7 +336,7 @@ def preference_loss_fn(
         if needs:
             _check_reference(model, reference)
         policy = model.policy if needs and reference == "copy" else model
-        logp, count = _logps(policy, tokens, targets, mask, key)
+        logp, count = _logps(policy, tokens, targets, mask, key, vocab_size)
         count = jnp.maximum(count, 1.0)
         pc, pr = logp[:pairs], logp[pairs:]
         mean_c, mean_r = pc / count[:pairs], pr / count[pairs:]
@@ -332,7 +346,7 @@ def preference_loss_fn(
                 rr = jnp.asarray(batch["reference_rejected"])
             else:
                 ref = model.reference if reference == "copy" else lora.disable(model)
-                ref_logp, _ = _logps(ref, tokens, targets, mask, None)
+                ref_logp, _ = _logps(ref, tokens, targets, mask, None, vocab_size)
                 ref_logp = jax.lax.stop_gradient(ref_logp)
                 rc, rr = ref_logp[:pairs], ref_logp[pairs:]
             if kind == "dpo":

@@ -112,3 +112,59 @@ def test_progress_in_a_log_file_is_about_twenty_lines(tmp_path, base, capfd):
         "step 100/120",
         "step 120/120",
     ]
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_tensor_parallel_with_the_byte_vocabulary_matches_one_device(arch, tmp_path):
+    """data=2, fsdp=2, tensor=2 with the byte tokenizer (259 ids, which split
+    over no axis): the embedding and head are padded to 260 rows, the padded
+    logits masked, the padded rows stay zero, and the run matches the unpadded
+    data-parallel one (the same math as one device); the export has 259 rows."""
+    import numpy as np
+    from safetensors.numpy import load_file
+
+    (tmp_path / "text").mkdir()
+    (tmp_path / "text" / "a.txt").write_text(TEXT * 3)
+    results = {}
+    for name, mesh in (("tp", (2, 2, 2)), ("dp", (8, 1, 1))):
+        config = config_lib.load(
+            None,
+            [
+                f"run_dir={tmp_path / name}",
+                f"model.arch={arch}",
+                f"data.train={tmp_path / 'text'}",
+                "model.hidden_size=32",
+                "model.num_layers=2",
+                "model.num_heads=4",
+                "data.seq_len=16",
+                "data.batch_size=8",
+                "loop.steps=6",
+                "loop.eval_every=0",
+                "checkpoint.every=0",
+                "optim.warmup_steps=1",
+                "log.progress=none",
+                *(
+                    f"mesh.{k}={v}"
+                    for k, v in zip(("data", "fsdp", "tensor"), mesh, strict=True)
+                ),
+            ],
+        )
+        if name == "tp":
+            assert job.build(config).model_config.vocab_size == 260
+        results[name] = job.run(config, echo=lambda s: None)
+    tp, dp = results["tp"].fit, results["dp"].fit
+    np.testing.assert_allclose(
+        [h["loss"] for h in tp.history], [h["loss"] for h in dp.history], rtol=1e-5
+    )
+    state = tp.state.model
+    embed = state.embed_tokens if arch == "llama" else state.wte
+    assert embed.weight.shape[0] == 260
+    np.testing.assert_array_equal(np.asarray(embed.weight[259:]), 0.0)
+    ours = load_file(tmp_path / "tp" / "hf" / "model.safetensors")
+    theirs = load_file(tmp_path / "dp" / "hf" / "model.safetensors")
+    assert set(ours) == set(theirs)
+    for key, value in theirs.items():
+        assert ours[key].shape == value.shape  # 259 rows, as the tokenizer has
+        np.testing.assert_allclose(ours[key], value, atol=1e-4)
+    exported = json.loads((tmp_path / "tp" / "hf" / "config.json").read_text())
+    assert exported["vocab_size"] == 259

@@ -261,8 +261,6 @@ def test_each_key_takes_effect(key, text_dirs, tmp_path):
         extra.append("model.num_heads=4")
     if key == "mesh.data":
         extra.append("mesh.fsdp=-1")
-    if key == "mesh.tensor":  # the byte vocabulary (259) does not split in two
-        extra.append("model.vocab_size=264")
     if key == "optim.accumulate":  # micro-batches of 8 over 8 devices
         extra.append("data.batch_size=16")
     p = prepared(text_dirs, tmp_path, *extra)

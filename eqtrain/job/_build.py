@@ -3,6 +3,7 @@ optimizer, loss and state builders. Everything that can be wrong with the config
 or its files fails here, before any compilation."""
 
 import dataclasses
+import math
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -22,7 +23,7 @@ from ..config import (
     lora_on,
     reference_mode,
 )
-from ..losses import causal_lm_loss
+from ..losses import causal_lm_loss, causal_lm_loss_fn
 
 
 Rows = dict[str, np.ndarray]
@@ -46,6 +47,9 @@ class Job:
             `precomputed`; `task.reference` resolved), else None.
         template: the chat template of post-training data (None for plain text).
         notes: what the data pipelines skipped, said at the start of the run.
+        vocab_size: the real vocabulary when the model's embedding and head are
+            padded to split over the tensor-parallel axis (`model_config` has the
+            padded size), else None.
     """
 
     config: Config
@@ -58,6 +62,7 @@ class Job:
     reference: str | None = None
     template: Any = None
     notes: list[str] = dataclasses.field(default_factory=list)
+    vocab_size: int | None = None
 
     @property
     def run_dir(self) -> Path:
@@ -69,12 +74,27 @@ class Job:
         return models.family(self.model_type)
 
     def base_model(self) -> Any:
-        """The base model: `model.init_from`'s weights, or a random init."""
+        """The base model: `model.init_from`'s weights, or a random init (with a
+        padded vocabulary, initialised at the real size and zero-padded, so the
+        run starts where an unpadded one would)."""
         m = self.config.model
         if m.init_from is not None:
             model, _ = hf.load(m.init_from, dtype=m.param_dtype)
-            return model.with_options(remat=m.remat, scan_layers=m.scan_layers)
-        return self.family.model(self.model_config, jr.key(self.config.seed))
+            model = model.with_options(remat=m.remat, scan_layers=m.scan_layers)
+        else:
+            config = self.model_config
+            if self.vocab_size is not None:
+                config = dataclasses.replace(config, vocab_size=self.vocab_size)
+            model = self.family.model(config, jr.key(self.config.seed))
+        return models.resize_vocab(model, self.model_config.vocab_size)
+
+    def exported(self, model: Any) -> Any:
+        """What an export writes of a state's model (or its trainable filter): the
+        policy (`policy`), with a padded vocabulary cut back to the real one."""
+        model = self.policy(model)
+        if self.vocab_size is None:
+            return model
+        return models.resize_vocab(model, self.vocab_size)
 
     def with_adapters(self, model: Any) -> Any:
         """`model` with the run's LoRA adapters (`model.adapter_from`'s values, or
@@ -201,9 +221,15 @@ def build(config: Config, *, recorded: Path | None = None) -> Job:
     opt_fields = dataclasses.asdict(config.optim.resolved(config.loop.steps))
     opt_fields.pop("accumulate")
     optimizer = optim.build(**opt_fields, total_steps=config.loop.steps)
+    padded = _padded_vocab(config, model_config.vocab_size)
+    real = None
+    if padded != model_config.vocab_size:
+        real = model_config.vocab_size
+        model_config = dataclasses.replace(model_config, vocab_size=padded)
     job = Job(config, tokenizer, model_config, model_type, optimizer)
+    job.vocab_size = real
     job.reference = reference_mode(config)
-    job.loss_fn = task_loss(config, job.reference)
+    job.loss_fn = task_loss(config, job.reference, vocab_size=real)
     if config.task.kind != "lm":
         job.template = _chat_template(config, source)
     if lora_on(config):
@@ -215,11 +241,34 @@ def build(config: Config, *, recorded: Path | None = None) -> Job:
     return job
 
 
-def task_loss(config: Config, reference: str | None) -> Callable[..., Any]:
+def _padded_vocab(config: Config, vocab: int) -> int:
+    """With tensor parallelism, `vocab` rounded up to a multiple of the tensor x
+    FSDP size, so that the embedding and head split over both (the padded logits
+    are masked out, and exports cut the rows off again); unchanged without
+    tensor parallelism or when it already splits."""
+    sizes = {"data": config.mesh.data, "fsdp": config.mesh.fsdp}
+    sizes["tensor"] = config.mesh.tensor
+    rest = [k for k, v in sizes.items() if v == -1]
+    if rest:  # the devices the other axes leave
+        known = math.prod(v for v in sizes.values() if v > 0)
+        sizes[rest[0]] = max(1, jax.device_count() // known)
+    if sizes["tensor"] <= 1:
+        return vocab
+    multiple = sizes["tensor"] * sizes["fsdp"]
+    return -(-vocab // multiple) * multiple
+
+
+def task_loss(
+    config: Config, reference: str | None, *, vocab_size: int | None = None
+) -> Callable[..., Any]:
     """The loss of `task.kind`: next-token cross-entropy for lm and sft (whose
-    rows mask out everything but completions), else the preference loss."""
+    rows mask out everything but completions), else the preference loss;
+    `vocab_size`: a padded model's real vocabulary (its padded logits are
+    masked)."""
     t = config.task
     if t.kind in ("lm", "sft"):
+        if vocab_size is not None:
+            return causal_lm_loss_fn(vocab_size=vocab_size)
         return causal_lm_loss
     try:
         return preference.preference_loss_fn(
@@ -229,6 +278,7 @@ def task_loss(config: Config, reference: str | None) -> Callable[..., Any]:
             label_smoothing=t.label_smoothing,
             orpo_lambda=t.orpo_lambda,
             gamma=t.simpo_gamma,
+            vocab_size=vocab_size,
         )
     except ConfigError as e:
         raise ConfigError(f"[task]: {e}") from None

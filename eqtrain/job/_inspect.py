@@ -144,7 +144,7 @@ def export_run(
         raise ConfigError(
             f"the run at {path} keeps no EMA weights (loop.ema was unset); drop --ema."
         )
-    model = job.policy(state.ema_model if ema else state.model)
+    model = job.exported(state.ema_model if ema else state.model)
     if job.lora is not None and not merged:
         return Path(
             hf.export_adapter(
@@ -152,7 +152,7 @@ def export_run(
                 out_dir,
                 model_type=job.model_type,
                 spec=job.lora,
-                trained=job.policy(state.trainable),
+                trained=job.exported(state.trainable),
                 overwrite=overwrite,
             )
         )
@@ -161,7 +161,7 @@ def export_run(
     return Path(
         hf.export(
             model,
-            job.model_config,
+            model.config,
             out_dir,
             dtype=dtype,
             max_shard_size=config.export.max_shard_size,

@@ -11,6 +11,7 @@ safetensors written atomically (temporary name, fsync, rename): a kill mid-pass
 never leaves a part that reads back wrong.
 """
 
+import functools
 import hashlib
 import json
 import os
@@ -158,7 +159,9 @@ def _compute(
 ) -> Rows:
     n = len(rows["chosen_tokens"])
     batch = _pass_batch(job, placement)
-    logps = eqx.filter_jit(preference.pair_logprobs)
+    logps = eqx.filter_jit(
+        functools.partial(preference.pair_logprobs, vocab_size=job.vocab_size)
+    )
     say(f"computing the reference log-probs of {n:,} pairs ({path.name}) ...")
     parts = []
     for start in range(0, n, PART_ROWS):

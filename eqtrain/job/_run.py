@@ -117,7 +117,7 @@ def _hooks(job: _build.Job, run_dir: Path) -> list[Any]:
             tokenizer=job.tokenizer,
             model_type=job.model_type,
             which="ema" if export.ema else "model",
-            pick=job.policy,  # a preference run's state also holds its reference
+            pick=job.exported,  # the policy, at its real vocabulary
         )
         template = getattr(job.template, "source", None)  # a Jinja chat template
         if template is not None:

@@ -27,6 +27,7 @@ from ._registry import (
     HFNames as HFNames,
     family as family,
 )
+from ._vocab import resize_vocab as resize_vocab
 from .gpt2 import GPT2 as GPT2, GPT2Config as GPT2Config
 from .llama import Llama as Llama, LlamaConfig as LlamaConfig
 from .mlp import MLPClassifier as MLPClassifier, MLPConfig as MLPConfig
