@@ -65,3 +65,12 @@ def test_preference_quick():
     variants = ("sft", "copy", "precomputed", "lora_sft", "adapters_off")
     assert all(record["ms"][key] > 0 for key in variants)
     assert record["targets"] == {"precomputed": 1.1, "copy": 1.5}
+
+
+@pytest.mark.slow  # the default suite's time: `nox -s slow`
+def test_hf_load_quick():
+    (record,), _ = _quick("hf_load.py")
+    assert record["config"] == "quick" and record["shards"] > 1
+    for kind in ("before", "after", "sharded"):
+        assert record[f"{kind}_peak_mb"] >= record["import_mb"] > 0
+        assert record[f"{kind}_s"] > 0

@@ -1,18 +1,24 @@
 """`load`: a Hugging Face checkpoint directory (safetensors only) as an eqtrain
 model, strictly: every tensor must be present, expected and of the right shape.
-Builds on the key maps of `_maps` and the reader of `_safetensors`.
+The headers are checked first; then each parameter is read, one tensor (or one
+device's block of it) at a time, and placed. Builds on the key maps of `_maps` and
+the reader of `_safetensors`.
 """
 
+import dataclasses
 import json
 import os
+from collections.abc import Callable
 from typing import Any
 
 import equinox as eqx
-import jax.numpy as jnp
+import jax
 import jax.random as jr
 import jax.tree_util as jtu
 import numpy as np
+from jax.sharding import Sharding
 
+from .._errors import StructureError
 from ..models import as_dtype
 from . import _maps, _safetensors
 from ._errors import HFFileNotFoundError, HFFormatError
@@ -25,7 +31,15 @@ _IGNORED = ("rotary_emb.inv_freq", ".attn.bias", ".attn.masked_bias")
 _SHOWN = 5
 
 
-def load(path: str | os.PathLike[str], *, dtype: str | None = None) -> tuple[Any, Any]:
+Shardings = Sharding | Any | Callable[[Any], Any] | None
+
+
+def load(
+    path: str | os.PathLike[str],
+    *,
+    dtype: str | None = None,
+    shardings: Shardings = None,
+) -> tuple[Any, Any]:
     """Read a Hugging Face checkpoint directory into `(model, config)`.
 
     Supports `model_type` `llama`, `mistral`, `qwen2` and `gpt2`, a single
@@ -33,19 +47,48 @@ def load(path: str | os.PathLike[str], *, dtype: str | None = None) -> tuple[Any
     float32, bfloat16 or float16. Pickle checkpoints (`pytorch_model.bin`) are
     refused: reading them runs arbitrary code.
 
+    Nothing is read before every tensor's name and shape has been checked against
+    the model (from the files' headers). Then each parameter is read lazily and
+    placed before the next: a stacked layer parameter from its per-layer tensors,
+    and with `shardings` only the block each local device holds. Host memory
+    beyond the placed model stays about one parameter (one device's block of it
+    with `shardings`), not the checkpoint.
+
     Args:
         path: the directory (as written by `save_pretrained` or `eqtrain.hf.export`).
         dtype: parameter dtype of the model (`None`: the stored tensors' dtype).
+        shardings: where the parameters go. `None`: the default device, as
+            `jnp.asarray` places them. A `jax.sharding.Sharding`: every
+            parameter. A pytree like the model with a `Sharding` per array leaf
+            (e.g. `eqtrain.sharding.state_shardings(abstract_model, mesh, rules)`),
+            or a function from the abstract model (`ShapeDtypeStruct` leaves) to
+            such a pytree. In a multi-process run each process reads only its
+            own devices' blocks.
+
+    Example:
+        Straight onto an FSDP mesh, without a full copy on one device:
+
+        ```python
+        mesh = sharding.make_mesh({"fsdp": -1})
+        model, config = hf.load(
+            "hf_dir",
+            shardings=lambda m: sharding.state_shardings(
+                m, mesh, sharding.rules_for(m, mesh)
+            ),
+        )
+        ```
 
     Raises:
         HFFileNotFoundError: no directory, or no `config.json` in it.
-        HFFormatError: unknown `model_type`, a pickle-only checkpoint, or tensors
-            missing, unexpected or of the wrong shape (named in the message).
+        HFFormatError: unknown `model_type`, a pickle-only checkpoint, a damaged
+            safetensors file, or tensors missing, unexpected or of the wrong
+            shape (named in the message).
+        StructureError: `shardings` does not have one sharding per parameter.
     """
     path = os.fspath(path)
     hf_config = _read_config(path)
-    tensors = _read_tensors(path)
-    stored = _stored_dtype(tensors, hf_config)
+    entries = _index(path)
+    stored = _stored_dtype(entries, hf_config)
     param_dtype = dtype or stored
     as_dtype(param_dtype, field="dtype")
     model_type, config = _maps.eqtrain_config(
@@ -54,7 +97,13 @@ def load(path: str | os.PathLike[str], *, dtype: str | None = None) -> tuple[Any
     arch = _maps.ARCHS[model_type]
     cls = _maps.model_class(config)
     template = eqx.filter_eval_shape(cls, config, jr.key(0))
-    return _fill(template, tensors, arch, config, path), config
+    leaves = _plan(template, entries, arch, config, path)
+    targets = _targets(template, shardings)
+    values = [
+        _place(leaf, target) if isinstance(leaf, _Leaf) else leaf
+        for leaf, target in zip(leaves, targets, strict=True)
+    ]
+    return jtu.tree_unflatten(jtu.tree_structure(template), values), config
 
 
 def load_config(
@@ -192,43 +241,104 @@ def _weight_files(path: str) -> list[str]:
     )
 
 
-def _read_tensors(path: str) -> dict[str, np.ndarray]:
-    tensors: dict[str, np.ndarray] = {}
+@dataclasses.dataclass(frozen=True)
+class _Entry:
+    """Where one stored tensor is: its file, its name there, dtype and shape."""
+
+    file: str
+    key: str
+    dtype: str  # the safetensors code: "F32", "BF16", ...
+    shape: tuple[int, ...]
+
+    def read(self, index: _safetensors.Index | None = None) -> np.ndarray:
+        return _safetensors.read_slice(self.file, self.key, index)
+
+
+def _index(path: str) -> dict[str, _Entry]:
+    """Every tensor of the directory, from the files' headers (no data read)."""
+    entries: dict[str, _Entry] = {}
     for file in _weight_files(path):
-        for name, value in _safetensors.read(file)[0].items():
-            if name in tensors:
+        for name, info in _safetensors.read_header(file).items():
+            if name == "__metadata__":
+                continue
+            if name in entries:
                 raise HFFormatError(
                     f"tensor {name!r} appears in two shards of {path}; re-export."
                 )
-            tensors[name] = value
-    return tensors
+            entries[name] = _Entry(file, name, info["dtype"], tuple(info["shape"]))
+    return entries
 
 
-def _stored_dtype(tensors: dict[str, np.ndarray], hf_config: dict[str, Any]) -> str:
-    kinds = {
-        str(t.dtype)
-        for t in tensors.values()
-        if t.dtype.kind == "f" or t.dtype.name == "bfloat16"
-    }
+_FLOATS = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16"}
+
+
+def _stored_dtype(entries: dict[str, _Entry], hf_config: dict[str, Any]) -> str:
+    kinds = {_FLOATS[e.dtype] for e in entries.values() if e.dtype in _FLOATS}
     if len(kinds) == 1:
         return next(iter(kinds))
     return str(hf_config.get("dtype") or hf_config.get("torch_dtype") or "float32")
 
 
-def _fill(
-    template: Any,
-    tensors: dict[str, np.ndarray],
-    arch: _maps.Arch,
-    config: Any,
-    path: str,
-) -> Any:
-    tensors = _normalise_names(dict(tensors), arch, config)
+@dataclasses.dataclass(frozen=True)
+class _Leaf:
+    """One parameter of the model and the stored tensors it is made of (one per
+    layer when the layers are stacked; GPT-2's Conv1D weights stored transposed)."""
+
+    entries: tuple[_Entry, ...]
+    stacked: bool
+    conv1d: bool
+    shape: tuple[int, ...]
+    dtype: Any
+
+    def block(self, index: _safetensors.Index) -> np.ndarray:
+        """The values at `index` (slices over the parameter), read from the files."""
+        out = np.empty(_block_shape(self.shape, index), self.dtype)
+        if self.stacked:
+            for j, entry in enumerate(self.entries[index[0]]):
+                self._read_into(entry, index[1:], out[j])
+        else:
+            self._read_into(self.entries[0], index, out)
+        return out
+
+    def _read_into(
+        self, entry: _Entry, index: _safetensors.Index, out: np.ndarray
+    ) -> None:
+        """`out[...] = entry[index]`, cast, read in runs of rows of at most
+        `_CHUNK` bytes: each read maps pages of the file, and they count in
+        resident memory until the file is closed again."""
+        if self.conv1d:
+            index, out = index[::-1], out.T
+        if not index:
+            out[...] = entry.read()
+            return
+        rows = range(*index[0].indices(entry.shape[0]))
+        itemsize = _safetensors.DTYPES.get(entry.dtype, np.dtype("f8")).itemsize
+        row_bytes = itemsize * int(np.prod(entry.shape[1:], dtype=np.int64))
+        step = max(1, _CHUNK // max(1, row_bytes))
+        for k in range(0, len(rows), step):
+            part = rows[k : k + step]
+            chunk = (slice(part.start, part.stop, part.step), *index[1:])
+            out[k : k + step] = entry.read(chunk)
+
+
+_CHUNK = 16 * 2**20
+
+
+def _block_shape(shape: tuple[int, ...], index: _safetensors.Index) -> tuple[int, ...]:
+    return tuple(len(range(*s.indices(n))) for s, n in zip(index, shape, strict=True))
+
+
+def _plan(
+    template: Any, entries: dict[str, _Entry], arch: _maps.Arch, config: Any, path: str
+) -> list[Any]:
+    """The template's leaves with a `_Leaf` for each parameter, after checking
+    every name and shape (from the headers alone)."""
+    entries = _normalise_names(dict(entries), arch, config)
     num_layers = getattr(config, "num_hidden_layers", None) or config.n_layer
-    flat, treedef = jtu.tree_flatten_with_path(template)
-    values, used, missing, wrong = [], set(), [], []
-    for key_path, struct in flat:
+    out, used, missing, wrong = [], set(), [], []
+    for key_path, struct in jtu.tree_flatten_with_path(template)[0]:
         if not _maps.is_struct(struct):
-            values.append(struct)
+            out.append(struct)
             continue
         leaf_path = jtu.keystr(key_path, simple=True, separator=".")
         names = _maps.hf_names(arch, leaf_path, num_layers)
@@ -236,53 +346,98 @@ def _fill(
         conv1d = _maps.is_conv1d(arch, leaf_path)
         shape = tuple(struct.shape[1:] if stacked else struct.shape)
         shape = shape[::-1] if conv1d else shape
-        parts = []
         for name in names:
-            if name not in tensors:
+            if name not in entries:
                 missing.append(f"{name} {list(shape)}")
                 continue
             used.add(name)
-            t = tensors[name]
-            if tuple(t.shape) != shape:
-                wrong.append(f"{name}: file {list(t.shape)}, model {list(shape)}")
-                continue
-            parts.append(t.T if conv1d else t)
-        if len(parts) == len(names):
-            value = np.stack(parts) if stacked else parts[0]
-            values.append(jnp.asarray(value.astype(struct.dtype)))
-    unexpected = sorted(set(tensors) - used)
+            if entries[name].shape != shape:
+                file_shape = list(entries[name].shape)
+                wrong.append(f"{name}: file {file_shape}, model {list(shape)}")
+        parts = tuple(entries[n] for n in names if n in entries)
+        out.append(_Leaf(parts, stacked, conv1d, tuple(struct.shape), struct.dtype))
+    unexpected = sorted(set(entries) - used)
     _report(path, config, missing, unexpected, wrong)
-    return jtu.tree_unflatten(treedef, values)
+    return out
+
+
+def _targets(template: Any, shardings: Shardings) -> list[Sharding | None]:
+    """One sharding (or None) per leaf of `template`."""
+    leaves = jtu.tree_leaves(template)
+    if callable(shardings) and not isinstance(shardings, eqx.Module | Sharding):
+        shardings = shardings(template)
+    if shardings is None or isinstance(shardings, Sharding):
+        return [shardings if _maps.is_struct(x) else None for x in leaves]
+    is_sharding = lambda x: isinstance(x, Sharding)
+    flat = [
+        s for s in jtu.tree_leaves(shardings, is_leaf=is_sharding) if is_sharding(s)
+    ]
+    params = sum(map(_maps.is_struct, leaves))
+    if len(flat) != params:
+        raise StructureError(
+            f"`shardings` has {len(flat)} shardings but the model has {params} "
+            "parameters. Build them from the abstract model, e.g. "
+            "`shardings=lambda m: eqtrain.sharding.state_shardings(m, mesh, rules)`."
+        )
+    it = iter(flat)
+    return [next(it) if _maps.is_struct(x) else None for x in leaves]
+
+
+def _place(leaf: _Leaf, sharding: Sharding | None) -> Any:
+    """`leaf` read and placed: whole on the default device, or block by block,
+    each local device's block read (once per distinct block) and put there."""
+    if sharding is None:
+        return _put(leaf.block(tuple(slice(None) for _ in leaf.shape)), None)
+    sharding.shard_shape(leaf.shape)  # raises if the shape does not divide
+    placed: dict[Any, Any] = {}
+    arrays = []
+    for device, index in sharding.addressable_devices_indices_map(leaf.shape).items():
+        key = tuple((s.start, s.stop, s.step) for s in index)
+        if key in placed:  # a replica: copied between devices, not read again
+            arrays.append(_put(placed[key], device))
+            continue
+        placed[key] = _put(leaf.block(index), device)
+        arrays.append(placed[key])
+    return jax.make_array_from_single_device_arrays(leaf.shape, sharding, arrays)
+
+
+def _put(value: Any, device: Any) -> Any:
+    """`value` copied to `device`, waited for. `None` is the default device,
+    uncommitted, as `jnp.asarray` places arrays (which also makes a second,
+    transient host copy). Waiting frees the host block before the next one is
+    read; otherwise several asynchronous transfers hold their blocks at once."""
+    return jax.device_put(value, device).block_until_ready()
 
 
 def _normalise_names(
-    tensors: dict[str, np.ndarray], arch: _maps.Arch, config: Any
-) -> dict[str, np.ndarray]:
+    entries: dict[str, _Entry], arch: _maps.Arch, config: Any
+) -> dict[str, _Entry]:
     """Drop buffers transformers ignores too; accept GPT-2 files without the
     `transformer.` prefix (OpenAI's original upload) and a tied `lm_head.weight`
-    that equals the embedding."""
-    for name in [n for n in tensors if n.endswith(_IGNORED)]:
-        del tensors[name]
+    that equals the embedding (the two are read to compare them)."""
+    for name in [n for n in entries if n.endswith(_IGNORED)]:
+        del entries[name]
     if arch.model_type == "gpt2" and not any(
-        n.startswith(arch.prefix) for n in tensors
+        n.startswith(arch.prefix) for n in entries
     ):
-        tensors = {
-            (n if n == "lm_head.weight" else arch.prefix + n): t
-            for n, t in tensors.items()
+        entries = {
+            (n if n == "lm_head.weight" else arch.prefix + n): e
+            for n, e in entries.items()
         }
     tied = getattr(config, "tie_word_embeddings", True)
     embed = arch.prefix + (
         "wte.weight" if arch.model_type == "gpt2" else "embed_tokens.weight"
     )
-    head = tensors.get("lm_head.weight")
+    head = entries.get("lm_head.weight")
     if (
         tied
         and head is not None
-        and embed in tensors
-        and np.array_equal(head, tensors[embed])
+        and embed in entries
+        and head.shape == entries[embed].shape
+        and np.array_equal(head.read(), entries[embed].read())
     ):
-        del tensors["lm_head.weight"]
-    return tensors
+        del entries["lm_head.weight"]
+    return entries
 
 
 def _report(

@@ -1,21 +1,19 @@
-"""A small reader and writer of the safetensors format (8-byte little-endian
-header length, a JSON header, raw little-endian tensor bytes), over NumPy.
-
-Written here rather than with `safetensors.numpy` because that writer writes wrong
-bytes for non-contiguous arrays and has no bfloat16; `ml_dtypes` (a JAX
-dependency) gives NumPy its bfloat16.
+"""safetensors files through the `safetensors` package (0.8): its NumPy writer and
+its lazy reader (`safe_open`), with the package's errors turned into
+`HFFormatError`s that name the file. `ml_dtypes` (a JAX dependency) gives NumPy its
+bfloat16, which the package reads and writes as `BF16`.
 """
 
-import json
-import mmap
-import os
-import struct
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import ml_dtypes
 import numpy as np
+from safetensors import SafetensorError, safe_open
+from safetensors.numpy import save_file
 
-from ._errors import HFFormatError
+from ._errors import HFFileNotFoundError, HFFormatError
 
 
 DTYPES: dict[str, Any] = {
@@ -31,7 +29,7 @@ DTYPES: dict[str, Any] = {
     "BOOL": np.dtype("bool"),
 }
 _CODES = {dtype: code for code, dtype in DTYPES.items()}
-_MAX_HEADER = 100 * 1024 * 1024
+Index = tuple[slice, ...]
 
 
 def dtype_code(dtype: Any) -> str:
@@ -46,82 +44,86 @@ def dtype_code(dtype: Any) -> str:
 
 
 def write(path: str, tensors: dict[str, np.ndarray], metadata: dict[str, str]) -> None:
-    """Write `tensors` to `path` (each made contiguous and little-endian first)."""
-    arrays: dict[str, np.ndarray] = {}
+    """Write `tensors` to `path` (each made C-contiguous and little-endian first).
+
+    The package writes a non-contiguous array's buffer in memory order (a
+    transpose would come back untransposed), hence `order="C"`; unlike
+    `np.ascontiguousarray` it keeps a 0-d array 0-d.
+    """
+    arrays = {}
     for name, value in tensors.items():
         value = np.asarray(value)
-        arrays[name] = np.ascontiguousarray(value.astype(value.dtype.newbyteorder("<")))
-    # Largest items first keeps every tensor aligned to its item size, as the
-    # reference writer does; then by name.
-    order = sorted(arrays, key=lambda n: (-arrays[n].dtype.itemsize, n))
-    header: dict[str, Any] = {"__metadata__": dict(metadata)}
-    offset = 0
-    for name in order:
-        a = arrays[name]
-        header[name] = {
-            "dtype": dtype_code(a.dtype),
-            "shape": list(a.shape),
-            "data_offsets": [offset, offset + a.nbytes],
-        }
-        offset += a.nbytes
-    raw = json.dumps(header, separators=(",", ":")).encode("utf-8")
-    raw += b" " * (-len(raw) % 8)
-    with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(raw)))
-        f.write(raw)
-        for name in order:
-            f.write(memoryview(arrays[name].reshape(-1).view(np.uint8)))
-
-
-def read(path: str) -> tuple[dict[str, np.ndarray], dict[str, str]]:
-    """The tensors of a safetensors file (read-only views of a memory map) and its
-    metadata. Raises `HFFormatError` naming the file on a damaged header."""
-    size = os.path.getsize(path)
-    with open(path, "rb") as f:
-        if size < 8:
-            _damaged(path, f"it is {size} bytes long")
-        buffer: Any = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-    (length,) = struct.unpack("<Q", buffer[:8])
-    if length > min(size - 8, _MAX_HEADER):
-        _damaged(path, f"its header length {length} exceeds the file")
+        value = np.asarray(value, dtype=value.dtype.newbyteorder("<"), order="C")
+        dtype_code(value.dtype)  # our message for a dtype we do not write
+        arrays[name] = value
     try:
-        header = json.loads(bytes(buffer[8 : 8 + length]).decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as error:
-        _damaged(path, f"its header is not JSON ({error})")
-    if not isinstance(header, dict):
-        _damaged(path, "its header is not a JSON object")
-    metadata = header.pop("__metadata__", None) or {}
-    base, tensors = 8 + length, {}
-    for name, info in header.items():
-        tensors[name] = _tensor(buffer, base, size, path, name, info)
-    return tensors, metadata
+        save_file(arrays, path, metadata=dict(metadata))
+    except SafetensorError as error:
+        raise HFFormatError(f"could not write {path}: {error}.") from None
+
+
+@contextlib.contextmanager
+def opened(path: str) -> Iterator[Any]:
+    """`safe_open(path, framework="np")`: tensors are read only when asked for.
+
+    Keep it open briefly: the package maps the file, and every page a read
+    touches counts in the process's resident memory until the file is closed.
+
+    Raises:
+        HFFormatError: a damaged file (truncated, header not JSON or too long,
+            offsets that do not fit), naming it.
+    """
+    try:
+        handle = safe_open(path, framework="np")  # reads and checks the header
+    except SafetensorError as error:
+        why = str(error).removeprefix("Error while deserializing header: ")
+        raise HFFormatError(
+            f"{path} is not a valid safetensors file ({why}); it is damaged or "
+            "was cut short. Re-export or re-download it."
+        ) from None
+    except FileNotFoundError:
+        raise HFFileNotFoundError(f"{path} does not exist.") from None
+    with handle as f:
+        yield f
 
 
 def read_header(path: str) -> dict[str, Any]:
-    """Only the JSON header (names, dtypes, shapes) of a safetensors file."""
-    with open(path, "rb") as f:
-        (length,) = struct.unpack("<Q", f.read(8))
-        return json.loads(f.read(length))
+    """The header of a safetensors file, without its data: `{"__metadata__":
+    {...}, name: {"dtype": "F32", "shape": [...]}, ...}`."""
+    with opened(path) as f:
+        header: dict[str, Any] = {"__metadata__": f.metadata() or {}}
+        for name in f.keys():
+            info = f.get_slice(name)
+            header[name] = {"dtype": info.get_dtype(), "shape": info.get_shape()}
+    return header
 
 
-def _tensor(buffer: Any, base: int, size: int, path: str, name: str, info: Any) -> Any:
-    try:
-        dtype = DTYPES[info["dtype"]]
-        shape = tuple(int(d) for d in info["shape"])
-        start, end = (int(o) for o in info["data_offsets"])
-    except (KeyError, TypeError, ValueError):
-        _damaged(path, f"tensor {name!r} has an unreadable entry {info!r}")
-    count = int(np.prod(shape, dtype=np.int64))
-    if end - start != count * dtype.itemsize or base + end > size or start < 0:
-        _damaged(
-            path,
-            f"tensor {name!r} ({info['dtype']}, shape {list(shape)}) has data "
-            f"offsets {[start, end]} that do not fit its size or the file",
+def read(path: str) -> tuple[dict[str, np.ndarray], dict[str, str]]:
+    """Every tensor of a safetensors file (NumPy copies) and its metadata."""
+    with opened(path) as f:
+        names = list(f.keys())
+        for name in names:
+            _check_dtype(path, name, f.get_slice(name).get_dtype())
+        return {name: f.get_tensor(name) for name in names}, f.metadata() or {}
+
+
+def read_slice(path: str, name: str, index: Index | None = None) -> np.ndarray:
+    """The tensor `name` of `path`, or only its block `index` (a tuple of
+    slices, one per dimension): only that block's bytes are read."""
+    with opened(path) as f:
+        if name not in f.keys():
+            raise HFFormatError(f"{path} has no tensor {name!r}; re-export it.")
+        tensor = f.get_slice(name)
+        _check_dtype(path, name, tensor.get_dtype())
+        if index is None or not index:
+            return f.get_tensor(name)
+        return tensor[index]
+
+
+def _check_dtype(path: str, name: str, code: str) -> None:
+    if code not in DTYPES:
+        raise HFFormatError(
+            f"{path} stores tensor {name!r} as {code}, which eqtrain cannot read "
+            f"(it reads {', '.join(DTYPES)}). Convert the checkpoint to float32, "
+            "bfloat16 or float16."
         )
-    return np.frombuffer(buffer, dtype, count, base + start).reshape(shape)
-
-
-def _damaged(path: str, why: str) -> Any:
-    raise HFFormatError(
-        f"{path} is not a valid safetensors file: {why}. Re-export or re-download it."
-    )
