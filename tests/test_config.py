@@ -527,6 +527,7 @@ def test_validate_names_the_keys(overrides, match):
         ["model.init_from=/hf", "model.hidden_size=128"],  # restating a default
         ["model.arch=gpt2", "model.num_heads=8", "model.hidden_size=64"],
         ["model.arch=gpt2"],
+        ["model.arch=gpt2", "model.tie_embeddings=false"],  # an untied GPT-2 head
         ["model.num_heads=3", "model.head_dim=16", "model.num_kv_heads=1"],
         ["mesh.data=2", "mesh.fsdp=-1"],
         ["checkpoint.best=eval/loss", "checkpoint.every=200", "loop.eval_every=50"],

@@ -94,12 +94,14 @@ def np_rope(x, positions, theta):
     return x * cos + np_rotate_half(x) * sin
 
 
-def np_attention(q, k, v, window=None):
-    """HF eager attention: `repeat_kv` (contiguous groups), causal, softmax."""
+def np_attention(q, k, v, window=None, scaling=None):
+    """HF eager attention: `repeat_kv` (contiguous groups), causal, softmax;
+    scores times `scaling` (default `1 / sqrt(head_dim)`)."""
     seq, heads, d = q.shape
     k = np.repeat(k, heads // k.shape[1], axis=1)
     v = np.repeat(v, heads // v.shape[1], axis=1)
-    scores = np.einsum("thd,shd->hts", q, k) / math.sqrt(d)
+    scaling = 1 / math.sqrt(d) if scaling is None else scaling
+    scores = np.einsum("thd,shd->hts", q, k) * scaling
     i, j = np.arange(seq)[:, None], np.arange(seq)[None, :]
     allowed = j <= i
     if window is not None:
@@ -148,21 +150,34 @@ def np_gelu_new(x):
     return 0.5 * x * (1 + np.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x**3)))
 
 
+NP_ACTIVATIONS = {
+    "gelu_new": np_gelu_new,
+    "gelu": lambda x: 0.5 * x * (1 + np.vectorize(math.erf)(x / math.sqrt(2))),
+    "relu": lambda x: np.maximum(x, 0),
+}
+
+
 def np_gpt2(model, tokens):
     cfg = model.config
     seq, d, nh = len(tokens), cfg.n_embd, cfg.n_head
     x = _np(model.wte.weight)[np.asarray(tokens)] + _np(model.wpe.weight)[:seq]
-    eps = cfg.layer_norm_epsilon
+    eps, act = cfg.layer_norm_epsilon, NP_ACTIVATIONS[cfg.activation_function]
     for i in range(cfg.n_layer):
         b = model.h
         h = np_layer_norm(x, _np(b.ln_1.weight[i]), _np(b.ln_1.bias[i]), eps)
         qkv = np_linear(h, b.attn.c_attn, i)  # HF: split(n_embd) into q | k | v
         q, k, v = (t.reshape(seq, nh, d // nh) for t in np.split(qkv, 3, -1))
-        x = x + np_linear(np_attention(q, k, v).reshape(seq, d), b.attn.c_proj, i)
+        # HF's GPT2Attention.scaling
+        scaling = (d // nh) ** -0.5 if cfg.scale_attn_weights else 1.0
+        if cfg.scale_attn_by_inverse_layer_idx:
+            scaling /= i + 1
+        o = np_attention(q, k, v, scaling=scaling).reshape(seq, d)
+        x = x + np_linear(o, b.attn.c_proj, i)
         h = np_layer_norm(x, _np(b.ln_2.weight[i]), _np(b.ln_2.bias[i]), eps)
-        x = x + np_linear(np_gelu_new(np_linear(h, b.mlp.c_fc, i)), b.mlp.c_proj, i)
+        x = x + np_linear(act(np_linear(h, b.mlp.c_fc, i)), b.mlp.c_proj, i)
     x = np_layer_norm(x, _np(model.ln_f.weight), _np(model.ln_f.bias), eps)
-    return x @ _np(model.wte.weight).T
+    head = model.wte.weight if model.lm_head is None else model.lm_head.weight
+    return x @ _np(head).T
 
 
 # -- shapes, dtypes, structure -------------------------------------------------------
@@ -216,6 +231,86 @@ def test_gpt2_shapes_and_matches_numpy_reference():
     assert logits.shape == (8, 37) and logits.dtype == jnp.float32
     assert model.h.attn.c_attn.weight.shape == (2, 48, 16)
     np.testing.assert_allclose(logits, np_gpt2(model, tokens), rtol=1e-4, atol=1e-5)
+
+
+GPT2_OPTIONS = {
+    "gelu": dict(activation_function="gelu"),
+    "relu": dict(activation_function="relu"),
+    "unscaled": dict(scale_attn_weights=False),
+    "inverse_layer_idx": dict(scale_attn_by_inverse_layer_idx=True),
+    "untied": dict(tie_word_embeddings=False),
+    "all": dict(
+        activation_function="gelu",
+        scale_attn_weights=False,
+        scale_attn_by_inverse_layer_idx=True,
+        tie_word_embeddings=False,
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(GPT2_OPTIONS))
+@pytest.mark.parametrize("scan", [True, False], ids=["scan", "unrolled"])
+def test_gpt2_options_match_numpy_reference(name, scan):
+    cfg = GPT2Config(
+        vocab_size=37, n_positions=32, n_embd=16, n_layer=3, n_head=2, scan_layers=scan
+    )
+    cfg = dataclasses.replace(cfg, **GPT2_OPTIONS[name])
+    model = _randomize(GPT2(cfg, jr.key(0)))
+    tokens = _tokens(8)
+    np.testing.assert_allclose(
+        model(tokens), np_gpt2(model, tokens), rtol=1e-4, atol=1e-5
+    )
+
+
+def test_gpt2_untied_head_is_one_more_leaf():
+    tied = GPT2(TINY_GPT2, jr.key(0))
+    untied = GPT2(dataclasses.replace(TINY_GPT2, tie_word_embeddings=False), jr.key(0))
+    assert tied.lm_head is None and untied.lm_head is not None
+    assert untied.lm_head.weight.shape == (37, 16) and untied.lm_head.bias is None
+    # The other arrays are the tied model's, and the head is not a copy of `wte`.
+    rest = jtu.tree_leaves(eqx.tree_at(lambda m: m.lm_head, untied, None))
+    for a, b in zip(jtu.tree_leaves(tied), rest, strict=True):
+        np.testing.assert_array_equal(a, b)
+    assert not np.allclose(untied.lm_head.weight, untied.wte.weight)
+    assert num_params(untied) == num_params(tied) + 37 * 16
+    padded = models.resize_vocab(untied, 40)  # as a tensor-parallel run pads it
+    assert padded.lm_head.weight.shape == padded.wte.weight.shape == (40, 16)
+
+
+def test_gpt2_inverse_layer_scale_gradients_scan_equal_unrolled():
+    cfg = dataclasses.replace(
+        TINY_GPT2, n_layer=3, scale_attn_by_inverse_layer_idx=True
+    )
+    model = _randomize(GPT2(cfg, jr.key(0)))
+    tokens = _tokens(6)
+    reference = _grads(model.with_options(scan_layers=False), tokens)
+    for options in (dict(), dict(remat="full")):
+        grads = _grads(model.with_options(**options), tokens)
+        for a, b in zip(
+            jtu.tree_leaves(reference), jtu.tree_leaves(grads), strict=True
+        ):
+            np.testing.assert_allclose(a, b, rtol=RTOL, atol=ATOL)
+
+
+def test_gpt2_untied_head_is_vocab_parallel():
+    from eqtrain import sharding
+
+    cfg = dataclasses.replace(
+        TINY_GPT2, vocab_size=64, tie_word_embeddings=False, n_layer=3
+    )
+    cfg = dataclasses.replace(cfg, scale_attn_by_inverse_layer_idx=True)
+    model = _randomize(GPT2(cfg, jr.key(0)))
+    mesh = sharding.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
+    rules = sharding.rules_for(model, mesh, fsdp_min_size=256)
+    vocab = jax.sharding.PartitionSpec(("tensor", "fsdp"), None)
+    assert rules.match("model.lm_head.weight") == vocab
+    placed = sharding.shard(model, sharding.state_shardings(model, mesh, rules))
+    assert placed.lm_head.weight.sharding.spec == vocab
+    tokens = jnp.stack([_tokens(8, seed=s) for s in range(4)])
+    run = jax.jit(jax.vmap(lambda m, t: m(t), in_axes=(None, 0)))
+    np.testing.assert_allclose(
+        run(placed, tokens), run(model, tokens), rtol=RTOL, atol=1e-5
+    )
 
 
 def test_gpt2_rejects_sequences_longer_than_its_positions():
@@ -364,6 +459,8 @@ def test_llama_config_errors(changes, match):
 def test_other_config_errors():
     with pytest.raises(ConfigError, match="multiple of `n_head`"):
         GPT2Config(n_embd=10, n_head=3)
+    with pytest.raises(ConfigError, match="`activation_function` must be one of"):
+        GPT2Config(activation_function="prelu")
     with pytest.raises(ConfigError, match="`activation`"):
         MLPConfig(4, 2, activation="swish")
     with pytest.raises(ConfigError, match="`dropout`"):
@@ -386,6 +483,9 @@ def test_flops_per_token():
     assert 0 < g < gpt2.flops_per_token(TINY_GPT2, 128)
     deeper_gpt2 = dataclasses.replace(TINY_GPT2, n_layer=4)
     assert gpt2.flops_per_token(deeper_gpt2, 64) > g
+    # The head counts whether tied or not (as for Llama).
+    untied = dataclasses.replace(TINY_GPT2, tie_word_embeddings=False)
+    assert gpt2.flops_per_token(untied, 64) == g
     assert mlp.flops_per_token(MLPConfig(4, 3, hidden_sizes=(8,))) == 6 * (32 + 24)
 
 
@@ -517,6 +617,16 @@ def test_family_maps_the_model_section_both_ways(arch):
         fam.tp_rules()
         and fam.tp_rules() == getattr(models, fam.name).tensor_parallel_rules()
     )
+
+
+def test_gpt2_section_maps_tie_embeddings():
+    base = dataclasses.replace(config_lib.ModelConfig(), **SECTIONS["gpt2"])
+    fam = models.family("gpt2")
+    for tie in (True, False):
+        section = dataclasses.replace(base, tie_embeddings=tie)
+        cfg = fam.from_section(section, vocab_size=37, max_seq_len=32)
+        assert cfg.tie_word_embeddings is tie
+        assert fam.to_section(cfg)["tie_embeddings"] is tie
 
 
 def test_qwen2_bias_default_yields_to_an_explicit_setting():

@@ -11,7 +11,6 @@ LLAMA_ONLY = (
     "num_kv_heads",
     "head_dim",
     "rope_theta",
-    "tie_embeddings",
     "attention_bias",
     "mlp_bias",
     "sliding_window",
@@ -25,6 +24,7 @@ ARCH_KEYS = (
     "num_heads",
     "max_seq_len",
     "norm_eps",
+    "tie_embeddings",
     *LLAMA_ONLY,
 )
 

@@ -17,6 +17,7 @@ import numpy as np
 
 from .._errors import ConfigError
 from ..models import FAMILIES, GPT2Config, HFNames, LlamaConfig, family
+from ..models.gpt2 import ACTIVATIONS as GPT2_ACTIVATIONS
 from ._errors import HFFormatError
 
 
@@ -110,7 +111,7 @@ def hf_config(
 
 def _gpt2_config(c: GPT2Config, model_type: str) -> dict[str, Any]:
     return {
-        "activation_function": "gelu_new",
+        "activation_function": c.activation_function,
         "n_positions": c.n_positions,
         "n_embd": c.n_embd,
         "n_layer": c.n_layer,
@@ -121,10 +122,11 @@ def _gpt2_config(c: GPT2Config, model_type: str) -> dict[str, Any]:
         "attn_pdrop": 0.0,
         "embd_pdrop": 0.0,
         "resid_pdrop": 0.0,
-        "scale_attn_weights": True,
-        "scale_attn_by_inverse_layer_idx": False,
-        "reorder_and_upcast_attn": False,
+        "scale_attn_weights": c.scale_attn_weights,
+        "scale_attn_by_inverse_layer_idx": c.scale_attn_by_inverse_layer_idx,
+        "reorder_and_upcast_attn": c.reorder_and_upcast_attn,
         "add_cross_attention": False,
+        "tie_word_embeddings": c.tie_word_embeddings,
     }
 
 
@@ -214,17 +216,23 @@ def _require(path: str, what: str, ok: bool, got: Any) -> None:
 def _gpt2_from_hf(
     hf: dict[str, Any], model_type: str, path: str, param_dtype: str
 ) -> GPT2Config:
+    # Absent keys take transformers' GPT2Config defaults.
     act = hf.get("activation_function", "gelu_new")
     _require(
         path,
-        "activations other than gelu_new",
-        act in ("gelu_new", "gelu_pytorch_tanh"),
+        "this activation_function (it takes the parameter-free ones of "
+        f"transformers' ACT2FN: {', '.join(sorted(GPT2_ACTIVATIONS))})",
+        act in GPT2_ACTIVATIONS,
         act,
     )
-    _require(path, "an untied GPT-2 head", hf.get("tie_word_embeddings", True), False)
-    _require(path, "unscaled attention", hf.get("scale_attn_weights", True), False)
-    inv = hf.get("scale_attn_by_inverse_layer_idx", False)
-    _require(path, "scale_attn_by_inverse_layer_idx", not inv, inv)
+    cross = hf.get("add_cross_attention", False)
+    _require(
+        path,
+        "cross-attention (add_cross_attention: an encoder-decoder's decoder, "
+        "which needs encoder states)",
+        not cross,
+        cross,
+    )
     return GPT2Config(
         vocab_size=int(hf["vocab_size"]),
         n_positions=int(hf.get("n_positions", 1024)),
@@ -234,6 +242,13 @@ def _gpt2_from_hf(
         n_inner=hf.get("n_inner"),
         layer_norm_epsilon=float(hf.get("layer_norm_epsilon", 1e-5)),
         initializer_range=float(hf.get("initializer_range", 0.02)),
+        activation_function=act,
+        scale_attn_weights=bool(hf.get("scale_attn_weights", True)),
+        scale_attn_by_inverse_layer_idx=bool(
+            hf.get("scale_attn_by_inverse_layer_idx", False)
+        ),
+        reorder_and_upcast_attn=bool(hf.get("reorder_and_upcast_attn", False)),
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", True)),
         param_dtype=param_dtype,
     )
 

@@ -154,6 +154,7 @@ def _gpt2_from_section(
         n_inner=m.intermediate_size,
         layer_norm_epsilon=1e-5 if m.norm_eps is None else m.norm_eps,
         initializer_range=m.init_std,
+        tie_word_embeddings=m.tie_embeddings,
         param_dtype=m.param_dtype,
         remat=m.remat,
         scan_layers=m.scan_layers,
@@ -169,6 +170,7 @@ def _gpt2_to_section(c: gpt2.GPT2Config) -> dict[str, Any]:
         num_heads=c.n_head,
         max_seq_len=c.n_positions,
         norm_eps=c.layer_norm_epsilon,
+        tie_embeddings=c.tie_word_embeddings,
         init_std=float(c.initializer_range),
     )
 

@@ -1,14 +1,18 @@
 """GPT-2: learned positions, LayerNorm, fused-qkv attention and a GELU MLP, with a
-head tied to the token embedding; Hugging Face's math and parameter names.
+head tied to the token embedding (or its own `lm_head`); Hugging Face's math,
+options and parameter names.
 
 Builds on the layers in `eqtrain.models._layers`.
 """
 
 import dataclasses
+import math
+from collections.abc import Callable
 from typing import Any
 
 import equinox as eqx
 import jax
+import jax.numpy as jnp
 import jax.random as jr
 from jax.sharding import PartitionSpec
 from jaxtyping import Array, Float, Int, PRNGKeyArray
@@ -31,11 +35,51 @@ from ._layers import (
 )
 
 
+def _gelu_tanh(x: Array) -> Array:
+    return jax.nn.gelu(x, approximate=True)
+
+
+def _gelu_erf(x: Array) -> Array:
+    return jax.nn.gelu(x, approximate=False)
+
+
+LAPLACE_SCALE = 0.282095 * math.sqrt(2.0)  # transformers' LaplaceActivation
+ACTIVATIONS: dict[str, Callable[[Array], Array]] = {
+    # The tanh approximation under its names (`gelu_fast` writes sqrt(2/pi) as
+    # 0.7978845608, the same float32 number).
+    "gelu_new": _gelu_tanh,
+    "gelu_pytorch_tanh": _gelu_tanh,
+    "gelu_python_tanh": _gelu_tanh,
+    "gelu_accurate": _gelu_tanh,
+    "gelu_fast": _gelu_tanh,
+    # The exact (erf) GELU.
+    "gelu": _gelu_erf,
+    "gelu_python": _gelu_erf,
+    "gelu_10": lambda x: jnp.clip(_gelu_erf(x), -10, 10),
+    "quick_gelu": lambda x: x * jax.nn.sigmoid(1.702 * x),
+    "relu": jax.nn.relu,
+    "relu2": lambda x: jnp.square(jax.nn.relu(x)),
+    "relu6": jax.nn.relu6,
+    "leaky_relu": jax.nn.leaky_relu,  # torch's default slope, 0.01
+    "silu": jax.nn.silu,
+    "swish": jax.nn.silu,
+    "hardswish": jax.nn.hard_swish,
+    "mish": jax.nn.mish,
+    "sigmoid": jax.nn.sigmoid,
+    "tanh": jnp.tanh,
+    "linear": lambda x: x,
+    "laplace": lambda x: 0.5 * (1.0 + jax.lax.erf((x - 0.707107) / LAPLACE_SCALE)),
+    "sqrtsoftplus": lambda x: jnp.sqrt(jax.nn.softplus(x)),
+}
+"""Every parameter-free `activation_function` of transformers' `ACT2FN`, as
+`GPT2MLP` applies it (`prelu` and `xielu` learn parameters a GPT-2 checkpoint
+has no tensors for)."""
+
+
 @dataclasses.dataclass(frozen=True)
 class GPT2Config:
     """Shape and options of a `GPT2`. Field names and defaults follow Hugging Face's
-    `GPT2Config` (GPT-2 small); the activation is always `"gelu_new"` (tanh GELU),
-    the head is always tied, and there is no dropout.
+    `GPT2Config` (GPT-2 small); there is no dropout.
 
     Attributes:
         vocab_size: number of token ids.
@@ -47,6 +91,16 @@ class GPT2Config:
         layer_norm_epsilon: epsilon of every LayerNorm.
         initializer_range: standard deviation of the normal initialisation
             (residual output projections get `/ sqrt(2 * n_layer)`, as GPT-2).
+        activation_function: the MLP's activation, a name in `ACTIVATIONS`:
+            `"gelu_new"` (tanh GELU, GPT-2's), `"gelu"` (exact erf GELU), ...
+        scale_attn_weights: divide attention scores by `sqrt(head_dim)`.
+        scale_attn_by_inverse_layer_idx: also divide the scores of block `i`
+            (from 0) by `i + 1`.
+        reorder_and_upcast_attn: Hugging Face computes `q @ k.T` and the softmax
+            in float32 with this; eqtrain's attention always does, so it only
+            round-trips (the same logits in float32).
+        tie_word_embeddings: the head is `wte` (`lm_head` is `None`); `False`
+            gives the model its own `lm_head` (`[vocab, n_embd]`).
         param_dtype, remat, scan_layers, attention_impl: as in `LlamaConfig`.
     """
 
@@ -58,6 +112,11 @@ class GPT2Config:
     n_inner: int | None = None
     layer_norm_epsilon: float | int = 1e-5
     initializer_range: float | int = 0.02
+    activation_function: str = "gelu_new"
+    scale_attn_weights: bool = True
+    scale_attn_by_inverse_layer_idx: bool = False
+    reorder_and_upcast_attn: bool = False
+    tie_word_embeddings: bool = True
     param_dtype: str = "float32"
     remat: str = "none"
     scan_layers: bool = True
@@ -67,6 +126,11 @@ class GPT2Config:
         if self.n_embd % self.n_head:
             raise ConfigError(
                 f"`n_embd` {self.n_embd} must be a multiple of `n_head` {self.n_head}."
+            )
+        if self.activation_function not in ACTIVATIONS:
+            raise ConfigError(
+                f"`activation_function` must be one of {sorted(ACTIVATIONS)}; got "
+                f"{self.activation_function!r}."
             )
         check_options(
             attention_impl=self.attention_impl,
@@ -105,13 +169,19 @@ class GPT2Attention(eqx.Module):
         *,
         segment_ids: Int[Array, " seq"] | None,
         implementation: str | None,
+        query_scale: Array | float | None = None,
         key: PRNGKeyArray | None = None,
     ) -> Float[Array, "seq embd"]:
+        """`query_scale` multiplies q, and so the scores, on top of attention's
+        `1 / sqrt(head_dim)` (see `query_scale`)."""
         seq, d = x.shape
         ka, kp = split_key(key, 2)
         qkv = self.c_attn(x, key=ka).reshape(seq, 3, self.n_head, d // self.n_head)
+        q = qkv[:, 0]
+        if query_scale is not None:
+            q = q * jnp.asarray(query_scale).astype(q.dtype)
         out = attention(
-            qkv[:, 0],
+            q,
             qkv[:, 1],
             qkv[:, 2],
             segment_ids=segment_ids,
@@ -122,10 +192,11 @@ class GPT2Attention(eqx.Module):
 
 
 class GPT2MLP(eqx.Module):
-    """`c_proj(gelu_tanh(c_fc(x)))`."""
+    """`c_proj(act(c_fc(x)))`, `act` one of `ACTIVATIONS` (GPT-2's: tanh GELU)."""
 
     c_fc: AnyLinear
     c_proj: AnyLinear
+    activation: str = eqx.field(static=True)
 
     def __init__(self, config: GPT2Config, key: PRNGKeyArray):
         kf, kp = jr.split(key)
@@ -134,12 +205,13 @@ class GPT2MLP(eqx.Module):
         self.c_fc = Linear(d, f, use_bias=True, std=std, dtype=dtype, key=kf)
         std_out = std * residual_scale(config.n_layer)
         self.c_proj = Linear(f, d, use_bias=True, std=std_out, dtype=dtype, key=kp)
+        self.activation = config.activation_function
 
     def __call__(
         self, x: Float[Array, "seq embd"], *, key: PRNGKeyArray | None = None
     ) -> Float[Array, "seq embd"]:
         kf, kp = split_key(key, 2)
-        h = jax.nn.gelu(self.c_fc(x, key=kf), approximate=True)
+        h = ACTIVATIONS[self.activation](self.c_fc(x, key=kf))
         return self.c_proj(h, key=kp)
 
 
@@ -180,15 +252,17 @@ class GPT2(eqx.Module):
     Parameter paths mirror Hugging Face's `GPT2LMHeadModel` (without its
     `transformer.` prefix): `wte.weight`, `wpe.weight`, `h.ln_1.{weight,bias}`,
     `h.attn.c_attn.{weight,bias}`, `h.attn.c_proj`, `h.ln_2`, `h.mlp.c_fc`,
-    `h.mlp.c_proj`, `ln_f`; the head is `wte` (tied). Every array under `h` has a
-    leading axis of size `n_layer`. Linear weights are `[out, in]` (PyTorch's
-    `nn.Linear`), so an export transposes them into HF's `Conv1D` `[in, out]`.
+    `h.mlp.c_proj`, `ln_f` and `lm_head.weight` (HF's name too; `None` when the
+    head is tied to `wte`). Every array under `h` has a leading axis of size
+    `n_layer`. Linear weights are `[out, in]` (PyTorch's `nn.Linear`), so an
+    export transposes those under `h` into HF's `Conv1D` `[in, out]`.
     """
 
     wte: Embedding
     wpe: Embedding
     h: GPT2Block
     ln_f: LayerNorm
+    lm_head: AnyLinear | None
     config: GPT2Config = eqx.field(static=True)
 
     def __init__(self, config: GPT2Config, key: PRNGKeyArray):
@@ -199,6 +273,13 @@ class GPT2(eqx.Module):
         self.wpe = Embedding(config.n_positions, d, std=std, dtype=dtype, key=kp)
         self.h = stack_layers(lambda k: GPT2Block(config, k), config.n_layer, kh)
         self.ln_f = LayerNorm(d, eps=config.layer_norm_epsilon, dtype=dtype)
+        self.lm_head = None
+        if not config.tie_word_embeddings:
+            # Its own key, so that the other arrays are those of the tied model.
+            kl = jr.fold_in(key, 3)
+            self.lm_head = Linear(
+                d, config.vocab_size, use_bias=False, std=std, dtype=dtype, key=kl
+            )
         self.config = config
 
     def __call__(
@@ -229,15 +310,22 @@ class GPT2(eqx.Module):
         positions = default_positions(tokens.shape[0], segment_ids, positions)
         x = self.wte(tokens) + self.wpe(positions)
         attn = dict(segment_ids=segment_ids, implementation=config.attention_impl)
+        if config.scale_attn_by_inverse_layer_idx:
+            # The layer index travels with the layers, so `lax.scan` slices it too.
+            layers: Any = _Numbered(self.h, jnp.arange(config.n_layer))
+            call = lambda layer, h, k: layer.block(
+                h, key=k, query_scale=query_scale(config, layer.index), **attn
+            )
+        else:
+            layers, scale = self.h, query_scale(config, None)
+            call = lambda block, h, k: block(h, key=k, query_scale=scale, **attn)
         x = run_layers(
-            self.h,
-            x,
-            lambda block, h, k: block(h, key=k, **attn),
-            scan=config.scan_layers,
-            remat=config.remat,
-            key=key,
+            layers, x, call, scan=config.scan_layers, remat=config.remat, key=key
         )
-        return self.wte.attend(self.ln_f(x))
+        x = self.ln_f(x)
+        if self.lm_head is None:
+            return self.wte.attend(x)
+        return self.lm_head(x)
 
     def with_options(self, **changes: Any) -> "GPT2":
         """The same parameters with other runtime options (`remat`, `scan_layers`,
@@ -245,10 +333,32 @@ class GPT2(eqx.Module):
         return with_config_options(self, RUNTIME_OPTIONS, **changes)
 
 
+class _Numbered(eqx.Module):
+    """A stack of blocks with each one's index (`index: [n_layer]`), for
+    `run_layers`: under `lax.scan` the index is a scanned input like the weights."""
+
+    block: GPT2Block
+    index: Int[Array, " layers"]
+
+
+def query_scale(config: GPT2Config, layer: Array | None) -> Array | float | None:
+    """What `GPT2Attention` multiplies q by so that the scores get Hugging Face's
+    scaling: `dot_product_attention` divides them by `sqrt(head_dim)`, which
+    `scale_attn_weights=False` undoes, and `scale_attn_by_inverse_layer_idx`
+    divides them by `layer + 1` (`layer`: the block's index, traced under scan).
+    `None`: nothing to change (GPT-2's default)."""
+    scale = 1.0
+    if not config.scale_attn_weights:
+        scale = math.sqrt(config.n_embd // config.n_head)
+    if layer is not None:
+        return scale / (layer + 1)
+    return None if scale == 1.0 else scale
+
+
 def flops_per_token(config: GPT2Config, seq_len: int) -> float:
     """Training FLOPs per token: `6 * N + 12 * L * d * T`, as for
     `eqtrain.models.llama.flops_per_token` (`N`: the blocks' matmul weights plus the
-    tied head `vocab * d`; `T = seq_len`)."""
+    head `vocab * d`, tied or not; `T = seq_len`)."""
     d, f = config.n_embd, config.inner_size
     per_layer = 4 * d * d + 2 * d * f
     n = config.n_layer * per_layer + config.vocab_size * d
@@ -261,9 +371,10 @@ def tensor_parallel_rules() -> list[tuple[str, PartitionSpec]]:
     Weights are `[out, in]` with a leading stacked-layer axis (`"layers"`, never
     sharded). `c_fc` is column-parallel (its `out` dimension over `tensor`), both
     `c_proj` are row-parallel (their `in` dimension), and `wte` (also the tied
-    head) splits the vocab, which `tensor` must divide (pad 50257 to 50304).
-    `fsdp` marks where FSDP goes when it applies: the other dimension of each
-    matrix, the vocab for `wte` (as for Llama's embedding).
+    head) and an untied `lm_head` split the vocab, which `tensor` must divide
+    (pad 50257 to 50304). `fsdp` marks where FSDP goes when it applies: the other
+    dimension of each matrix, the vocab for `wte` and `lm_head` (as for Llama's
+    embedding and head).
 
     `c_attn` packs q, k and v along `out` (`[q | k | v]`), so splitting that
     dimension contiguously does not give each device whole heads of each of q, k
@@ -283,5 +394,8 @@ def tensor_parallel_rules() -> list[tuple[str, PartitionSpec]]:
         (layer + r"(attn\.c_attn|mlp\.c_fc)\.bias$", PartitionSpec("layers", "tensor")),
         (layer + r"(attn|mlp)\.c_proj\.weight$", row),
         (layer, PartitionSpec("layers")),  # norms, c_proj biases: replicated
-        (r"(^|\.)wte\.weight$", PartitionSpec(("tensor", "fsdp"), None)),
+        (
+            r"(^|\.)(wte|lm_head)\.weight$",
+            PartitionSpec(("tensor", "fsdp"), None),
+        ),
     ]
