@@ -168,3 +168,37 @@ def test_tensor_parallel_with_the_byte_vocabulary_matches_one_device(arch, tmp_p
         np.testing.assert_allclose(ours[key], value, atol=1e-4)
     exported = json.loads((tmp_path / "tp" / "hf" / "config.json").read_text())
     assert exported["vocab_size"] == 259
+
+
+def test_the_base_is_read_straight_onto_the_mesh(tmp_path, base, monkeypatch):
+    """`eqtrain fit` reads `model.init_from` block by block into the shardings of
+    the run's mesh (FSDP over 8 devices here), not whole onto one device."""
+    from eqtrain.job import _build
+
+    loaded = []
+    real = _build.hf.load
+
+    def recording(*args, **kwargs):
+        out = real(*args, **kwargs)
+        loaded.append((kwargs.get("shardings"), out[0]))
+        return out
+
+    monkeypatch.setattr(_build.hf, "load", recording)
+    config = _config(tmp_path, base, "mesh.data=1", "mesh.fsdp=8")
+    prepared = job.prepare(config, echo=lambda s: None)
+    prepared.close()
+    prepared.fit_kwargs["checkpointer"].close()
+    ((shardings, model),) = loaded
+    assert shardings is not None
+    # on the run's mesh, with the sharding the placed state has
+    placed = prepared.state.model.embed_tokens.weight.sharding
+    assert model.embed_tokens.weight.sharding.mesh.shape == placed.mesh.shape
+    assert model.embed_tokens.weight.sharding.spec == placed.spec
+    assert len(model.embed_tokens.weight.sharding.device_set) == 8
+    reference, _ = real(base)
+    import numpy as np
+
+    np.testing.assert_array_equal(
+        np.asarray(prepared.state.model.embed_tokens.weight),
+        np.asarray(reference.embed_tokens.weight),
+    )

@@ -13,7 +13,15 @@ import jax
 import jax.random as jr
 import numpy as np
 
-from .. import data as data_lib, hf, lora as lora_lib, models, optim, preference
+from .. import (
+    data as data_lib,
+    hf,
+    lora as lora_lib,
+    models,
+    optim,
+    preference,
+    sharding,
+)
 from .._errors import ConfigError
 from .._state import TrainState
 from ..config import (
@@ -73,13 +81,18 @@ class Job:
         """The model family's registry entry (`eqtrain.models.family`)."""
         return models.family(self.model_type)
 
-    def base_model(self) -> Any:
+    def base_model(self, mesh: Any = None) -> Any:
         """The base model: `model.init_from`'s weights, or a random init (with a
         padded vocabulary, initialised at the real size and zero-padded, so the
-        run starts where an unpadded one would)."""
+        run starts where an unpadded one would). With `mesh`, `init_from`'s
+        tensors are read straight into their shardings on it, one device block
+        at a time (host memory: about one tensor, not the model)."""
         m = self.config.model
         if m.init_from is not None:
-            model, _ = hf.load(m.init_from, dtype=m.param_dtype)
+            shardings = None
+            if mesh is not None and self.vocab_size is None:
+                shardings = _model_shardings(mesh)
+            model, _ = hf.load(m.init_from, dtype=m.param_dtype, shardings=shardings)
             model = model.with_options(remat=m.remat, scan_layers=m.scan_layers)
         else:
             config = self.model_config
@@ -107,10 +120,10 @@ class Job:
         key = jr.fold_in(jr.key(self.config.seed), ADAPTER_SEED)
         return lora_lib.apply(model, self.lora, key=key)
 
-    def new_model(self) -> Any:
+    def new_model(self, mesh: Any = None) -> Any:
         """The initial model: the base model with the run's adapters, if any
         (and with `task.reference = "copy"`, a frozen copy of it beside)."""
-        return self._with_reference(self.with_adapters(self.base_model()))
+        return self._with_reference(self.with_adapters(self.base_model(mesh)))
 
     def _with_reference(self, model: Any) -> Any:
         if self.reference == "copy":
@@ -149,9 +162,10 @@ class Job:
             ema=self.config.loop.ema is not None,
         )
 
-    def new_state(self) -> TrainState:
-        """The initial `TrainState` (allocates the model and optimizer state)."""
-        return self._state(self.new_model(), self.config.seed)
+    def new_state(self, mesh: Any = None) -> TrainState:
+        """The initial `TrainState` (allocates the model and optimizer state;
+        with `mesh`, an HF base is read straight onto it, see `base_model`)."""
+        return self._state(self.new_model(mesh), self.config.seed)
 
     def abstract_state(self) -> TrainState:
         """The state's structure, shapes and dtypes, without reading weights."""
@@ -239,6 +253,16 @@ def build(config: Config, *, recorded: Path | None = None) -> Job:
         except ConfigError as e:
             raise ConfigError(f"[lora]: {e}") from None
     return job
+
+
+def _model_shardings(mesh: Any) -> Callable[[Any], Any]:
+    """The shardings of a plain model's arrays on `mesh` (its partition rules),
+    as `hf.load(shardings=)` takes them: a function of the abstract model."""
+
+    def shardings(model: Any) -> Any:
+        return sharding.state_shardings(model, mesh, sharding.rules_for(model, mesh))
+
+    return shardings
 
 
 def _padded_vocab(config: Config, vocab: int) -> int:

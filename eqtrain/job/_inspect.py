@@ -84,7 +84,7 @@ def _restore(path: Path, job: _build.Job, placement: _place.Placement) -> Any:
         path,
         job.abstract_state(),
         shardings=placement.state_shardings,
-        init=lambda: placement.place(job.new_state()),  # a LoRA run's frozen base
+        init=lambda: placement.place(job.new_state(placement.mesh)),  # LoRA's base
         base=job.base_reference(),
     )
 

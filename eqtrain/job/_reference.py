@@ -111,7 +111,7 @@ def attach(
 
 def _initial_model(job: _build.Job, placement: Any) -> Any:
     """The run's initial model (the policy at step 0), on the mesh."""
-    model = job.new_model()
+    model = job.new_model(placement.mesh)
     shardings = placement.state_shardings.model
     return sharding.shard(model, shardings)
 

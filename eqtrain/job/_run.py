@@ -256,7 +256,7 @@ def prepare(
         base = job.base_reference()  # a LoRA run's frozen base (None otherwise)
         start = checkpoint.resume_run(
             run_dir,
-            lambda: placement.place(job.new_state()),
+            lambda: placement.place(job.new_state(placement.mesh)),
             like=job.abstract_state(),
             resume=resume or config.checkpoint.resume,
             overwrite=overwrite,
