@@ -82,7 +82,7 @@ class ModelConfig:
         None, "Epsilon of the norms; unset: 1e-6 (Llama family), 1e-5 (GPT-2).", min=0
     )
     tie_embeddings: bool = setting(
-        True, "Share the input embedding with the output head (Llama family)."
+        True, "Share the input embedding with the output head (Llama family, GPT-2)."
     )
     attention_bias: bool = setting(
         False, "Biases on q/k/v projections (Qwen2 style; Llama family)."
