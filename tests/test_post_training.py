@@ -408,7 +408,11 @@ def test_skipped_rows_are_said_at_the_start(files, tmp_path):
     rows = _pairs(16) + [{"prompt": "p", "chosen": "x", "rejected": "x"}] * 2
     path = _write(tmp_path / "some_bad.jsonl", rows)
     config = load(tmp_path, path, "task.kind=dpo", "loop.steps=1")
-    assert "2 of 18 rows skipped" in job.report(config)
+    report = job.report(config)
+    assert "2 of 18 rows skipped" in report and "of the data" not in report
+    # most rows too long for data.seq_len: the note says what to check
+    short = load(tmp_path, path, "task.kind=dpo", "data.seq_len=24")
+    assert "of the data: check data.seq_len" in job.report(short)
     notes = []
     run(config, notes)
     assert any("data.train (some_bad.jsonl): 2 of 18 rows skipped" in n for n in notes)

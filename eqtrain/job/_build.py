@@ -537,7 +537,13 @@ def post_rows(job: Job, source: str, key: str) -> Rows:
     except data_lib.DataError as e:
         raise ConfigError(f"`{key}` ({source}): {e}") from None
     if report.skipped:
-        job.notes.append(f"{key} ({path.name}): {report}")
+        note = f"{key} ({path.name}): {report}"
+        if report.skipped * 5 > report.total:  # e.g. a seq_len too short for the data
+            note += (
+                f". That is {report.skipped / report.total:.0%} of the data: check "
+                "data.seq_len and data.max_prompt_len."
+            )
+        job.notes.append(note)
     return rows
 
 
