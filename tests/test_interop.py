@@ -202,3 +202,44 @@ def test_the_base_is_read_straight_onto_the_mesh(tmp_path, base, monkeypatch):
         np.asarray(prepared.state.model.embed_tokens.weight),
         np.asarray(reference.embed_tokens.weight),
     )
+
+
+def test_import_keeps_what_the_model_section_cannot_say(tmp_path):
+    """`eqtrain import` of a GPT-2 with exact GELU and per-layer attention scaling
+    ([model] has no keys for them): the run keeps the directory's config.json as
+    its architecture, so it trains and exports that model, not plain GPT-2."""
+    transformers = pytest.importorskip("transformers")
+    torch = pytest.importorskip("torch")
+
+    settings = dict(n_embd=32, n_layer=2, n_head=4, vocab_size=300, n_positions=64)
+    variant = transformers.GPT2Config(
+        **settings,
+        activation_function="gelu",
+        scale_attn_by_inverse_layer_idx=True,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    transformers.GPT2LMHeadModel(variant).save_pretrained(tmp_path / "g2")
+    (tmp_path / "text").mkdir()
+    (tmp_path / "text" / "a.txt").write_text(TEXT * 3)
+    run = job.import_hf(tmp_path / "g2", tmp_path / "run")
+    config = config_lib.load(
+        run / "config.toml",
+        [
+            f"data.train={tmp_path / 'text'}",
+            "data.eval=none",
+            "loop.eval_every=0",
+            "data.seq_len=16",
+            "data.batch_size=8",
+            "loop.steps=2",
+            "optim.warmup_steps=1",
+            "log.progress=none",
+        ],
+    )
+    result = job.run(config, echo=lambda s: None)
+    assert result.resumed_from == 0
+    exported = transformers.AutoModelForCausalLM.from_pretrained(run / "hf")
+    assert exported.config.activation_function == "gelu"
+    assert exported.config.scale_attn_by_inverse_layer_idx is True
+    assert exported.config.tie_word_embeddings is False
+    assert result.fit.state.model.config.activation_function == "gelu"

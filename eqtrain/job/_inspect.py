@@ -222,6 +222,15 @@ def import_hf(
         model=dataclasses.replace(job.config.model, init_from=None),
         data=dataclasses.replace(job.config.data, tokenizer=tokenizer),
     )
+    if _build.build(resolved).model_config != job.model_config:
+        # The [model] section cannot say everything this model is (e.g. GPT-2's
+        # exact GELU): the run keeps the directory's config.json as its
+        # architecture (<out>/init_from, no weights: those are step 0's).
+        _build.record_init_from(config, out)
+        record = str(out / _build.RECORD)
+        resolved = dataclasses.replace(
+            resolved, model=dataclasses.replace(resolved.model, init_from=record)
+        )
     placement = _place.placement(job)
     state = placement.place(job.new_state())
     ckpt = checkpoint.Checkpointer(
