@@ -14,6 +14,11 @@ import jax.numpy as jnp
 import jax.random as jr
 from jaxtyping import Array, ArrayLike, Float, Int, PRNGKeyArray
 
+from ._chunked import (
+    ChunkedCE as ChunkedCE,
+    chunked_cross_entropy as chunked_cross_entropy,
+    chunked_token_logprobs as chunked_token_logprobs,
+)
 from ._errors import ConfigError
 
 
@@ -116,6 +121,118 @@ def causal_lm_loss_fn(
         return loss, aux
 
     return loss_fn
+
+
+def _lm_inputs(
+    batch: Mapping[str, ArrayLike],
+) -> tuple[Array, Array, Array, Array | None]:
+    """`(tokens, targets, f32 mask, segment_ids or None)` of an LM batch."""
+    tokens = jnp.asarray(batch["tokens"])
+    targets = jnp.asarray(batch["targets"])
+    if "loss_mask" in batch:
+        mask = jnp.asarray(batch["loss_mask"]).astype(jnp.float32)
+    else:
+        mask = jnp.ones(targets.shape, jnp.float32)
+    segs = jnp.asarray(batch["segment_ids"]) if "segment_ids" in batch else None
+    return tokens, targets, mask, segs
+
+
+def _batch_features(
+    model: Any, tokens: Array, segs: Array | None, key: PRNGKeyArray | None
+) -> Array:
+    """`model.features` per row (`jax.vmap`), keys split as `causal_lm_loss` does."""
+    keys = _row_keys(key, tokens.shape[0])
+    if segs is not None:
+        call = lambda t, s, k: model.features(t, segment_ids=s, key=k)
+        return jax.vmap(call)(tokens, segs, keys)
+    return jax.vmap(lambda t, k: model.features(t, key=k))(tokens, keys)
+
+
+def chunked_causal_lm_loss_fn(
+    *, chunk: int = 256, z_loss: float | int = 0.0, vocab_size: int | None = None
+) -> Callable[..., tuple[Float[Array, ""], Aux]]:
+    """`causal_lm_loss_fn`'s loss without the `[batch, seq, vocab]` logits.
+
+    The model's final hidden states (`model.features`, under `jax.vmap` with the
+    same segment ids and per-row keys as `causal_lm_loss`) go through
+    `chunked_cross_entropy` against `model.head_weight()` in chunks of `chunk`
+    tokens, so at most `[chunk, vocab]` f32 logits exist at a time; the mean is
+    taken over the global target count outside the chunks. Loss, gradients and
+    aux (`accuracy`, `weight`, `z_loss` when on) equal `causal_lm_loss_fn`'s up
+    to float rounding; with bf16 compute the logits are f32 here (the plain loss
+    rounds them to bf16 first). Not yet the CLI's default.
+
+    Args:
+        chunk: tokens per chunk (of the flattened `batch * seq`); 256 is a good
+            start (the temporaries grow with `chunk * vocab`).
+        z_loss: as for `causal_lm_loss_fn`.
+        vocab_size: as for `causal_lm_loss_fn`.
+
+    Returns:
+        `loss_fn(model, batch, key)` for a model with `features` and
+        `head_weight` (`models.Llama`, `models.GPT2`).
+
+    Raises:
+        ConfigError: `chunk` is not a positive int or `z_loss < 0` (here); a LoRA
+            adapter with dropout on the head (at the first call with a key).
+    """
+    if z_loss < 0:
+        raise ConfigError(f"`z_loss` must be >= 0 (e.g. 1e-4); got {z_loss!r}.")
+    if not isinstance(chunk, int) or isinstance(chunk, bool) or chunk < 1:
+        raise ConfigError(f"`chunk` must be a positive int (e.g. 256); got {chunk!r}.")
+
+    def loss_fn(
+        model: Any,
+        batch: Mapping[str, ArrayLike],
+        key: PRNGKeyArray | None = None,
+    ) -> tuple[Float[Array, ""], Aux]:
+        tokens, targets, mask, segs = _lm_inputs(batch)
+        hidden = _batch_features(model, tokens, segs, key)
+        ce = chunked_cross_entropy(
+            hidden.reshape(-1, hidden.shape[-1]),
+            model.head_weight(key=key),
+            targets.reshape(-1),
+            mask.reshape(-1),
+            chunk=chunk,
+            z_loss=z_loss,
+            vocab_size=vocab_size,
+        )
+        count = jnp.sum(mask)
+        denom = jnp.where(count > 0, count, 1.0)
+        aux = {"accuracy": ce.correct / denom, "weight": count}
+        if z_loss:
+            aux["z_loss"] = ce.z / denom
+        return ce.total / denom, aux
+
+    return loss_fn
+
+
+def chunked_sequence_logprobs(
+    hidden: Float[Array, "*batch seq hidden"],
+    weight: Float[Array, "vocab hidden"],
+    targets: Int[Array, "*batch seq"],
+    mask: ArrayLike,
+    *,
+    chunk: int = 256,
+    vocab_size: int | None = None,
+) -> tuple[Float[Array, "*batch"], Float[Array, "*batch"]]:
+    """`preference.sequence_logprobs` from hidden states and the head matrix
+    (`model.features`, `model.head_weight()`), without the full logits.
+
+    Returns `(sum over masked positions of log p(target), number of masked
+    positions)` per sequence in f32, differentiable w.r.t. `hidden` and `weight`
+    (see `chunked_token_logprobs`).
+    """
+    m = jnp.asarray(mask).astype(jnp.float32)
+    t = jnp.where(m != 0, jnp.asarray(targets), 0)
+    logp = chunked_token_logprobs(
+        hidden.reshape(-1, hidden.shape[-1]),
+        weight,
+        t.reshape(-1),
+        chunk=chunk,
+        vocab_size=vocab_size,
+    ).reshape(t.shape)
+    return jnp.sum(jnp.where(m != 0, logp * m, 0.0), axis=-1), jnp.sum(m, axis=-1)
 
 
 _causal_lm_loss = causal_lm_loss_fn()

@@ -33,6 +33,7 @@ from ._layers import (
     stack_layers,
     with_config_options,
 )
+from .llama import head_weight
 
 
 def _gelu_tanh(x: Array) -> Array:
@@ -296,6 +297,21 @@ class GPT2(eqx.Module):
         within each segment and learned positions restart at 0 per segment;
         `key` feeds LoRA adapter dropout (`eqtrain.lora`), if any.
         """
+        x = self.features(tokens, segment_ids=segment_ids, positions=positions, key=key)
+        if self.lm_head is None:
+            return self.wte.attend(x)
+        return self.lm_head(x)
+
+    def features(
+        self,
+        tokens: Int[Array, " seq"],
+        *,
+        segment_ids: Int[Array, " seq"] | None = None,
+        positions: Int[Array, " seq"] | None = None,
+        key: PRNGKeyArray | None = None,
+    ) -> Float[Array, "seq hidden"]:
+        """The final-normed hidden states (`ln_f`'s output) that `__call__` feeds
+        its head; arguments as for `__call__`."""
         config = self.config
         if (
             segment_ids is None
@@ -322,10 +338,14 @@ class GPT2(eqx.Module):
         x = run_layers(
             layers, x, call, scan=config.scan_layers, remat=config.remat, key=key
         )
-        x = self.ln_f(x)
-        if self.lm_head is None:
-            return self.wte.attend(x)
-        return self.lm_head(x)
+        return self.ln_f(x)
+
+    def head_weight(
+        self, *, key: PRNGKeyArray | None = None
+    ) -> Float[Array, "vocab hidden"]:
+        """The output head as one matrix (`wte` when tied); see
+        `eqtrain.models.llama.head_weight`."""
+        return head_weight(self.wte, self.lm_head, key=key)
 
     def with_options(self, **changes: Any) -> "GPT2":
         """The same parameters with other runtime options (`remat`, `scan_layers`,

@@ -10,6 +10,7 @@ from typing import Any
 
 import equinox as eqx
 import jax
+import jax.numpy as jnp
 import jax.random as jr
 from jax.sharding import PartitionSpec
 from jaxtyping import Array, Float, Int, PRNGKeyArray
@@ -19,6 +20,7 @@ from ._layers import (
     AnyLinear,
     Embedding,
     Linear,
+    LoRALinear,
     RMSNorm,
     apply_rope,
     as_dtype,
@@ -315,6 +317,22 @@ class Llama(eqx.Module):
             key: randomness for dropout, which only LoRA adapters have
                 (`eqtrain.lora`); without adapter dropout it is unused.
         """
+        x = self.features(tokens, segment_ids=segment_ids, positions=positions, key=key)
+        if self.lm_head is None:
+            return self.embed_tokens.attend(x)
+        return self.lm_head(x)
+
+    def features(
+        self,
+        tokens: Int[Array, " seq"],
+        *,
+        segment_ids: Int[Array, " seq"] | None = None,
+        positions: Int[Array, " seq"] | None = None,
+        key: PRNGKeyArray | None = None,
+    ) -> Float[Array, "seq hidden"]:
+        """The final-normed hidden states that `__call__` feeds its head (arguments
+        as for `__call__`). With `head_weight()`, what
+        `losses.chunked_causal_lm_loss_fn` needs to skip the full logits."""
         config = self.config
         positions = default_positions(tokens.shape[0], segment_ids, positions)
         cos, sin = rope_cos_sin(positions, config.head_size, config.rope_theta)
@@ -332,15 +350,54 @@ class Llama(eqx.Module):
             remat=config.remat,
             key=key,
         )
-        x = self.norm(x)
-        if self.lm_head is None:
-            return self.embed_tokens.attend(x)
-        return self.lm_head(x)
+        return self.norm(x)
+
+    def head_weight(
+        self, *, key: PRNGKeyArray | None = None
+    ) -> Float[Array, "vocab hidden"]:
+        """The output head as one matrix: `logits = features @ head_weight().T`.
+        See `head_weight`."""
+        return head_weight(self.embed_tokens, self.lm_head, key=key)
 
     def with_options(self, **changes: Any) -> "Llama":
         """The same parameters with other runtime options (`remat`, `scan_layers`,
         `attention_impl`), e.g. `model.with_options(remat="full")`."""
         return with_config_options(self, RUNTIME_OPTIONS, **changes)
+
+
+def head_weight(
+    embedding: Embedding, lm_head: AnyLinear | None, *, key: PRNGKeyArray | None = None
+) -> Float[Array, "vocab hidden"]:
+    """The `[vocab, hidden]` matrix of a decoder's head: the tied embedding, the
+    `lm_head` weight, or, for a head wrapped by `eqtrain.lora`, the merged
+    `weight + scale * lora_b @ lora_a` (f32, in the weight's dtype; as
+    `lora.merged_weight`), so the adapter's gradient flows through it.
+
+    `key` says the caller is in a training step (adapter dropout active): dropout
+    on the head's input cannot be folded into a matrix, so that case is refused.
+
+    Raises:
+        ConfigError: the head has a bias, or an enabled adapter with dropout and a
+            `key` was given.
+    """
+    if lm_head is None:
+        return embedding.weight
+    if lm_head.bias is not None:
+        raise ConfigError(
+            "`head_weight` needs a head without bias (logits = x @ W.T); this "
+            "`lm_head` has one. Use the model's `__call__` for its logits."
+        )
+    if not isinstance(lm_head, LoRALinear) or not lm_head.enabled:
+        return lm_head.weight
+    if lm_head.dropout > 0 and key is not None:
+        raise ConfigError(
+            f"the `lm_head` LoRA adapter has dropout {lm_head.dropout}, which a "
+            "chunked head (one matrix) cannot apply. Leave `lm_head` out of the "
+            "LoRA `targets`, set the LoRA dropout to 0, or use the plain loss."
+        )
+    b, a = lm_head.lora_b.astype(jnp.float32), lm_head.lora_a.astype(jnp.float32)
+    w = lm_head.weight.astype(jnp.float32) + lm_head.scale * (b @ a)
+    return w.astype(lm_head.weight.dtype)
 
 
 def flops_per_token(config: LlamaConfig, seq_len: int) -> float:
