@@ -203,6 +203,7 @@ def test_bf16_kernel_keeps_dtypes_and_matches():
     assert_close((v1, g1), (v2, g2), rtol=2e-2, atol=5e-2)
 
 
+@pytest.mark.slow  # the default suite's time; the kernel's bf16 test stays
 def test_train_step_with_bf16_precision():
     model = make("llama")
     opt = optax.sgd(0.1)

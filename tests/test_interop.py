@@ -114,7 +114,9 @@ def test_progress_in_a_log_file_is_about_twenty_lines(tmp_path, base, capfd):
     ]
 
 
-@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+@pytest.mark.parametrize(
+    "arch", ["llama", pytest.param("gpt2", marks=pytest.mark.slow)]
+)
 def test_tensor_parallel_with_the_byte_vocabulary_matches_one_device(arch, tmp_path):
     """data=2, fsdp=2, tensor=2 with the byte tokenizer (259 ids, which split
     over no axis): the embedding and head are padded to 260 rows, the padded
