@@ -27,6 +27,7 @@ def _quick(script: str) -> tuple[list[dict], str]:
     return [json.loads(line) for line in lines], proc.stderr
 
 
+@pytest.mark.slow  # the default suite's time: `nox -s slow`
 def test_overhead_quick():
     records, stderr = _quick("overhead.py")
     assert [r["config"] for r in records] == ["base", "many_small_leaves"]

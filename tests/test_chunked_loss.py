@@ -226,7 +226,10 @@ def test_eval_path_equals_train_path():
     assert_close(evaluated, trained)
 
 
-@pytest.mark.parametrize("kind, axes", [("llama", (2, 2, 2)), ("gpt2", (1, 2, 4))])
+@pytest.mark.parametrize(
+    "kind, axes",
+    [("llama", (2, 2, 2)), pytest.param("gpt2", (1, 2, 4), marks=pytest.mark.slow)],
+)
 def test_sharded_fsdp_and_tensor_parallel(kind, axes):
     model, batch = make(kind), BATCH
     (l1, a1), g1 = value_and_grads(NAIVE[kind], model, batch)

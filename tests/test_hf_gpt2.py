@@ -220,6 +220,7 @@ def test_unknown_activation_is_a_config_error():
         dataclasses.replace(GPT2Config(**SHAPE), activation_function="gelu_tanh")
 
 
+@pytest.mark.slow  # test_interop's import of a variant runs a job by default
 def test_fine_tune_a_combined_variant_from_hf(tmp_path):
     """`model.init_from` on an untied, gelu, layer-scaled GPT-2: the run starts
     from its weights, trains, and exports what transformers loads with eqtrain's
