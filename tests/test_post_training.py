@@ -103,7 +103,15 @@ def run(config, notes=None):
 
 
 # -- DPO's reference three ways -----------------------------------------------------
-@pytest.mark.parametrize("mode", ["copy", "precomputed", "adapters_off"])
+@pytest.mark.parametrize(
+    "mode",
+    [
+        "copy",
+        # (test_preference.py checks every mode's first loss in the library, fast)
+        pytest.param("precomputed", marks=pytest.mark.slow),
+        pytest.param("adapters_off", marks=pytest.mark.slow),
+    ],
+)
 def test_dpo_step_one_is_log_2_in_every_reference_mode(mode, files, tmp_path):
     extra = ["task.kind=dpo", f"task.reference={mode}", "loop.steps=1"]
     extra += [f"data.eval={files['pairs_eval']}", "data.eval_rows=8"]
@@ -287,6 +295,7 @@ def test_packed_examples_do_not_see_each_other():
     )
 
 
+@pytest.mark.slow  # the sft.toml example and the chat-template test run SFT jobs
 def test_sft_run_trains_on_chat_and_prompt_completion(files, tmp_path):
     result = run(load(tmp_path / "chat", files["chat"], "task.kind=sft"))
     assert result.fit.history[-1]["loss"] > 0
