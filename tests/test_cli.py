@@ -172,6 +172,7 @@ def test_fit_eval_info_export_import_plot(tiny_config, tmp_path):
     assert (tmp_path / "p.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.slow  # the default suite's time (export.every: test_job's key table)
 def test_periodic_exports_live_beside_the_final_one(tiny_config, tmp_path):
     run_dir = tmp_path / "exports"
     args = ["fit", tiny_config, "--run-dir", run_dir, "--set", "export.every=3"]

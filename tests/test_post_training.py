@@ -513,6 +513,7 @@ def test_sft_then_dpo_from_an_hf_directory_keep_its_chat_template(tmp_path):
     assert (tmp_path / "dpo" / "run" / "hf" / "chat_template.jinja").exists()
 
 
+@pytest.mark.slow  # default: the in-process stop, damage and resume test above
 def test_precomputed_reference_survives_a_kill_and_resume(files, tmp_path):
     """`eqtrain fit` with a precomputed reference, SIGKILLed after its reference
     file and a checkpoint are written, then run again: the stored log-probs are
