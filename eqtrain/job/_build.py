@@ -71,6 +71,7 @@ class Job:
     template: Any = None
     notes: list[str] = dataclasses.field(default_factory=list)
     vocab_size: int | None = None
+    _base_hash: dict[str, Any] | None = dataclasses.field(default=None, repr=False)
 
     @property
     def run_dir(self) -> Path:
@@ -191,13 +192,20 @@ class Job:
                     "adapters. Put the base back there, or pass its new place with "
                     "--set model.init_from=PATH (its content is checked)."
                 )
-            return hf.content_hash(init_from)
+            return self.init_from_hash()
         import hashlib
 
         digest = hashlib.sha256()
         for leaf in jax.tree.leaves(eqx.filter(self.base_model(), eqx.is_array)):
             digest.update(np.asarray(jax.device_get(leaf)).tobytes())
         return {"path": None, "seed": self.config.seed, "sha256": digest.hexdigest()}
+
+    def init_from_hash(self) -> dict[str, Any]:
+        """`hf.content_hash` of `model.init_from`, read once per job (the LoRA
+        base reference and the precomputed reference's key both use it)."""
+        if self._base_hash is None:
+            self._base_hash = hf.content_hash(self.config.model.init_from)
+        return self._base_hash
 
     def num_trainable(self) -> tuple[int, int]:
         """`(trainable, total)` parameter counts."""

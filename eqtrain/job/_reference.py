@@ -25,7 +25,7 @@ import numpy as np
 from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
-from .. import hf, preference, sharding
+from .. import preference, sharding
 from . import _build
 
 
@@ -47,7 +47,7 @@ def identity(job: _build.Job) -> dict[str, Any]:
     m, config = job.config.model, job.config
     out: dict[str, Any] = {"model_config": repr(job.model_config)}
     if m.init_from is not None:
-        out["init_from"] = hf.content_hash(m.init_from)["sha256"]
+        out["init_from"] = job.init_from_hash()["sha256"]
     else:
         out["seed"] = config.seed
     if job.lora is not None and m.adapter_from is not None:
