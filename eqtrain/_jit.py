@@ -45,9 +45,12 @@ def _same_static(a: Any, b: Any) -> bool:
 class _Layout:
     """How one state structure splits into array leaves and static leaves."""
 
-    def __init__(self, treedef: Any, leaves: list[Any]):
+    def __init__(self, treedef: Any, leaves: list[Any], *, abstract: bool = False):
         self.treedef = treedef
-        self.is_array = [eqx.is_array(x) for x in leaves]
+        self.is_array = [
+            eqx.is_array(x) or (abstract and isinstance(x, jax.ShapeDtypeStruct))
+            for x in leaves
+        ]
         self.statics = [
             None if a else x for a, x in zip(self.is_array, leaves, strict=True)
         ]
@@ -141,6 +144,20 @@ class Jitted:
             new_arrays, aux = out
             return layout.rebuild(new_arrays), aux
         return out
+
+    def lower(self, state: Any, batch: Batch) -> Any:
+        """`jax.jit(...).lower` of the step for `state` and `batch`, which may be
+        abstract (`jax.ShapeDtypeStruct` leaves, e.g. `eqx.filter_eval_shape`'s
+        state): `.compile().memory_analysis()` then tells the step's per-device
+        memory without allocating it. Leaves this `Jitted`'s own compiled step
+        (and `num_traces`) as they were."""
+        leaves, treedef = jtu.tree_flatten(state)
+        layout = _Layout(treedef, leaves, abstract=True)
+        traces, mode = self.num_traces, self._mode
+        try:
+            return self._build(layout).lower(layout.arrays(leaves), batch)
+        finally:
+            self.num_traces, self._mode = traces, mode
 
     def _explain_deleted(self, arrays: list[Any], error: Exception) -> None:
         assert self._layout is not None

@@ -27,7 +27,7 @@ from jaxtyping import Array, ArrayLike, Float, Int, PRNGKeyArray
 from . import lora
 from ._errors import ConfigError
 from ._state import trainable_mask
-from .losses import vocab_mask
+from .losses import chunked_sequence_logprobs, vocab_mask
 
 
 Metrics = dict[str, Float[Array, ""]]
@@ -252,8 +252,19 @@ def _logps(
     mask: Array,
     key: Any,
     vocab_size: int | None = None,
+    chunk: int | None = None,
 ) -> Any:
     keys = None if key is None else jr.split(key, tokens.shape[0])
+    if chunk:
+        hidden = jax.vmap(lambda t, k: model.features(t, key=k))(tokens, keys)
+        return chunked_sequence_logprobs(
+            hidden,
+            model.head_weight(key=key),
+            targets,
+            mask,
+            chunk=chunk,
+            vocab_size=vocab_size,
+        )
     logits = jax.vmap(lambda t, k: model(t, key=k))(tokens, keys)
     return sequence_logprobs(logits, targets, mask, vocab_size=vocab_size)
 
@@ -271,14 +282,19 @@ def _pairs(batch: Mapping[str, ArrayLike]) -> tuple[int, Array, Array, Array]:
 
 
 def pair_logprobs(
-    model: Any, batch: Mapping[str, ArrayLike], *, vocab_size: int | None = None
+    model: Any,
+    batch: Mapping[str, ArrayLike],
+    *,
+    vocab_size: int | None = None,
+    chunk: int | None = None,
 ) -> tuple[Float[Array, " pairs"], Float[Array, " pairs"]]:
     """`(chosen, rejected)` sequence log-probs (sums over each completion's mask)
     of `model` on a batch of pairs, without dropout: what `reference="precomputed"`
     reads back as `reference_chosen` / `reference_rejected`. Jit it (e.g.
-    `eqx.filter_jit`) to precompute a reference over a dataset once."""
+    `eqx.filter_jit`) to precompute a reference over a dataset once. `chunk`: as
+    for `preference_loss_fn`."""
     pairs, tokens, targets, mask = _pairs(batch)
-    logp, _ = _logps(model, tokens, targets, mask, None, vocab_size)
+    logp, _ = _logps(model, tokens, targets, mask, None, vocab_size, chunk)
     return logp[:pairs], logp[pairs:]
 
 
@@ -291,6 +307,7 @@ def preference_loss_fn(
     orpo_lambda: float = 0.1,
     gamma: float = 0.5,
     vocab_size: int | None = None,
+    chunk: int | None = None,
 ) -> Callable[..., tuple[Float[Array, ""], Metrics]]:
     """A preference loss `loss_fn(model, batch, key) -> (loss, aux)` for
     `eqtrain.train_step` and the step pieces.
@@ -318,6 +335,10 @@ def preference_loss_fn(
         gamma: SimPO's target reward margin.
         vocab_size: the real vocabulary of a model with a padded embedding and
             head (`models.resize_vocab`): padded logits are masked out.
+        chunk: compute the log-probs from `model.features` and
+            `model.head_weight()` this many tokens at a time
+            (`losses.chunked_sequence_logprobs`), never holding the full logits;
+            None: through the model's logits.
     """
     if kind not in KINDS:
         raise ConfigError(f"preference `kind` must be one of {KINDS}; got {kind!r}.")
@@ -336,7 +357,7 @@ def preference_loss_fn(
         if needs:
             _check_reference(model, reference)
         policy = model.policy if needs and reference == "copy" else model
-        logp, count = _logps(policy, tokens, targets, mask, key, vocab_size)
+        logp, count = _logps(policy, tokens, targets, mask, key, vocab_size, chunk)
         count = jnp.maximum(count, 1.0)
         pc, pr = logp[:pairs], logp[pairs:]
         mean_c, mean_r = pc / count[:pairs], pr / count[pairs:]
@@ -346,7 +367,9 @@ def preference_loss_fn(
                 rr = jnp.asarray(batch["reference_rejected"])
             else:
                 ref = model.reference if reference == "copy" else lora.disable(model)
-                ref_logp, _ = _logps(ref, tokens, targets, mask, None, vocab_size)
+                ref_logp, _ = _logps(
+                    ref, tokens, targets, mask, None, vocab_size, chunk
+                )
                 ref_logp = jax.lax.stop_gradient(ref_logp)
                 rc, rr = ref_logp[:pairs], ref_logp[pairs:]
             if kind == "dpo":

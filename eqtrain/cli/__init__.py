@@ -97,9 +97,19 @@ def fit(
         bool,
         typer.Option(
             "--dry-run",
-            help="Print the mesh, parameters, sharding and memory; do not train.",
+            help="Print the mesh, parameters, sharding and the compiled step's "
+            "memory per device; do not train.",
         ),
     ] = False,
+    memory_budget: Annotated[
+        str | None,
+        typer.Option(
+            "--memory-budget",
+            help="With --dry-run (implied): also find the longest data.seq_len "
+            "whose step fits this much memory per device (e.g. 16GB), by "
+            "compiling a few lengths.",
+        ),
+    ] = None,
     resume: Annotated[
         str | None,
         typer.Option(
@@ -129,6 +139,12 @@ def fit(
         if run_dir is not None:
             overrides.append(f"run_dir={run_dir}")
         cfg = config_lib.load(config, overrides)
+        if memory_budget is not None:
+            budget = config_lib.parse_size(memory_budget, field="--memory-budget")
+            typer.echo(job.report(cfg))
+            typer.echo("")
+            typer.echo(job.budget_report(cfg, budget, memory_budget))
+            return
         if dry_run:
             typer.echo(job.report(cfg))
             return

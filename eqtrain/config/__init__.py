@@ -17,6 +17,8 @@ from ._parse import (
     schema as schema,
 )
 from ._schema import (
+    AUTO_LOSS_CHUNK as AUTO_LOSS_CHUNK,
+    LOSS_CHUNK_MIN_VOCAB as LOSS_CHUNK_MIN_VOCAB,
     PREFERENCE_TASKS as PREFERENCE_TASKS,
     SECTIONS as SECTIONS,
     CheckpointConfig as CheckpointConfig,

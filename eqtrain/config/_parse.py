@@ -39,9 +39,13 @@ class Field:
 
     @property
     def type_name(self) -> str:
-        name = {"duration": "duration", "size": "size", "path": "path"}.get(
-            self.kind or "", self.type.__name__
-        )
+        name = {
+            "duration": "duration",
+            "size": "size",
+            "path": "path",
+            "names": "names",
+            "auto_int": "integer or 'auto'",
+        }.get(self.kind or "", self.type.__name__)
         name = {"str": "string", "bool": "boolean", "int": "integer"}.get(name, name)
         return f"{name} (optional)" if self.optional else name
 
@@ -155,6 +159,8 @@ def _from_string(text: str, field: Field) -> Any:
         return stripped[1:-1]  # a quoted string stays a string
     if field.optional and stripped.lower() in _NONE:
         return None
+    if field.kind == "auto_int" and stripped.lower() == "auto":
+        return "auto"
     if field.type is bool:
         if stripped.lower() in _TRUE + _FALSE:
             return stripped.lower() in _TRUE
@@ -189,6 +195,17 @@ def _coerce(value: Any, field: Field) -> Any:
         raise ValueError("a value is required")
     if field.kind == "duration":
         return parse_duration(value)
+    if field.kind == "auto_int" and isinstance(value, str):
+        if value.strip().lower() != "auto":
+            raise ValueError("expected an integer or 'auto'")
+        return "auto"
+    if field.kind == "names":
+        items = value.split(",") if isinstance(value, str) else value
+        if not isinstance(items, (list, tuple)) or not all(
+            isinstance(n, str) for n in items
+        ):
+            raise ValueError("expected a list of names or a comma-separated string")
+        return ",".join(n.strip() for n in items if n.strip())
     if field.kind == "size":
         if isinstance(value, bool) or not isinstance(value, (int, str)):
             raise ValueError("expected bytes or a size like '5GB'")

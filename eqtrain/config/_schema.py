@@ -36,6 +36,10 @@ REFERENCES = ("auto", "copy", "adapters_off", "precomputed")
 OPTIMIZERS = ("adamw", "adam", "lion", "sgd", "adafactor")
 SCHEDULES = ("constant", "linear", "cosine", "wsd")
 DTYPES = ("float32", "bfloat16", "float16")
+# `model.loss_chunk = "auto"` chunks the loss from this vocabulary size on (see
+# docs/performance.md, "Chunked loss", for the measurement behind it).
+LOSS_CHUNK_MIN_VOCAB = 8192
+AUTO_LOSS_CHUNK = 256
 # The defaults of unset `optim.warmup_steps` and `optim.final_lr`, which depend on
 # other keys: see `OptimConfig.resolved`.
 WARMUP_PERCENT = 5  # of loop.steps
@@ -97,8 +101,53 @@ class ModelConfig:
     )
     remat: str = setting(
         "none",
-        "Activation checkpointing of each block.",
-        choices=("none", "full", "dots", "dots_no_batch"),
+        "Activation checkpointing of each block: `none` keeps every activation; "
+        "`full` keeps each block's input and recomputes the rest; `dots` / "
+        "`dots_no_batch` keep matmul outputs (without: attention's); `save_qkv` "
+        "keeps q/k/v; `save_out` keeps the attention output; `offload_layer_input` "
+        "is `full` with the block inputs in host memory (GPU/TPU; the CPU backend "
+        "drops the move); `custom`: model.remat_save / remat_offload.",
+        choices=(
+            "none",
+            "full",
+            "dots",
+            "dots_no_batch",
+            "save_qkv",
+            "save_out",
+            "offload_layer_input",
+            "custom",
+        ),
+    )
+    remat_save: str = setting(
+        "",
+        "With remat = `custom`: activations to keep, by name (a list or "
+        "comma-separated): layer_input, query, key, value, attn_out, mlp_in, "
+        "mlp_out.",
+        kind="names",
+    )
+    remat_offload: str = setting(
+        "",
+        "With remat = `custom`: activations to move to host memory until the "
+        'backward pass (names as remat_save; e.g. ["layer_input"]).',
+        kind="names",
+    )
+    mlp_chunks: int | str = setting(
+        1,
+        "Tiled MLP: run each block's MLP over this many pieces of the sequence, "
+        "each recomputed in the backward pass, so only [seq / chunks, "
+        "intermediate] exists at a time; must divide data.seq_len; `auto`: "
+        "ceil(seq_len / hidden_size); 1: off.",
+        min=1,
+        kind="auto_int",
+    )
+    loss_chunk: int | str = setting(
+        "auto",
+        "Chunked LM head + loss: compute the output head and cross-entropy over "
+        "this many tokens at a time, never holding the [tokens, vocab] logits; 0: "
+        "off (full logits); `auto`: 256-token chunks when the vocabulary has "
+        f"at least {LOSS_CHUNK_MIN_VOCAB} ids, else off.",
+        min=0,
+        kind="auto_int",
     )
     scan_layers: bool = setting(
         True, "Run the blocks with `lax.scan` (faster compiles) or unrolled."

@@ -89,12 +89,29 @@ def eval_source(config: Config) -> str:
 def validate(config: Config) -> None:
     """Raise `ConfigError` naming the keys of any inconsistent combination."""
     _model(config)
+    _memory(config)
     _mesh(config)
     _batches(config)
     _loop(config)
     _lora(config)
     _task(config)
     _export(config)
+
+
+def _memory(config: Config) -> None:
+    """The memory options: remat presets and names, the tiled MLP's pieces."""
+    from ..models._layers import check_remat
+
+    m = config.model
+    check_remat(m.remat, m.remat_save, m.remat_offload, prefix="model.")
+    chunks, seq = m.mlp_chunks, config.data.seq_len
+    if chunks != "auto" and seq % chunks:
+        fits = [d for d in range(2, min(seq, 64) + 1) if seq % d == 0][:6]
+        raise ConfigError(
+            f"`model.mlp_chunks` ({chunks}) must divide `data.seq_len` ({seq}) so "
+            f"that every piece of the sequence has the same length; e.g. "
+            f"{', '.join(map(str, fits)) or 1}, or 'auto'."
+        )
 
 
 def _changed(config: Config) -> frozenset[str]:

@@ -25,13 +25,15 @@ from .. import (
 from .._errors import ConfigError
 from .._state import TrainState
 from ..config import (
+    AUTO_LOSS_CHUNK,
+    LOSS_CHUNK_MIN_VOCAB,
     PREFERENCE_TASKS,
     Config,
     explicit,
     lora_on,
     reference_mode,
 )
-from ..losses import causal_lm_loss, causal_lm_loss_fn
+from ..losses import causal_lm_loss, causal_lm_loss_fn, chunked_causal_lm_loss_fn
 
 
 Rows = dict[str, np.ndarray]
@@ -58,6 +60,8 @@ class Job:
         vocab_size: the real vocabulary when the model's embedding and head are
             padded to split over the tensor-parallel axis (`model_config` has the
             padded size), else None.
+        loss_chunk: tokens per chunk of the chunked head + loss
+            (`model.loss_chunk` resolved), 0: the plain loss over full logits.
     """
 
     config: Config
@@ -71,7 +75,16 @@ class Job:
     template: Any = None
     notes: list[str] = dataclasses.field(default_factory=list)
     vocab_size: int | None = None
+    loss_chunk: int = 0
     _base_hash: dict[str, Any] | None = dataclasses.field(default=None, repr=False)
+
+    def head_dropout(self) -> bool:
+        """Whether the run's LoRA puts an adapter with dropout on the output head
+        (which a chunked head, one matrix, cannot apply)."""
+        if self.lora is None or self.lora.dropout <= 0:
+            return False
+        model = self.policy(self.abstract_state().model)
+        return isinstance(getattr(model, "lm_head", None), models.LoRALinear)
 
     @property
     def run_dir(self) -> Path:
@@ -94,7 +107,7 @@ class Job:
             if mesh is not None and self.vocab_size is None:
                 shardings = _model_shardings(mesh)
             model, _ = hf.load(m.init_from, dtype=m.param_dtype, shardings=shardings)
-            model = model.with_options(remat=m.remat, scan_layers=m.scan_layers)
+            model = model.with_options(**models.runtime_options(m))
         else:
             config = self.model_config
             if self.vocab_size is not None:
@@ -251,7 +264,6 @@ def build(config: Config, *, recorded: Path | None = None) -> Job:
     job = Job(config, tokenizer, model_config, model_type, optimizer)
     job.vocab_size = real
     job.reference = reference_mode(config)
-    job.loss_fn = task_loss(config, job.reference, vocab_size=real)
     if config.task.kind != "lm":
         job.template = _chat_template(config, source)
     if lora_on(config):
@@ -260,6 +272,9 @@ def build(config: Config, *, recorded: Path | None = None) -> Job:
             job.abstract_state()  # targets, rank and train_also against the model
         except ConfigError as e:
             raise ConfigError(f"[lora]: {e}") from None
+    chunk = loss_chunk(config, model_config.vocab_size, head_dropout=job.head_dropout())
+    job.loss_fn = task_loss(config, job.reference, vocab_size=real, chunk=chunk)
+    job.loss_chunk = chunk
     return job
 
 
@@ -290,15 +305,43 @@ def _padded_vocab(config: Config, vocab: int) -> int:
     return -(-vocab // multiple) * multiple
 
 
+def loss_chunk(config: Config, vocab: int, *, head_dropout: bool = False) -> int:
+    """`model.loss_chunk` resolved for a model with `vocab` output ids: tokens per
+    chunk of the chunked head + loss, or 0 for the plain loss. `auto` chunks from
+    `LOSS_CHUNK_MIN_VOCAB` ids on (below it the logits are small, and the plain
+    loss is as fast), unless `head_dropout` (a LoRA adapter with dropout on the
+    head, which a chunked head cannot apply; an explicit chunk is an error)."""
+    chunk = config.model.loss_chunk
+    if chunk == "auto":
+        if head_dropout or vocab < LOSS_CHUNK_MIN_VOCAB:
+            return 0
+        return AUTO_LOSS_CHUNK
+    if chunk and head_dropout:
+        raise ConfigError(
+            f"model.loss_chunk = {chunk} computes the head as one matrix, which "
+            f"cannot apply the LoRA dropout (lora.dropout = {config.lora.dropout}) "
+            "of an adapter on `lm_head` (lora.targets). Set model.loss_chunk = 0, "
+            "lora.dropout = 0, or leave lm_head out of lora.targets."
+        )
+    return int(chunk)
+
+
 def task_loss(
-    config: Config, reference: str | None, *, vocab_size: int | None = None
+    config: Config,
+    reference: str | None,
+    *,
+    vocab_size: int | None = None,
+    chunk: int = 0,
 ) -> Callable[..., Any]:
     """The loss of `task.kind`: next-token cross-entropy for lm and sft (whose
     rows mask out everything but completions), else the preference loss;
     `vocab_size`: a padded model's real vocabulary (its padded logits are
-    masked)."""
+    masked); `chunk`: tokens per chunk of a chunked head + loss (0: the plain
+    loss over full logits)."""
     t = config.task
     if t.kind in ("lm", "sft"):
+        if chunk:
+            return chunked_causal_lm_loss_fn(chunk=chunk, vocab_size=vocab_size)
         if vocab_size is not None:
             return causal_lm_loss_fn(vocab_size=vocab_size)
         return causal_lm_loss
@@ -311,6 +354,7 @@ def task_loss(
             orpo_lambda=t.orpo_lambda,
             gamma=t.simpo_gamma,
             vocab_size=vocab_size,
+            chunk=chunk or None,
         )
     except ConfigError as e:
         raise ConfigError(f"[task]: {e}") from None

@@ -1,5 +1,6 @@
 """`eqtrain fit --dry-run`: what a run would do — mesh, parameters, a per-leaf
-sharding table and a per-device memory estimate — without training or writing."""
+sharding table and the per-device memory of its compiled training step — without
+training or writing."""
 
 import math
 from typing import Any
@@ -10,7 +11,7 @@ import jax
 from .. import lora, models, sharding
 from .._state import TrainState
 from ..config import Config
-from . import _build, _place
+from . import _build, _memory, _place
 
 
 def _activations(config: Config, job: _build.Job, parallel: int) -> int:
@@ -93,11 +94,10 @@ def report(config: Config) -> str:
     params = [t for t in table if t.path.startswith("model.")]
     opt = [t for t in table if t.path.startswith("opt_state.")]
     num = models.num_params(abstract.model)
-    parallel = mesh.shape["data"] * mesh.shape["fsdp"]
     p_bytes = sum(t.bytes_per_device for t in params)
     o_bytes = sum(t.bytes_per_device for t in opt)
     rest = sum(t.bytes_per_device for t in table) - p_bytes - o_bytes
-    act = _activations(config, job, parallel)
+    memory = _memory.step_memory(job, placement, _memory.abstract_batch(job, rows))
     lines = [
         f"run_dir      {config.run_dir} (nothing written: dry run)",
         f"model        {job.model_type}, {num:,} parameters "
@@ -114,17 +114,85 @@ def report(config: Config) -> str:
         f"lr {config.optim.lr:g} {config.optim.schedule}",
         f"devices      {mesh.devices.size} x {mesh.devices.flat[0].platform}; mesh "
         + ", ".join(f"{k}={v}" for k, v in mesh.shape.items()),
+        _options_line(job),
         "",
         sharding.format_table(table),
-    ]
-    total = p_bytes + o_bytes + rest + act
-    lines += [
         "",
-        "memory per device (estimate)",
-        f"  parameters        {sharding.format_bytes(p_bytes)}",
-        f"  optimizer state   {sharding.format_bytes(o_bytes)}",
-        f"  other state       {sharding.format_bytes(rest)}",
-        f"  activations       {sharding.format_bytes(act)}  (one micro-batch; rough)",
-        f"  total             {sharding.format_bytes(total)}",
+        *memory_lines(memory, p_bytes, o_bytes, rest, _grad_bytes(abstract, params)),
     ]
+    return "\n".join(lines)
+
+
+def _options_line(job: _build.Job) -> str:
+    """The memory options in effect: loss chunking, tiled MLP, remat."""
+    m = job.config.model
+    loss = f"chunked, {job.loss_chunk} tokens" if job.loss_chunk else "full logits"
+    if m.loss_chunk == "auto":
+        loss += " (auto)"
+    chunks = models.runtime_options(m)["mlp_chunks"]
+    mlp = "untiled" if chunks == 1 else f"tiled in {chunks} pieces"
+    remat = m.remat
+    if remat == "custom":
+        remat += f" (save {m.remat_save or '-'}; offload {m.remat_offload or '-'})"
+    return f"memory opts  loss {loss}; MLP {mlp}; remat {remat}"
+
+
+def _grad_bytes(abstract: Any, params: list[Any]) -> int:
+    """Per-device bytes of the gradients: one per trainable parameter, sharded
+    like it (the share of the parameters' bytes that train)."""
+    trained = models.num_params(abstract.params)
+    total = models.num_params(abstract.model)
+    p_bytes = sum(t.bytes_per_device for t in params)
+    return int(p_bytes * trained / total) if total else 0
+
+
+def memory_lines(
+    memory: _memory.StepMemory, params: int, opt: int, rest: int, grads: int
+) -> list[str]:
+    """The dry run's memory section: the state's bytes from the sharding table,
+    the step's from XLA's analysis of the compiled step."""
+    fmt = sharding.format_bytes
+    batch = max(0, memory.arguments - params - opt - rest)
+    acts = max(0, memory.temp - grads)
+    lines = [
+        "memory per device (the compiled training step: XLA's memory analysis)",
+        f"  parameters        {fmt(params)}",
+        f"  optimizer state   {fmt(opt)}",
+        f"  other state       {fmt(rest)}",
+        f"  batch             {fmt(batch)}",
+        f"  gradients         {fmt(grads)}  (one per trainable parameter)",
+        f"  activations       {fmt(acts)}  (kept for the backward pass, and "
+        "workspace; one micro-batch)",
+        f"  peak              {fmt(memory.peak)}",
+    ]
+    if memory.host_temp:
+        lines.append(f"  host memory       {fmt(memory.host_temp)}  (offloaded)")
+    return lines
+
+
+def budget_report(config: Config, budget: int, label: str | None = None) -> str:
+    """`--memory-budget`: the longest `data.seq_len` whose step fits `budget`
+    bytes per device, found by compiling a few lengths."""
+    planned = _place.plan(config)
+    fmt = sharding.format_bytes
+    lines = [
+        f"longest data.seq_len within {fmt(budget)} per device (compiled, not run):"
+    ]
+    fit = _memory.longest_seq_len(
+        planned.job.config, budget, planned.rows, say=lines.append
+    )
+    if fit.seq_len is None:
+        shortest = min(n for n, _ in fit.tried)
+        lines.append(
+            f"none: even seq_len {shortest} needs "
+            f"{fmt(dict(fit.tried)[shortest])} per device. Lower data.batch_size, "
+            "raise optim.accumulate, turn on model.remat / mlp_chunks / loss_chunk, "
+            "or shard with mesh.fsdp."
+        )
+    else:
+        assert fit.peak is not None
+        note = f" (stopped at {fit.limit})" if fit.limit else ""
+        lines.append(
+            f"-> data.seq_len = {fit.seq_len} ({fmt(fit.peak)} per device){note}"
+        )
     return "\n".join(lines)

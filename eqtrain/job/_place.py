@@ -6,6 +6,8 @@ from typing import Any
 
 from .. import sharding
 from .._errors import ConfigError
+from .._jit import Jitted, jit
+from ..step import train_step as _train_step
 from . import _build
 
 
@@ -65,3 +67,19 @@ def placement(job: _build.Job) -> Placement:
     rules = sharding.rules_for(abstract.model, mesh)
     state_sh = sharding.state_shardings(abstract, mesh, rules, optimizer=job.optimizer)
     return Placement(mesh, state_sh, sharding.batch_sharding(mesh))
+
+
+def train_step(job: _build.Job, placement: Placement) -> Jitted:
+    """The run's compiled training step (the `[optim]` accumulation and the
+    `[loop]` precision, non-finite guard and EMA), on `placement`."""
+    config = job.config
+    loop = config.loop
+    step = _train_step(
+        job.loss_fn,
+        job.optimizer,
+        accumulate=config.optim.accumulate,
+        precision="bf16" if loop.precision == "bf16" else None,
+        nonfinite=loop.nonfinite,
+        ema=loop.ema,
+    )
+    return jit(step, shardings=placement.shardings)

@@ -160,7 +160,11 @@ def _compute(
     n = len(rows["chosen_tokens"])
     batch = _pass_batch(job, placement)
     logps = eqx.filter_jit(
-        functools.partial(preference.pair_logprobs, vocab_size=job.vocab_size)
+        functools.partial(
+            preference.pair_logprobs,
+            vocab_size=job.vocab_size,
+            chunk=job.loss_chunk or None,
+        )
     )
     say(f"computing the reference log-probs of {n:,} pairs ({path.name}) ...")
     parts = []

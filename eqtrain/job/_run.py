@@ -27,7 +27,7 @@ from ..config import (
     to_toml,
 )
 from ..data import Loader
-from ..step import eval_step, train_step
+from ..step import eval_step
 from . import _build, _place, _preflight, _reference
 
 
@@ -398,18 +398,7 @@ def _assemble(
 ) -> "Prepared":
     data = config.data
     loop = config.loop
-    precision = "bf16" if loop.precision == "bf16" else None
-    step = jit(
-        train_step(
-            job.loss_fn,
-            job.optimizer,
-            accumulate=config.optim.accumulate,
-            precision=precision,
-            nonfinite=loop.nonfinite,
-            ema=loop.ema,
-        ),
-        shardings=placement.shardings,
-    )
+    step = _place.train_step(job, placement)
     eval_loader, evaluator = evaluation(job, placement, eval_rows)
     ckpt = config.checkpoint
     checkpointer = checkpoint.Checkpointer(

@@ -15,17 +15,20 @@ config section both ways, FLOPs, tensor-parallel rules and Hugging Face names:
 
 from . import gpt2 as gpt2, llama as llama, mlp as mlp
 from ._layers import (
-    REMAT_POLICIES as REMAT_POLICIES,
+    CHECKPOINT_NAMES as CHECKPOINT_NAMES,
+    REMAT_PRESETS as REMAT_PRESETS,
     Linear as Linear,
     LoRALinear as LoRALinear,
     as_dtype as as_dtype,
     num_params as num_params,
+    remat_policy as remat_policy,
 )
 from ._registry import (
     FAMILIES as FAMILIES,
     Family as Family,
     HFNames as HFNames,
     family as family,
+    runtime_options as runtime_options,
 )
 from ._vocab import resize_vocab as resize_vocab
 from .gpt2 import GPT2 as GPT2, GPT2Config as GPT2Config

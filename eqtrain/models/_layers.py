@@ -9,7 +9,7 @@ one token under `vmap`: XLA then sees one matmul per weight.
 import copy
 import dataclasses
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 import equinox as eqx
@@ -18,6 +18,7 @@ import jax.lax as lax
 import jax.numpy as jnp
 import jax.random as jr
 import jax.tree_util as jtu
+from jax.ad_checkpoint import checkpoint_name
 from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
 from .._errors import ConfigError
@@ -313,33 +314,214 @@ def segment_mask(segment_ids: Int[Array, " seq"]) -> Bool[Array, "seq seq"]:
 
 
 # -- a stack of layers ---------------------------------------------------------------
-REMAT_POLICIES: dict[str, Callable[..., Any] | None] = {
-    "none": None,
-    "full": None,
-    "dots": jax.checkpoint_policies.checkpoint_dots,
-    "dots_no_batch": jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims,
-    "nothing_saveable": jax.checkpoint_policies.nothing_saveable,
+CHECKPOINT_NAMES: dict[str, str] = {
+    "layer_input": "each layer's input (the residual stream entering the block)",
+    "query": "the query projection (after the rotary embedding)",
+    "key": "the key projection (after the rotary embedding)",
+    "value": "the value projection",
+    "attn_out": "the attention block's output (after its output projection)",
+    "mlp_in": "the MLP's input (after the norm)",
+    "mlp_out": "the MLP's output (after its down projection)",
 }
-"""Per-layer rematerialisation: `"none"` keeps every activation; `"full"` keeps
-only each layer's input and recomputes the rest in the backward pass; `"dots"`
-keeps matmul outputs; `"dots_no_batch"` keeps matmul outputs without batch
-dimensions (the weights' matmuls, not attention's)."""
+"""The names eqtrain's layers give their activations with
+`jax.ad_checkpoint.checkpoint_name`, which remat policies save or offload."""
+
+REMAT_PRESETS: dict[str, str] = {
+    "none": "no rematerialisation: every activation is kept for the backward pass",
+    "full": "keep only each layer's input; recompute the rest in the backward pass",
+    "dots": "keep the outputs of matmuls (projections and attention's)",
+    "dots_no_batch": "keep the outputs of matmuls without batch dimensions (the "
+    "projections, not attention's scores)",
+    "nothing_saveable": "as `full`",
+    "save_qkv": "keep the q/k/v projections, recompute the rest",
+    "save_out": "keep each attention block's output (after o_proj), recompute the rest",
+    "offload_layer_input": "as `full`, with each layer's input moved to host memory "
+    "(pinned_host) until the backward pass needs it",
+    "custom": "keep the activations named in `remat_save`, offload those in "
+    "`remat_offload` (names: CHECKPOINT_NAMES)",
+}
+"""Per-layer rematerialisation presets (`remat=` of the model configs)."""
+
+_PRESET_NAMES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    # preset: (names saved on device, names offloaded to host)
+    "save_qkv": (("query", "key", "value"), ()),
+    "save_out": (("attn_out",), ()),
+    "offload_layer_input": ((), ("layer_input",)),
+}
 
 
-def check_remat(name: str) -> None:
-    if name not in REMAT_POLICIES:
+def names(
+    value: str | Sequence[str] | None, *, field: str, prefix: str = ""
+) -> tuple[str, ...]:
+    """Checkpoint names from a comma-separated string or a sequence, checked
+    against `CHECKPOINT_NAMES`."""
+    if value is None:
+        return ()
+    items = value.split(",") if isinstance(value, str) else list(value)
+    out = tuple(str(n).strip() for n in items if str(n).strip())
+    for n in out:
+        if n not in CHECKPOINT_NAMES:
+            raise ConfigError(
+                f"`{prefix}{field}` names {n!r}, which no layer marks; the names are "
+                f"{', '.join(CHECKPOINT_NAMES)}.{did_you_mean(n, CHECKPOINT_NAMES)}"
+            )
+    return out
+
+
+def did_you_mean(name: str, options: Any) -> str:
+    """` Did you mean 'x'?` for the closest of `options`, or ``."""
+    import difflib
+
+    close = difflib.get_close_matches(name, list(options), n=1)
+    return f" Did you mean {close[0]!r}?" if close else ""
+
+
+def check_remat(
+    name: str,
+    save: Sequence[str] = (),
+    offload: Sequence[str] = (),
+    *,
+    prefix: str = "",
+) -> None:
+    """Validate a remat setting: a preset of `REMAT_PRESETS`; `save`/`offload`
+    names (only with `"custom"`, which needs at least one); offloading needs a
+    device with a `pinned_host` memory. `prefix` goes before the field names in
+    messages (`"model."` for the run config)."""
+    p = prefix
+    if name not in REMAT_PRESETS:
         raise ConfigError(
-            f"`remat` must be one of {list(REMAT_POLICIES)}; got {name!r}."
+            f"`{p}remat` must be one of {list(REMAT_PRESETS)}; got {name!r}."
+            + did_you_mean(str(name), REMAT_PRESETS)
+        )
+    save = names(save, field="remat_save", prefix=p)
+    offload = names(offload, field="remat_offload", prefix=p)
+    if name != "custom" and (save or offload):
+        raise ConfigError(
+            f"`{p}remat_save` / `{p}remat_offload` apply only to {p}remat = "
+            f"'custom'; {p}remat is {name!r}. Set it to 'custom', or clear them."
+        )
+    if name == "custom" and not (save or offload):
+        raise ConfigError(
+            f"{p}remat = 'custom' needs `{p}remat_save` and/or `{p}remat_offload` "
+            f"(names from {', '.join(CHECKPOINT_NAMES)}); with neither it is "
+            "'full'."
+        )
+    both = sorted(set(save) & set(offload))
+    if both:
+        raise ConfigError(
+            f"{both} are both saved (`{p}remat_save`) and offloaded "
+            f"(`{p}remat_offload`); name each activation in one of them."
+        )
+    if offload or name == "offload_layer_input":
+        check_offload()
+
+
+def check_offload() -> None:
+    """Raise unless the default device has a `pinned_host` memory to offload to."""
+    device = jax.devices()[0]
+    try:
+        kinds = {m.kind for m in device.addressable_memories()}
+    except Exception:  # noqa: BLE001 -- a backend without memories API
+        kinds = set()
+    if "pinned_host" not in kinds:
+        raise ConfigError(
+            f"activation offloading needs a device with host memory ('pinned_host'); "
+            f"this {device.platform} backend has {sorted(kinds) or 'no memory kinds'}."
+            " Use a remat preset without offload (e.g. 'full')."
         )
 
 
-def check_options(*, attention_impl: str | None, remat: str, param_dtype: Any) -> None:
+def remat_policy(
+    name: str, save: Sequence[str] = (), offload: Sequence[str] = ()
+) -> tuple[bool, Callable[..., Any] | None]:
+    """`(checkpoint the layer?, jax.checkpoint policy)` of a remat setting."""
+    check_remat(name, save, offload)
+    if name == "none":
+        return False, None
+    if name in ("full", "nothing_saveable"):
+        return True, None
+    if name == "dots":
+        return True, jax.checkpoint_policies.checkpoint_dots
+    if name == "dots_no_batch":
+        return True, jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims
+    if name == "custom":
+        keep = names(save, field="remat_save")
+        move = names(offload, field="remat_offload")
+    else:
+        keep, move = _PRESET_NAMES[name]
+    if not move:
+        return True, jax.checkpoint_policies.save_only_these_names(*keep)
+    policy = jax.checkpoint_policies.save_and_offload_only_these_names(
+        names_which_can_be_saved=list(keep),
+        names_which_can_be_offloaded=list(move),
+        offload_src="device",
+        offload_dst="pinned_host",
+    )
+    return True, policy
+
+
+def name_activation(x: Array, name: str) -> Array:
+    """`x` marked as `name` (one of `CHECKPOINT_NAMES`) for remat policies."""
+    return checkpoint_name(x, name)
+
+
+def mlp_chunk_count(chunks: int | str, seq: int, hidden: int) -> int:
+    """The number of sequence chunks of a tiled MLP: `chunks`, or for `"auto"`
+    `ceil(seq / hidden)` (1 unless the sequence is longer than the width)."""
+    if chunks == "auto":
+        return max(1, -(-seq // hidden))
+    return int(chunks)
+
+
+def check_mlp_chunks(chunks: Any) -> None:
+    if chunks == "auto":
+        return
+    if not isinstance(chunks, int) or isinstance(chunks, bool) or chunks < 1:
+        raise ConfigError(
+            f"`mlp_chunks` must be a positive int or 'auto'; got {chunks!r}."
+        )
+
+
+def tiled(
+    fn: Callable[[Array, PRNGKeyArray | None], Array],
+    x: Float[Array, "seq dim"],
+    chunks: int,
+    key: PRNGKeyArray | None = None,
+) -> Array:
+    """`fn(x, key)` for a position-wise `fn`, computed over `chunks` pieces of the
+    sequence in turn (`lax.map` of a rematerialised `fn`), so that `fn`'s
+    intermediates (the MLP's `[seq, intermediate]`) exist for one piece at a time,
+    in the backward pass too. The sequence is zero-padded to a multiple of
+    `chunks` and cut back. `chunks <= 1` calls `fn` once."""
+    seq = x.shape[0]
+    chunks = min(chunks, seq)
+    if chunks <= 1:
+        return fn(x, key)
+    size = -(-seq // chunks)
+    pad = size * chunks - seq
+    xs = jnp.pad(x, [(0, pad), (0, 0)]).reshape(chunks, size, x.shape[-1])
+    keys = None if key is None else jr.split(key, chunks)
+    piece = jax.checkpoint(lambda c, k: fn(c, k), prevent_cse=False)
+    ys = lax.map(lambda a: piece(*a), (xs, keys))
+    return ys.reshape(chunks * size, ys.shape[-1])[:seq]
+
+
+def check_options(
+    *,
+    attention_impl: str | None,
+    remat: str,
+    param_dtype: Any,
+    remat_save: Sequence[str] = (),
+    remat_offload: Sequence[str] = (),
+    mlp_chunks: Any = 1,
+) -> None:
     """Validate the runtime options the model configs share."""
     if attention_impl not in (None, "xla", "cudnn"):
         raise ConfigError(
             f"`attention_impl` must be None, 'xla' or 'cudnn'; got {attention_impl!r}."
         )
-    check_remat(remat)
+    check_remat(remat, remat_save, remat_offload)
+    check_mlp_chunks(mlp_chunks)
     as_dtype(param_dtype)
 
 
@@ -362,28 +544,32 @@ def run_layers(
     scan: bool,
     remat: str,
     key: PRNGKeyArray | None = None,
+    remat_save: Sequence[str] = (),
+    remat_offload: Sequence[str] = (),
 ) -> Array:
     """`x = call(layer_i, x, key_i)` for each layer of a stack, in order.
 
     With `scan=True` the layer body is traced and compiled once (`lax.scan`), so
     compile time does not grow with depth; `scan=False` unrolls a Python loop (the
-    reference). `remat` names a policy in `REMAT_POLICIES`; it applies
-    `jax.checkpoint` to each layer. `key` is split into one key per layer when
-    the layers use one (`uses_key`); otherwise every `key_i` is None.
+    reference). `remat` names a preset of `REMAT_PRESETS` (with `"custom"`,
+    `remat_save` and `remat_offload` name the activations, see
+    `CHECKPOINT_NAMES`); it applies `jax.checkpoint` to each layer, whose input
+    is named `"layer_input"`. `key` is split into one key per layer when the
+    layers use one (`uses_key`); otherwise every `key_i` is None.
     """
-    check_remat(remat)
+    on, policy = remat_policy(remat, remat_save, remat_offload)
     dynamic, static = eqx.partition(layers, eqx.is_array)
     num = jtu.tree_leaves(dynamic)[0].shape[0]
     keys = jr.split(key, num) if key is not None and uses_key(layers) else None
 
     def body(h: Array, xs: Any) -> Array:
         params, k = xs
-        return call(eqx.combine(params, static), h, k)
+        return call(eqx.combine(params, static), name_activation(h, "layer_input"), k)
 
-    if remat != "none":
+    if on:
         # prevent_cse stops XLA from merging the recomputation with the forward pass
         # (undoing the remat); inside `scan` that cannot happen and it only costs.
-        body = jax.checkpoint(body, policy=REMAT_POLICIES[remat], prevent_cse=not scan)
+        body = jax.checkpoint(body, policy=policy, prevent_cse=not scan)
     if scan:
         x, _ = lax.scan(lambda h, p: (body(h, p), None), x, (dynamic, keys))
         return x

@@ -75,6 +75,22 @@ class Family:
 
 
 # -- Llama, Mistral, Qwen2 ---------------------------------------------------------
+
+
+def runtime_options(m: Any) -> dict[str, Any]:
+    """The `[model]` section's runtime options (`remat`, `remat_save`,
+    `remat_offload`, `mlp_chunks`, `scan_layers`) as model-config fields, for
+    `from_section` and a loaded model's `with_options`."""
+    split = lambda text: tuple(n.strip() for n in text.split(",") if n.strip())
+    return dict(
+        remat=m.remat,
+        remat_save=split(m.remat_save),
+        remat_offload=split(m.remat_offload),
+        mlp_chunks=m.mlp_chunks,
+        scan_layers=m.scan_layers,
+    )
+
+
 def _llama_from_section(
     m: Any,
     *,
@@ -104,8 +120,7 @@ def _llama_from_section(
         max_position_embeddings=max_seq_len,
         initializer_range=m.init_std,
         param_dtype=m.param_dtype,
-        remat=m.remat,
-        scan_layers=m.scan_layers,
+        **runtime_options(m),
     )
 
 
@@ -156,8 +171,7 @@ def _gpt2_from_section(
         initializer_range=m.init_std,
         tie_word_embeddings=m.tie_embeddings,
         param_dtype=m.param_dtype,
-        remat=m.remat,
-        scan_layers=m.scan_layers,
+        **runtime_options(m),
     )
 
 

@@ -27,10 +27,13 @@ from ._layers import (
     attention,
     check_options,
     default_positions,
+    mlp_chunk_count,
+    name_activation,
     residual_scale,
     run_layers,
     split_key,
     stack_layers,
+    tiled,
     with_config_options,
 )
 from .llama import head_weight
@@ -102,7 +105,9 @@ class GPT2Config:
             round-trips (the same logits in float32).
         tie_word_embeddings: the head is `wte` (`lm_head` is `None`); `False`
             gives the model its own `lm_head` (`[vocab, n_embd]`).
-        param_dtype, remat, scan_layers, attention_impl: as in `LlamaConfig`.
+        param_dtype, remat, remat_save, remat_offload, mlp_chunks, scan_layers,
+            attention_impl: as in `LlamaConfig` (`mlp_chunks="auto"`:
+            `ceil(seq / n_embd)`).
     """
 
     vocab_size: int = 50257
@@ -122,6 +127,9 @@ class GPT2Config:
     remat: str = "none"
     scan_layers: bool = True
     attention_impl: str | None = None
+    remat_save: tuple[str, ...] = ()
+    remat_offload: tuple[str, ...] = ()
+    mlp_chunks: int | str = 1
 
     def __post_init__(self) -> None:
         if self.n_embd % self.n_head:
@@ -137,6 +145,9 @@ class GPT2Config:
             attention_impl=self.attention_impl,
             remat=self.remat,
             param_dtype=self.param_dtype,
+            remat_save=self.remat_save,
+            remat_offload=self.remat_offload,
+            mlp_chunks=self.mlp_chunks,
         )
 
     @property
@@ -145,7 +156,10 @@ class GPT2Config:
         return self.n_inner or 4 * self.n_embd
 
 
-RUNTIME_OPTIONS = frozenset({"remat", "scan_layers", "attention_impl"})
+RUNTIME_OPTIONS = frozenset(
+    {"remat", "scan_layers", "attention_impl", "remat_save", "remat_offload"}
+    | {"mlp_chunks"}
+)
 
 
 class GPT2Attention(eqx.Module):
@@ -181,15 +195,17 @@ class GPT2Attention(eqx.Module):
         q = qkv[:, 0]
         if query_scale is not None:
             q = q * jnp.asarray(query_scale).astype(q.dtype)
+        q = name_activation(q, "query")
+        k, v = name_activation(qkv[:, 1], "key"), name_activation(qkv[:, 2], "value")
         out = attention(
             q,
-            qkv[:, 1],
-            qkv[:, 2],
+            k,
+            v,
             segment_ids=segment_ids,
             sliding_window=None,
             implementation=implementation,
         )
-        return self.c_proj(out.reshape(seq, d), key=kp)
+        return name_activation(self.c_proj(out.reshape(seq, d), key=kp), "attn_out")
 
 
 class GPT2MLP(eqx.Module):
@@ -240,11 +256,15 @@ class GPT2Block(eqx.Module):
         x: Float[Array, "seq embd"],
         *,
         key: PRNGKeyArray | None = None,
+        mlp_chunks: int = 1,
         **attn: Any,
     ) -> Array:
+        """`mlp_chunks > 1`: the MLP runs tiled over the sequence (`tiled`)."""
         ka, km = split_key(key, 2)
         x = x + self.attn(self.ln_1(x), key=ka, **attn)
-        return x + self.mlp(self.ln_2(x), key=km)
+        h = name_activation(self.ln_2(x), "mlp_in")
+        h = tiled(lambda c, k: self.mlp(c, key=k), h, mlp_chunks, km)
+        return x + name_activation(h, "mlp_out")
 
 
 class GPT2(eqx.Module):
@@ -325,7 +345,12 @@ class GPT2(eqx.Module):
             )
         positions = default_positions(tokens.shape[0], segment_ids, positions)
         x = self.wte(tokens) + self.wpe(positions)
-        attn = dict(segment_ids=segment_ids, implementation=config.attention_impl)
+        chunks = mlp_chunk_count(config.mlp_chunks, tokens.shape[0], config.n_embd)
+        attn = dict(
+            segment_ids=segment_ids,
+            implementation=config.attention_impl,
+            mlp_chunks=chunks,
+        )
         if config.scale_attn_by_inverse_layer_idx:
             # The layer index travels with the layers, so `lax.scan` slices it too.
             layers: Any = _Numbered(self.h, jnp.arange(config.n_layer))
@@ -336,7 +361,14 @@ class GPT2(eqx.Module):
             layers, scale = self.h, query_scale(config, None)
             call = lambda block, h, k: block(h, key=k, query_scale=scale, **attn)
         x = run_layers(
-            layers, x, call, scan=config.scan_layers, remat=config.remat, key=key
+            layers,
+            x,
+            call,
+            scan=config.scan_layers,
+            remat=config.remat,
+            key=key,
+            remat_save=config.remat_save,
+            remat_offload=config.remat_offload,
         )
         return self.ln_f(x)
 
@@ -348,8 +380,8 @@ class GPT2(eqx.Module):
         return head_weight(self.wte, self.lm_head, key=key)
 
     def with_options(self, **changes: Any) -> "GPT2":
-        """The same parameters with other runtime options (`remat`, `scan_layers`,
-        `attention_impl`)."""
+        """The same parameters with other runtime options (`remat`, `remat_save`,
+        `remat_offload`, `mlp_chunks`, `scan_layers`, `attention_impl`)."""
         return with_config_options(self, RUNTIME_OPTIONS, **changes)
 
 

@@ -27,10 +27,13 @@ from ._layers import (
     attention,
     check_options,
     default_positions,
+    mlp_chunk_count,
+    name_activation,
     rope_cos_sin,
     run_layers,
     split_key,
     stack_layers,
+    tiled,
     with_config_options,
 )
 
@@ -67,8 +70,16 @@ class LlamaConfig:
         initializer_range: standard deviation of the normal initialisation.
         param_dtype: dtype of the parameters (`"float32"`, `"bfloat16"`, ...).
             Compute dtype is the precision policy's business (`train_step`).
-        remat: per-layer rematerialisation policy: `"none"`, `"full"`, `"dots"`,
-            `"dots_no_batch"`, `"nothing_saveable"` (see `REMAT_POLICIES`).
+        remat: per-layer rematerialisation, a preset of `REMAT_PRESETS`:
+            `"none"`, `"full"`, `"dots"`, `"dots_no_batch"`, `"save_qkv"`,
+            `"save_out"`, `"offload_layer_input"`, or `"custom"`.
+        remat_save: with `remat="custom"`, activations kept for the backward
+            pass, by name (`CHECKPOINT_NAMES`: `"query"`, `"attn_out"`, ...).
+        remat_offload: with `remat="custom"`, activations moved to host memory
+            until the backward pass (e.g. `("layer_input",)`).
+        mlp_chunks: run the MLP over this many pieces of the sequence, each
+            rematerialised (a tiled MLP: `[seq / chunks, intermediate]` at a
+            time); `"auto"`: `ceil(seq / hidden_size)`; 1: untiled.
         scan_layers: run the layers with `lax.scan` (compile time flat in depth);
             `False` unrolls a Python loop.
         attention_impl: `implementation` for `jax.nn.dot_product_attention`:
@@ -95,6 +106,9 @@ class LlamaConfig:
     remat: str = "none"
     scan_layers: bool = True
     attention_impl: str | None = None
+    remat_save: tuple[str, ...] = ()
+    remat_offload: tuple[str, ...] = ()
+    mlp_chunks: int | str = 1
 
     def __post_init__(self) -> None:
         heads, kv = self.num_attention_heads, self.kv_heads
@@ -121,6 +135,9 @@ class LlamaConfig:
             attention_impl=self.attention_impl,
             remat=self.remat,
             param_dtype=self.param_dtype,
+            remat_save=self.remat_save,
+            remat_offload=self.remat_offload,
+            mlp_chunks=self.mlp_chunks,
         )
 
     @property
@@ -134,7 +151,10 @@ class LlamaConfig:
         return self.head_dim or self.hidden_size // self.num_attention_heads
 
 
-RUNTIME_OPTIONS = frozenset({"remat", "scan_layers", "attention_impl"})
+RUNTIME_OPTIONS = frozenset(
+    {"remat", "scan_layers", "attention_impl", "remat_save", "remat_offload"}
+    | {"mlp_chunks"}
+)
 """Config fields that `Llama.with_options` may change on an existing model."""
 
 
@@ -183,6 +203,8 @@ class LlamaAttention(eqx.Module):
         k = self.k_proj(x, key=kk).reshape(seq, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x, key=kv).reshape(seq, self.num_kv_heads, self.head_dim)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k = name_activation(q, "query"), name_activation(k, "key")
+        v = name_activation(v, "value")
         out = attention(
             q,
             k,
@@ -191,7 +213,8 @@ class LlamaAttention(eqx.Module):
             sliding_window=sliding_window,
             implementation=implementation,
         )
-        return self.o_proj(out.reshape(seq, self.num_heads * self.head_dim), key=ko)
+        out = self.o_proj(out.reshape(seq, self.num_heads * self.head_dim), key=ko)
+        return name_activation(out, "attn_out")
 
 
 class LlamaMLP(eqx.Module):
@@ -243,11 +266,15 @@ class LlamaDecoderLayer(eqx.Module):
         x: Float[Array, "seq hidden"],
         *,
         key: PRNGKeyArray | None = None,
+        mlp_chunks: int = 1,
         **attn: Any,
     ) -> Array:
+        """`mlp_chunks > 1`: the MLP runs tiled over the sequence (`tiled`)."""
         ka, km = split_key(key, 2)
         x = x + self.self_attn(self.input_layernorm(x), key=ka, **attn)
-        return x + self.mlp(self.post_attention_layernorm(x), key=km)
+        h = name_activation(self.post_attention_layernorm(x), "mlp_in")
+        h = tiled(lambda c, k: self.mlp(c, key=k), h, mlp_chunks, km)
+        return x + name_activation(h, "mlp_out")
 
 
 class Llama(eqx.Module):
@@ -340,6 +367,9 @@ class Llama(eqx.Module):
             segment_ids=segment_ids,
             sliding_window=config.sliding_window,
             implementation=config.attention_impl,
+            mlp_chunks=mlp_chunk_count(
+                config.mlp_chunks, tokens.shape[0], config.hidden_size
+            ),
         )
         x = self.embed_tokens(tokens)
         x = run_layers(
@@ -349,6 +379,8 @@ class Llama(eqx.Module):
             scan=config.scan_layers,
             remat=config.remat,
             key=key,
+            remat_save=config.remat_save,
+            remat_offload=config.remat_offload,
         )
         return self.norm(x)
 
@@ -360,8 +392,9 @@ class Llama(eqx.Module):
         return head_weight(self.embed_tokens, self.lm_head, key=key)
 
     def with_options(self, **changes: Any) -> "Llama":
-        """The same parameters with other runtime options (`remat`, `scan_layers`,
-        `attention_impl`), e.g. `model.with_options(remat="full")`."""
+        """The same parameters with other runtime options (`remat`, `remat_save`,
+        `remat_offload`, `mlp_chunks`, `scan_layers`, `attention_impl`), e.g.
+        `model.with_options(remat="full")`."""
         return with_config_options(self, RUNTIME_OPTIONS, **changes)
 
 
