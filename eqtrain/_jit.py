@@ -145,7 +145,7 @@ class Jitted:
             return layout.rebuild(new_arrays), aux
         return out
 
-    def lower(self, state: Any, batch: Batch) -> Any:
+    def lower(self, state: Any, batch: Any) -> Any:
         """`jax.jit(...).lower` of the step for `state` and `batch`, which may be
         abstract (`jax.ShapeDtypeStruct` leaves, e.g. `eqx.filter_eval_shape`'s
         state): `.compile().memory_analysis()` then tells the step's per-device

@@ -305,6 +305,11 @@ ELSEWHERE = {
     "data.chat_template": "test_post_training.py: test_task_kind_and_data_keys_...",
     "data.max_prompt_len": "test_post_training.py: test_task_kind_and_data_keys_...",
     "data.pack": "test_post_training.py: test_task_kind_and_data_keys_reach_the_rows",
+    "model.remat_save": "test_memory.py: test_memory_keys_reach_the_job",
+    "model.remat_offload": "test_memory.py: test_memory_keys_reach_the_job",
+    "model.mlp_chunks": "test_memory.py: test_memory_keys_reach_the_job",
+    "model.loss_chunk": "test_memory.py: test_memory_keys_reach_the_job, "
+    "test_dry_run_reports_the_compiled_step",
 }
 
 
