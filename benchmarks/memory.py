@@ -22,7 +22,7 @@ Parts (one JSON line per point):
 - `budget`: the longest `data.seq_len` whose whole training step (a 4-layer,
   hidden-256 Llama with a 32k vocabulary, batch 1, AdamW) fits 2 GiB per device,
   everything off (`loss_chunk=0, mlp_chunks=1, remat=none`) vs everything on
-  (`loss_chunk=256, mlp_chunks=auto, remat=full`), found by
+  (`loss_chunk=256, mlp_chunks=auto, remat=full, attention_chunk=512`), found by
   `eqtrain fit --memory-budget`'s search (compiles, no run). Target: >= 4x.
 
 Usage (CPU):
@@ -128,7 +128,7 @@ def mlp_part(seqs, rounds, calls):
         def plain(m, x):
             return jnp.sum(jnp.square(m(x)))
 
-        def tiled_mlp(m, x):
+        def tiled_mlp(m, x, chunks=chunks):
             return jnp.sum(jnp.square(tiled(lambda c, k: m(c), x, chunks)))
 
         fns, mem = {}, {}
@@ -164,7 +164,12 @@ def budget_part(budget: int, quick: bool):
     }
     variants = {
         "off": {"loss_chunk": 0, "mlp_chunks": 1, "remat": "none"},
-        "on": {"loss_chunk": 256, "mlp_chunks": "auto", "remat": "full"},
+        "on": {
+            "loss_chunk": 256,
+            "mlp_chunks": "auto",
+            "remat": "full",
+            "attention_chunk": 512,
+        },
     }
     found = {}
     for name, opts in variants.items():

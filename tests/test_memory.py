@@ -16,8 +16,7 @@ import pytest
 import eqtrain
 from eqtrain import config as config_lib, job, losses
 from eqtrain.job import _build, _memory, _place
-from eqtrain.models import GPT2, GPT2Config, Llama, LlamaConfig, REMAT_PRESETS
-from eqtrain.models import _layers
+from eqtrain.models import GPT2, REMAT_PRESETS, GPT2Config, Llama, LlamaConfig, _layers
 
 
 LLAMA = LlamaConfig(
@@ -52,6 +51,29 @@ def test_tiled_mlp_equals_the_plain_mlp(family):
         tiled_value, tiled_grads = grad(model.with_options(mlp_chunks=chunks))
         _close(tiled_value, value)
         _close(tiled_grads, grads)
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral", "gpt2"])
+def test_blocked_attention_equals_attention(family):
+    """Packed segments, a sliding window (Mistral), GQA, and blocks that do not
+    divide the 23 tokens."""
+    if family == "gpt2":
+        model = GPT2(GPT, jr.key(0))
+    else:
+        window = 5 if family == "mistral" else None
+        model = Llama(dataclasses.replace(LLAMA, sliding_window=window), jr.key(0))
+    segs = jnp.array([[1] * 10 + [2] * 13, [1] * 23])
+
+    def loss(m):
+        logits = jax.vmap(lambda t, s: m(t, segment_ids=s))(TOKENS, segs)
+        return jnp.mean(jnp.square(logits))
+
+    grad = eqx.filter_jit(eqx.filter_value_and_grad(loss))
+    value, grads = grad(model)
+    for chunk in (4, 7):
+        got_value, got_grads = grad(model.with_options(attention_chunk=chunk))
+        _close(got_value, value)
+        _close(got_grads, grads, atol=1e-6)
 
 
 def test_tiled_mlp_holds_one_piece_of_the_intermediate():
@@ -175,6 +197,7 @@ def test_memory_keys_reach_the_job(tmp_path):
             "model.remat_offload=layer_input",
             "model.mlp_chunks=4",
             "model.loss_chunk=64",
+            "model.attention_chunk=8",
         )
     )
     m = built.model_config
@@ -183,7 +206,7 @@ def test_memory_keys_reach_the_job(tmp_path):
         ("query", "key"),
         ("layer_input",),
     )
-    assert m.mlp_chunks == 4 and built.loss_chunk == 64
+    assert m.mlp_chunks == 4 and built.loss_chunk == 64 and m.attention_chunk == 8
     assert built.loss_fn.__qualname__.startswith("chunked_causal_lm_loss_fn")
     # auto: the byte vocabulary (259 ids) keeps the plain loss; 8192 ids chunk
     assert job.build(_config(tmp_path)).loss_chunk == 0

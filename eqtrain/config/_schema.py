@@ -140,6 +140,14 @@ class ModelConfig:
         min=1,
         kind="auto_int",
     )
+    attention_chunk: int = setting(
+        0,
+        "Blocked attention: queries go through in blocks of this many, so the "
+        "[heads, seq_len, seq_len] scores never exist at once (each block is "
+        "recomputed in the backward pass); for backends without a fused "
+        "attention kernel, such as the CPU; 0: off.",
+        min=0,
+    )
     loss_chunk: int | str = setting(
         "auto",
         "Chunked LM head + loss: compute the output head and cross-entropy over "

@@ -285,6 +285,7 @@ def attention(
     segment_ids: Int[Array, " seq"] | None,
     sliding_window: int | None,
     implementation: str | None,
+    query_chunk: int = 0,
 ) -> Float[Array, "seq heads head_dim"]:
     """Causal attention with `jax.nn.dot_product_attention`.
 
@@ -292,7 +293,21 @@ def attention(
     attention, heads grouped contiguously as Hugging Face's `repeat_kv`). A position
     attends to earlier-or-same positions with the same segment id, and, with a
     sliding window `w`, only to the last `w` of them (itself included), as Mistral.
+
+    `query_chunk > 0` (and shorter than the sequence): the queries go through in
+    blocks of that many (`blocked_attention`), so that the `[heads, seq, seq]`
+    scores never exist at once, in the backward pass either.
     """
+    if 0 < query_chunk < q.shape[0] and implementation != "cudnn":
+        return blocked_attention(
+            q,
+            k,
+            v,
+            segment_ids=segment_ids,
+            sliding_window=sliding_window,
+            implementation=implementation,
+            query_chunk=query_chunk,
+        )
     mask = None
     if segment_ids is not None:
         mask = segment_mask(segment_ids)[None]
@@ -306,6 +321,55 @@ def attention(
         local_window_size=window,
         implementation=implementation,  # pyright: ignore[reportArgumentType]
     )
+
+
+def blocked_attention(
+    q: Float[Array, "seq heads head_dim"],
+    k: Float[Array, "seq kv_heads head_dim"],
+    v: Float[Array, "seq kv_heads head_dim"],
+    *,
+    segment_ids: Int[Array, " seq"] | None,
+    sliding_window: int | None,
+    implementation: str | None,
+    query_chunk: int,
+) -> Float[Array, "seq heads head_dim"]:
+    """`attention`, one block of `query_chunk` queries at a time against all keys
+    (a `lax.map` of a rematerialised block), each block's mask built from the
+    queries' and keys' positions and segment ids: the scores held at once are
+    `[heads, query_chunk, seq]`, forward and backward, for the price of
+    recomputing each block's scores in the backward pass. The sequence is padded
+    to a multiple of `query_chunk` (the padded queries are cut off)."""
+    seq = q.shape[0]
+    blocks = -(-seq // query_chunk)
+    pad = blocks * query_chunk - seq
+    qs = jnp.pad(q, [(0, pad), (0, 0), (0, 0)]).reshape(
+        blocks, query_chunk, *q.shape[1:]
+    )
+    q_pos = jnp.arange(blocks * query_chunk, dtype=jnp.int32).reshape(blocks, -1)
+    k_pos = jnp.arange(seq, dtype=jnp.int32)
+    segs = segment_ids
+    q_segs = None
+    if segs is not None:  # padded queries join the last segment (then cut off)
+        q_segs = jnp.pad(segs, (0, pad), mode="edge").reshape(blocks, -1)
+
+    def block(qb: Array, qp: Array, qs_: Array | None) -> Array:
+        mask = k_pos[None, :] <= qp[:, None]
+        if sliding_window is not None:
+            mask = mask & (k_pos[None, :] > qp[:, None] - sliding_window)
+        if segs is not None:
+            assert qs_ is not None
+            mask = mask & (qs_[:, None] == segs[None, :])
+        return jax.nn.dot_product_attention(
+            qb,
+            k,
+            v,
+            mask=mask[None],
+            implementation=implementation,  # pyright: ignore[reportArgumentType]
+        )
+
+    run = jax.checkpoint(block, prevent_cse=False)
+    out = lax.map(lambda xs: run(*xs), (qs, q_pos, q_segs))
+    return out.reshape(blocks * query_chunk, *q.shape[1:])[:seq]
 
 
 def segment_mask(segment_ids: Int[Array, " seq"]) -> Bool[Array, "seq seq"]:
@@ -514,8 +578,18 @@ def check_options(
     remat_save: Sequence[str] = (),
     remat_offload: Sequence[str] = (),
     mlp_chunks: Any = 1,
+    attention_chunk: Any = 0,
 ) -> None:
     """Validate the runtime options the model configs share."""
+    if (
+        not isinstance(attention_chunk, int)
+        or isinstance(attention_chunk, bool)
+        or attention_chunk < 0
+    ):
+        raise ConfigError(
+            f"`attention_chunk` must be an int >= 0 (queries per block; 0: off); "
+            f"got {attention_chunk!r}."
+        )
     if attention_impl not in (None, "xla", "cudnn"):
         raise ConfigError(
             f"`attention_impl` must be None, 'xla' or 'cudnn'; got {attention_impl!r}."

@@ -105,9 +105,9 @@ class GPT2Config:
             round-trips (the same logits in float32).
         tie_word_embeddings: the head is `wte` (`lm_head` is `None`); `False`
             gives the model its own `lm_head` (`[vocab, n_embd]`).
-        param_dtype, remat, remat_save, remat_offload, mlp_chunks, scan_layers,
-            attention_impl: as in `LlamaConfig` (`mlp_chunks="auto"`:
-            `ceil(seq / n_embd)`).
+        param_dtype, remat, remat_save, remat_offload, mlp_chunks,
+            attention_chunk, scan_layers, attention_impl: as in `LlamaConfig`
+            (`mlp_chunks="auto"`: `ceil(seq / n_embd)`).
     """
 
     vocab_size: int = 50257
@@ -130,6 +130,7 @@ class GPT2Config:
     remat_save: tuple[str, ...] = ()
     remat_offload: tuple[str, ...] = ()
     mlp_chunks: int | str = 1
+    attention_chunk: int = 0
 
     def __post_init__(self) -> None:
         if self.n_embd % self.n_head:
@@ -148,6 +149,7 @@ class GPT2Config:
             remat_save=self.remat_save,
             remat_offload=self.remat_offload,
             mlp_chunks=self.mlp_chunks,
+            attention_chunk=self.attention_chunk,
         )
 
     @property
@@ -158,7 +160,7 @@ class GPT2Config:
 
 RUNTIME_OPTIONS = frozenset(
     {"remat", "scan_layers", "attention_impl", "remat_save", "remat_offload"}
-    | {"mlp_chunks"}
+    | {"mlp_chunks", "attention_chunk"}
 )
 
 
@@ -184,6 +186,7 @@ class GPT2Attention(eqx.Module):
         *,
         segment_ids: Int[Array, " seq"] | None,
         implementation: str | None,
+        query_chunk: int = 0,
         query_scale: Array | float | None = None,
         key: PRNGKeyArray | None = None,
     ) -> Float[Array, "seq embd"]:
@@ -204,6 +207,7 @@ class GPT2Attention(eqx.Module):
             segment_ids=segment_ids,
             sliding_window=None,
             implementation=implementation,
+            query_chunk=query_chunk,
         )
         return name_activation(self.c_proj(out.reshape(seq, d), key=kp), "attn_out")
 
@@ -349,6 +353,7 @@ class GPT2(eqx.Module):
         attn = dict(
             segment_ids=segment_ids,
             implementation=config.attention_impl,
+            query_chunk=config.attention_chunk,
             mlp_chunks=chunks,
         )
         if config.scale_attn_by_inverse_layer_idx:

@@ -80,6 +80,9 @@ class LlamaConfig:
         mlp_chunks: run the MLP over this many pieces of the sequence, each
             rematerialised (a tiled MLP: `[seq / chunks, intermediate]` at a
             time); `"auto"`: `ceil(seq / hidden_size)`; 1: untiled.
+        attention_chunk: queries per block of a blocked attention (the
+            `[heads, seq, seq]` scores never exist at once; for backends
+            without a fused kernel); 0: off. Ignored with `"cudnn"`.
         scan_layers: run the layers with `lax.scan` (compile time flat in depth);
             `False` unrolls a Python loop.
         attention_impl: `implementation` for `jax.nn.dot_product_attention`:
@@ -109,6 +112,7 @@ class LlamaConfig:
     remat_save: tuple[str, ...] = ()
     remat_offload: tuple[str, ...] = ()
     mlp_chunks: int | str = 1
+    attention_chunk: int = 0
 
     def __post_init__(self) -> None:
         heads, kv = self.num_attention_heads, self.kv_heads
@@ -138,6 +142,7 @@ class LlamaConfig:
             remat_save=self.remat_save,
             remat_offload=self.remat_offload,
             mlp_chunks=self.mlp_chunks,
+            attention_chunk=self.attention_chunk,
         )
 
     @property
@@ -153,7 +158,7 @@ class LlamaConfig:
 
 RUNTIME_OPTIONS = frozenset(
     {"remat", "scan_layers", "attention_impl", "remat_save", "remat_offload"}
-    | {"mlp_chunks"}
+    | {"mlp_chunks", "attention_chunk"}
 )
 """Config fields that `Llama.with_options` may change on an existing model."""
 
@@ -195,6 +200,7 @@ class LlamaAttention(eqx.Module):
         segment_ids: Int[Array, " seq"] | None,
         sliding_window: int | None,
         implementation: str | None,
+        query_chunk: int = 0,
         key: PRNGKeyArray | None = None,
     ) -> Float[Array, "seq hidden"]:
         seq = x.shape[0]
@@ -212,6 +218,7 @@ class LlamaAttention(eqx.Module):
             segment_ids=segment_ids,
             sliding_window=sliding_window,
             implementation=implementation,
+            query_chunk=query_chunk,
         )
         out = self.o_proj(out.reshape(seq, self.num_heads * self.head_dim), key=ko)
         return name_activation(out, "attn_out")
@@ -367,6 +374,7 @@ class Llama(eqx.Module):
             segment_ids=segment_ids,
             sliding_window=config.sliding_window,
             implementation=config.attention_impl,
+            query_chunk=config.attention_chunk,
             mlp_chunks=mlp_chunk_count(
                 config.mlp_chunks, tokens.shape[0], config.hidden_size
             ),
