@@ -160,7 +160,7 @@ def chunked_causal_lm_loss_fn(
     taken over the global target count outside the chunks. Loss, gradients and
     aux (`accuracy`, `weight`, `z_loss` when on) equal `causal_lm_loss_fn`'s up
     to float rounding; with bf16 compute the logits are f32 here (the plain loss
-    rounds them to bf16 first). Not yet the CLI's default.
+    rounds them to bf16 first). `eqtrain fit` uses it for `model.loss_chunk`.
 
     Args:
         chunk: tokens per chunk (of the flattened `batch * seq`); 256 is a good
