@@ -307,6 +307,8 @@ def test_out_of_memory_at_the_first_step_says_what_lowers_it(tiny, monkeypatch):
         "data.batch_size (8)",
         "optim.accumulate (1",
         "model.remat",
+        "model.attention_chunk",
+        "--memory-budget",
         "loop.precision",
     )
     assert eqtrain.job._preflight.is_out_of_memory(

@@ -295,8 +295,13 @@ def out_of_memory_error(error: BaseException, prepared: Any) -> ConfigError:
         f"data.batch_size ({c.data.batch_size}) or a larger optim.accumulate "
         f"({c.optim.accumulate}; micro-batches of {micro} rows), a shorter "
         f"data.seq_len ({c.data.seq_len}), model.remat = 'full' (now "
-        f"{c.model.remat!r}), loop.precision = 'bf16' (now {c.loop.precision!r}), "
-        "or more devices for mesh.fsdp to shard parameters and optimizer state."
+        f"{c.model.remat!r}), model.attention_chunk = 512 (now "
+        f"{c.model.attention_chunk}), model.mlp_chunks = 'auto' (now "
+        f"{c.model.mlp_chunks!r}), model.loss_chunk = 256 (now "
+        f"{c.model.loss_chunk!r}), loop.precision = 'bf16' (now "
+        f"{c.loop.precision!r}), or more devices for mesh.fsdp to shard parameters "
+        "and optimizer state; `--memory-budget SIZE` finds the longest "
+        "data.seq_len that fits."
     )
 
 
