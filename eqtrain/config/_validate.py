@@ -4,6 +4,7 @@ from .._errors import ConfigError
 from ..losses import CAUSAL_LM_AUX
 from ._parse import _did_you_mean, explicit, schema
 from ._schema import PREFERENCE_TASKS, Config
+from ._units import parse_resources
 
 
 # Model keys that only the Llama family reads, and those an HF directory decides.
@@ -95,6 +96,7 @@ def validate(config: Config) -> None:
     _lora(config)
     _task(config)
     _export(config)
+    _distributed(config)
 
 
 def _changed(config: Config) -> frozenset[str]:
@@ -329,3 +331,13 @@ def _task(config: Config) -> None:
 
 
 _POST_KEYS = ("data.chat_template", "data.max_prompt_len", "data.pack")
+
+
+def _distributed(config: Config) -> None:
+    parse_resources(config.distributed.resources_per_worker)
+    address = config.distributed.ray_address
+    if address is not None and not address.strip():
+        raise ConfigError(
+            "`distributed.ray_address` is blank: give `auto`, `HOST:PORT` or "
+            "`ray://HOST:10001`, or leave it unset to start a local Ray."
+        )
