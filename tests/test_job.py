@@ -305,6 +305,17 @@ ELSEWHERE = {
     "data.chat_template": "test_post_training.py: test_task_kind_and_data_keys_...",
     "data.max_prompt_len": "test_post_training.py: test_task_kind_and_data_keys_...",
     "data.pack": "test_post_training.py: test_task_kind_and_data_keys_reach_the_rows",
+    **{
+        f"distributed.{name}": "test_ray.py: test_distributed_keys_reach_the_plan"
+        for name in (
+            "processes",
+            "ray_address",
+            "resources_per_worker",
+            "placement",
+            "max_restarts",
+            "restart_delay",
+        )
+    },
 }
 
 

@@ -221,7 +221,7 @@ def _check_fits(ray: Any, plan: Plan, *, local: bool) -> None:
         why = (
             "strict_spread needs one node per worker"
             if spread
-            else f"it has {_resources({k: have.get(k, 0) for k in short})}"
+            else f"it has {_resources({k: have.get(k, 0.0) for k in short})}"
         )
         raise ConfigError(
             f"the local Ray cannot place {plan.processes} workers with {want} each "
@@ -231,7 +231,7 @@ def _check_fits(ray: Any, plan: Plan, *, local: bool) -> None:
         )
 
 
-def _resources(values: Mapping[str, float]) -> str:
+def _resources(values: Mapping[str, float | int]) -> str:
     return ",".join(f"{k}={v:g}" for k, v in values.items())
 
 
