@@ -157,7 +157,9 @@ def test_unreachable_or_malformed_ray_address(monkeypatch):
     with pytest.raises(ConfigError, match="cannot reach the Ray cluster"):
         _join(NoInit(), "127.0.0.1:1")
     with pytest.raises(ConfigError, match="must be `auto`, `HOST:PORT`"):
-        _join(NoInit(), "headnode")
+        _load("distributed.ray_address=headnode")
+    with pytest.raises(ConfigError, match="must be `auto`, `HOST:PORT`"):
+        _load("distributed.ray_address=ray://head:port")
 
 
 def test_local_ray_that_lacks_the_resources(monkeypatch):

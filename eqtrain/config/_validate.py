@@ -336,8 +336,12 @@ _POST_KEYS = ("data.chat_template", "data.max_prompt_len", "data.pack")
 def _distributed(config: Config) -> None:
     parse_resources(config.distributed.resources_per_worker)
     address = config.distributed.ray_address
-    if address is not None and not address.strip():
+    if address is None or address == "auto":
+        return
+    host, _, port = address.removeprefix("ray://").rpartition(":")
+    if not host or not port.isdigit():
         raise ConfigError(
-            "`distributed.ray_address` is blank: give `auto`, `HOST:PORT` or "
-            "`ray://HOST:10001`, or leave it unset to start a local Ray."
+            f"`distributed.ray_address` must be `auto`, `HOST:PORT` or "
+            f"`ray://HOST:PORT`; got {address!r}. `ray status` on the head node "
+            "prints the address; leave it unset to start a local Ray."
         )

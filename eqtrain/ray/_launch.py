@@ -4,6 +4,7 @@ the last complete checkpoint when one of them fails."""
 
 import contextlib
 import dataclasses
+import logging
 import os
 import signal
 import socket
@@ -170,6 +171,7 @@ def _start_local(ray: Any, plan: Plan) -> None:
         log_to_driver=False,
         num_cpus=cpus,
         resources=custom or None,
+        logging_level=logging.WARNING,  # we say what we started
     )
 
 
@@ -179,14 +181,8 @@ def _join(ray: Any, address: str) -> None:
         "it; `auto` joins the cluster this machine belongs to), or leave it unset "
         "to start a local Ray."
     )
-    host_port = address.removeprefix("ray://")
-    if address != "auto":
-        host, _, port = host_port.rpartition(":")
-        if not host or not port.isdigit():
-            raise ConfigError(
-                f"`distributed.ray_address` must be `auto`, `HOST:PORT` or "
-                f"`ray://HOST:PORT`; got {address!r}. {fix}"
-            )
+    if address != "auto":  # its form is checked with the config
+        host, _, port = address.removeprefix("ray://").rpartition(":")
         try:
             socket.create_connection((host, int(port)), timeout=5).close()
         except OSError as e:
@@ -197,7 +193,8 @@ def _join(ray: Any, address: str) -> None:
     try:
         ray.init(address=address, log_to_driver=False)
     except (ConnectionError, RuntimeError, ValueError) as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        text = str(e).strip()
+        first = text.splitlines()[0].rstrip(".") if text else type(e).__name__
         raise ConfigError(
             f"cannot join the Ray cluster at distributed.ray_address = "
             f"{address!r} ({first}). {fix}"
@@ -258,15 +255,7 @@ class _Signals:
             signal.signal(sig, handler)
 
     def _handle(self, signum: int, frame: Any) -> None:
-        self.received.append(signum)
-        name = signal.Signals(signum).name
-        if len(self.received) == 1:
-            self.say(
-                f"[ray] {name} received: asking every worker to save and stop "
-                "(send it again to abort them without saving)."
-            )
-        else:
-            self.say(f"[ray] {name} received again: aborting the workers.")
+        self.received.append(signum)  # only this: printing here could re-enter
 
     @property
     def stopping(self) -> bool:
@@ -277,10 +266,21 @@ class _Signals:
         return len(self.received) > 1
 
     def pending(self) -> list[int]:
-        """The signals not yet passed on to the workers."""
-        new = self.received[self.forwarded :]
-        self.forwarded = len(self.received)
-        return new
+        """The next signal not yet passed on to the workers (one per call: two
+        sent at once could reach a worker as one)."""
+        if self.forwarded >= len(self.received):
+            return []
+        self.forwarded += 1
+        signum = self.received[self.forwarded - 1]
+        name = signal.Signals(signum).name
+        if self.forwarded == 1:
+            self.say(
+                f"[ray] {name} received: asking every worker to save and stop "
+                "(send it again to abort them without saving)."
+            )
+        else:
+            self.say(f"[ray] {name} received again: aborting the workers.")
+        return [signum]
 
 
 # -- the group ------------------------------------------------------------------
@@ -421,9 +421,13 @@ class _Supervisor:
         (then the others are killed: a JAX group cannot lose a member)."""
         exits: dict[int, Exit] = {}
         while len(exits) < len(group.actors):
-            for _ in self.signals.pending():  # `eqtrain fit` stops on either
+            for _ in self.signals.pending():
                 for index, actor in enumerate(group.actors):
-                    if index not in exits:
+                    if index in exits:
+                        continue
+                    if self.signals.aborting:  # a second SIGTERM could merge with
+                        actor.kill.remote()  # the first in a busy process: kill
+                    else:  # `eqtrain fit` saves and stops on it, agreed by all
                         actor.send.remote(int(signal.SIGTERM))
             for index, actor in enumerate(group.actors):
                 if index not in exits:
