@@ -379,24 +379,35 @@ def test_two_ray_workers_equal_one_process_with_two_devices(
 def test_killed_worker_restarts_the_group_and_the_export_is_identical(
     uninterrupted, text_dir, tmp_path
 ):
-    pids = {}
-    killed = []
+    """Worker 1's `eqtrain fit` SIGKILLed at step 6 (the actors stay: the group
+    restarts in them), then worker 0's Ray actor SIGKILLed at step 10 (its process
+    dies with it: the group is placed anew); the export equals the uninterrupted
+    run's byte for byte."""
+    pids, kills = {}, []
 
-    def kill_at_step_6(line):
+    def kill(line):
         for worker, pid in PIDS.findall(line):
             pids[int(worker)] = int(pid)
         step = STEP.match(line)
-        if step and int(step.group(1)) >= 6 and not killed:
-            os.kill(pids[1], signal.SIGKILL)  # worker 1's `eqtrain fit` process
-            killed.append(pids[1])
+        if step is None:
+            return
+        if int(step.group(1)) >= 6 and not kills:
+            os.kill(pids[1], signal.SIGKILL)  # worker 1's training process
+            kills.append(pids[1])
+        elif int(step.group(1)) >= 10 and len(kills) == 1 and pids[1] != kills[0]:
+            actor = int(Path(f"/proc/{pids[0]}/stat").read_text().split()[3])
+            os.kill(actor, signal.SIGKILL)  # worker 0's actor (its parent)
+            kills.append(actor)
 
     run_dir = tmp_path / "run"
-    result, lines = _launch(text_dir, run_dir, echo=kill_at_step_6)
-    assert killed
-    assert result.restarts == 1
+    result, lines = _launch(text_dir, run_dir, echo=kill)
+    assert len(kills) == 2
+    assert result.restarts == 2
     assert (str(result.stop_reason.kind), result.step) == ("max_steps", 12)
-    assert any("worker 1 failed: it was killed by signal SIGKILL" in x for x in lines)
-    assert any("resumed from" in x for x in lines)
+    failures = [x for x in lines if x.startswith("[ray] worker")]
+    assert "worker 1 failed: it was killed by signal SIGKILL" in failures[0]
+    assert "worker 0 failed: its Ray actor or node died" in failures[1]
+    assert sum("resumed from" in x for x in lines) >= 2
     expected = (uninterrupted[0] / "hf" / "model.safetensors").read_bytes()
     assert (run_dir / "hf" / "model.safetensors").read_bytes() == expected
     assert sorted(os.listdir(run_dir / "checkpoints")) == ["12", "8"]  # pruned

@@ -311,47 +311,64 @@ class _Supervisor:
         self.results: dict[int, dict[str, Any]] = {}
 
     def run(self, *, resume: str | None, overwrite: bool) -> LaunchResult:
-        restarts = 0
-        while True:
-            args = worker_args(resume=resume, overwrite=overwrite, restart=restarts > 0)
-            exits = self._attempt(args)
-            outcome = decide(
-                exits,
-                stopping=self.signals.stopping,
-                restarts=restarts,
-                limit=self.plan.max_restarts,
-            )
-            if outcome == "done":
-                return self._result(restarts)
-            failed = next((e for e in exits if not e.clean), None)
-            if outcome == "stopped":
-                raise self._stopped(failed)
-            assert failed is not None
-            if outcome == "fail":
-                raise self._failed(failed, restarts)
-            restarts += 1
-            delay = restart_delay(restarts, self.plan.restart_delay)
-            self.say(
-                f"[ray] {failed.describe()}. Restarting the whole group from the "
-                f"last complete checkpoint in {delay:g} s (restart {restarts} of "
-                f"at most {self.plan.max_restarts})."
-            )
-            if not self._wait(delay):
-                raise self._stopped(failed)
-
-    # one attempt: start, watch, export if done, always tear down
-    def _attempt(self, args: list[str]) -> list[Exit]:
-        self.results = {}
-        group = self._start(args)
+        restarts, group = 0, None
         try:
+            while True:
+                args = worker_args(
+                    resume=resume, overwrite=overwrite, restart=restarts > 0
+                )
+                group = group or self._place()
+                exits = self._attempt(group, args)
+                outcome = decide(
+                    exits,
+                    stopping=self.signals.stopping,
+                    restarts=restarts,
+                    limit=self.plan.max_restarts,
+                )
+                if outcome == "done":
+                    return self._result(restarts)
+                failed = next((e for e in exits if not e.clean), None)
+                if outcome == "stopped":
+                    raise self._stopped(failed)
+                assert failed is not None
+                if outcome == "fail":
+                    raise self._failed(failed, restarts)
+                if any(e.code is None for e in exits):  # an actor or node died:
+                    self._stop(group)  # place the whole group anew
+                    group = None
+                restarts += 1
+                delay = restart_delay(restarts, self.plan.restart_delay)
+                self.say(
+                    f"[ray] {failed.describe()}. Restarting the whole group from "
+                    f"the last complete checkpoint in {delay:g} s (restart "
+                    f"{restarts} of at most {self.plan.max_restarts})."
+                )
+                if not self._wait(delay):
+                    raise self._stopped(failed)
+        finally:
+            if group is not None:
+                self._stop(group)
+
+    def _attempt(self, group: _Group, args: list[str]) -> list[Exit]:
+        """Start every worker's `eqtrain fit`, watch them to the end, and export
+        if all ended cleanly. Whatever happens, no worker process outlives it."""
+        self.results = {}
+        try:
+            try:
+                self._start(group, args)
+            except self.ray.exceptions.RayError as e:  # an actor died meanwhile
+                return [Exit(0, None, detail=f"a Ray actor died ({_first_line(e)})")]
             exits = self._watch(group)
             if all(e.clean for e in exits) and not self.signals.aborting:
                 self._export(group)
             return exits
         finally:
-            self._stop(group)
+            for actor in group.actors:
+                with contextlib.suppress(Exception):
+                    self._get(actor.kill.remote())
 
-    def _start(self, args: list[str]) -> _Group:
+    def _place(self) -> _Group:
+        """A placement group and one actor per worker in it."""
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -368,25 +385,30 @@ class _Supervisor:
                 options = _actor_options(plan.bundle)
                 actor = remote.options(scheduling_strategy=strategy, **options)
                 group.actors.append(actor.remote(index))
-            group.coordinator = self._get(group.actors[0].address.remote(self.ports))
-            self.ports.append(int(group.coordinator.rpartition(":")[2]))
-            for index, actor in enumerate(group.actors):
-                env = worker_env(
-                    self._actor_env(actor),
-                    self.env,
-                    coordinator=group.coordinator,
-                    processes=plan.processes,
-                    index=index,
-                )
-                start = actor.start_fit.remote(self.config_text, args, env, self.cwd)
-                group.pids.append(self._get(start))
         except BaseException:
             self._stop(group)
             raise
+        return group
+
+    def _start(self, group: _Group, args: list[str]) -> None:
+        """Each worker's `eqtrain fit`, joined at a new coordinator port."""
+        plan = self.plan
+        group.coordinator = self._get(group.actors[0].address.remote(self.ports))
+        self.ports.append(int(group.coordinator.rpartition(":")[2]))
+        group.pids = []
+        for index, actor in enumerate(group.actors):
+            env = worker_env(
+                self._actor_env(actor),
+                self.env,
+                coordinator=group.coordinator,
+                processes=plan.processes,
+                index=index,
+            )
+            start = actor.start_fit.remote(self.config_text, args, env, self.cwd)
+            group.pids.append(self._get(start))
         where = f" (coordinator {group.coordinator})" if plan.processes > 1 else ""
         pids = ", ".join(f"worker {i}: pid {p}" for i, p in enumerate(group.pids))
         self.say(f"[ray] started {plan.processes} worker(s){where}: {pids}")
-        return group
 
     def _actor_env(self, actor: Any) -> dict[str, str]:
         return self._get(actor.environ.remote())
@@ -453,12 +475,11 @@ class _Supervisor:
                 detail=f"its Ray actor did not answer for {ANSWER_SECONDS:g} s",
             )
         except ray.exceptions.RayError as e:
-            reason = str(e).strip().splitlines()[0] if str(e).strip() else ""
             return Exit(
                 index,
                 None,
                 last_line=self.last_lines.get(index, ""),
-                detail=f"its Ray actor or node died ({reason[:200]})",
+                detail=f"its Ray actor or node died ({_first_line(e)})",
             )
         for line in lines:
             self.say(f"[w{index}] {line}")
@@ -589,3 +610,8 @@ def _actor_options(bundle: Mapping[str, float]) -> dict[str, Any]:
     if rest:
         options["resources"] = rest
     return options
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return (text.splitlines()[0] if text else type(error).__name__)[:200]
