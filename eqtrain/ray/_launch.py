@@ -352,7 +352,7 @@ class _Supervisor:
     def _attempt(self, group: _Group, args: list[str]) -> list[Exit]:
         """Start every worker's `eqtrain fit`, watch them to the end, and export
         if all ended cleanly. Whatever happens, no worker process outlives it."""
-        self.results = {}
+        self.results, self.last_lines = {}, {}
         try:
             try:
                 self._start(group, args)
