@@ -24,8 +24,8 @@ def tests(session: nox.Session) -> None:
 
 @nox.session
 def slow(session: nox.Session) -> None:
-    """Long tests only."""
-    session.install("-e", ".[test,hf]")
+    """Long tests only (the Ray launcher's among them)."""
+    session.install("-e", ".[test,hf,ray]")
     # exit code 5 = no test collected: there may be no slow test yet
     session.run(
         "pytest", "-m", "slow", *session.posargs, env=FAKE_DEVICES, success_codes=[0, 5]

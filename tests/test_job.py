@@ -311,6 +311,17 @@ ELSEWHERE = {
     "model.attention_chunk": "test_memory.py: test_memory_keys_reach_the_job",
     "model.loss_chunk": "test_memory.py: test_memory_keys_reach_the_job, "
     "test_dry_run_reports_the_compiled_step",
+    **{
+        f"distributed.{name}": "test_ray.py: test_distributed_keys_reach_the_plan"
+        for name in (
+            "processes",
+            "ray_address",
+            "resources_per_worker",
+            "placement",
+            "max_restarts",
+            "restart_delay",
+        )
+    },
 }
 
 

@@ -357,9 +357,12 @@ class Checkpointer:
         doomed = [s for s in committed if s not in keep]
         for step in doomed:
             # Rename now (safe against kills), delete in the background: removing
-            # hundreds of MB would otherwise block the training loop.
-            thread = _storage.remove_step(self.directory, step, background=True)
-            self._deleting.append(thread)
+            # hundreds of MB would otherwise block the training loop. The directory
+            # is shared by all processes: process 0 alone deletes (two renames of
+            # one step race, and the loser's fails).
+            if jax.process_index() == 0:
+                thread = _storage.remove_step(self.directory, step, background=True)
+                self._deleting.append(thread)
             self._scores.pop(step, None)
         if doomed and self._manager is not None:
             self._manager.reload()

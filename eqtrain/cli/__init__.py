@@ -128,17 +128,32 @@ def fit(
             "(the later ones), or --resume of another run."
         ),
     ] = False,
+    launcher: Annotated[
+        str | None,
+        typer.Option(
+            help="ray: run as distributed.processes processes placed by Ray (the "
+            "`ray` extra), restarted together from the last checkpoint when one "
+            "fails (see distributed.*).",
+            metavar="ray",
+        ),
+    ] = None,
+    result_file: Annotated[str | None, typer.Option(hidden=True)] = None,
+    export_: Annotated[bool, typer.Option("--export/--no-export", hidden=True)] = True,
 ) -> None:
     """Train. With no CONFIG: a small byte-level Llama on the Python standard
     library, on CPU, in a few minutes."""
     from .. import config as config_lib, distributed, job
 
     with _errors() as where:
-        distributed.initialize()  # a no-op unless EQTRAIN_* or SLURM say otherwise
+        if launcher is not None:
+            return _launch(launcher, config, set_, run_dir, dry_run, resume, overwrite)
+        # a no-op unless EQTRAIN_* or SLURM say otherwise
+        cluster = distributed.initialize()
         overrides = list(set_ or [])
         if run_dir is not None:
             overrides.append(f"run_dir={run_dir}")
         cfg = config_lib.load(config, overrides)
+        _check_processes(cfg, cluster.num_processes)
         if memory_budget is not None:
             budget = config_lib.parse_size(memory_budget, field="--memory-budget")
             typer.echo(job.report(cfg))
@@ -150,11 +165,90 @@ def fit(
             return
         where["run_dir"] = cfg.run_dir
         try:
-            result = job.run(cfg, resume=resume, overwrite=overwrite, echo=_echo)
+            result = job.run(
+                cfg, resume=resume, overwrite=overwrite, echo=_echo, export=export_
+            )
         except (SystemExit, KeyboardInterrupt) as e:  # a second SIGTERM/SIGINT
             _aborted(cfg, e)
             raise
+    if result_file is not None:  # the launcher (eqtrain.ray) prints the summary
+        _write_result(result_file, result)
+        if result.fit.stop_reason.kind == "nonfinite":
+            raise typer.Exit(1)
+        return
     _summary(result)
+
+
+def _check_processes(cfg: Any, running: int) -> None:
+    from .._errors import ConfigError
+
+    wanted = cfg.distributed.processes
+    if wanted > 1 and running == 1:
+        raise ConfigError(
+            f"distributed.processes = {wanted} needs a launcher that starts the "
+            "processes: add `--launcher ray`, or start them yourself with "
+            "EQTRAIN_* or SLURM variables (docs/distributed.md)."
+        )
+
+
+def _launch(
+    launcher: str,
+    config: Path | None,
+    set_: list[str] | None,
+    run_dir: str | None,
+    dry_run: bool,
+    resume: str | None,
+    overwrite: bool,
+) -> None:
+    """`eqtrain fit --launcher ray`: the supervisor runs here; the workers run
+    `eqtrain fit` themselves."""
+    from .. import config as config_lib, job
+    from .._errors import ConfigError
+
+    if launcher != "ray":
+        raise ConfigError(
+            f"--launcher must be `ray` (the only launcher so far); got {launcher!r}. "
+            "Leave it out to train in this process."
+        )
+    from .. import ray as ray_launcher
+
+    overrides = list(set_ or []) + ([f"run_dir={run_dir}"] if run_dir else [])
+    cfg = config_lib.load(config, overrides)
+    if dry_run:
+        ray_launcher.plan(cfg)  # what the launcher refuses, refused now
+        typer.echo(job.report(cfg))
+        return
+    result = ray_launcher.fit(cfg, resume=resume, overwrite=overwrite, echo=_echo)
+    lines = [f"restarts: {result.restarts}"] if result.restarts else []
+    _print_summary(
+        result.stop_reason,
+        result.metrics,
+        result.run_dir,
+        result.config,
+        result.export_dir,
+        lines,
+    )
+
+
+def _write_result(path: str, result: Any) -> None:
+    """The stop reason and last metrics as JSON, for the launcher."""
+    fit_result = result.fit
+    stop = fit_result.stop_reason
+    metrics = {}
+    for name, value in fit_result.metrics.items():
+        with contextlib.suppress(TypeError, ValueError):
+            metrics[name] = float(value)
+    data = {
+        "stop_reason": {
+            "kind": str(stop.kind),
+            "step": stop.step,
+            "message": stop.message,
+        },
+        "metrics": metrics,
+        "resumed_from": result.resumed_from,
+        "trained": bool(fit_result.history),
+    }
+    Path(path).write_text(json.dumps(data), encoding="utf-8")
 
 
 def _aborted(cfg: Any, stop: BaseException) -> None:
@@ -182,27 +276,44 @@ def _aborted(cfg: Any, stop: BaseException) -> None:
 
 def _summary(result: Any) -> None:
     fit_result = result.fit
-    metrics = fit_result.metrics
+    _print_summary(
+        fit_result.stop_reason,
+        fit_result.metrics,
+        result.run_dir,
+        result.config,
+        result.export_dir,
+    )
+
+
+def _print_summary(
+    stop_reason: Any,
+    metrics: dict[str, Any],
+    run_dir: Path,
+    config: Any,
+    export_dir: Path | None,
+    extra: list[str] | None = None,
+) -> None:
     final = "  ".join(
         f"{k} {metrics[k]:.4f}"
         for k in ("loss", "eval/loss", "eval/accuracy", "eval/rewards/accuracies")
         if isinstance(metrics.get(k), float)
     )
     lines = [
-        f"stopped: {fit_result.stop_reason}",
+        f"stopped: {stop_reason}",
         *([f"final: {final}"] if final else []),
-        f"run directory:  {result.run_dir}",
-        f"  config:       {result.run_dir / 'config.toml'}",
-        f"  metrics:      {result.run_dir / 'metrics.jsonl'}",
-        f"  checkpoints:  {result.run_dir / 'checkpoints'}",
+        *(extra or []),
+        f"run directory:  {run_dir}",
+        f"  config:       {run_dir / 'config.toml'}",
+        f"  metrics:      {run_dir / 'metrics.jsonl'}",
+        f"  checkpoints:  {run_dir / 'checkpoints'}",
     ]
-    if result.config.log.tensorboard:
-        lines.append(f"  tensorboard:  {result.run_dir / 'tb'}")
-    if result.export_dir is not None:
-        lines.append(f"  HF export:    {result.export_dir}")
-    lines.append(f"plot it:        eqtrain plot {result.run_dir}")
+    if config.log.tensorboard:
+        lines.append(f"  tensorboard:  {run_dir / 'tb'}")
+    if export_dir is not None:
+        lines.append(f"  HF export:    {export_dir}")
+    lines.append(f"plot it:        eqtrain plot {run_dir}")
     typer.echo("\n".join(lines))
-    if fit_result.stop_reason.kind == "nonfinite":
+    if stop_reason.kind == "nonfinite":
         raise typer.Exit(1)
 
 

@@ -1,6 +1,7 @@
 """Typed run configuration for `eqtrain fit`: frozen dataclasses per TOML section
-(`model`, `data`, `optim`, `loop`, `checkpoint`, `mesh`, `log`, `lora`, `export`, plus
-`run_dir` and `seed`), read from TOML files and `--set key=value` overrides.
+(`model`, `data`, `optim`, `loop`, `checkpoint`, `mesh`, `distributed`, `log`,
+`lora`, `export`, plus `run_dir` and `seed`), read from TOML files and `--set
+key=value` overrides.
 
     config = eqtrain.config.load("run.toml", ["optim.lr=1e-4", "loop.steps=10_000"])
     print(eqtrain.config.to_toml(config))
@@ -24,6 +25,7 @@ from ._schema import (
     CheckpointConfig as CheckpointConfig,
     Config as Config,
     DataConfig as DataConfig,
+    DistributedConfig as DistributedConfig,
     ExportConfig as ExportConfig,
     LogConfig as LogConfig,
     LoopConfig as LoopConfig,
@@ -34,7 +36,7 @@ from ._schema import (
     TaskConfig as TaskConfig,
 )
 from ._toml import to_dict as to_dict, to_toml as to_toml, toml_value as toml_value
-from ._units import parse_size as parse_size
+from ._units import parse_resources as parse_resources, parse_size as parse_size
 from ._validate import (
     ARCH_KEYS as ARCH_KEYS,
     data_format as data_format,

@@ -383,6 +383,46 @@ class MeshConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class DistributedConfig:
+    processes: int = setting(
+        1,
+        "Processes a launcher (`eqtrain fit --launcher ray`) starts, each with its "
+        "own devices: one per host, or one per accelerator.",
+        min=1,
+    )
+    ray_address: str | None = setting(
+        None,
+        "The Ray cluster to run on (`auto`, `HOST:PORT` or `ray://HOST:10001`); "
+        "unset: start a local Ray on 127.0.0.1 for this run.",
+    )
+    resources_per_worker: str = setting(
+        "CPU=1",
+        "Ray resources each worker holds, `NAME=AMOUNT` separated by commas: "
+        "`CPU=8,GPU=1`, `TPU=4`, or a custom resource of the cluster.",
+    )
+    placement: str = setting(
+        "pack",
+        "How Ray places the workers' bundles: `strict_spread`: each worker on its "
+        "own node; `pack`/`spread`: as few/as many nodes as fit; `strict_pack`: one "
+        "node.",
+        choices=("pack", "spread", "strict_pack", "strict_spread"),
+    )
+    max_restarts: int = setting(
+        3,
+        "Restart the whole group this many times in all (from the last complete "
+        "checkpoint, `--resume auto`) after a worker fails.",
+        min=0,
+    )
+    restart_delay: float = setting(
+        2.0,
+        "Wait this long before the first restart; each further restart waits twice "
+        "as long (at most 5 minutes).",
+        min=0,
+        kind="duration",
+    )
+
+
+@dataclasses.dataclass(frozen=True)
 class LogConfig:
     every: int = setting(
         1, "Log metrics (JSONL, TensorBoard, W&B) every this many steps.", min=1
@@ -527,6 +567,9 @@ class Config:
     loop: LoopConfig = dataclasses.field(default_factory=LoopConfig)
     checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
     mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
+    distributed: DistributedConfig = dataclasses.field(
+        default_factory=DistributedConfig
+    )
     log: LogConfig = dataclasses.field(default_factory=LogConfig)
     lora: LoRAConfig = dataclasses.field(default_factory=LoRAConfig)
     task: TaskConfig = dataclasses.field(default_factory=TaskConfig)

@@ -4,6 +4,7 @@ from .._errors import ConfigError
 from ..losses import CAUSAL_LM_AUX
 from ._parse import _did_you_mean, explicit, schema
 from ._schema import PREFERENCE_TASKS, Config
+from ._units import parse_resources
 
 
 # Model keys that only the Llama family reads, and those an HF directory decides.
@@ -96,6 +97,7 @@ def validate(config: Config) -> None:
     _lora(config)
     _task(config)
     _export(config)
+    _distributed(config)
 
 
 def _memory(config: Config) -> None:
@@ -346,3 +348,17 @@ def _task(config: Config) -> None:
 
 
 _POST_KEYS = ("data.chat_template", "data.max_prompt_len", "data.pack")
+
+
+def _distributed(config: Config) -> None:
+    parse_resources(config.distributed.resources_per_worker)
+    address = config.distributed.ray_address
+    if address is None or address == "auto":
+        return
+    host, _, port = address.removeprefix("ray://").rpartition(":")
+    if not host or not port.isdigit():
+        raise ConfigError(
+            f"`distributed.ray_address` must be `auto`, `HOST:PORT` or "
+            f"`ray://HOST:PORT`; got {address!r}. `ray status` on the head node "
+            "prints the address; leave it unset to start a local Ray."
+        )

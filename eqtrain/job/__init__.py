@@ -17,6 +17,7 @@ from ._inspect import (
 )
 from ._preflight import (
     check_outputs as check_outputs,
+    export_targets as export_targets,
     is_write_error as is_write_error,
     last_checkpoint_note as last_checkpoint_note,
     write_error_message as write_error_message,

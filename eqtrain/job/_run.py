@@ -88,7 +88,7 @@ def _progress_hooks(config: Config) -> list[Any]:
     return [hooks_lib.ProgressBar(force_terminal=True)]
 
 
-def _hooks(job: _build.Job, run_dir: Path) -> list[Any]:
+def _hooks(job: _build.Job, run_dir: Path, exports: bool = True) -> list[Any]:
     config = job.config
     if jax.process_index() != 0:
         return []  # process 0 logs and exports for the run
@@ -110,7 +110,7 @@ def _hooks(job: _build.Job, run_dir: Path) -> list[Any]:
     for writer in writers:
         out += [every(log.every, writer), at_end(writer)]
     export = config.export
-    if export.hf is not None:
+    if export.hf is not None and exports:
         kwargs = dict(
             dtype=export.dtype,
             max_shard_size=export.max_shard_size,
@@ -207,18 +207,20 @@ def prepare(
     resume: str | None = None,
     overwrite: bool = False,
     echo: Callable[[str], None] | None = None,
+    export: bool = True,
 ) -> Prepared:
     """Assemble the run `config` describes, without training: check everything,
     create the run directory, restore or initialise the state (and for
     `task.reference = "precomputed"`, compute or read the reference log-probs),
     compile nothing yet. `run` is `prepare` followed by `eqtrain.fit`.
-    Progress notes go to `echo` (default: standard error)."""
+    Progress notes go to `echo` (default: standard error); `export=False` leaves
+    out the Hugging Face export (see `run`)."""
     say = echo or _stderr
     planned = _place.plan(config, recorded=_fallback_record(config))
     job, placement = planned.job, planned.placement
     rows, eval_rows = planned.rows, planned.eval_rows
     config = job.config
-    if jax.process_count() > 1 and config.export.hf is not None:
+    if jax.process_count() > 1 and config.export.hf is not None and export:
         raise ConfigError(
             "`export.hf` is not supported in a multi-process run yet (the export "
             'would need every process\'s shards); set export.hf = "" and export '
@@ -291,6 +293,7 @@ def prepare(
             start,
             base,
             architecture,
+            export,
         )
     except BaseException:
         if loader is not None:
@@ -395,6 +398,7 @@ def _assemble(
     start: Any,
     base: Any,
     architecture: Any = None,
+    export: bool = True,
 ) -> "Prepared":
     data = config.data
     loop = config.loop
@@ -419,7 +423,7 @@ def _assemble(
     )
     fit_kwargs = dict(
         num_steps=loop.steps,
-        hooks=_hooks(job, run_dir),
+        hooks=_hooks(job, run_dir, export),
         eval_step=evaluator,
         eval_data=eval_loader,
         eval_every=loop.eval_every or None,
@@ -465,6 +469,7 @@ def run(
     resume: str | None = None,
     overwrite: bool = False,
     echo: Callable[[str], None] | None = None,
+    export: bool = True,
 ) -> RunResult:
     """Train as `config` says: the Python form of `eqtrain fit`.
 
@@ -473,6 +478,9 @@ def run(
         resume: overrides `checkpoint.resume` (`"auto"`, `"never"` or a path).
         overwrite: with resume `"never"`, delete the run's old checkpoints.
         echo: where progress notes go (default: standard error).
+        export: False: write no Hugging Face export (`export.hf`), also not in a
+            multi-process run; a launcher (`eqtrain.ray`) writes it from the last
+            checkpoint once all processes have ended.
 
     Returns:
         A `RunResult`.
@@ -482,7 +490,9 @@ def run(
             or a tokenizer that does not fit the model — all before compiling.
     """
     say = echo or _stderr
-    prepared = prepare(config, resume=resume, overwrite=overwrite, echo=say)
+    prepared = prepare(
+        config, resume=resume, overwrite=overwrite, echo=say, export=export
+    )
     config = prepared.job.config
     run_dir = Path(config.run_dir)
     done = prepared.resumed_from
@@ -501,6 +511,7 @@ def run(
     finally:
         prepared.close()
     export_dir = None
-    if config.export.hf is not None and (run_dir / config.export.hf).exists():
+    exported = export and config.export.hf is not None
+    if exported and (run_dir / config.export.hf).exists():
         export_dir = run_dir / config.export.hf
     return RunResult(result, run_dir, prepared.resumed_from, export_dir, config)

@@ -1,0 +1,434 @@
+"""`eqtrain.ray`: the launch plan, restart policy and refusals without Ray (default
+suite), and for real on a local Ray bound to 127.0.0.1 (`slow`): two workers equal
+one process with two devices bit for bit, a SIGKILLed worker restarts the group
+and the export equals an uninterrupted run's, and a worker that always fails ends
+the run after `max_restarts`."""
+
+import importlib.util
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from eqtrain import ConfigError, config as config_lib
+from eqtrain.cli import app
+from eqtrain.ray import (
+    Exit,
+    check_launchable,
+    decide,
+    plan,
+    restart_delay,
+    worker_args,
+    worker_env,
+)
+
+
+TEXT = "def f(x):\n    return x + 1\n\nclass A:\n    pass\n" * 60
+
+
+def _load(*overrides):
+    return config_lib.load(overrides=list(overrides))
+
+
+# -- the plan, without Ray --------------------------------------------------------
+def test_distributed_keys_reach_the_plan():
+    p = plan(
+        _load(
+            "distributed.processes=4",
+            "distributed.resources_per_worker=cpu=8, gpu=1, pool=0.5",
+            "distributed.placement=strict_spread",
+            "distributed.ray_address=ray://head:10001",
+            "distributed.max_restarts=7",
+            "distributed.restart_delay=1m",
+        )
+    )
+    assert p.processes == 4
+    assert p.bundles == [{"CPU": 8.0, "GPU": 1.0, "pool": 0.5}] * 4
+    assert p.strategy == "STRICT_SPREAD"
+    assert p.address == "ray://head:10001"
+    assert (p.max_restarts, p.restart_delay) == (7, 60.0)
+    default = plan(_load())
+    assert (default.processes, default.bundle, default.strategy) == (
+        1,
+        {"CPU": 1.0},
+        "PACK",
+    )
+    assert default.address is None
+
+
+@pytest.mark.parametrize(
+    "override, match",
+    [
+        ("distributed.processes=0", "must be >= 1"),
+        ("distributed.resources_per_worker=GPU", "NAME=AMOUNT"),
+        ("distributed.resources_per_worker=GPU=-1", "NAME=AMOUNT"),
+        ("distributed.resources_per_worker=CPU=0", "ask for some resource"),
+        ("distributed.resources_per_worker=GPU=1,gpu=2", "names GPU twice"),
+        ("distributed.placement=spread_strict", "Did you mean `spread`"),
+        ("distributed.max_restarts=-1", "must be >= 0"),
+        ("distributed.restart_delay=2h30", "has no unit"),
+        ("distributed.procesess=2", "Did you mean `processes`"),
+    ],
+)
+def test_bad_distributed_values_are_refused(override, match):
+    with pytest.raises(ConfigError, match=match):
+        _load(override)
+
+
+def test_what_a_launched_run_cannot_do_is_refused():
+    dpo = config_lib.apply_overrides(  # checked by the launcher, not validate()
+        config_lib.Config(),
+        [
+            "task.kind=dpo",
+            "task.reference=precomputed",
+            "distributed.processes=2",
+        ],
+    )
+    with pytest.raises(ConfigError, match="precomputed.*distributed.processes = 2"):
+        check_launchable(dpo)
+    periodic = _load("export.hf=hf", "export.every=10")
+    with pytest.raises(ConfigError, match="export.every = 10 is not supported"):
+        check_launchable(periodic)
+
+
+def test_restart_delay_doubles_up_to_a_cap():
+    assert [restart_delay(k, 2.0) for k in (1, 2, 3, 4)] == [2.0, 4.0, 8.0, 16.0]
+    assert restart_delay(30, 2.0) == 300.0
+    assert restart_delay(5, 0.0) == 0.0
+
+
+def _exit(worker, code, **kwargs):
+    return Exit(worker, code, **kwargs)
+
+
+@pytest.mark.parametrize(
+    "exits, stopping, restarts, expected",
+    [
+        ([_exit(0, 0), _exit(1, 0)], False, 0, "done"),
+        # a non-finite stop exits 1 but reports its stop reason: not a failure
+        ([_exit(0, 1, reported=True), _exit(1, 1, reported=True)], False, 0, "done"),
+        ([_exit(1, -9), _exit(0, 0)], False, 0, "restart"),
+        ([_exit(1, None), _exit(0, 0)], False, 2, "restart"),
+        ([_exit(1, -9)], False, 3, "fail"),  # max_restarts = 3 spent
+        ([_exit(0, 2)], False, 0, "fail"),  # a config error: the same next time
+        ([_exit(1, 1)], True, 0, "stopped"),  # a signal: never restarted
+        ([_exit(0, 0, reported=True)], True, 0, "done"),  # a clean signal stop
+    ],
+)
+def test_restart_policy(exits, stopping, restarts, expected):
+    assert decide(exits, stopping=stopping, restarts=restarts, limit=3) == expected
+
+
+def test_exit_names_the_worker_and_its_last_line():
+    text = Exit(1, -9, last_line="step 7/20").describe()
+    expected = "it was killed by signal SIGKILL; its last line: 'step 7/20'"
+    assert text == f"worker 1 failed: {expected}"
+    assert "Ray actor died" in Exit(0, None).describe()
+
+
+def test_worker_arguments_and_environment():
+    first = worker_args(resume="never", overwrite=True, restart=False)
+    assert first == ["--no-export", "--resume", "never", "--overwrite"]
+    assert worker_args(resume=None, overwrite=False, restart=False) == ["--no-export"]
+    # a restart continues from the last checkpoint and never discards any
+    again = worker_args(resume="never", overwrite=True, restart=True)
+    assert again == ["--resume", "auto", "--no-export"]
+    base = {"PATH": "/bin", "EQTRAIN_PROCESS_ID": "5"}
+    env = worker_env(base, {"XLA_FLAGS": "x"}, coordinator="h:1", processes=2, index=1)
+    assert env["EQTRAIN_COORDINATOR"] == "h:1"
+    assert (env["EQTRAIN_NUM_PROCESSES"], env["EQTRAIN_PROCESS_ID"]) == ("2", "1")
+    assert (env["XLA_FLAGS"], env["PATH"]) == ("x", "/bin")
+    single = worker_env(base, None, coordinator="h:1", processes=1, index=0)
+    assert not any(k.startswith("EQTRAIN_") for k in single)
+
+
+def test_unreachable_or_malformed_ray_address(monkeypatch):
+    from eqtrain.ray._launch import _join
+
+    class NoInit:  # the address is checked before Ray is asked
+        def init(self, **kwargs):
+            raise AssertionError("ray.init must not be reached")
+
+    with pytest.raises(ConfigError, match="cannot reach the Ray cluster"):
+        _join(NoInit(), "127.0.0.1:1")
+    with pytest.raises(ConfigError, match="must be `auto`, `HOST:PORT`"):
+        _load("distributed.ray_address=headnode")
+    with pytest.raises(ConfigError, match="must be `auto`, `HOST:PORT`"):
+        _load("distributed.ray_address=ray://head:port")
+
+
+def test_local_ray_that_lacks_the_resources(monkeypatch):
+    from eqtrain.ray._launch import _check_fits
+
+    class Ray:
+        def cluster_resources(self):
+            return {"CPU": 2.0}
+
+    gpus = plan(
+        _load("distributed.processes=2", "distributed.resources_per_worker=GPU=1")
+    )
+    with pytest.raises(ConfigError, match="cannot place 2 workers with GPU=1.*GPU=0"):
+        _check_fits(Ray(), gpus, local=True)
+    spread = plan(
+        _load("distributed.processes=2", "distributed.placement=strict_spread")
+    )
+    with pytest.raises(ConfigError, match="one node per worker"):
+        _check_fits(Ray(), spread, local=True)
+    _check_fits(Ray(), gpus, local=False)  # a cluster may grow: it waits
+
+
+# -- the CLI, without Ray ---------------------------------------------------------
+def _one_paragraph(result):
+    assert result.exit_code == 2, result.output
+    text = result.stderr if hasattr(result, "stderr") else result.output
+    assert text.startswith("error: ") and "Traceback" not in text
+    return text
+
+
+def test_without_ray_the_launcher_names_the_extra(monkeypatch):
+    monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` fails
+    result = CliRunner().invoke(app, ["fit", "--launcher", "ray"])
+    text = _one_paragraph(result)
+    assert "install eqtrain's `ray` extra (`pip install 'eqtrain[ray]'`)" in text
+    assert text.count(". ") == 0  # one sentence
+
+
+def test_cli_launcher_refusals():
+    runner = CliRunner()
+    text = _one_paragraph(runner.invoke(app, ["fit", "--launcher", "slurm"]))
+    assert "--launcher must be `ray`" in text
+    result = runner.invoke(app, ["fit", "--set", "distributed.processes=2"])
+    assert "needs a launcher" in _one_paragraph(result)
+
+
+# -- for real, on a local Ray -----------------------------------------------------
+ONE_DEVICE = {
+    "XLA_FLAGS": "--xla_force_host_platform_device_count=1",
+    "JAX_PLATFORMS": "cpu",
+}
+STEP = re.compile(r"^\[w0\] step (\d+)/")
+PIDS = re.compile(r"worker (\d+): pid (\d+)")
+
+
+@pytest.fixture(scope="module")
+def ray_home(tmp_path_factory):
+    """A local Ray on 127.0.0.1 for this module (HOME in a temporary directory:
+    Ray writes ~/.ray); always shut down, leaving no Ray process behind."""
+    if importlib.util.find_spec("ray") is None:  # CI installs no `ray` extra
+        pytest.skip("needs the `ray` extra")
+    home = tmp_path_factory.mktemp("home")
+    saved = {k: os.environ.get(k) for k in ("HOME", "RAY_USAGE_STATS_ENABLED")}
+    os.environ["HOME"] = str(home)
+    from eqtrain.ray import import_ray
+
+    # Not `importorskip`: Ray must be imported after the variables that keep it
+    # on loopback are set, which `import_ray` does.
+    ray = import_ray()
+    ray.init(
+        address="local",
+        _node_ip_address="127.0.0.1",
+        include_dashboard=False,
+        log_to_driver=False,
+        num_cpus=4,
+    )
+    try:
+        yield home
+    finally:
+        ray.shutdown()
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        assert not _processes_with_home(home), "Ray left processes behind"
+
+
+def _processes_with_home(home):
+    out = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            environ = (entry / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if f"HOME={home}".encode() in environ:
+            out.append(int(entry.name))
+    return out
+
+
+LOOPBACK = ("0100007F", "0000000000000000FFFF00000100007F")  # v4, v4-mapped v6
+
+
+def _non_loopback_listeners(pids):
+    """The TCP sockets `pids` listen on other than 127.0.0.1, with their owners."""
+    owners = {}
+    for pid in pids:
+        try:
+            name = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[:4]
+            for fd in Path(f"/proc/{pid}/fd").iterdir():
+                target = os.readlink(fd)
+                if target.startswith("socket:["):
+                    owners[target[8:-1]] = f"{pid} {b' '.join(name).decode()}"
+        except OSError:
+            continue
+    bad = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for row in Path(table).read_text().splitlines()[1:]:
+            cols = row.split()
+            address, state, inode = cols[1], cols[3], cols[9]
+            if state == "0A" and inode in owners:
+                if address.split(":")[0] not in LOOPBACK:
+                    bad.append((address, owners[inode]))
+    return bad
+
+
+@pytest.fixture(scope="module")
+def text_dir(tmp_path_factory):
+    root = tmp_path_factory.mktemp("text")
+    for i in range(3):
+        (root / f"{i}.txt").write_text(TEXT * (i + 1))
+    return root
+
+
+def _overrides(text_dir, run_dir, *extra):
+    return [
+        f"run_dir={run_dir}",
+        f"data.train={text_dir}",
+        "data.eval=",
+        "model.hidden_size=32",
+        "model.num_layers=1",
+        "data.seq_len=16",
+        "data.batch_size=8",
+        "loop.steps=12",
+        "loop.eval_every=0",
+        "loop.eval_at_end=false",
+        "checkpoint.every=4",
+        "checkpoint.keep_last=2",  # pruning in a multi-process run, too
+        "log.progress=lines",
+        "optim.schedule=constant",
+        "export.hf=hf",
+        *extra,
+    ]
+
+
+def _launch(text_dir, run_dir, *extra, echo=None, env=None):
+    import eqtrain.ray
+
+    lines = []
+
+    def collect(line):
+        lines.append(line)
+        if echo is not None:
+            echo(line)
+
+    config = config_lib.load(
+        overrides=_overrides(text_dir, run_dir, "distributed.processes=2", *extra)
+    )
+    result = eqtrain.ray.fit(config, echo=collect, env={**ONE_DEVICE, **(env or {})})
+    return result, lines
+
+
+def _losses(run_dir):
+    import json
+
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in rows if "loss" in r}
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(ray_home, text_dir, tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("ray") / "run"
+    listeners = []
+
+    def check_ports(line):  # once, mid-run: Ray's and the coordinator's sockets
+        if STEP.match(line) and not listeners:
+            listeners.append(_non_loopback_listeners(_processes_with_home(ray_home)))
+
+    result, lines = _launch(text_dir, run_dir, echo=check_ports)
+    return run_dir, result, lines, listeners
+
+
+@pytest.mark.slow
+def test_two_ray_workers_equal_one_process_with_two_devices(
+    uninterrupted, text_dir, tmp_path
+):
+    run_dir, result, lines, listeners = uninterrupted
+    assert listeners == [[]]  # everything Ray and the workers opened: 127.0.0.1
+    assert (str(result.stop_reason.kind), result.step) == ("max_steps", 12)
+    assert result.restarts == 0 and result.export_dir == run_dir / "hf"
+    assert any("coordinator 127.0.0.1:" in line for line in lines)
+    single = tmp_path / "single"
+    cmd = [sys.executable, "-m", "eqtrain.cli", "fit"]
+    cmd += [f"--set={o}" for o in _overrides(text_dir, single)]
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2")
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert _losses(run_dir) == _losses(single)  # bit for bit
+    assert len(_losses(run_dir)) == 12
+    ours = (run_dir / "hf" / "model.safetensors").read_bytes()
+    assert ours == (single / "hf" / "model.safetensors").read_bytes()
+
+
+@pytest.mark.slow
+def test_killed_worker_restarts_the_group_and_the_export_is_identical(
+    uninterrupted, text_dir, tmp_path
+):
+    """Worker 1's `eqtrain fit` SIGKILLed at step 6 (the actors stay: the group
+    restarts in them), then worker 0's Ray actor SIGKILLed at step 10 (its process
+    dies with it: the group is placed anew); the export equals the uninterrupted
+    run's byte for byte."""
+    pids, kills = {}, []
+
+    def kill(line):
+        for worker, pid in PIDS.findall(line):
+            pids[int(worker)] = int(pid)
+        step = STEP.match(line)
+        if step is None:
+            return
+        if int(step.group(1)) >= 6 and not kills:
+            os.kill(pids[1], signal.SIGKILL)  # worker 1's training process
+            kills.append(pids[1])
+        elif int(step.group(1)) >= 10 and len(kills) == 1 and pids[1] != kills[0]:
+            actor = int(Path(f"/proc/{pids[0]}/stat").read_text().split()[3])
+            os.kill(actor, signal.SIGKILL)  # worker 0's actor (its parent)
+            kills.append(actor)
+
+    run_dir = tmp_path / "run"
+    result, lines = _launch(text_dir, run_dir, echo=kill)
+    assert len(kills) == 2
+    assert result.restarts == 2
+    assert (str(result.stop_reason.kind), result.step) == ("max_steps", 12)
+    failures = [x for x in lines if x.startswith("[ray] worker")]
+    assert "worker 1 failed: it was killed by signal SIGKILL" in failures[0]
+    assert "worker 0 failed: its Ray actor or node died" in failures[1]
+    assert sum("resumed from" in x for x in lines) >= 2
+    expected = (uninterrupted[0] / "hf" / "model.safetensors").read_bytes()
+    assert (run_dir / "hf" / "model.safetensors").read_bytes() == expected
+    assert sorted(os.listdir(run_dir / "checkpoints")) == ["12", "8"]  # pruned
+
+
+@pytest.mark.slow
+def test_a_worker_that_always_fails_ends_the_run(ray_home, text_dir, tmp_path):
+    from eqtrain.ray import LaunchError
+
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(
+        "import os\n"
+        "if os.environ.get('EQTRAIN_PROCESS_ID') == '1':\n"
+        "    print('worker one cannot start', flush=True)\n"
+        "    os._exit(3)\n"
+    )
+    extra = ("distributed.max_restarts=1", "distributed.restart_delay=0")
+    with pytest.raises(LaunchError) as info:
+        _launch(text_dir, tmp_path / "run", *extra, env={"PYTHONPATH": str(site)})
+    message = str(info.value)
+    assert "worker 1 failed: it exited with code 3" in message
+    assert "its last line: 'worker one cannot start'" in message
+    assert "after 1 restart(s) (distributed.max_restarts = 1)" in message
