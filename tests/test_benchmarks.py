@@ -75,3 +75,13 @@ def test_hf_load_quick():
     for kind in ("before", "after", "sharded"):
         assert record[f"{kind}_peak_mb"] >= record["import_mb"] > 0
         assert record[f"{kind}_s"] > 0
+
+
+@pytest.mark.slow  # the default suite's time: `nox -s slow`
+def test_memory_quick():
+    records, _ = _quick("memory.py")
+    parts = {r["part"] for r in records}
+    assert parts == {"loss", "mlp", "vocab", "budget"}
+    loss = [r for r in records if r["part"] == "loss"]
+    assert all(r["temp_bytes"]["chunked"] < r["temp_bytes"]["plain"] for r in loss)
+    assert records[-1]["on_over_off"] >= 1
