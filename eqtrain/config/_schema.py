@@ -36,6 +36,8 @@ REFERENCES = ("auto", "copy", "adapters_off", "precomputed")
 OPTIMIZERS = ("adamw", "adam", "lion", "sgd", "adafactor")
 SCHEDULES = ("constant", "linear", "cosine", "wsd")
 DTYPES = ("float32", "bfloat16", "float16")
+SEQUENCE_SCHEMES = ("ulysses", "ring", "all_gather")  # = eqtrain.models.SCHEMES
+SEQUENCE_LAYOUTS = ("contiguous", "zigzag")
 # The defaults of unset `optim.warmup_steps` and `optim.final_lr`, which depend on
 # other keys: see `OptimConfig.resolved`.
 WARMUP_PERCENT = 5  # of loop.steps
@@ -102,6 +104,21 @@ class ModelConfig:
     )
     scan_layers: bool = setting(
         True, "Run the blocks with `lax.scan` (faster compiles) or unrolled."
+    )
+    sequence_parallel: str | None = setting(
+        None,
+        "Attention over a sequence split on mesh.sequence devices: `ulysses` "
+        "(all-to-all to heads; num_heads / mesh.tensor must divide by "
+        "mesh.sequence), `ring` (K/V blocks round a ring) or `all_gather` "
+        "(gathered K/V); unset: plain attention (mesh.sequence must be 1).",
+        choices=SEQUENCE_SCHEMES,
+    )
+    sequence_layout: str = setting(
+        "contiguous",
+        "How each row's tokens lie on mesh.sequence: `contiguous`, or `zigzag` "
+        "(device i holds chunks i and 2n-1-i of 2n: balanced causal work; "
+        "data.seq_len must divide by 2 x mesh.sequence).",
+        choices=SEQUENCE_LAYOUTS,
     )
     adapter_from: str | None = setting(
         None,
@@ -323,6 +340,12 @@ class MeshConfig:
         1, "Devices parameters and optimizer state are sharded over (FSDP).", min=-1
     )
     tensor: int = setting(1, "Tensor-parallel devices.", min=-1)
+    sequence: int = setting(
+        1,
+        "Devices each row's tokens are split over (sequence parallelism; needs "
+        "model.sequence_parallel).",
+        min=1,
+    )
 
 
 @dataclasses.dataclass(frozen=True)

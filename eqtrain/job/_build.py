@@ -94,7 +94,12 @@ class Job:
             if mesh is not None and self.vocab_size is None:
                 shardings = _model_shardings(mesh)
             model, _ = hf.load(m.init_from, dtype=m.param_dtype, shardings=shardings)
-            model = model.with_options(remat=m.remat, scan_layers=m.scan_layers)
+            model = model.with_options(
+                remat=m.remat,
+                scan_layers=m.scan_layers,
+                sequence_parallel=m.sequence_parallel,
+                sequence_layout=m.sequence_layout,
+            )
         else:
             config = self.model_config
             if self.vocab_size is not None:

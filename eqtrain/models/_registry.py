@@ -106,6 +106,8 @@ def _llama_from_section(
         param_dtype=m.param_dtype,
         remat=m.remat,
         scan_layers=m.scan_layers,
+        sequence_parallel=m.sequence_parallel,
+        sequence_layout=m.sequence_layout,
     )
 
 
@@ -158,6 +160,8 @@ def _gpt2_from_section(
         param_dtype=m.param_dtype,
         remat=m.remat,
         scan_layers=m.scan_layers,
+        sequence_parallel=m.sequence_parallel,
+        sequence_layout=m.sequence_layout,
     )
 
 

@@ -12,6 +12,7 @@ any token layout is exact: `zigzag` is a permutation of the rows' tokens (and
 their positions), applied to the data by `sequence_rows`.
 """
 
+import functools
 import math
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -101,6 +102,7 @@ def under_mesh(fn: Callable[..., Any], mesh: Any) -> Callable[..., Any]:
     attention inside it finds the `sequence` axis. Wrap a step with it before
     `eqtrain.jit` (or trace the step inside `with jax.set_mesh(mesh):`)."""
 
+    @functools.wraps(fn)
     def wrapped(*args: Any, **kwargs: Any) -> Any:
         with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
             return fn(*args, **kwargs)
@@ -225,7 +227,7 @@ def sequence_attention(
     return mapped(q, k, v, positions.astype(jnp.int32), segs.astype(jnp.int32))
 
 
-# -- the schemes, on one device's block -------------------------------------------------
+# -- the schemes, on one device's block ---------------------------------------------
 def _gather(x: Array) -> Array:
     return lax.all_gather(x, AXIS, axis=0, tiled=True)
 
@@ -303,7 +305,9 @@ def _ring(q, k, v, pos, seg, *, n, window, layout, implementation):
         return _merge(acc, qg, pos, seg, k_, v_, p_, s_, window)
 
     def late(acc, kv):  # zigzag, source after me: second query half, every key
-        upper = _merge(_rows(acc, half, s), qg[half:], pos[half:], seg[half:], *kv, window)
+        upper = _merge(
+            _rows(acc, half, s), qg[half:], pos[half:], seg[half:], *kv, window
+        )
         return tuple(
             jnp.concatenate([a[:half], u]) for a, u in zip(acc, upper, strict=True)
         )
@@ -348,7 +352,43 @@ def _ring(q, k, v, pos, seg, *, n, window, layout, implementation):
 _BODIES = {"ulysses": _ulysses, "ring": _ring, "all_gather": _all_gather}
 
 
-# -- the data side: positions and the zigzag layout ------------------------------------
+def attend(
+    q: Float[Array, "seq heads head_dim"],
+    k: Float[Array, "seq kv_heads head_dim"],
+    v: Float[Array, "seq kv_heads head_dim"],
+    *,
+    segment_ids: Int[Array, " seq"] | None,
+    positions: Int[Array, " seq"] | None,
+    sliding_window: int | None,
+    implementation: str | None,
+    sequence_parallel: str | None,
+    sequence_layout: str,
+) -> Float[Array, "seq heads head_dim"]:
+    """The models' attention: `attention` (one device's whole sequence, rows in
+    order), or `sequence_attention` with a `sequence_parallel` scheme."""
+    if sequence_parallel is None:
+        return attention(
+            q,
+            k,
+            v,
+            segment_ids=segment_ids,
+            sliding_window=sliding_window,
+            implementation=implementation,
+        )
+    return sequence_attention(
+        q,
+        k,
+        v,
+        scheme=sequence_parallel,
+        positions=positions,
+        segment_ids=segment_ids,
+        sliding_window=sliding_window,
+        layout=sequence_layout,
+        implementation=implementation,
+    )
+
+
+# -- the data side: positions and the zigzag layout --------------------------------
 def zigzag_order(seq_len: int, ways: int) -> np.ndarray:
     """The permutation of a row's positions that lays it out zigzag over `ways`
     devices: `2 * ways` chunks, device `i` holding chunks `i` and `2*ways - 1 - i`

@@ -24,7 +24,6 @@ from ._layers import (
     LayerNorm,
     Linear,
     as_dtype,
-    attention,
     check_options,
     default_positions,
     residual_scale,
@@ -33,6 +32,7 @@ from ._layers import (
     stack_layers,
     with_config_options,
 )
+from ._sequence import attend, check_scheme
 from .llama import head_weight
 
 
@@ -102,7 +102,8 @@ class GPT2Config:
             round-trips (the same logits in float32).
         tie_word_embeddings: the head is `wte` (`lm_head` is `None`); `False`
             gives the model its own `lm_head` (`[vocab, n_embd]`).
-        param_dtype, remat, scan_layers, attention_impl: as in `LlamaConfig`.
+        param_dtype, remat, scan_layers, attention_impl, sequence_parallel,
+            sequence_layout: as in `LlamaConfig`.
     """
 
     vocab_size: int = 50257
@@ -122,8 +123,11 @@ class GPT2Config:
     remat: str = "none"
     scan_layers: bool = True
     attention_impl: str | None = None
+    sequence_parallel: str | None = None
+    sequence_layout: str = "contiguous"
 
     def __post_init__(self) -> None:
+        check_scheme(self.sequence_parallel, self.sequence_layout)
         if self.n_embd % self.n_head:
             raise ConfigError(
                 f"`n_embd` {self.n_embd} must be a multiple of `n_head` {self.n_head}."
@@ -145,7 +149,9 @@ class GPT2Config:
         return self.n_inner or 4 * self.n_embd
 
 
-RUNTIME_OPTIONS = frozenset({"remat", "scan_layers", "attention_impl"})
+RUNTIME_OPTIONS = frozenset(
+    {"remat", "scan_layers", "attention_impl", "sequence_parallel", "sequence_layout"}
+)
 
 
 class GPT2Attention(eqx.Module):
@@ -171,6 +177,9 @@ class GPT2Attention(eqx.Module):
         segment_ids: Int[Array, " seq"] | None,
         implementation: str | None,
         query_scale: Array | float | None = None,
+        positions: Int[Array, " seq"] | None = None,
+        sequence_parallel: str | None = None,
+        sequence_layout: str = "contiguous",
         key: PRNGKeyArray | None = None,
     ) -> Float[Array, "seq embd"]:
         """`query_scale` multiplies q, and so the scores, on top of attention's
@@ -181,13 +190,16 @@ class GPT2Attention(eqx.Module):
         q = qkv[:, 0]
         if query_scale is not None:
             q = q * jnp.asarray(query_scale).astype(q.dtype)
-        out = attention(
+        out = attend(
             q,
             qkv[:, 1],
             qkv[:, 2],
             segment_ids=segment_ids,
+            positions=positions,
             sliding_window=None,
             implementation=implementation,
+            sequence_parallel=sequence_parallel,
+            sequence_layout=sequence_layout,
         )
         return self.c_proj(out.reshape(seq, d), key=kp)
 
@@ -325,7 +337,13 @@ class GPT2(eqx.Module):
             )
         positions = default_positions(tokens.shape[0], segment_ids, positions)
         x = self.wte(tokens) + self.wpe(positions)
-        attn = dict(segment_ids=segment_ids, implementation=config.attention_impl)
+        attn = dict(
+            segment_ids=segment_ids,
+            implementation=config.attention_impl,
+            positions=positions,
+            sequence_parallel=config.sequence_parallel,
+            sequence_layout=config.sequence_layout,
+        )
         if config.scale_attn_by_inverse_layer_idx:
             # The layer index travels with the layers, so `lax.scan` slices it too.
             layers: Any = _Numbered(self.h, jnp.arange(config.n_layer))
@@ -349,7 +367,7 @@ class GPT2(eqx.Module):
 
     def with_options(self, **changes: Any) -> "GPT2":
         """The same parameters with other runtime options (`remat`, `scan_layers`,
-        `attention_impl`)."""
+        `attention_impl`, `sequence_parallel`, `sequence_layout`)."""
         return with_config_options(self, RUNTIME_OPTIONS, **changes)
 
 

@@ -24,7 +24,6 @@ from ._layers import (
     RMSNorm,
     apply_rope,
     as_dtype,
-    attention,
     check_options,
     default_positions,
     rope_cos_sin,
@@ -33,6 +32,7 @@ from ._layers import (
     stack_layers,
     with_config_options,
 )
+from ._sequence import attend, check_scheme
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,6 +73,11 @@ class LlamaConfig:
             `False` unrolls a Python loop.
         attention_impl: `implementation` for `jax.nn.dot_product_attention`:
             `None` (XLA), `"xla"` or `"cudnn"` (the fused GPU kernel; bf16/f16).
+        sequence_parallel: attention over a sequence split on the mesh's
+            `sequence` axis: `"ulysses"`, `"ring"` or `"all_gather"` (see
+            `eqtrain.models.sequence_attention`); `None`: plain attention.
+        sequence_layout: `"contiguous"` or `"zigzag"`: how the rows' tokens are
+            laid out (`eqtrain.models.sequence_rows` permutes them).
     """
 
     vocab_size: int = 32000
@@ -95,8 +100,11 @@ class LlamaConfig:
     remat: str = "none"
     scan_layers: bool = True
     attention_impl: str | None = None
+    sequence_parallel: str | None = None
+    sequence_layout: str = "contiguous"
 
     def __post_init__(self) -> None:
+        check_scheme(self.sequence_parallel, self.sequence_layout)
         heads, kv = self.num_attention_heads, self.kv_heads
         if heads % kv:
             raise ConfigError(
@@ -134,7 +142,9 @@ class LlamaConfig:
         return self.head_dim or self.hidden_size // self.num_attention_heads
 
 
-RUNTIME_OPTIONS = frozenset({"remat", "scan_layers", "attention_impl"})
+RUNTIME_OPTIONS = frozenset(
+    {"remat", "scan_layers", "attention_impl", "sequence_parallel", "sequence_layout"}
+)
 """Config fields that `Llama.with_options` may change on an existing model."""
 
 
@@ -175,6 +185,9 @@ class LlamaAttention(eqx.Module):
         segment_ids: Int[Array, " seq"] | None,
         sliding_window: int | None,
         implementation: str | None,
+        positions: Int[Array, " seq"] | None = None,
+        sequence_parallel: str | None = None,
+        sequence_layout: str = "contiguous",
         key: PRNGKeyArray | None = None,
     ) -> Float[Array, "seq hidden"]:
         seq = x.shape[0]
@@ -183,13 +196,16 @@ class LlamaAttention(eqx.Module):
         k = self.k_proj(x, key=kk).reshape(seq, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x, key=kv).reshape(seq, self.num_kv_heads, self.head_dim)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = attention(
+        out = attend(
             q,
             k,
             v,
             segment_ids=segment_ids,
+            positions=positions,
             sliding_window=sliding_window,
             implementation=implementation,
+            sequence_parallel=sequence_parallel,
+            sequence_layout=sequence_layout,
         )
         return self.o_proj(out.reshape(seq, self.num_heads * self.head_dim), key=ko)
 
@@ -340,6 +356,9 @@ class Llama(eqx.Module):
             segment_ids=segment_ids,
             sliding_window=config.sliding_window,
             implementation=config.attention_impl,
+            positions=positions,
+            sequence_parallel=config.sequence_parallel,
+            sequence_layout=config.sequence_layout,
         )
         x = self.embed_tokens(tokens)
         x = run_layers(
@@ -361,7 +380,8 @@ class Llama(eqx.Module):
 
     def with_options(self, **changes: Any) -> "Llama":
         """The same parameters with other runtime options (`remat`, `scan_layers`,
-        `attention_impl`), e.g. `model.with_options(remat="full")`."""
+        `attention_impl`, `sequence_parallel`, `sequence_layout`), e.g.
+        `model.with_options(remat="full")`."""
         return with_config_options(self, RUNTIME_OPTIONS, **changes)
 
 
