@@ -20,6 +20,7 @@ from ._chunked import (
     chunked_token_logprobs as chunked_token_logprobs,
 )
 from ._errors import ConfigError
+from ._rows import vmap_rows
 
 
 Aux = dict[str, Float[Array, ""]]
@@ -102,7 +103,7 @@ def causal_lm_loss_fn(
             mask = jnp.ones(targets.shape, jnp.float32)
         keys = _row_keys(key, tokens.shape[0])
         call = lambda t, rows, k: model(t, key=k, **rows)
-        logits = jax.vmap(call)(tokens, _row_extras(batch), keys)
+        logits = vmap_rows(call)(tokens, _row_extras(batch), keys)
         logits = vocab_mask(logits, vocab_size)
         # Masked targets may hold anything (e.g. -100): point them at a valid id.
         targets = jnp.where(mask > 0, targets, 0)
@@ -152,7 +153,7 @@ def _batch_features(
     extras = {"segment_ids": segs, "positions": positions}
     extras = {k: v for k, v in extras.items() if v is not None}
     call = lambda t, rows, k: model.features(t, key=k, **rows)
-    return jax.vmap(call)(tokens, extras, keys)
+    return vmap_rows(call)(tokens, extras, keys)
 
 
 def chunked_causal_lm_loss_fn(

@@ -91,10 +91,7 @@ def check_sequence(
 
 def sequence_ways(mesh: Any = None) -> int:
     """The size of the `sequence` axis of `mesh` (default: the mesh in context)."""
-    mesh = jax.sharding.get_abstract_mesh() if mesh is None else mesh
-    if mesh is None or AXIS not in mesh.axis_names:
-        return 1
-    return int(dict(zip(mesh.axis_names, mesh.axis_sizes, strict=True))[AXIS])
+    return _size(jax.sharding.get_abstract_mesh() if mesh is None else mesh, AXIS)
 
 
 def under_mesh(fn: Callable[..., Any], mesh: Any) -> Callable[..., Any]:
@@ -215,16 +212,30 @@ def sequence_attention(
         layout=layout,
         implementation=implementation,
     )
-    spec = P(AXIS)
+    # Every mesh axis is manual: the rows' axes come from the `vmap` around the
+    # model (`spmd_axis_name`, see `eqtrain._rows.vmap_rows`), whole heads lie on
+    # `tensor` as the tensor-parallel rules put them, and `sequence` is ours.
+    # (With only `sequence` manual, XLA gathered the rows of Ulysses and
+    # all-gather across `data`.)
+    tensor = _size(mesh, "tensor")
+    if tensor > 1 and k.shape[1] % tensor:  # too few kv heads: repeat them
+        k, v = (jnp.repeat(x, q.shape[1] // k.shape[1], axis=1) for x in (k, v))
+    heads = P(AXIS, "tensor" if tensor > 1 else None)
     mapped = jax.shard_map(
         local,
         mesh=mesh,
-        in_specs=(spec,) * 5,
-        out_specs=spec,
-        axis_names={AXIS},
+        in_specs=(heads, heads, heads, P(AXIS), P(AXIS)),
+        out_specs=heads,
+        axis_names=set(mesh.axis_names),
         check_vma=False,
     )
     return mapped(q, k, v, positions.astype(jnp.int32), segs.astype(jnp.int32))
+
+
+def _size(mesh: Any, axis: str) -> int:
+    if mesh is None or axis not in mesh.axis_names:
+        return 1
+    return int(dict(zip(mesh.axis_names, mesh.axis_sizes, strict=True))[axis])
 
 
 # -- the schemes, on one device's block ---------------------------------------------
