@@ -341,8 +341,23 @@ def test_checkpoints_move_between_sequence_sizes(
 ):
     run = tmp_path / "run"
     ring = ["model.sequence_parallel=ring"]
-    _fit(text_dir, run, "loop.steps=5", f"mesh.sequence={first}", *ring)
-    resumed = _fit(text_dir, run, "checkpoint.resume=auto", f"mesh.sequence={then}")
+    # data=2 throughout: 2 devices for sequence=1, 8 for sequence=4.
+    _fit(
+        text_dir,
+        run,
+        "loop.steps=5",
+        f"mesh.sequence={first}",
+        *ring,
+        devices=2 * first,
+    )
+    resumed = _fit(
+        text_dir,
+        run,
+        "checkpoint.resume=auto",
+        f"mesh.sequence={then}",
+        *ring,
+        devices=2 * then,
+    )
     # The resumed run logs steps 6..10; they continue the uninterrupted curve.
     np.testing.assert_allclose(
         resumed[-5:], one_device_losses[-5:], rtol=1e-4, atol=1e-4
