@@ -122,7 +122,7 @@ def point(
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="seq_len 256, 512")
+    parser.add_argument("--quick", action="store_true", help="seq_len 256, 1 step")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument(
         "--run-limit",
@@ -131,7 +131,9 @@ def main() -> None:
         help="run steps only while all devices' temporaries fit this (bytes)",
     )
     args = parser.parse_args()
-    lengths = [256, 512] if args.quick else [2048, 4096, 8192, 16384]
+    lengths = [256] if args.quick else [2048, 4096, 8192, 16384]
+    if args.quick:
+        args.steps = 1
     for seq_len in lengths:
         base = None
         for scheme, layout, axes in SETUPS:

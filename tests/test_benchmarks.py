@@ -75,3 +75,17 @@ def test_hf_load_quick():
     for kind in ("before", "after", "sharded"):
         assert record[f"{kind}_peak_mb"] >= record["import_mb"] > 0
         assert record[f"{kind}_s"] > 0
+
+
+@pytest.mark.slow  # the default suite's time: `nox -s slow`
+def test_sequence_quick():
+    records, _ = _quick("sequence.py")
+    assert [(r["scheme"], r["layout"]) for r in records] == [
+        ("none", "contiguous"),
+        ("ulysses", "contiguous"),
+        ("ring", "contiguous"),
+        ("ring", "zigzag"),
+        ("all_gather", "contiguous"),
+    ]
+    for r in records[1:]:
+        assert r["tokens_per_device"] == 64 and r["temp_vs_sequence_1"] > 2

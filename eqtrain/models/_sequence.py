@@ -82,10 +82,10 @@ def check_sequence(
     if scheme == "ulysses" and heads is not None and (heads // tensor) % ways:
         raise ConfigError(
             f"model.sequence_parallel = 'ulysses' splits the heads over "
-            f"mesh.sequence = {ways}, but model.num_heads {heads} (per "
-            f"mesh.tensor = {tensor} device: {heads // tensor}) is not a multiple "
-            f"of {ways}; use 'ring' or 'all_gather', or a head count divisible by "
-            f"{ways * tensor}."
+            f"mesh.sequence = {ways}, but model.num_heads {heads} gives "
+            f"{heads // tensor} heads per mesh.tensor device ({tensor} of them), "
+            f"not a multiple of {ways}; use 'ring' or 'all_gather', or a head "
+            f"count divisible by {ways * tensor}."
         )
 
 
@@ -295,10 +295,6 @@ def _merge(acc, q, q_pos, q_seg, k, v, k_pos, k_seg, window):
     return out * scale[..., None] + pv, new_top, total
 
 
-def _rows(acc: Any, lo: int, hi: int) -> Any:
-    return tuple(a[lo:hi] for a in acc)
-
-
 def _ring(q, k, v, pos, seg, *, n, window, layout, implementation):
     del implementation  # the blocks are computed here, not by a kernel
     s, heads, d = q.shape
@@ -308,44 +304,47 @@ def _ring(q, k, v, pos, seg, *, n, window, layout, implementation):
     me = lax.axis_index(AXIS)
     half = s // 2
 
-    def full(acc, kv):
-        return _merge(acc, qg, pos, seg, *kv, window)
-
-    def early(acc, kv):  # zigzag, source before me: every query, first key half
-        k_, v_, p_, s_ = (x[:half] for x in kv)
-        return _merge(acc, qg, pos, seg, k_, v_, p_, s_, window)
-
-    def late(acc, kv):  # zigzag, source after me: second query half, every key
-        upper = _merge(
-            _rows(acc, half, s), qg[half:], pos[half:], seg[half:], *kv, window
-        )
+    def merge(acc, lo, size, kv, k_lo, k_size):
+        """Fold keys `[k_lo, k_lo + k_size)` of `kv` into query rows `[lo, lo +
+        size)` (offsets may be traced)."""
+        cut = lambda x, at, n: lax.dynamic_slice_in_dim(x, at, n)
+        rows = tuple(cut(a, lo, size) for a in acc)
+        keys = tuple(cut(x, k_lo, k_size) for x in kv)
+        q_, p_, s_ = cut(qg, lo, size), cut(pos, lo, size), cut(seg, lo, size)
+        part = _merge(rows, q_, p_, s_, *keys, window)
         return tuple(
-            jnp.concatenate([a[:half], u]) for a, u in zip(acc, upper, strict=True)
+            lax.dynamic_update_slice_in_dim(a, b, lo, 0)
+            for a, b in zip(acc, part, strict=True)
         )
 
-    def skip(acc, kv):
-        del kv
-        return acc
+    def diagonal(acc, kv):  # my own block: every query against every key
+        return merge(acc, 0, s, kv, 0, s)
 
-    if layout == "zigzag":
-        branches = (full, early, late)
-        pick = lambda src: jnp.where(src == me, 0, jnp.where(src < me, 1, 2))
-    else:  # contiguous: a source block after mine is masked by causality
-        branches = (full, skip, skip)
-        pick = lambda src: jnp.where(src <= me, 0, 1)
-    # Rematerialise the block: the backward keeps only its inputs (the accumulators
+    def contiguous(acc, kv, src):  # a block from after me is masked by causality
+        seen = lambda a: merge(a, 0, s, kv, 0, s)
+        return lax.cond(src < me, seen, lambda a: a, acc)
+
+    def zigzag(acc, kv, src):
+        # Device i holds chunks (i, 2n-1-i). A source before me: both my query
+        # halves see its first key half. After me: my second query half sees both
+        # of its key halves. Both cases are two quarter blocks, one of them
+        # (second query half, first key half) common: no branch at all.
+        acc = merge(acc, half, half, kv, 0, half)
+        h = jnp.where(src > me, half, 0)
+        return merge(acc, h, half, kv, h, half)
+
+    # Rematerialise each block: the backward keeps only its inputs (accumulators
     # and the travelling block), not the [q, heads, k] scores and probabilities.
-    block = jax.checkpoint(
-        lambda acc, kv, src: lax.switch(pick(src), branches, acc, kv),
-        prevent_cse=False,
+    diagonal = jax.checkpoint(diagonal, prevent_cse=False)
+    other = jax.checkpoint(
+        zigzag if layout == "zigzag" else contiguous, prevent_cse=False
     )
     perm = [(i, (i + 1) % n) for i in range(n)]
 
     def step(carry, t):
         acc, kv = carry
-        acc = block(acc, kv, (me - t) % n)
         kv = tuple(lax.ppermute(x, AXIS, perm) for x in kv)
-        return (acc, kv), None
+        return (other(acc, kv, (me - t) % n), kv), None
 
     shape = (s, kv_heads, heads // kv_heads)
     acc = (
@@ -354,8 +353,9 @@ def _ring(q, k, v, pos, seg, *, n, window, layout, implementation):
         jnp.zeros(shape, jnp.float32),
     )
     kv = (k, v, pos, seg)
-    (acc, kv), _ = lax.scan(step, (acc, kv), jnp.arange(n - 1))
-    out, _, total = block(acc, kv, (me - (n - 1)) % n)
+    acc = diagonal(acc, kv)
+    (acc, _), _ = lax.scan(step, (acc, kv), jnp.arange(1, n))
+    out, _, total = acc
     out = out / total[..., None]
     return out.reshape(s, heads, d).astype(q.dtype)
 
