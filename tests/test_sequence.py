@@ -323,7 +323,9 @@ def one_device_losses(text_dir, tmp_path_factory):
 @pytest.mark.parametrize(
     "options",
     [["model.sequence_parallel=" + s] for s in sorted(COLLECTIVE)]
-    + [["model.sequence_parallel=ring", "model.sequence_layout=zigzag"]],
+    + [["model.sequence_parallel=ring", "model.sequence_layout=zigzag"]]
+    # heads on tensor too: 4 heads / tensor 2 / sequence 2, kv heads repeated
+    + [["model.sequence_parallel=ulysses", "mesh.sequence=2", "mesh.tensor=2"]],
     ids=lambda o: "-".join(x.split("=")[1] for x in o),
 )
 def test_fit_on_sequence_mesh_gives_the_one_device_curve(

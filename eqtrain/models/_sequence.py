@@ -1,15 +1,15 @@
 """Sequence parallelism: exact attention over a sequence split across the mesh's
 `sequence` axis, in three schemes (Ulysses, ring, all-gather K/V), each a
-`jax.shard_map` over that axis alone; every other axis stays automatic.
+`jax.shard_map` that moves data over that axis only.
 
 Models call `sequence_attention` on one sequence (`[seq, heads, head_dim]`) and
-are `jax.vmap`ped over the batch by the losses; `vmap` of a `shard_map` adds the
-batch as one more (automatically sharded) dimension, so the same code serves a
-single row and a batch. The mesh is the one in context (`jax.set_mesh(mesh)`, or
-`eqtrain.models.under_mesh(step, mesh)`); without a `sequence` axis larger than 1
-the plain attention runs. Masks come from global positions and segment ids, so
-any token layout is exact: `zigzag` is a permutation of the rows' tokens (and
-their positions), applied to the data by `sequence_rows`.
+the losses `jax.vmap` them over the batch with the rows mapped onto the batch axes
+(`eqtrain._rows.vmap_rows`), so each device keeps its own rows. The mesh is the
+one in context (`jax.set_mesh(mesh)`, or `under_mesh(step, mesh)`); without a
+`sequence` axis larger than 1 the plain attention runs. Masks come from global
+positions and segment ids, so any token layout is exact: `zigzag` is a
+permutation of the rows' tokens (and their positions), applied to the data by
+`sequence_rows`.
 """
 
 import functools
@@ -218,9 +218,10 @@ def sequence_attention(
     # (With only `sequence` manual, XLA gathered the rows of Ulysses and
     # all-gather across `data`.)
     tensor = _size(mesh, "tensor")
-    if tensor > 1 and k.shape[1] % tensor:  # too few kv heads: repeat them
+    split = tensor > 1 and q.shape[1] % tensor == 0  # else heads are gathered
+    if split and k.shape[1] % tensor:  # too few kv heads to split: repeat them
         k, v = (jnp.repeat(x, q.shape[1] // k.shape[1], axis=1) for x in (k, v))
-    heads = P(AXIS, "tensor" if tensor > 1 else None)
+    heads = P(AXIS, "tensor" if split else None)
     mapped = jax.shard_map(
         local,
         mesh=mesh,
