@@ -20,6 +20,7 @@ from ._chunked import (
     chunked_token_logprobs as chunked_token_logprobs,
 )
 from ._errors import ConfigError
+from ._rows import vmap_rows
 
 
 Aux = dict[str, Float[Array, ""]]
@@ -101,12 +102,8 @@ def causal_lm_loss_fn(
         else:
             mask = jnp.ones(targets.shape, jnp.float32)
         keys = _row_keys(key, tokens.shape[0])
-        if "segment_ids" in batch:
-            segs = jnp.asarray(batch["segment_ids"])
-            call = lambda t, s, k: model(t, segment_ids=s, key=k)
-            logits = jax.vmap(call)(tokens, segs, keys)
-        else:
-            logits = jax.vmap(lambda t, k: model(t, key=k))(tokens, keys)
+        call = lambda t, rows, k: model(t, key=k, **rows)
+        logits = vmap_rows(call)(tokens, _row_extras(batch), keys)
         logits = vocab_mask(logits, vocab_size)
         # Masked targets may hold anything (e.g. -100): point them at a valid id.
         targets = jnp.where(mask > 0, targets, 0)
@@ -137,15 +134,26 @@ def _lm_inputs(
     return tokens, targets, mask, segs
 
 
+def _row_extras(batch: Mapping[str, ArrayLike]) -> dict[str, Array]:
+    """The per-row keyword arguments of an LM model in `batch`: `segment_ids` and
+    `positions` (global positions, e.g. of a sequence-parallel layout)."""
+    names = ("segment_ids", "positions")
+    return {n: jnp.asarray(batch[n]) for n in names if n in batch}
+
+
 def _batch_features(
-    model: Any, tokens: Array, segs: Array | None, key: PRNGKeyArray | None
+    model: Any,
+    tokens: Array,
+    segs: Array | None,
+    key: PRNGKeyArray | None,
+    positions: Array | None = None,
 ) -> Array:
     """`model.features` per row (`jax.vmap`), keys split as `causal_lm_loss` does."""
     keys = _row_keys(key, tokens.shape[0])
-    if segs is not None:
-        call = lambda t, s, k: model.features(t, segment_ids=s, key=k)
-        return jax.vmap(call)(tokens, segs, keys)
-    return jax.vmap(lambda t, k: model.features(t, key=k))(tokens, keys)
+    extras = {"segment_ids": segs, "positions": positions}
+    extras = {k: v for k, v in extras.items() if v is not None}
+    call = lambda t, rows, k: model.features(t, key=k, **rows)
+    return vmap_rows(call)(tokens, extras, keys)
 
 
 def chunked_causal_lm_loss_fn(
@@ -187,7 +195,8 @@ def chunked_causal_lm_loss_fn(
         key: PRNGKeyArray | None = None,
     ) -> tuple[Float[Array, ""], Aux]:
         tokens, targets, mask, segs = _lm_inputs(batch)
-        hidden = _batch_features(model, tokens, segs, key)
+        positions = _row_extras(batch).get("positions")
+        hidden = _batch_features(model, tokens, segs, key, positions)
         ce = chunked_cross_entropy(
             hidden.reshape(-1, hidden.shape[-1]),
             model.head_weight(key=key),
@@ -246,8 +255,9 @@ def causal_lm_loss(
     """Next-token cross-entropy, averaged over target tokens.
 
     The model is called on one row at a time (`jax.vmap` over the batch) as
-    `model(tokens, segment_ids=..., key=...)`, with `segment_ids` only when the
-    batch has them and the key split per row. The loss is computed in f32.
+    `model(tokens, segment_ids=..., positions=..., key=...)`, with `segment_ids`
+    and `positions` only when the batch has them and the key split per row. The
+    loss is computed in f32.
 
     Args:
         model: e.g. `eqtrain.models.Llama`: `tokens [seq] -> logits [seq, vocab]`.
@@ -255,7 +265,9 @@ def causal_lm_loss(
             int32[B, S] (the next token for each position, already shifted),
             `"loss_mask"` float32[B, S] (1 where the target counts: 0 for padding,
             prompts, and targets across a packed-segment boundary; all ones if
-            absent), and optionally `"segment_ids"` int32[B, S].
+            absent), and optionally `"segment_ids"` int32[B, S] and `"positions"`
+            int32[B, S] (each token's position in its segment; a sequence-parallel
+            layout carries them, see `eqtrain.models.sequence_rows`).
         key: split per row and passed to the model (dropout); may be `None`.
 
     Returns:

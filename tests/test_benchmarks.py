@@ -85,3 +85,17 @@ def test_memory_quick():
     loss = [r for r in records if r["part"] == "loss"]
     assert all(r["temp_bytes"]["chunked"] < r["temp_bytes"]["plain"] for r in loss)
     assert records[-1]["on_over_off"] >= 1
+
+
+@pytest.mark.slow  # the default suite's time: `nox -s slow`
+def test_sequence_quick():
+    records, _ = _quick("sequence.py")
+    assert [(r["scheme"], r["layout"]) for r in records] == [
+        ("none", "contiguous"),
+        ("ulysses", "contiguous"),
+        ("ring", "contiguous"),
+        ("ring", "zigzag"),
+        ("all_gather", "contiguous"),
+    ]
+    for r in records[1:]:
+        assert r["tokens_per_device"] == 64 and r["temp_vs_sequence_1"] > 2

@@ -236,10 +236,13 @@ def test_memory_keys_reach_the_job(tmp_path):
     )
     assert m.mlp_chunks == 4 and built.loss_chunk == 64 and m.attention_chunk == 8
     assert built.loss_fn.__qualname__.startswith("chunked_causal_lm_loss_fn")
-    # auto: the byte vocabulary (259 ids) keeps the plain loss; 8192 ids chunk
+    # auto: the byte vocabulary (259 ids) keeps the plain loss; 8192 ids chunk,
+    # but not on a sequence axis
     assert job.build(_config(tmp_path)).loss_chunk == 0
     big = job.build(_config(tmp_path, "model.vocab_size=8192"))
     assert big.loss_chunk == config_lib.AUTO_LOSS_CHUNK
+    split = ["model.vocab_size=8192", "mesh.sequence=2", "model.sequence_parallel=ring"]
+    assert job.build(_config(tmp_path, *split)).loss_chunk == 0
     assert (
         job.build(_config(tmp_path, "model.mlp_chunks=auto")).model_config.mlp_chunks
         == "auto"

@@ -37,9 +37,12 @@ OPTIMIZERS = ("adamw", "adam", "lion", "sgd", "adafactor")
 SCHEDULES = ("constant", "linear", "cosine", "wsd")
 DTYPES = ("float32", "bfloat16", "float16")
 # `model.loss_chunk = "auto"` chunks the loss from this vocabulary size on (see
-# docs/performance.md, "Chunked loss", for the measurement behind it).
-LOSS_CHUNK_MIN_VOCAB = 8192
+# docs/performance.md, "Memory", for the measurement behind it: at 2048 ids the
+# chunked loss was 0.79x the plain one's time, at 259 ids 1.56x).
+LOSS_CHUNK_MIN_VOCAB = 2048
 AUTO_LOSS_CHUNK = 256
+SEQUENCE_SCHEMES = ("ulysses", "ring", "all_gather")  # = eqtrain.models.SCHEMES
+SEQUENCE_LAYOUTS = ("contiguous", "zigzag")
 # The defaults of unset `optim.warmup_steps` and `optim.final_lr`, which depend on
 # other keys: see `OptimConfig.resolved`.
 WARMUP_PERCENT = 5  # of loop.steps
@@ -153,12 +156,27 @@ class ModelConfig:
         "Chunked LM head + loss: compute the output head and cross-entropy over "
         "this many tokens at a time, never holding the [tokens, vocab] logits; 0: "
         "off (full logits); `auto`: 256-token chunks when the vocabulary has "
-        f"at least {LOSS_CHUNK_MIN_VOCAB} ids, else off.",
+        f"at least {LOSS_CHUNK_MIN_VOCAB} ids and mesh.sequence is 1, else off.",
         min=0,
         kind="auto_int",
     )
     scan_layers: bool = setting(
         True, "Run the blocks with `lax.scan` (faster compiles) or unrolled."
+    )
+    sequence_parallel: str | None = setting(
+        None,
+        "Attention over a sequence split on mesh.sequence devices: `ulysses` "
+        "(all-to-all to heads; num_heads / mesh.tensor must divide by "
+        "mesh.sequence), `ring` (K/V blocks round a ring) or `all_gather` "
+        "(gathered K/V); unset: plain attention (mesh.sequence must be 1).",
+        choices=SEQUENCE_SCHEMES,
+    )
+    sequence_layout: str = setting(
+        "contiguous",
+        "How each row's tokens lie on mesh.sequence: `contiguous`, or `zigzag` "
+        "(device i holds chunks i and 2n-1-i of 2n: balanced causal work; "
+        "data.seq_len must divide by 2 x mesh.sequence).",
+        choices=SEQUENCE_LAYOUTS,
     )
     adapter_from: str | None = setting(
         None,
@@ -380,6 +398,12 @@ class MeshConfig:
         1, "Devices parameters and optimizer state are sharded over (FSDP).", min=-1
     )
     tensor: int = setting(1, "Tensor-parallel devices.", min=-1)
+    sequence: int = setting(
+        1,
+        "Devices each row's tokens are split over (sequence parallelism; needs "
+        "model.sequence_parallel).",
+        min=1,
+    )
 
 
 @dataclasses.dataclass(frozen=True)

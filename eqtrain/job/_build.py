@@ -309,11 +309,13 @@ def loss_chunk(config: Config, vocab: int, *, head_dropout: bool = False) -> int
     """`model.loss_chunk` resolved for a model with `vocab` output ids: tokens per
     chunk of the chunked head + loss, or 0 for the plain loss. `auto` chunks from
     `LOSS_CHUNK_MIN_VOCAB` ids on (below it the logits are small, and the plain
-    loss is as fast), unless `head_dropout` (a LoRA adapter with dropout on the
-    head, which a chunked head cannot apply; an explicit chunk is an error)."""
+    loss is faster) on runs without a sequence axis, unless `head_dropout` (a
+    LoRA adapter with dropout on the head, which a chunked head cannot apply; an
+    explicit chunk is an error)."""
     chunk = config.model.loss_chunk
     if chunk == "auto":
-        if head_dropout or vocab < LOSS_CHUNK_MIN_VOCAB:
+        # A sequence-split row would be gathered to be cut into token chunks.
+        if head_dropout or vocab < LOSS_CHUNK_MIN_VOCAB or config.mesh.sequence > 1:
             return 0
         return AUTO_LOSS_CHUNK
     if chunk and head_dropout:

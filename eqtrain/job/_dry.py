@@ -82,6 +82,18 @@ def _task_lines(job: _build.Job) -> list[str]:
     return [line, *(f"skipped      {note}" for note in job.notes)]
 
 
+def _sequence_lines(config: Config, ways: int) -> list[str]:
+    m = config.model
+    if ways == 1 and m.sequence_parallel is None:
+        return []
+    scheme = m.sequence_parallel or "none"
+    return [
+        f"sequence     axis of {ways} devices x {config.data.seq_len // ways} tokens "
+        f"per device (of {config.data.seq_len}); attention {scheme}, layout "
+        f"{m.sequence_layout}"
+    ]
+
+
 def report(config: Config) -> str:
     """The dry-run report of `config` (nothing is trained, allocated or written)."""
     planned = _place.plan(config)
@@ -97,6 +109,7 @@ def report(config: Config) -> str:
     p_bytes = sum(t.bytes_per_device for t in params)
     o_bytes = sum(t.bytes_per_device for t in opt)
     rest = sum(t.bytes_per_device for t in table) - p_bytes - o_bytes
+    seq_ways = mesh.shape["sequence"]
     memory = _memory.step_memory(job, placement, _memory.abstract_batch(job, rows))
     lines = [
         f"run_dir      {config.run_dir} (nothing written: dry run)",
@@ -114,6 +127,7 @@ def report(config: Config) -> str:
         f"lr {config.optim.lr:g} {config.optim.schedule}",
         f"devices      {mesh.devices.size} x {mesh.devices.flat[0].platform}; mesh "
         + ", ".join(f"{k}={v}" for k, v in mesh.shape.items()),
+        *_sequence_lines(config, seq_ways),
         _options_line(job),
         "",
         sharding.format_table(table),

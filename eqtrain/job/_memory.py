@@ -114,10 +114,14 @@ class Fit:
 
 
 def _granularity(config: Config) -> int:
-    """Lengths the search tries are multiples of this: 64, or a multiple of
-    `model.mlp_chunks` so the tiled MLP's pieces stay equal."""
+    """Lengths the search tries are multiples of this: 64, and of
+    `model.mlp_chunks` (the tiled MLP's pieces stay equal) and of the sequence
+    axis (twice it for the zigzag layout) so that the length splits."""
     chunks = config.model.mlp_chunks
-    return math.lcm(64, chunks if isinstance(chunks, int) else 1)
+    ways = max(1, config.mesh.sequence)
+    if config.model.sequence_layout == "zigzag":
+        ways *= 2
+    return math.lcm(64, chunks if isinstance(chunks, int) else 1, ways)
 
 
 def _position_limit(job: _build.Job) -> int | None:

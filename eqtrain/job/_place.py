@@ -4,7 +4,7 @@ shardings from the partition rules, and the batch sharding."""
 import dataclasses
 from typing import Any
 
-from .. import sharding
+from .. import models, sharding
 from .._errors import ConfigError
 from .._jit import Jitted, jit
 from ..step import train_step as _train_step
@@ -46,15 +46,62 @@ def plan(config: Any, *, recorded: Any = None) -> Plan:
     it on the mesh: every check that can fail does so here, before any
     compilation."""
     job = _build.build(config, recorded=recorded)
-    rows = _build.train_rows(job)
-    return Plan(job, rows, _build.eval_rows(job), placement(job))
+    check_sequence(job)
+    rows = sequence_rows(job, _build.train_rows(job))
+    eval_rows = _build.eval_rows(job)
+    if eval_rows is not None:
+        eval_rows = sequence_rows(job, eval_rows)
+    return Plan(job, rows, eval_rows, placement(job))
+
+
+def check_sequence(job: _build.Job) -> None:
+    """Refuse a sequence-parallel setup that cannot split (`ConfigError` naming
+    the fields): rows, heads, or a task whose rows are not LM rows."""
+    c = job.config
+    ways = c.mesh.sequence
+    if ways > 1 and c.task.kind not in ("lm", "sft"):
+        raise ConfigError(
+            f"mesh.sequence = {ways} splits LM rows; task.kind = {c.task.kind!r} "
+            "has preference pairs, which sequence parallelism does not split yet. "
+            "Use mesh.sequence = 1 for this task."
+        )
+    if c.model.sequence_layout == "zigzag" and c.task.kind not in ("lm", "sft"):
+        raise ConfigError(
+            f"model.sequence_layout = 'zigzag' permutes LM rows; task.kind = "
+            f"{c.task.kind!r} has preference pairs. Use 'contiguous'."
+        )
+    models.check_sequence(
+        seq_len=c.data.seq_len,
+        ways=ways,
+        scheme=c.model.sequence_parallel,
+        layout=c.model.sequence_layout,
+        heads=_heads(job.model_config),
+        tensor=c.mesh.tensor if c.mesh.tensor > 0 else 1,
+    )
+
+
+def _heads(model_config: Any) -> int | None:
+    return getattr(model_config, "num_attention_heads", None) or getattr(
+        model_config, "n_head", None
+    )
+
+
+def sequence_rows(job: _build.Job, rows: _build.Rows) -> _build.Rows:
+    """LM rows with the global `positions` a sequence-parallel model reads, in the
+    configured layout (`eqtrain.models.sequence_rows`); other rows unchanged."""
+    m = job.config.model
+    if m.sequence_parallel is None or "tokens" not in rows:
+        return rows
+    ways = job.config.mesh.sequence
+    return models.sequence_rows(rows, layout=m.sequence_layout, ways=ways)
 
 
 def placement(job: _build.Job) -> Placement:
     """The `Placement` of `job`: checks the mesh against the devices, the batch
     against the data axes and every parameter against its rule."""
     m = job.config.mesh
-    mesh = sharding.make_mesh({"data": m.data, "fsdp": m.fsdp, "tensor": m.tensor})
+    sizes = {"data": m.data, "fsdp": m.fsdp, "tensor": m.tensor}
+    mesh = sharding.make_mesh(sizes | {"sequence": m.sequence})
     batch = job.config.data.batch_size // job.config.optim.accumulate
     parallel = mesh.shape["data"] * mesh.shape["fsdp"]
     if batch % parallel:
@@ -66,12 +113,14 @@ def placement(job: _build.Job) -> Placement:
     abstract = job.abstract_state()
     rules = sharding.rules_for(abstract.model, mesh)
     state_sh = sharding.state_shardings(abstract, mesh, rules, optimizer=job.optimizer)
-    return Placement(mesh, state_sh, sharding.batch_sharding(mesh))
+    batch_sh = sharding.batch_sharding(mesh, sequence=m.sequence > 1)
+    return Placement(mesh, state_sh, batch_sh)
 
 
 def train_step(job: _build.Job, placement: Placement) -> Jitted:
     """The run's compiled training step (the `[optim]` accumulation and the
-    `[loop]` precision, non-finite guard and EMA), on `placement`."""
+    `[loop]` precision, non-finite guard and EMA), on `placement`, traced under
+    its mesh (sequence-parallel attention reads the mesh from context)."""
     config = job.config
     loop = config.loop
     step = _train_step(
@@ -82,4 +131,4 @@ def train_step(job: _build.Job, placement: Placement) -> Jitted:
         nonfinite=loop.nonfinite,
         ema=loop.ema,
     )
-    return jit(step, shardings=placement.shardings)
+    return jit(models.under_mesh(step, placement.mesh), shardings=placement.shardings)

@@ -12,7 +12,7 @@ from typing import Any
 
 import jax
 
-from .. import checkpoint, hf, hooks as hooks_lib
+from .. import checkpoint, hf, hooks as hooks_lib, models
 from .._errors import ConfigError
 from .._hooks import StopKind, StopReason, at_end, every
 from .._jit import jit
@@ -150,7 +150,7 @@ def evaluation(
     )
     precision = "bf16" if config.loop.precision == "bf16" else None
     evaluator = jit(
-        eval_step(job.loss_fn, precision=precision),
+        models.under_mesh(eval_step(job.loss_fn, precision=precision), placement.mesh),
         donate=False,
         shardings=placement.shardings,
     )

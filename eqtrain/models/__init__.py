@@ -5,6 +5,11 @@
 - `eqtrain.models.gpt2`: `GPT2`, `GPT2Config`;
 - `eqtrain.models.mlp`: `MLPClassifier`, `MLPConfig`.
 
+Sequence parallelism (`sequence_attention`, `SCHEMES`): set a model's
+`sequence_parallel` option and trace its step under the mesh
+(`under_mesh(step, mesh)`); `sequence_rows` adds `positions` (and the zigzag
+layout) to LM rows.
+
 Each submodule also has `flops_per_token(config, seq_len)`. The language-model
 families (Llama, GPT-2) have one registry entry each, which owns the `[model]`
 config section both ways, FLOPs, tensor-parallel rules and Hugging Face names:
@@ -29,6 +34,17 @@ from ._registry import (
     HFNames as HFNames,
     family as family,
     runtime_options as runtime_options,
+)
+from ._sequence import (
+    LAYOUTS as LAYOUTS,
+    SCHEMES as SCHEMES,
+    check_sequence as check_sequence,
+    position_mask as position_mask,
+    sequence_attention as sequence_attention,
+    sequence_rows as sequence_rows,
+    sequence_ways as sequence_ways,
+    under_mesh as under_mesh,
+    zigzag_order as zigzag_order,
 )
 from ._vocab import resize_vocab as resize_vocab
 from .gpt2 import GPT2 as GPT2, GPT2Config as GPT2Config

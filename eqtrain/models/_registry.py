@@ -79,8 +79,8 @@ class Family:
 
 def runtime_options(m: Any) -> dict[str, Any]:
     """The `[model]` section's runtime options (`remat`, `remat_save`,
-    `remat_offload`, `mlp_chunks`, `attention_chunk`, `scan_layers`) as
-    model-config fields, for
+    `remat_offload`, `mlp_chunks`, `attention_chunk`, `scan_layers`,
+    `sequence_parallel`, `sequence_layout`) as model-config fields, for
     `from_section` and a loaded model's `with_options`."""
     split = lambda text: tuple(n.strip() for n in text.split(",") if n.strip())
     return dict(
@@ -90,6 +90,8 @@ def runtime_options(m: Any) -> dict[str, Any]:
         mlp_chunks=m.mlp_chunks,
         attention_chunk=m.attention_chunk,
         scan_layers=m.scan_layers,
+        sequence_parallel=m.sequence_parallel,
+        sequence_layout=m.sequence_layout,
     )
 
 

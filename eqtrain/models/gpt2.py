@@ -24,7 +24,6 @@ from ._layers import (
     LayerNorm,
     Linear,
     as_dtype,
-    attention,
     check_options,
     default_positions,
     mlp_chunk_count,
@@ -36,6 +35,7 @@ from ._layers import (
     tiled,
     with_config_options,
 )
+from ._sequence import attend, check_scheme
 from .llama import head_weight
 
 
@@ -106,8 +106,9 @@ class GPT2Config:
         tie_word_embeddings: the head is `wte` (`lm_head` is `None`); `False`
             gives the model its own `lm_head` (`[vocab, n_embd]`).
         param_dtype, remat, remat_save, remat_offload, mlp_chunks,
-            attention_chunk, scan_layers, attention_impl: as in `LlamaConfig`
-            (`mlp_chunks="auto"`: `ceil(seq / n_embd)`).
+            attention_chunk, scan_layers, attention_impl, sequence_parallel,
+            sequence_layout: as in `LlamaConfig` (`mlp_chunks="auto"`:
+            `ceil(seq / n_embd)`).
     """
 
     vocab_size: int = 50257
@@ -131,8 +132,11 @@ class GPT2Config:
     remat_offload: tuple[str, ...] = ()
     mlp_chunks: int | str = 1
     attention_chunk: int = 0
+    sequence_parallel: str | None = None
+    sequence_layout: str = "contiguous"
 
     def __post_init__(self) -> None:
+        check_scheme(self.sequence_parallel, self.sequence_layout)
         if self.n_embd % self.n_head:
             raise ConfigError(
                 f"`n_embd` {self.n_embd} must be a multiple of `n_head` {self.n_head}."
@@ -160,7 +164,7 @@ class GPT2Config:
 
 RUNTIME_OPTIONS = frozenset(
     {"remat", "scan_layers", "attention_impl", "remat_save", "remat_offload"}
-    | {"mlp_chunks", "attention_chunk"}
+    | {"mlp_chunks", "attention_chunk", "sequence_parallel", "sequence_layout"}
 )
 
 
@@ -188,6 +192,9 @@ class GPT2Attention(eqx.Module):
         implementation: str | None,
         query_chunk: int = 0,
         query_scale: Array | float | None = None,
+        positions: Int[Array, " seq"] | None = None,
+        sequence_parallel: str | None = None,
+        sequence_layout: str = "contiguous",
         key: PRNGKeyArray | None = None,
     ) -> Float[Array, "seq embd"]:
         """`query_scale` multiplies q, and so the scores, on top of attention's
@@ -200,14 +207,17 @@ class GPT2Attention(eqx.Module):
             q = q * jnp.asarray(query_scale).astype(q.dtype)
         q = name_activation(q, "query")
         k, v = name_activation(qkv[:, 1], "key"), name_activation(qkv[:, 2], "value")
-        out = attention(
+        out = attend(
             q,
             k,
             v,
             segment_ids=segment_ids,
+            positions=positions,
             sliding_window=None,
             implementation=implementation,
             query_chunk=query_chunk,
+            sequence_parallel=sequence_parallel,
+            sequence_layout=sequence_layout,
         )
         return name_activation(self.c_proj(out.reshape(seq, d), key=kp), "attn_out")
 
@@ -355,6 +365,9 @@ class GPT2(eqx.Module):
             implementation=config.attention_impl,
             query_chunk=config.attention_chunk,
             mlp_chunks=chunks,
+            positions=positions,
+            sequence_parallel=config.sequence_parallel,
+            sequence_layout=config.sequence_layout,
         )
         if config.scale_attn_by_inverse_layer_idx:
             # The layer index travels with the layers, so `lax.scan` slices it too.
@@ -386,7 +399,8 @@ class GPT2(eqx.Module):
 
     def with_options(self, **changes: Any) -> "GPT2":
         """The same parameters with other runtime options (`remat`, `remat_save`,
-        `remat_offload`, `mlp_chunks`, `scan_layers`, `attention_impl`)."""
+        `remat_offload`, `mlp_chunks`, `attention_chunk`, `scan_layers`,
+        `attention_impl`, `sequence_parallel`, `sequence_layout`)."""
         return with_config_options(self, RUNTIME_OPTIONS, **changes)
 
 

@@ -24,7 +24,6 @@ from ._layers import (
     RMSNorm,
     apply_rope,
     as_dtype,
-    attention,
     check_options,
     default_positions,
     mlp_chunk_count,
@@ -36,6 +35,7 @@ from ._layers import (
     tiled,
     with_config_options,
 )
+from ._sequence import attend, check_scheme
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,6 +87,11 @@ class LlamaConfig:
             `False` unrolls a Python loop.
         attention_impl: `implementation` for `jax.nn.dot_product_attention`:
             `None` (XLA), `"xla"` or `"cudnn"` (the fused GPU kernel; bf16/f16).
+        sequence_parallel: attention over a sequence split on the mesh's
+            `sequence` axis: `"ulysses"`, `"ring"` or `"all_gather"` (see
+            `eqtrain.models.sequence_attention`); `None`: plain attention.
+        sequence_layout: `"contiguous"` or `"zigzag"`: how the rows' tokens are
+            laid out (`eqtrain.models.sequence_rows` permutes them).
     """
 
     vocab_size: int = 32000
@@ -113,8 +118,11 @@ class LlamaConfig:
     remat_offload: tuple[str, ...] = ()
     mlp_chunks: int | str = 1
     attention_chunk: int = 0
+    sequence_parallel: str | None = None
+    sequence_layout: str = "contiguous"
 
     def __post_init__(self) -> None:
+        check_scheme(self.sequence_parallel, self.sequence_layout)
         heads, kv = self.num_attention_heads, self.kv_heads
         if heads % kv:
             raise ConfigError(
@@ -158,7 +166,7 @@ class LlamaConfig:
 
 RUNTIME_OPTIONS = frozenset(
     {"remat", "scan_layers", "attention_impl", "remat_save", "remat_offload"}
-    | {"mlp_chunks", "attention_chunk"}
+    | {"mlp_chunks", "attention_chunk", "sequence_parallel", "sequence_layout"}
 )
 """Config fields that `Llama.with_options` may change on an existing model."""
 
@@ -201,6 +209,9 @@ class LlamaAttention(eqx.Module):
         sliding_window: int | None,
         implementation: str | None,
         query_chunk: int = 0,
+        positions: Int[Array, " seq"] | None = None,
+        sequence_parallel: str | None = None,
+        sequence_layout: str = "contiguous",
         key: PRNGKeyArray | None = None,
     ) -> Float[Array, "seq hidden"]:
         seq = x.shape[0]
@@ -211,14 +222,17 @@ class LlamaAttention(eqx.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         q, k = name_activation(q, "query"), name_activation(k, "key")
         v = name_activation(v, "value")
-        out = attention(
+        out = attend(
             q,
             k,
             v,
             segment_ids=segment_ids,
+            positions=positions,
             sliding_window=sliding_window,
             implementation=implementation,
             query_chunk=query_chunk,
+            sequence_parallel=sequence_parallel,
+            sequence_layout=sequence_layout,
         )
         out = self.o_proj(out.reshape(seq, self.num_heads * self.head_dim), key=ko)
         return name_activation(out, "attn_out")
@@ -378,6 +392,9 @@ class Llama(eqx.Module):
             mlp_chunks=mlp_chunk_count(
                 config.mlp_chunks, tokens.shape[0], config.hidden_size
             ),
+            positions=positions,
+            sequence_parallel=config.sequence_parallel,
+            sequence_layout=config.sequence_layout,
         )
         x = self.embed_tokens(tokens)
         x = run_layers(
@@ -401,7 +418,8 @@ class Llama(eqx.Module):
 
     def with_options(self, **changes: Any) -> "Llama":
         """The same parameters with other runtime options (`remat`, `remat_save`,
-        `remat_offload`, `mlp_chunks`, `scan_layers`, `attention_impl`), e.g.
+        `remat_offload`, `mlp_chunks`, `attention_chunk`, `scan_layers`,
+        `attention_impl`, `sequence_parallel`, `sequence_layout`), e.g.
         `model.with_options(remat="full")`."""
         return with_config_options(self, RUNTIME_OPTIONS, **changes)
 

@@ -1,0 +1,452 @@
+"""Sequence parallelism: exact attention over a sequence split across the mesh's
+`sequence` axis, in three schemes (Ulysses, ring, all-gather K/V), each a
+`jax.shard_map` that moves data over that axis only.
+
+Models call `sequence_attention` on one sequence (`[seq, heads, head_dim]`) and
+the losses `jax.vmap` them over the batch with the rows mapped onto the batch axes
+(`eqtrain._rows.vmap_rows`), so each device keeps its own rows. The mesh is the
+one in context (`jax.set_mesh(mesh)`, or `under_mesh(step, mesh)`); without a
+`sequence` axis larger than 1 the plain attention runs. Masks come from global
+positions and segment ids, so any token layout is exact: `zigzag` is a
+permutation of the rows' tokens (and their positions), applied to the data by
+`sequence_rows`.
+"""
+
+import functools
+import math
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+import jax.lax as lax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec as P
+from jaxtyping import Array, Bool, Float, Int
+
+from .._errors import ConfigError
+from ._layers import attention, segment_positions
+
+
+SCHEMES = ("ulysses", "ring", "all_gather")
+"""The sequence-parallel attention schemes (`sequence_parallel=`)."""
+
+LAYOUTS = ("contiguous", "zigzag")
+"""How a row's tokens lie on the `sequence` axis: in order, or zigzag (device `i`
+holds chunks `i` and `2n - 1 - i` of `2n`, which balances causal work)."""
+
+AXIS = "sequence"
+_NEG = -1e30  # a masked score: finite, so fully masked rows never make inf - inf
+
+
+def check_scheme(scheme: str | None, layout: str = "contiguous") -> None:
+    """Raise `ConfigError` for an unknown scheme or layout."""
+    if scheme is not None and scheme not in SCHEMES:
+        raise ConfigError(
+            f"`sequence_parallel` must be None or one of {list(SCHEMES)}; got "
+            f"{scheme!r}."
+        )
+    if layout not in LAYOUTS:
+        raise ConfigError(
+            f"`sequence_layout` must be one of {list(LAYOUTS)}; got {layout!r}."
+        )
+
+
+def check_sequence(
+    *,
+    seq_len: int,
+    ways: int,
+    scheme: str | None,
+    layout: str = "contiguous",
+    heads: int | None = None,
+    tensor: int = 1,
+) -> None:
+    """Raise `ConfigError` (naming the config fields) unless `seq_len` tokens and
+    `heads` query heads (split `tensor` ways first) fit `ways` sequence devices."""
+    check_scheme(scheme, layout)
+    if ways == 1:
+        return
+    if scheme is None:
+        raise ConfigError(
+            f"mesh.sequence is {ways} but model.sequence_parallel is unset; set it "
+            f"to one of {list(SCHEMES)} (or mesh.sequence = 1)."
+        )
+    chunks = 2 * ways if layout == "zigzag" else ways
+    if seq_len % chunks:
+        twice = " (twice mesh.sequence for the zigzag layout)" if chunks > ways else ""
+        raise ConfigError(
+            f"data.seq_len {seq_len} does not split into {chunks} equal chunks"
+            f"{twice} over mesh.sequence = {ways}; use a data.seq_len that is a "
+            f"multiple of {chunks}."
+        )
+    if scheme == "ulysses" and heads is not None and (heads // tensor) % ways:
+        raise ConfigError(
+            f"model.sequence_parallel = 'ulysses' splits the heads over "
+            f"mesh.sequence = {ways}, but model.num_heads {heads} gives "
+            f"{heads // tensor} heads per mesh.tensor device ({tensor} of them), "
+            f"not a multiple of {ways}; use 'ring' or 'all_gather', or a head "
+            f"count divisible by {ways * tensor}."
+        )
+
+
+def sequence_ways(mesh: Any = None) -> int:
+    """The size of the `sequence` axis of `mesh` (default: the mesh in context)."""
+    return _size(jax.sharding.get_abstract_mesh() if mesh is None else mesh, AXIS)
+
+
+def under_mesh(fn: Callable[..., Any], mesh: Any) -> Callable[..., Any]:
+    """`fn` traced with `mesh` as the mesh in context, so that the sequence-parallel
+    attention inside it finds the `sequence` axis. Wrap a step with it before
+    `eqtrain.jit` (or trace the step inside `with jax.set_mesh(mesh):`)."""
+
+    @functools.wraps(fn)
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+            return fn(*args, **kwargs)
+
+    return wrapped
+
+
+def position_mask(
+    q_pos: Int[Array, " q"],
+    q_seg: Int[Array, " q"],
+    k_pos: Int[Array, " k"],
+    k_seg: Int[Array, " k"],
+    sliding_window: int | None,
+) -> Bool[Array, "q k"]:
+    """Causal (and windowed) attention within a segment, from global positions:
+    query `i` sees key `j` of its segment with `pos[j] <= pos[i]` (and
+    `pos[i] - pos[j] < sliding_window`). Positions must increase along a row
+    within each segment, as `segment_positions` (or `arange`) gives them."""
+    diff = q_pos[:, None] - k_pos[None, :]
+    mask = (q_seg[:, None] == k_seg[None, :]) & (diff >= 0)
+    if sliding_window is not None:
+        mask = mask & (diff < sliding_window)
+    return mask
+
+
+def _dense(q, k, v, q_pos, q_seg, k_pos, k_seg, window, implementation):
+    """Attention of local queries over the given keys, masked by positions."""
+    mask = position_mask(q_pos, q_seg, k_pos, k_seg, window)
+    return jax.nn.dot_product_attention(
+        q, k, v, mask=mask[None], implementation=implementation
+    )
+
+
+def sequence_attention(
+    q: Float[Array, "seq heads head_dim"],
+    k: Float[Array, "seq kv_heads head_dim"],
+    v: Float[Array, "seq kv_heads head_dim"],
+    *,
+    scheme: str,
+    positions: Int[Array, " seq"] | None,
+    segment_ids: Int[Array, " seq"] | None,
+    sliding_window: int | None = None,
+    layout: str = "contiguous",
+    implementation: str | None = None,
+    mesh: Any = None,
+) -> Float[Array, "seq heads head_dim"]:
+    """Causal attention of one sequence split over the mesh's `sequence` axis.
+
+    The result equals `eqtrain.models._layers.attention` on the whole sequence
+    (with rows in their original order) up to float rounding:
+
+    - `"ulysses"` (DeepSpeed-Ulysses, Jacobs et al. 2023, arXiv:2309.14509): an
+      all-to-all turns `[seq/n, heads]` into `[seq, heads/n]`, any local kernel
+      runs (`implementation`: XLA or cuDNN), and the inverse all-to-all returns
+      the sequence split. Heads must divide by `n`; key/value heads that do not
+      are repeated first.
+    - `"ring"` (ring attention, Liu et al. 2023, arXiv:2310.01889): key/value
+      blocks, with their positions and segment ids, travel round the ring by
+      `ppermute` in a `lax.scan` and merge by online softmax; each block's body
+      is rematerialised, and blocks that causality masks entirely are skipped
+      (from the layout, not the data).
+    - `"all_gather"`: queries stay split, keys and values are gathered.
+
+    Args:
+        q, k, v: one sequence's heads (a batch under `jax.vmap`), in the token
+            layout of the rows (`layout`).
+        scheme: one of `SCHEMES`.
+        positions: each token's position in its segment (None: from
+            `segment_ids`, or `arange`); must increase along the original row.
+        segment_ids: packed examples (None: one segment).
+        sliding_window: attend to at most this many positions, itself included.
+        layout: `"contiguous"` or `"zigzag"` (rows permuted by `zigzag_order`).
+        implementation: the local kernel of `jax.nn.dot_product_attention`.
+        mesh: default the mesh in context; without a `sequence` axis > 1 the
+            plain attention runs (on rows in contiguous layout).
+    """
+    check_scheme(scheme, layout)
+    seq = q.shape[0]
+    segs = jnp.zeros((seq,), jnp.int32) if segment_ids is None else segment_ids
+    if positions is None:
+        positions = segment_positions(segs)
+    mesh = jax.sharding.get_abstract_mesh() if mesh is None else mesh
+    n = sequence_ways(mesh)
+    if n == 1:
+        if layout == "contiguous":
+            return attention(
+                q,
+                k,
+                v,
+                segment_ids=segment_ids,
+                sliding_window=sliding_window,
+                implementation=implementation,
+            )
+        return _dense(q, k, v, positions, segs, positions, segs, sliding_window, None)
+    chunks = 2 * n if layout == "zigzag" else n
+    if seq % chunks:
+        raise ConfigError(
+            f"a sequence of {seq} tokens does not split into {chunks} equal chunks "
+            f"over the `sequence` axis of size {n}; use a multiple of {chunks}."
+        )
+    body = _BODIES[scheme]
+    local = lambda q, k, v, p, s: body(
+        q,
+        k,
+        v,
+        p,
+        s,
+        n=n,
+        window=sliding_window,
+        layout=layout,
+        implementation=implementation,
+    )
+    # Every mesh axis is manual: the rows' axes come from the `vmap` around the
+    # model (`spmd_axis_name`, see `eqtrain._rows.vmap_rows`), whole heads lie on
+    # `tensor` as the tensor-parallel rules put them, and `sequence` is ours.
+    # (With only `sequence` manual, XLA gathered the rows of Ulysses and
+    # all-gather across `data`.)
+    tensor = _size(mesh, "tensor")
+    split = tensor > 1 and q.shape[1] % tensor == 0  # else heads are gathered
+    if split and k.shape[1] % tensor:  # too few kv heads to split: repeat them
+        k, v = (jnp.repeat(x, q.shape[1] // k.shape[1], axis=1) for x in (k, v))
+    heads = P(AXIS, "tensor" if split else None)
+    mapped = jax.shard_map(
+        local,
+        mesh=mesh,
+        in_specs=(heads, heads, heads, P(AXIS), P(AXIS)),
+        out_specs=heads,
+        axis_names=set(mesh.axis_names),
+        check_vma=False,
+    )
+    return mapped(q, k, v, positions.astype(jnp.int32), segs.astype(jnp.int32))
+
+
+def _size(mesh: Any, axis: str) -> int:
+    if mesh is None or axis not in mesh.axis_names:
+        return 1
+    return int(dict(zip(mesh.axis_names, mesh.axis_sizes, strict=True))[axis])
+
+
+# -- the schemes, on one device's block ---------------------------------------------
+def _gather(x: Array) -> Array:
+    return lax.all_gather(x, AXIS, axis=0, tiled=True)
+
+
+def _all_gather(q, k, v, pos, seg, *, n, window, layout, implementation):
+    del n, layout
+    k_pos, k_seg = _gather(pos), _gather(seg)
+    return _dense(
+        q, _gather(k), _gather(v), pos, seg, k_pos, k_seg, window, implementation
+    )
+
+
+def _ulysses(q, k, v, pos, seg, *, n, window, layout, implementation):
+    heads, kv_heads = q.shape[1], k.shape[1]
+    if heads % n:
+        raise ConfigError(
+            f"Ulysses splits the {heads} heads over the `sequence` axis of size "
+            f"{n}; use a head count divisible by {n}, or the ring scheme."
+        )
+    if kv_heads % n:  # too few kv heads to split: repeat them (as GQA groups them)
+        k, v = (jnp.repeat(x, heads // kv_heads, axis=1) for x in (k, v))
+    to_heads = lambda x: lax.all_to_all(x, AXIS, 1, 0, tiled=True)
+    q, k, v = to_heads(q), to_heads(k), to_heads(v)
+    pos, seg = _gather(pos), _gather(seg)
+    if layout == "contiguous":  # rows in order: the kernel's own causal mask
+        out = attention(
+            q,
+            k,
+            v,
+            segment_ids=seg,
+            sliding_window=window,
+            implementation=implementation,
+        )
+    else:
+        out = _dense(q, k, v, pos, seg, pos, seg, window, implementation)
+    return lax.all_to_all(out, AXIS, 0, 1, tiled=True)
+
+
+def _merge(acc, q, q_pos, q_seg, k, v, k_pos, k_seg, window):
+    """Online softmax: fold one key block into the accumulators of `q`'s rows.
+
+    `acc = (out [q, kv, group, d], max [q, kv, group], sum [q, kv, group])` in f32;
+    `q: [q, kv, group, d]` already scaled. The running max is only a shift that
+    cancels in `out / sum`, so no gradient flows through it."""
+    out, top, total = acc
+    scores = jnp.einsum("qhgd,khd->qhgk", q, k, preferred_element_type=jnp.float32)
+    mask = position_mask(q_pos, q_seg, k_pos, k_seg, window)[:, None, None, :]
+    scores = jnp.where(mask, scores, _NEG)
+    new_top = lax.stop_gradient(jnp.maximum(top, jnp.max(scores, axis=-1)))
+    probs = jnp.where(mask, jnp.exp(scores - new_top[..., None]), 0.0)
+    scale = jnp.exp(top - new_top)
+    total = total * scale + jnp.sum(probs, axis=-1)
+    pv = jnp.einsum("qhgk,khd->qhgd", probs, v, preferred_element_type=jnp.float32)
+    return out * scale[..., None] + pv, new_top, total
+
+
+def _ring(q, k, v, pos, seg, *, n, window, layout, implementation):
+    del implementation  # the blocks are computed here, not by a kernel
+    s, heads, d = q.shape
+    kv_heads = k.shape[1]
+    qg = (q * (1.0 / math.sqrt(d))).astype(q.dtype)
+    qg = qg.reshape(s, kv_heads, heads // kv_heads, d)
+    me = lax.axis_index(AXIS)
+    half = s // 2
+
+    def merge(acc, lo, size, kv, k_lo, k_size):
+        """Fold keys `[k_lo, k_lo + k_size)` of `kv` into query rows `[lo, lo +
+        size)` (offsets may be traced)."""
+        cut = lambda x, at, n: lax.dynamic_slice_in_dim(x, at, n)
+        rows = tuple(cut(a, lo, size) for a in acc)
+        keys = tuple(cut(x, k_lo, k_size) for x in kv)
+        q_, p_, s_ = cut(qg, lo, size), cut(pos, lo, size), cut(seg, lo, size)
+        part = _merge(rows, q_, p_, s_, *keys, window)
+        return tuple(
+            lax.dynamic_update_slice_in_dim(a, b, lo, 0)
+            for a, b in zip(acc, part, strict=True)
+        )
+
+    def diagonal(acc, kv):  # my own block: every query against every key
+        return merge(acc, 0, s, kv, 0, s)
+
+    def contiguous(acc, kv, src):  # a block from after me is masked by causality
+        seen = jax.checkpoint(lambda a, kv: merge(a, 0, s, kv, 0, s), prevent_cse=False)
+        return lax.cond(src < me, seen, lambda a, kv: a, acc, kv)
+
+    def zigzag(acc, kv, src):
+        # Device i holds chunks (i, 2n-1-i). A source before me: both my query
+        # halves see its first key half. After me: my second query half sees both
+        # of its key halves. Both cases are two quarter blocks, one of them
+        # (second query half, first key half) common: no branch at all.
+        acc = merge(acc, half, half, kv, 0, half)
+        h = jnp.where(src > me, half, 0)
+        return merge(acc, h, half, kv, h, half)
+
+    # Rematerialise each block: the backward keeps only its inputs (accumulators
+    # and the travelling block), not the [q, heads, k] scores and probabilities.
+    # With `lax.cond` (contiguous) the branch is checkpointed too: with either
+    # checkpoint alone, a step's temp memory measured twice as large.
+    diagonal = jax.checkpoint(diagonal, prevent_cse=False)
+    other = jax.checkpoint(
+        zigzag if layout == "zigzag" else contiguous, prevent_cse=False
+    )
+    perm = [(i, (i + 1) % n) for i in range(n)]
+
+    def step(carry, t):
+        acc, kv = carry
+        kv = tuple(lax.ppermute(x, AXIS, perm) for x in kv)
+        return (other(acc, kv, (me - t) % n), kv), None
+
+    shape = (s, kv_heads, heads // kv_heads)
+    acc = (
+        jnp.zeros((*shape, d), jnp.float32),
+        jnp.full(shape, _NEG, jnp.float32),
+        jnp.zeros(shape, jnp.float32),
+    )
+    kv = (k, v, pos, seg)
+    acc = diagonal(acc, kv)
+    (acc, _), _ = lax.scan(step, (acc, kv), jnp.arange(1, n))
+    out, _, total = acc
+    out = out / total[..., None]
+    return out.reshape(s, heads, d).astype(q.dtype)
+
+
+_BODIES = {"ulysses": _ulysses, "ring": _ring, "all_gather": _all_gather}
+
+
+def attend(
+    q: Float[Array, "seq heads head_dim"],
+    k: Float[Array, "seq kv_heads head_dim"],
+    v: Float[Array, "seq kv_heads head_dim"],
+    *,
+    segment_ids: Int[Array, " seq"] | None,
+    positions: Int[Array, " seq"] | None,
+    sliding_window: int | None,
+    implementation: str | None,
+    sequence_parallel: str | None,
+    sequence_layout: str,
+    query_chunk: int = 0,
+) -> Float[Array, "seq heads head_dim"]:
+    """The models' attention: `attention` (one device's whole sequence, rows in
+    order; `query_chunk`: blocked, see `attention`), or `sequence_attention`
+    with a `sequence_parallel` scheme."""
+    if sequence_parallel is None:
+        return attention(
+            q,
+            k,
+            v,
+            segment_ids=segment_ids,
+            sliding_window=sliding_window,
+            implementation=implementation,
+            query_chunk=query_chunk,
+        )
+    return sequence_attention(
+        q,
+        k,
+        v,
+        scheme=sequence_parallel,
+        positions=positions,
+        segment_ids=segment_ids,
+        sliding_window=sliding_window,
+        layout=sequence_layout,
+        implementation=implementation,
+    )
+
+
+# -- the data side: positions and the zigzag layout --------------------------------
+def zigzag_order(seq_len: int, ways: int) -> np.ndarray:
+    """The permutation of a row's positions that lays it out zigzag over `ways`
+    devices: `2 * ways` chunks, device `i` holding chunks `i` and `2*ways - 1 - i`
+    (Striped/zigzag ring attention's load balance for causal masks)."""
+    if seq_len % (2 * ways):
+        raise ConfigError(
+            f"the zigzag layout splits a row into 2 x {ways} chunks; a row of "
+            f"{seq_len} tokens does not split. Use a multiple of {2 * ways}."
+        )
+    chunks = np.arange(seq_len).reshape(2 * ways, -1)
+    pairs = [(chunks[i], chunks[2 * ways - 1 - i]) for i in range(ways)]
+    return np.concatenate([c for pair in pairs for c in pair])
+
+
+def row_positions(rows: Mapping[str, np.ndarray]) -> np.ndarray:
+    """`positions` of LM rows: restarting in every segment with `segment_ids`,
+    else `0 .. seq_len - 1` (as the models' default)."""
+    tokens = np.asarray(rows["tokens"])
+    if "segment_ids" not in rows:
+        return np.broadcast_to(np.arange(tokens.shape[1], dtype=np.int32), tokens.shape)
+    seg = np.asarray(rows["segment_ids"])
+    index = np.arange(seg.shape[1], dtype=np.int32)[None, :]
+    starts = np.concatenate(
+        [np.ones((seg.shape[0], 1), bool), seg[:, 1:] != seg[:, :-1]], axis=1
+    )
+    first = np.maximum.accumulate(np.where(starts, index, 0), axis=1)
+    return (index - first).astype(np.int32)
+
+
+def sequence_rows(
+    rows: Mapping[str, np.ndarray], *, layout: str = "contiguous", ways: int = 1
+) -> dict[str, np.ndarray]:
+    """LM rows (`tokens`, `targets`, ... all `[N, seq_len]`) with `positions`
+    added and, for `layout="zigzag"`, every column permuted by `zigzag_order`.
+
+    The losses are token-weighted means, so permuting the tokens of a row (with
+    their targets, masks, segment ids and positions) changes no result."""
+    check_scheme(None, layout)
+    out = {k: np.asarray(v) for k, v in rows.items()}
+    out["positions"] = np.ascontiguousarray(row_positions(out))
+    if layout == "zigzag" and ways > 1:
+        order = zigzag_order(out["tokens"].shape[1], ways)
+        out = {k: np.ascontiguousarray(v[:, order]) for k, v in out.items()}
+    return out
