@@ -107,11 +107,25 @@ def _preset(preset):
     return {"remat": preset}
 
 
-def test_every_remat_preset_gives_the_gradients_of_none():
+# Presets whose policies the default suite checks; the rest under `nox -s slow`.
+QUICK_PRESETS = ("full", "save_qkv", "offload_layer_input", "custom")
+
+
+@pytest.mark.parametrize(
+    "presets",
+    [
+        QUICK_PRESETS,
+        pytest.param(
+            tuple(p for p in REMAT_PRESETS if p not in QUICK_PRESETS),
+            marks=pytest.mark.slow,
+        ),
+    ],
+)
+def test_every_remat_preset_gives_the_gradients_of_none(presets):
     model = Llama(LLAMA, jr.key(0))
     grad = eqx.filter_jit(eqx.filter_value_and_grad(_loss))
     value, grads = grad(model)
-    for preset in REMAT_PRESETS:
+    for preset in presets:
         got_value, got_grads = grad(model.with_options(**_preset(preset)))
         _close(got_value, value, rtol=1e-5)
         _close(got_grads, grads, rtol=1e-5, atol=1e-6)

@@ -102,7 +102,7 @@ def validate(config: Config) -> None:
 
 def _memory(config: Config) -> None:
     """The memory options: remat presets and names, the tiled MLP's pieces."""
-    from ..models._layers import check_remat
+    from ..models import check_remat
 
     m = config.model
     check_remat(m.remat, m.remat_save, m.remat_offload, prefix="model.")

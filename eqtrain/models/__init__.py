@@ -25,6 +25,7 @@ from ._layers import (
     Linear as Linear,
     LoRALinear as LoRALinear,
     as_dtype as as_dtype,
+    check_remat as check_remat,
     num_params as num_params,
     remat_policy as remat_policy,
 )
