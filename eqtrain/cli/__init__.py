@@ -146,7 +146,16 @@ def fit(
 
     with _errors() as where:
         if launcher is not None:
-            return _launch(launcher, config, set_, run_dir, dry_run, resume, overwrite)
+            return _launch(
+                launcher,
+                config,
+                set_,
+                run_dir,
+                dry_run,
+                resume,
+                overwrite,
+                memory_budget,
+            )
         # a no-op unless EQTRAIN_* or SLURM say otherwise
         cluster = distributed.initialize()
         overrides = list(set_ or [])
@@ -199,6 +208,7 @@ def _launch(
     dry_run: bool,
     resume: str | None,
     overwrite: bool,
+    memory_budget: str | None = None,
 ) -> None:
     """`eqtrain fit --launcher ray`: the supervisor runs here; the workers run
     `eqtrain fit` themselves."""
@@ -214,9 +224,13 @@ def _launch(
 
     overrides = list(set_ or []) + ([f"run_dir={run_dir}"] if run_dir else [])
     cfg = config_lib.load(config, overrides)
-    if dry_run:
+    if dry_run or memory_budget is not None:
         ray_launcher.plan(cfg)  # what the launcher refuses, refused now
         typer.echo(job.report(cfg))
+        if memory_budget is not None:
+            budget = config_lib.parse_size(memory_budget, field="--memory-budget")
+            typer.echo("")
+            typer.echo(job.budget_report(cfg, budget, memory_budget))
         return
     result = ray_launcher.fit(cfg, resume=resume, overwrite=overwrite, echo=_echo)
     lines = [f"restarts: {result.restarts}"] if result.restarts else []
