@@ -323,6 +323,24 @@ def attention(
     )
 
 
+def position_mask(
+    q_pos: Int[Array, " q"],
+    q_seg: Int[Array, " q"],
+    k_pos: Int[Array, " k"],
+    k_seg: Int[Array, " k"],
+    sliding_window: int | None,
+) -> Bool[Array, "q k"]:
+    """Causal (and windowed) attention within a segment, from global positions:
+    query `i` sees key `j` of its segment with `pos[j] <= pos[i]` (and
+    `pos[i] - pos[j] < sliding_window`). Positions must increase along a row
+    within each segment, as `segment_positions` (or `arange`) gives them."""
+    diff = q_pos[:, None] - k_pos[None, :]
+    mask = (q_seg[:, None] == k_seg[None, :]) & (diff >= 0)
+    if sliding_window is not None:
+        mask = mask & (diff < sliding_window)
+    return mask
+
+
 def blocked_attention(
     q: Float[Array, "seq heads head_dim"],
     k: Float[Array, "seq kv_heads head_dim"],
@@ -347,18 +365,12 @@ def blocked_attention(
     )
     q_pos = jnp.arange(blocks * query_chunk, dtype=jnp.int32).reshape(blocks, -1)
     k_pos = jnp.arange(seq, dtype=jnp.int32)
-    segs = segment_ids
-    q_segs = None
-    if segs is not None:  # padded queries join the last segment (then cut off)
-        q_segs = jnp.pad(segs, (0, pad), mode="edge").reshape(blocks, -1)
+    segs = jnp.zeros((seq,), jnp.int32) if segment_ids is None else segment_ids
+    # padded queries join the last segment (then are cut off)
+    q_segs = jnp.pad(segs, (0, pad), mode="edge").reshape(blocks, -1)
 
-    def block(qb: Array, qp: Array, qs_: Array | None) -> Array:
-        mask = k_pos[None, :] <= qp[:, None]
-        if sliding_window is not None:
-            mask = mask & (k_pos[None, :] > qp[:, None] - sliding_window)
-        if segs is not None:
-            assert qs_ is not None
-            mask = mask & (qs_[:, None] == segs[None, :])
+    def block(qb: Array, qp: Array, qs_: Array) -> Array:
+        mask = position_mask(qp, qs_, k_pos, segs, sliding_window)
         return jax.nn.dot_product_attention(
             qb,
             k,

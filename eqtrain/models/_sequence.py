@@ -22,10 +22,10 @@ import jax.lax as lax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
-from jaxtyping import Array, Bool, Float, Int
+from jaxtyping import Array, Float, Int
 
 from .._errors import ConfigError
-from ._layers import attention, segment_positions
+from ._layers import attention, position_mask, segment_positions
 
 
 SCHEMES = ("ulysses", "ring", "all_gather")
@@ -105,24 +105,6 @@ def under_mesh(fn: Callable[..., Any], mesh: Any) -> Callable[..., Any]:
             return fn(*args, **kwargs)
 
     return wrapped
-
-
-def position_mask(
-    q_pos: Int[Array, " q"],
-    q_seg: Int[Array, " q"],
-    k_pos: Int[Array, " k"],
-    k_seg: Int[Array, " k"],
-    sliding_window: int | None,
-) -> Bool[Array, "q k"]:
-    """Causal (and windowed) attention within a segment, from global positions:
-    query `i` sees key `j` of its segment with `pos[j] <= pos[i]` (and
-    `pos[i] - pos[j] < sliding_window`). Positions must increase along a row
-    within each segment, as `segment_positions` (or `arange`) gives them."""
-    diff = q_pos[:, None] - k_pos[None, :]
-    mask = (q_seg[:, None] == k_seg[None, :]) & (diff >= 0)
-    if sliding_window is not None:
-        mask = mask & (diff < sliding_window)
-    return mask
 
 
 def _dense(q, k, v, q_pos, q_seg, k_pos, k_seg, window, implementation):
