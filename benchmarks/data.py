@@ -180,6 +180,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> None:
+    eqtrain.tune_cpu()  # as the CLI does: both sides alike
     print(json.dumps(benchmark(parse_args(argv))), flush=True)
 
 

@@ -214,6 +214,7 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any]:
         "threads": args.threads,
         "remat": args.remat,
         "scan_layers": args.scan_layers,
+        "cpu_settings": args.cpu_settings,
         "steps": args.steps,
         "rounds": args.rounds,
         "eqtrain_tokens_per_s": round(statistics.median(rates["eqtrain"]), 1),
@@ -238,8 +239,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=True,
         help="eqtrain: lax.scan over layers (--no-scan-layers unrolls them)",
     )
+    parser.add_argument(
+        "--tune-cpu",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="eqtrain.tune_cpu() first, as the eqtrain command does (--no-tune-cpu: "
+        "XLA's and glibc's defaults)",
+    )
     parser.add_argument("--quick", action="store_true", help="tiny smoke test")
     args = parser.parse_args(argv)
+    args.cpu_settings = []
     args.steps = args.steps or (3 if args.quick else 8)
     args.rounds = args.rounds or (2 if args.quick else 3)
     args.batch = args.batch or (2 if args.quick else 16)
@@ -248,7 +257,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> None:
-    print(json.dumps(benchmark(parse_args(argv))), flush=True)
+    args = parse_args(argv)
+    args.cpu_settings = eqtrain.tune_cpu() if args.tune_cpu else []
+    print(json.dumps(benchmark(args)), flush=True)
 
 
 if __name__ == "__main__":

@@ -291,6 +291,18 @@ def make_state(
     return eqtrain.TrainState.create(Llama(cfg, jr.key(0)), optimizer, key=1)
 
 
+def raw_runner(steps: int, *, quick: bool = False) -> tuple[Callable[[], float], int]:
+    """`many_small_leaves` under the default step, raw loop: a function timing
+    `steps` steps from a fresh state (seconds), and the tokens they train on. For
+    `benchmarks/cpu_settings.py`."""
+    cfg = (QUICK_CONFIGS if quick else CONFIGS)["many_small_leaves"]
+    optimizer = optax.adamw(1e-3, weight_decay=0.1)
+    jitted = raw_jit(eqtrain.train_step(loss_fn, optimizer), make_state(cfg, optimizer))
+    batches = make_batches(cfg, steps)
+    run = lambda: run_raw(jitted, make_state(cfg, optimizer), batches)[0]  # noqa: E731
+    return run, steps * cfg.batch * cfg.seq
+
+
 def time_rounds(
     runners: dict[str, Callable], new_state: Callable, batches: list, *, rounds: int
 ) -> dict[str, list[tuple[float, float]]]:
@@ -398,6 +410,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    eqtrain.tune_cpu()  # as the CLI does: every loop alike
     configs = QUICK_CONFIGS if args.quick else CONFIGS
     names = list(configs) if args.config == "all" else [args.config]
     for name in names:

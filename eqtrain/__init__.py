@@ -12,6 +12,7 @@ from . import (
     sharding as sharding,
     step as step,
 )
+from ._cpu import CPUPerformanceWarning as CPUPerformanceWarning, tune_cpu as tune_cpu
 from ._errors import (
     ConfigError as ConfigError,
     DonatedStateError as DonatedStateError,

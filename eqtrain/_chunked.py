@@ -173,6 +173,7 @@ def _ce_bwd(chunk, z_loss, vocab_size, saved, ct):
 _ce.defvjp(_ce_fwd, _ce_bwd)
 
 
+@jax.named_scope("loss")
 def chunked_cross_entropy(
     hidden: Float[Array, "tokens hidden"],
     weight: Float[Array, "vocab hidden"],

@@ -13,6 +13,7 @@ from typing import Any, Protocol, runtime_checkable
 import jax
 import numpy as np
 
+from ._cpu import hint_cpu_settings
 from ._errors import ConfigError, StopTraining
 from ._hooks import Hook, Scheduled, StepInfo, StopKind, StopReason, as_scheduled, now
 from ._jit import Jitted, check_live, jit
@@ -582,6 +583,7 @@ def fit(
     stop = _stop_conditions(stop, time_limit, kill_switch, handle_signals, agree_every)
     _check_args(num_steps, read_every, read_seconds)
     compiled = step if isinstance(step, Jitted) else jit(step)
+    hint_cpu_settings()
     scheduled = [as_scheduled(h) for h in hooks]
     check_live(state, "`fit`")
     first = int(jax.device_get(state.step))

@@ -34,6 +34,7 @@ def _row_keys(key: PRNGKeyArray | None, rows: int) -> Array | None:
     return None if key is None else jr.split(key, rows)
 
 
+@jax.named_scope("loss")
 def _token_cross_entropy(
     logits: Float[Array, "*rows classes"], targets: Int[Array, "*rows"]
 ) -> tuple[Float[Array, "*rows"], Float[Array, "*rows"], Float[Array, "*rows"]]:

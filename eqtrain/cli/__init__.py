@@ -506,5 +506,10 @@ def config_(
 
 
 def main() -> None:
-    """The console entry point."""
+    """The console entry point. It first applies eqtrain's CPU settings to its own
+    process (`eqtrain.tune_cpu`: glibc's allocator thresholds and Eigen dots;
+    `EQTRAIN_CPU_TUNING=0` opts out), before JAX starts a backend."""
+    from .._cpu import tune_cpu
+
+    tune_cpu()
     app(prog_name="eqtrain")

@@ -179,6 +179,7 @@ class Embedding(eqx.Module):
     ):
         self.weight = _normal(key, (num, dim), std, dtype)
 
+    @jax.named_scope("embed")
     def __call__(self, ids: Int[Array, " seq"]) -> Float[Array, "seq dim"]:
         return jnp.take(self.weight, ids, axis=0)
 
@@ -198,6 +199,7 @@ class RMSNorm(eqx.Module):
         self.weight = jnp.ones((dim,), dtype)
         self.eps = float(eps)
 
+    @jax.named_scope("norm")
     def __call__(self, x: Float[Array, "*batch dim"]) -> Float[Array, "*batch dim"]:
         h = x.astype(jnp.float32)
         h = h * lax.rsqrt(jnp.mean(h * h, axis=-1, keepdims=True) + self.eps)
@@ -308,6 +310,15 @@ def attention(
             implementation=implementation,
             query_chunk=query_chunk,
         )
+    if implementation != "cudnn" and q.shape[0] > CAUSAL_BLOCK_MIN:
+        return causal_blocks(
+            q,
+            k,
+            v,
+            segment_ids=segment_ids,
+            sliding_window=sliding_window,
+            implementation=implementation,
+        )
     mask = None
     if segment_ids is not None:
         mask = segment_mask(segment_ids)[None]
@@ -321,6 +332,60 @@ def attention(
         local_window_size=window,
         implementation=implementation,  # pyright: ignore[reportArgumentType]
     )
+
+
+CAUSAL_BLOCK_MIN = 128
+"""`attention` splits longer sequences into causal blocks (`causal_blocks`)."""
+CAUSAL_BLOCKS_MAX = 16
+
+
+def causal_block_size(seq: int) -> int:
+    """Queries per block of `causal_blocks`: 128, or `seq / 16` (rounded up to a
+    multiple of 8) for sequences longer than 2048, so that a layer has at most 16
+    blocks (its compiled size grows with their number)."""
+    per_block = -(-seq // CAUSAL_BLOCKS_MAX)
+    return max(CAUSAL_BLOCK_MIN, -(-per_block // 8) * 8)
+
+
+def causal_blocks(
+    q: Float[Array, "seq heads head_dim"],
+    k: Float[Array, "seq kv_heads head_dim"],
+    v: Float[Array, "seq kv_heads head_dim"],
+    *,
+    segment_ids: Int[Array, " seq"] | None,
+    sliding_window: int | None,
+    implementation: str | None,
+) -> Float[Array, "seq heads head_dim"]:
+    """Causal attention as `attention`, block by block of queries, each against
+    only the keys it can see: block `[i, j)` attends to keys `[0, j)` (from
+    `i - sliding_window + 1` with a window). The keys after a block, masked out
+    anyway, are never multiplied, so the work (scores, softmax and their
+    backward) is about half of the full `[seq, seq]` one, in pieces that stay in
+    cache: on the CPU a layer's attention runs 1.3x (256 tokens) to 3x (4096)
+    faster (docs/performance.md). Plain autodiff, nothing recomputed; the blocks
+    are unrolled (`causal_block_size`)."""
+    seq = q.shape[0]
+    size = causal_block_size(seq)
+    segs = jnp.zeros((seq,), jnp.int32) if segment_ids is None else segment_ids
+    pos = jnp.arange(seq, dtype=jnp.int32)
+    outs = []
+    for start in range(0, seq, size):
+        end = min(start + size, seq)
+        first = 0 if sliding_window is None else max(0, start - sliding_window + 1)
+        mask = position_mask(
+            pos[start:end], segs[start:end], pos[first:end], segs[first:end],
+            sliding_window,
+        )  # fmt: skip
+        outs.append(
+            jax.nn.dot_product_attention(
+                q[start:end],
+                k[first:end],
+                v[first:end],
+                mask=mask[None],
+                implementation=implementation,  # pyright: ignore[reportArgumentType]
+            )
+        )
+    return jnp.concatenate(outs, axis=0)
 
 
 def position_mask(

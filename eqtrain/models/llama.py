@@ -199,6 +199,7 @@ class LlamaAttention(eqx.Module):
         self.v_proj = Linear(d, kv_out, use_bias=bias, key=kv, **opts)
         self.o_proj = Linear(q_out, d, use_bias=o_bias, key=ko, **opts)
 
+    @jax.named_scope("attention")
     def __call__(
         self,
         x: Float[Array, "seq hidden"],
@@ -257,6 +258,7 @@ class LlamaMLP(eqx.Module):
         self.up_proj = Linear(d, f, key=ku, **opts)
         self.down_proj = Linear(f, d, key=kd, **opts)
 
+    @jax.named_scope("mlp")
     def __call__(
         self, x: Float[Array, "seq hidden"], *, key: PRNGKeyArray | None = None
     ) -> Float[Array, "seq hidden"]:
@@ -366,9 +368,10 @@ class Llama(eqx.Module):
                 (`eqtrain.lora`); without adapter dropout it is unused.
         """
         x = self.features(tokens, segment_ids=segment_ids, positions=positions, key=key)
-        if self.lm_head is None:
-            return self.embed_tokens.attend(x)
-        return self.lm_head(x)
+        with jax.named_scope("head"):
+            if self.lm_head is None:
+                return self.embed_tokens.attend(x)
+            return self.lm_head(x)
 
     def features(
         self,
