@@ -99,3 +99,14 @@ def test_sequence_quick():
     ]
     for r in records[1:]:
         assert r["tokens_per_device"] == 64 and r["temp_vs_sequence_1"] > 2
+
+
+def test_mfu_quick():
+    (record,), stderr = _quick("mfu.py")
+    assert record["model"] == "quick" and record["devices"] >= 1
+    assert record["params"] > 0 and record["flops_per_token"] > 0
+    assert record["tokens_per_s"] > 0 and record["step_ms"] > 0
+    assert record["dtype"] == "bfloat16" and record["attention"] == "xla"
+    assert record["remat"] == "none" and record["loss_chunk"] > 0
+    assert record["peak_tflops_per_device"] is None and record["mfu"] is None
+    assert "loss" in stderr
