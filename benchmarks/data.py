@@ -137,6 +137,7 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any]:
     paired = [a / b for a, b in zip(rates["loader"], rates["list"], strict=True)]
     loader_rate, list_rate = (statistics.median(rates[k]) for k in ("loader", "list"))
     return {
+        "size": args.size,
         "steps": args.steps,
         "batch": args.batch,
         "seq_len": args.seq_len,
@@ -162,26 +163,47 @@ def _check(step: eqtrain.Jitted, results: dict, rates: dict) -> None:
         print(f"warning: the step traced {step.num_traces}x", file=sys.stderr)
 
 
+SIZES = {  # (batch, seq_len, dim, hidden): steps of ~14 ms and ~5 ms on 2 cores
+    "14ms": (8, 128, 128, 512),
+    "5ms": (4, 64, 128, 512),
+    "quick": (2, 16, 32, 64),
+}
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=None, help="timed steps per run")
     parser.add_argument("--rounds", type=int, default=None, help="runs of each")
-    parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--seq-len", type=int, default=128)
-    parser.add_argument("--dim", type=int, default=128)
-    parser.add_argument("--hidden", type=int, default=512)
+    parser.add_argument(
+        "--size",
+        choices=("14ms", "5ms", "both"),
+        default="both",
+        help="model and batch sizes: a ~14 ms step, a ~5 ms one, or each in turn",
+    )
     parser.add_argument("--quick", action="store_true", help="tiny sizes (smoke test)")
     args = parser.parse_args(argv)
-    if args.quick:
-        args.batch, args.seq_len, args.dim, args.hidden = 2, 16, 32, 64
-    args.steps = args.steps or (5 if args.quick else 30)
+    args.sizes = (
+        ["quick"]
+        if args.quick
+        else (["14ms", "5ms"] if args.size == "both" else [args.size])
+    )
     args.rounds = args.rounds or (2 if args.quick else 9)
     return args
 
 
+def sized(args: argparse.Namespace, size: str) -> argparse.Namespace:
+    """`args` with the sizes of `size` (and steps for ~0.5-1 s per run)."""
+    batch, seq_len, dim, hidden = SIZES[size]
+    steps = args.steps or {"quick": 5, "14ms": 40, "5ms": 100}[size]
+    return argparse.Namespace(**{**vars(args), "size": size, "steps": steps,
+        "batch": batch, "seq_len": seq_len, "dim": dim, "hidden": hidden})  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
     eqtrain.tune_cpu()  # as the CLI does: both sides alike
-    print(json.dumps(benchmark(parse_args(argv))), flush=True)
+    for size in args.sizes:
+        print(json.dumps(benchmark(sized(args, size))), flush=True)
 
 
 if __name__ == "__main__":

@@ -92,3 +92,17 @@ def test_the_cli_tunes_its_process_before_jax_starts():
     lines = dict(line.split(" ", 1) for line in done.stdout.splitlines() if " " in line)
     assert lines["FLAGS"] == "--xla_cpu_experimental_ynn_fusion_type= True"
     assert lines["SUM"] == str(64.0**3)
+
+
+def test_scan_layers_auto_unrolls_on_the_cpu():
+    """`model.scan_layers = "auto"` (the default) is unrolled on the CPU; true,
+    false and "auto" parse from TOML and `--set`, anything else is refused."""
+    from eqtrain import ConfigError, config, models
+
+    section = config.load(None, []).model
+    assert section.scan_layers == "auto"
+    assert models.runtime_options(section)["scan_layers"] is False  # CPU backend
+    for text, want in (("true", True), ("false", False), ("auto", "auto")):
+        assert config.load(None, [f"model.scan_layers={text}"]).model.scan_layers == want
+    with pytest.raises(ConfigError, match="scan_layers"):
+        config.load(None, ["model.scan_layers=maybe"])

@@ -45,6 +45,7 @@ class Field:
             "path": "path",
             "names": "names",
             "auto_int": "integer or 'auto'",
+            "auto_bool": "boolean or 'auto'",
         }.get(self.kind or "", self.type.__name__)
         name = {"str": "string", "bool": "boolean", "int": "integer"}.get(name, name)
         return f"{name} (optional)" if self.optional else name
@@ -159,7 +160,7 @@ def _from_string(text: str, field: Field) -> Any:
         return stripped[1:-1]  # a quoted string stays a string
     if field.optional and stripped.lower() in _NONE:
         return None
-    if field.kind == "auto_int" and stripped.lower() == "auto":
+    if field.kind in ("auto_int", "auto_bool") and stripped.lower() == "auto":
         return "auto"
     if field.type is bool:
         if stripped.lower() in _TRUE + _FALSE:
@@ -198,6 +199,10 @@ def _coerce(value: Any, field: Field) -> Any:
     if field.kind == "auto_int" and isinstance(value, str):
         if value.strip().lower() != "auto":
             raise ValueError("expected an integer or 'auto'")
+        return "auto"
+    if field.kind == "auto_bool" and isinstance(value, str):
+        if value.strip().lower() != "auto":
+            raise ValueError("expected true, false or 'auto'")
         return "auto"
     if field.kind == "names":
         items = value.split(",") if isinstance(value, str) else value

@@ -160,8 +160,12 @@ class ModelConfig:
         min=0,
         kind="auto_int",
     )
-    scan_layers: bool = setting(
-        True, "Run the blocks with `lax.scan` (faster compiles) or unrolled."
+    scan_layers: bool | str = setting(
+        "auto",
+        "Run the blocks with `lax.scan` (compile time flat in depth) or unrolled "
+        "(false); `auto`: unrolled on the CPU, where it trains 3-6% faster, "
+        "scanned on GPUs and TPUs.",
+        kind="auto_bool",
     )
     sequence_parallel: str | None = setting(
         None,

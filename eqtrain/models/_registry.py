@@ -77,6 +77,16 @@ class Family:
 # -- Llama, Mistral, Qwen2 ---------------------------------------------------------
 
 
+def scan_layers(value: bool | str) -> bool:
+    """`model.scan_layers`: `"auto"` is False (unrolled) on the CPU backend, where
+    unrolled layers train faster (docs/performance.md), and True elsewhere."""
+    if value == "auto":
+        import jax
+
+        return jax.default_backend() != "cpu"
+    return bool(value)
+
+
 def runtime_options(m: Any) -> dict[str, Any]:
     """The `[model]` section's runtime options (`remat`, `remat_save`,
     `remat_offload`, `mlp_chunks`, `attention_chunk`, `scan_layers`,
@@ -89,7 +99,7 @@ def runtime_options(m: Any) -> dict[str, Any]:
         remat_offload=split(m.remat_offload),
         mlp_chunks=m.mlp_chunks,
         attention_chunk=m.attention_chunk,
-        scan_layers=m.scan_layers,
+        scan_layers=scan_layers(m.scan_layers),
         sequence_parallel=m.sequence_parallel,
         sequence_layout=m.sequence_layout,
     )
