@@ -48,6 +48,19 @@ def test_models_quick():
 
 
 @pytest.mark.slow  # the default suite's time: `nox -s slow`
+def test_cli_quick():
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    (record,), stderr = _quick("cli.py")
+    assert record["eqtrain_set"] == [] and record["batch"] == 4
+    assert record["eqtrain_tokens_per_s"] > 0 and record["trainer_tokens_per_s"] > 0
+    low, high = record["ratio_range"]
+    assert 0 < low <= record["ratio"] <= high
+    assert record["eqtrain_defaults"]["eval_every"] > record["steps"]  # none timed
+    assert "warning" not in stderr  # both models have the same parameter count
+
+
+@pytest.mark.slow  # the default suite's time: `nox -s slow`
 def test_lora_quick():
     (record,), _ = _quick("lora.py")
     assert record["config"] == "tiny"
