@@ -103,6 +103,8 @@ def test_scan_layers_auto_unrolls_on_the_cpu():
     assert section.scan_layers == "auto"
     assert models.runtime_options(section)["scan_layers"] is False  # CPU backend
     for text, want in (("true", True), ("false", False), ("auto", "auto")):
-        assert config.load(None, [f"model.scan_layers={text}"]).model.scan_layers == want
+        assert (
+            config.load(None, [f"model.scan_layers={text}"]).model.scan_layers == want
+        )
     with pytest.raises(ConfigError, match="scan_layers"):
         config.load(None, ["model.scan_layers=maybe"])

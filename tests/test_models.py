@@ -681,7 +681,7 @@ def test_causal_blocks_equal_one_shot_attention(window):
     seq, heads, kv, dim = 300, 4, 2, 8
     q, k, v = (
         jr.normal(key, (seq, h, dim))
-        for key, h in zip(jr.split(jr.key(0), 3), (heads, kv, kv))
+        for key, h in zip(jr.split(jr.key(0), 3), (heads, kv, kv), strict=True)
     )
     segs = jnp.array([1] * 70 + [2] * 200 + [0] * 30)
 

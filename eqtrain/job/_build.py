@@ -446,6 +446,8 @@ def _model_config(
     m = config.model
     if m.init_from is not None:
         model_config, hf_type = hf.load_config(source, dtype=m.param_dtype)
+        # the [model] runtime options, as `base_model` applies them to the weights
+        model_config = dataclasses.replace(model_config, **models.runtime_options(m))
         model_type = hf.infer_model_type(model_config, hf_type)
         config = dataclasses.replace(
             config, model=model_section(model_config, model_type, base=m)

@@ -8,6 +8,7 @@ one token under `vmap`: XLA then sees one matmul per weight.
 
 import copy
 import dataclasses
+import itertools
 import math
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
@@ -91,6 +92,46 @@ class Linear(eqx.Module):
         return _affine(x, self.weight, self.bias)
 
 
+def _splits_weights() -> bool:
+    """Whether the mesh the model is traced under splits weights (an `fsdp` or
+    `tensor` axis larger than 1)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    shape = dict(getattr(mesh, "shape", {}) or {})
+    return shape.get("fsdp", 1) > 1 or shape.get("tensor", 1) > 1
+
+
+def fused_linears(
+    layers: Sequence[Any], x: Array, keys: Sequence[PRNGKeyArray | None]
+) -> list[Array]:
+    """`[layer(x, key=k) for layer, k in zip(layers, keys)]` with the base products
+    `x @ weight.T` of all layers as one matrix product over their concatenated
+    weights (then each layer's LoRA update, if any, and bias), when the weights
+    share a dtype and the mesh does not split weights (concatenating split
+    weights would move them).
+
+    One product instead of two or three is faster on the CPU, and more than that
+    at power-of-two widths: XLA:CPU writes the separate products' gradient
+    transposed for their weight gradients, which at widths like 1024 cost 2x the
+    MLP's backward pass (docs/performance.md, "CPU throughput"). A layer gives the
+    same result fused or not whether it is a `Linear` or a `LoRALinear` (so an
+    adapted model with its adapters off equals its base model bit for bit)."""
+    dtypes = {layer.weight.dtype for layer in layers}
+    if len(layers) < 2 or len(dtypes) > 1 or _splits_weights():
+        return [layer(x, key=k) for layer, k in zip(layers, keys, strict=True)]
+    weight = jnp.concatenate([layer.weight for layer in layers], axis=0)
+    cuts = list(itertools.accumulate(layer.weight.shape[0] for layer in layers))
+    outs = []
+    for layer, y, k in zip(
+        layers, jnp.split(_matmul_t(x, weight), cuts[:-1], axis=-1), keys, strict=True
+    ):
+        if isinstance(layer, LoRALinear):
+            y = layer.adapted(x, y, key=k)
+        if layer.bias is not None:
+            y = y + _broadcast_last(layer.bias, y.ndim)
+        outs.append(y)
+    return outs
+
+
 def _matmul_t(x: Array, w: Array) -> Array:
     """`x @ w.T` over the last dimension of `x`."""
     return lax.dot_general(x, w, (((x.ndim - 1,), (1,)), ((), ())))
@@ -138,16 +179,22 @@ class LoRALinear(eqx.Module):
     ) -> Float[Array, "*batch out_features"]:
         if not self.enabled:
             return _affine(x, self.weight, self.bias)
+        y = self.adapted(x, _matmul_t(x, self.weight), key=key)
+        if self.bias is not None:
+            y = y + _broadcast_last(self.bias, y.ndim)
+        return y
+
+    def adapted(self, x: Array, y: Array, *, key: PRNGKeyArray | None) -> Array:
+        """`y` (the base product `x @ weight.T`, without bias) plus the adapter's
+        update of `x` (nothing when disabled)."""
+        if not self.enabled:
+            return y
         h = x
         if self.dropout > 0 and key is not None:
             keep = jr.bernoulli(key, 1.0 - self.dropout, x.shape)
             h = jnp.where(keep, x / (1.0 - self.dropout), 0).astype(x.dtype)
         update = _matmul_t(_matmul_t(h, self.lora_a), self.lora_b)
-        y = _matmul_t(x, self.weight)
-        y = y + (update * self.scale).astype(y.dtype)
-        if self.bias is not None:
-            y = y + _broadcast_last(self.bias, y.ndim)
-        return y
+        return y + (update * self.scale).astype(y.dtype)
 
 
 AnyLinear = Linear | LoRALinear

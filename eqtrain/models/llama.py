@@ -26,6 +26,7 @@ from ._layers import (
     as_dtype,
     check_options,
     default_positions,
+    fused_linears,
     mlp_chunk_count,
     name_activation,
     rope_cos_sin,
@@ -217,9 +218,12 @@ class LlamaAttention(eqx.Module):
     ) -> Float[Array, "seq hidden"]:
         seq = x.shape[0]
         kq, kk, kv, ko = split_key(key, 4)
-        q = self.q_proj(x, key=kq).reshape(seq, self.num_heads, self.head_dim)
-        k = self.k_proj(x, key=kk).reshape(seq, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x, key=kv).reshape(seq, self.num_kv_heads, self.head_dim)
+        q, k, v = fused_linears(
+            (self.q_proj, self.k_proj, self.v_proj), x, (kq, kk, kv)
+        )
+        q = q.reshape(seq, self.num_heads, self.head_dim)
+        k = k.reshape(seq, self.num_kv_heads, self.head_dim)
+        v = v.reshape(seq, self.num_kv_heads, self.head_dim)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         q, k = name_activation(q, "query"), name_activation(k, "key")
         v = name_activation(v, "value")
@@ -263,8 +267,8 @@ class LlamaMLP(eqx.Module):
         self, x: Float[Array, "seq hidden"], *, key: PRNGKeyArray | None = None
     ) -> Float[Array, "seq hidden"]:
         kg, ku, kd = split_key(key, 3)
-        h = jax.nn.silu(self.gate_proj(x, key=kg)) * self.up_proj(x, key=ku)
-        return self.down_proj(h, key=kd)
+        gate, up = fused_linears((self.gate_proj, self.up_proj), x, (kg, ku))
+        return self.down_proj(jax.nn.silu(gate) * up, key=kd)
 
 
 class LlamaDecoderLayer(eqx.Module):
