@@ -64,7 +64,10 @@ def hlo_ops(text: str) -> dict[str, tuple[str, str]]:
 
 
 def classify(op_name: str) -> tuple[str, str]:
-    """(phase, part) of an HLO op from its metadata's name stack."""
+    """(phase, part) of an HLO op from its metadata's name stack (XLA drops the
+    metadata of some ops it creates: those are "unnamed")."""
+    if not op_name:
+        return "unnamed", "unnamed"
     phase = "backward" if "transpose(" in op_name else "forward"
     if "jvp(" not in op_name:
         phase = "update"

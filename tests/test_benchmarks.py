@@ -123,3 +123,31 @@ def test_mfu_quick():
     assert record["remat"] == "none" and record["loss_chunk"] > 0
     assert record["peak_tflops_per_device"] is None and record["mfu"] is None
     assert "loss" in stderr
+
+
+@pytest.mark.slow  # the default suite's time: `nox -s slow`
+def test_step_profile_quick():
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    records, _ = _quick("step_profile.py")
+    xla, torch = records
+    assert xla["side"] == "xla" and torch["side"] == "torch"
+    assert xla["step_ms"] > 0 and len(xla["concurrency_ms"]) == 3
+    parts = {row[2] for row in xla["top"]}
+    assert parts & {"attention", "mlp", "optimizer"}  # the named scopes are read
+    assert {"forward", "backward", "optimizer"} <= set(torch["phases"])
+
+
+@pytest.mark.slow  # the default suite's time: `nox -s slow`
+def test_cpu_settings_quick():
+    records, _ = _quick("cpu_settings.py")
+    assert [r["workload"] for r in records] == ["llama", "many_small_leaves"]
+    for r in records:
+        assert set(r["ratio"]) == {
+            "default",
+            "allocator",
+            "allocator_env",
+            "xla_flag",
+            "tune_cpu",
+        }
+        assert all(v > 0 for v in r["tokens_per_s"].values())
