@@ -14,18 +14,19 @@ layers with a causal running mean over `[seq, dim]`, and a head) with
 The corpus is read and tokenised once, before timing (it is setup, not per-step
 work). Compilation is excluded (both warm up first); the two alternate (ABBA) over
 `--rounds` rounds in one process, and each round starts a fresh loader at a
-different position. It prints one JSON line:
+different position. Two sizes (`--size`): a ~14 ms and a ~5-7 ms step on two
+cores. It prints one JSON line per size:
 
-    {"steps", "batch", "seq_len", "rows", "loader_tokens_per_s",
-     "list_tokens_per_s", "ratio", "ratio_of_medians"}
+    {"size", "steps", "batch", "seq_len", "rows", "step_ms",
+     "loader_tokens_per_s", "list_tokens_per_s", "ratio", "ratio_of_medians"}
 
 `ratio` is the median over rounds of the per-round loader / list throughput: 1.0
 means the loader costs nothing. Per-round rates go to stderr.
 
 Usage (CPU):
 
-    JAX_PLATFORMS=cpu .venv/bin/python benchmarks/data.py [--steps 30]
-        [--rounds 9] [--quick]
+    JAX_PLATFORMS=cpu .venv/bin/python benchmarks/data.py [--size both]
+        [--steps N] [--rounds 9] [--prefetch 2] [--quick]
 """
 
 import argparse
