@@ -50,7 +50,17 @@ def test_llama_learns_the_stdlib(tmp_path):
 CONFIGS = sorted((Path(__file__).parent.parent / "examples" / "configs").glob("*.toml"))
 
 
-@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+SLOW_CONFIGS = ("dpo.toml", "lora.toml")  # the default suite's time: `nox -s slow`
+
+
+@pytest.mark.parametrize(
+    "path",
+    [
+        pytest.param(p, marks=pytest.mark.slow) if p.name in SLOW_CONFIGS else p
+        for p in CONFIGS
+    ],
+    ids=lambda p: p.name,
+)
 def test_example_configs_run(path, tmp_path):
     """Each ready config validates, dry-runs, and trains two steps (8 simulated
     devices, as the sharded example asks)."""

@@ -378,7 +378,9 @@ def test_export_writes_hf_tokenizer_files(tmp_path):
     assert (theirs.bos_token_id, theirs.eos_token_id) == (0, 1)
 
 
-@pytest.mark.parametrize("family", ["qwen2", "gpt2"])
+@pytest.mark.parametrize(
+    "family", ["qwen2", pytest.param("gpt2", marks=pytest.mark.slow)]
+)
 def test_fine_tune_from_hf_directory_and_export(tmp_path, family):
     """`model.init_from`: a run starts from `save_pretrained`'s weights exactly,
     trains, and its final export loads in transformers with eqtrain's logits."""

@@ -94,6 +94,7 @@ def test_a_lora_run_without_its_base_says_so(tmp_path, base):
         job.evaluate_run(tmp_path / "run")
 
 
+@pytest.mark.slow  # the default suite's time: `nox -s slow`
 def test_progress_in_a_log_file_is_about_twenty_lines(tmp_path, base, capfd):
     config = _config(
         tmp_path, base, "loop.steps=40", "checkpoint.every=0", "loop.eval_every=0"
@@ -114,9 +115,8 @@ def test_progress_in_a_log_file_is_about_twenty_lines(tmp_path, base, capfd):
     ]
 
 
-@pytest.mark.parametrize(
-    "arch", ["llama", pytest.param("gpt2", marks=pytest.mark.slow)]
-)
+@pytest.mark.slow  # the default suite's time: `nox -s slow`
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
 def test_tensor_parallel_with_the_byte_vocabulary_matches_one_device(arch, tmp_path):
     """data=2, fsdp=2, tensor=2 with the byte tokenizer (259 ids, which split
     over no axis): the embedding and head are padded to 260 rows, the padded

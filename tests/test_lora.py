@@ -316,9 +316,8 @@ def _lora_run(axes, kind, steps=6):
     return np.asarray(jax.device_get(losses)), state
 
 
-@pytest.mark.parametrize(
-    "kind", ["llama", pytest.param("gpt2", marks=pytest.mark.slow)]
-)
+@pytest.mark.slow  # the default suite's time: `nox -s slow`
+@pytest.mark.parametrize("kind", ["llama", "gpt2"])
 def test_lora_on_a_2x2x2_mesh_equals_one_device(kind):
     reference, ref_state = _lora_run(None, kind)
     losses, state = _lora_run((2, 2, 2), kind)

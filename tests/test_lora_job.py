@@ -187,6 +187,7 @@ def test_a_changed_base_is_refused_and_nothing_is_lost(tmp_path):
     assert checkpoint.list_steps(tmp_path / "run") == [3]
 
 
+@pytest.mark.slow  # the default suite's time: `nox -s slow`
 def test_adapter_from_continues_a_peft_adapter(lora_run, tmp_path):
     root, path, result = lora_run
     config = config_lib.load(

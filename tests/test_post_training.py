@@ -147,6 +147,7 @@ def _params(state):
     ]
 
 
+@pytest.mark.slow  # the default suite's time: `nox -s slow`
 def test_precomputed_reference_equals_the_copy_and_survives_resume(files, tmp_path):
     """The stored log-probs are the initial model's (to 1e-5 of a direct pass);
     a resumed run reads them back, a damaged file is recomputed from the rebuilt
