@@ -61,6 +61,7 @@ Usage (needs `pip install torch==2.13.0 transformers`):
 import argparse
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -213,7 +214,13 @@ def _run(command: list[str], log: Path, platform: str) -> float:
     log.parent.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     with open(log, "w", encoding="utf-8") as out:
-        proc = subprocess.run(command, stdout=out, stderr=subprocess.STDOUT, env=env)
+        proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env)
+        try:
+            proc.wait()
+        finally:  # interrupted (Ctrl-C, SIGTERM): leave no process training
+            if proc.poll() is None:
+                proc.terminate()
+                proc.wait()
     if proc.returncode != 0:
         tail = log.read_text(encoding="utf-8")[-3000:]
         raise RuntimeError(f"{command[:5]} exited {proc.returncode}:\n{tail}")
@@ -428,6 +435,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    # SIGTERM as an exception: the subprocesses and the temporary directory go too
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     if args.trainer is not None:  # the Trainer's own process
         return trainer_worker(json.loads(args.trainer))
     print(json.dumps(benchmark(args)), flush=True)
