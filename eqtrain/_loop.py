@@ -284,7 +284,11 @@ class _Run:
 
     def final_info(self, state: TrainState, reason: StopReason) -> StepInfo:
         done = int(jax.device_get(state.step))
+        # the metrics of the step the state is at: after a non-finite stop, the
+        # later (halted) steps' metrics describe no state that exists
         last = self.history[-1] if self.history else None
+        if last is not None and last["step"] != done:
+            last = None
         metrics = {k: v for k, v in last.items() if k != "step"} if last else {}
         natural = reason.kind in (StopKind.MAX_STEPS, StopKind.DATA_EXHAUSTED)
         ev = self.evaluation

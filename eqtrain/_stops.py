@@ -3,16 +3,16 @@ a wall-clock limit, a kill-switch file, SIGINT/SIGTERM, a non-finite loss and a 
 request. `Stopper.check(done)` is the one question `fit` asks after every step; in a
 multi-process run the answer is agreed by all processes."""
 
+import contextlib
 import dataclasses
 import os
 import signal
-import sys
-import threading
 import warnings
 from typing import Any
 
 import jax
 
+from . import _signals
 from ._errors import ConfigError
 from ._hooks import StopKind, StopReason, now
 
@@ -26,8 +26,10 @@ class StopConditions:
         kill_switch: stop when this file exists (checked after every step).
         handle_signals: make the first SIGINT/SIGTERM a clean stop (the current
             step finishes, the final checkpoint and end hooks run); a second one
-            aborts. Previous handlers are restored on exit. Only in the main
-            thread.
+            ends the process at once with exit code 128 + the signal's number,
+            whatever it was doing (see `eqtrain._signals`: no exception is raised
+            into the interrupted code). Previous handlers are restored on exit.
+            Only in the main thread.
         agree_every: in a multi-process run, how often (in steps) the processes
             pool their stop requests, so that all stop at the same step and save
             once. Each agreement waits for the current step. Unused with one
@@ -48,40 +50,6 @@ class StopConditions:
             raise ConfigError(
                 f"`agree_every` must be an int >= 1; got {self.agree_every!r}."
             )
-
-
-class _Signals:
-    """Turn the first SIGINT/SIGTERM into a stop request; a second one aborts."""
-
-    def __init__(self, enabled: bool):
-        self.enabled = enabled and threading.current_thread() is threading.main_thread()
-        self.received: int | None = None
-        self._previous: dict[int, Any] = {}
-
-    def __enter__(self) -> "_Signals":
-        if self.enabled:
-            for sig in (signal.SIGINT, signal.SIGTERM):
-                self._previous[sig] = signal.getsignal(sig)
-                signal.signal(sig, self._handle)
-        return self
-
-    def _handle(self, signum: int, frame: Any) -> None:
-        if self.received is not None:
-            if signum == signal.SIGINT:
-                raise KeyboardInterrupt
-            raise SystemExit(128 + signum)
-        self.received = signum
-        print(
-            f"\n[eqtrain] {signal.Signals(signum).name} received: stopping after the "
-            "current step (send it again to abort without saving).",
-            file=sys.stderr,
-            flush=True,
-        )
-
-    def __exit__(self, *exc: Any) -> None:
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
-        self._previous.clear()
 
 
 # Stop kinds pooled across processes, in increasing precedence.
@@ -107,19 +75,26 @@ class Stopper:
             else os.fspath(conditions.kill_switch)
         )
         self.processes = jax.process_count()
-        self.signals = _Signals(conditions.handle_signals)
+        self._guard = contextlib.ExitStack()
+        self.signals: _signals.SignalGuard | None = None
+        self._was_in_loop = False
         self.start = now()
         self.hook_stop: StopReason | None = None
         self.warned_late = False
         self.nonfinite_at: int | None = None
 
     def __enter__(self) -> "Stopper":
-        self.signals.__enter__()
+        handle = self.conditions.handle_signals
+        self.signals = self._guard.enter_context(_signals.guarded(handle))
+        if self.signals is not None:
+            self._was_in_loop, self.signals.in_loop = self.signals.in_loop, True
         self.start = now()
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        self.signals.__exit__(*exc)
+        if self.signals is not None:
+            self.signals.in_loop = self._was_in_loop
+        self._guard.close()
 
     # -- what the loop reports --------------------------------------------------
     def hook_requested(self, step: int, message: str) -> None:
@@ -194,7 +169,7 @@ class Stopper:
             )
         if self.hook_stop is not None:
             return self._hook_stop(done)
-        if self.signals.received is not None:
+        if self.signals is not None and self.signals.received is not None:
             name = signal.Signals(self.signals.received).name
             return StopReason(StopKind.SIGNAL, done, name)
         if done >= self.num_steps:

@@ -41,7 +41,9 @@ def test_jsonl_writer_lines_fields_and_resume(step, batches, tmp_path):
         hooks=[writer, at_end(writer)],
     )
     lines = [json.loads(line) for line in path.read_text().splitlines()]
-    assert [line["step"] for line in lines] == [1, 2, 3, 4, 5, 5]
+    # one line per step: the end completes step 5's line
+    assert [line["step"] for line in lines] == [1, 2, 3, 4, 5]
+    assert "step_time" in lines[-1] and "stop_reason" not in lines[-2]
     first = lines[0]
     for key in (
         "time",
@@ -60,11 +62,57 @@ def test_jsonl_writer_lines_fields_and_resume(step, batches, tmp_path):
         1e-2
     )
     assert lines[-1]["stop_reason"] == "max_steps"
-    # resuming appends to the same file
-    writer2 = JsonlWriter(path)
+    assert lines[-1]["stop_message"] == "reached 5 steps"
+    # resuming from step 5 continues the same file; step 5 no longer ends it
+    writer2 = JsonlWriter(path, start=5)
     eqtrain.fit(result.state, step, batches, num_steps=7, hooks=[writer2])
-    steps = [json.loads(line)["step"] for line in path.read_text().splitlines()]
-    assert steps[-2:] == [6, 7]
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [line["step"] for line in lines] == [1, 2, 3, 4, 5, 6, 7]
+    assert "stop_reason" not in lines[4] and "loss" in lines[4]
+
+
+def test_jsonl_a_resumed_run_replaces_the_steps_it_redoes(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    first = JsonlWriter(path)
+    for k in range(1, 7):
+        first(StepInfo(step=k, metrics={"loss": float(k)}, num_steps=9))
+    end = StopReason(StopKind.SIGNAL, 6, "SIGTERM")
+    first(StepInfo(step=6, metrics={}, num_steps=9, stop_reason=end))
+    first.close()
+    # the run resumes from its checkpoint at step 3 and redoes 4..6
+    again = JsonlWriter(path, start=3)
+    for k in range(4, 10):
+        again(StepInfo(step=k, metrics={"loss": 10.0 + k}, num_steps=9))
+    done = StopReason(StopKind.MAX_STEPS, 9, "reached 9 steps")
+    again(StepInfo(step=9, metrics={"eval/loss": 1.5}, num_steps=9, stop_reason=done))
+    again.close()
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [line["step"] for line in lines] == list(range(1, 10))
+    assert [line["loss"] for line in lines] == [1, 2, 3, 14, 15, 16, 17, 18, 19]
+    assert [line.get("stop_reason") for line in lines][-1] == "max_steps"
+    assert sum("stop_reason" in line for line in lines) == 1
+    assert lines[-1]["eval/loss"] == 1.5
+    # a fresh start (step 0) empties the file; no checkpoint, no story
+    JsonlWriter(path, start=0)(StepInfo(step=1, metrics={"loss": 0.5}, num_steps=9))
+    assert [json.loads(x)["step"] for x in path.read_text().splitlines()] == [1]
+
+
+def test_jsonl_a_halted_step_gets_no_line(tmp_path):
+    # nonfinite="stop": the state froze at step 2; steps 3.. did not train
+    path = tmp_path / "metrics.jsonl"
+    writer = JsonlWriter(path)
+    writer(StepInfo(step=1, metrics={"loss": 1.0, "halted": 0}, num_steps=9))
+    writer(StepInfo(step=2, metrics={"loss": 0.9, "halted": 0}, num_steps=9))
+    for k in (3, 4):
+        nan = {"loss": float("nan"), "halted": 1}
+        writer(StepInfo(step=k, metrics=nan, num_steps=9))
+    end = StopReason(StopKind.NONFINITE, 3, "non-finite loss or gradients at step 3")
+    writer(StepInfo(step=2, metrics={}, num_steps=9, stop_reason=end))
+    writer.close()
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [line["step"] for line in lines] == [1, 2]
+    assert lines[-1]["loss"] == 0.9 and lines[-1]["stop_reason"] == "nonfinite"
+    assert "at step 3" in lines[-1]["stop_message"]
 
 
 def test_jsonl_writes_nonfinite_as_strings(tmp_path):

@@ -153,6 +153,10 @@ def test_truncated_latest_is_moved_aside_once_and_never_blocks_again(run):
     assert len(aside) == 1 and aside[0].startswith("6.damaged-")
     done = ok(fit())  # a retry: no warning, nothing to do
     assert "warning" not in done.stderr and "nothing to do" in done.stderr
+    # the redone steps 4-6 replaced the first run's lines: one story
+    lines = [json.loads(x) for x in _metric_lines(run_dir)]
+    assert [line["step"] for line in lines] == [1, 2, 3, 4, 5, 6]
+    assert [("stop_reason" in line) for line in lines] == [False] * 5 + [True]
 
 
 def test_bit_flip_is_caught_by_the_checksums(run):
@@ -230,9 +234,48 @@ def test_nonfinite_stopped_run_runs_again(tmp_path, trained):
     first = job.run(cfg, echo=lambda s: None)
     assert first.fit.stop_reason.kind == "nonfinite"
     last = ckpt.list_steps(tmp_path / "nan")[-1]
+    before = _metric_lines(tmp_path / "nan")
     again = job.run(cfg, echo=lambda s: None)  # not "written by another run"
     assert again.resumed_from == last
     assert again.fit.stop_reason.kind == "nonfinite"
+    # the rerun redid the same steps: the log is the same story, no NaN row
+    # claiming a step the state never reached
+    after = _metric_lines(tmp_path / "nan")
+    assert [json.loads(x)["step"] for x in after] == list(range(1, last + 1))
+    assert [json.loads(x)["step"] for x in after] == [
+        json.loads(x)["step"] for x in before
+    ]
+    assert json.loads(after[-1])["stop_reason"] == "nonfinite"
+    assert all(json.loads(x)["loss"] != "nan" for x in after)
+
+
+def test_resumed_runs_tell_one_story_in_every_log(run):
+    from tensorboard.backend.event_processing.event_accumulator import (
+        EventAccumulator,
+    )
+
+    from eqtrain.plot import read_metrics
+
+    run_dir, _ = run
+    ckpts = run_dir / "checkpoints"
+    (ckpts / "6" / "manifest" / "manifest.json").unlink()  # resumes from 3
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ckpt.CheckpointWarning)
+        job.run(_config(run_dir, "loop.steps=8", "log.tensorboard=true"))
+        assert ckpt.list_steps(run_dir) == [3, 6, 8]
+        (ckpts / "8" / "manifest" / "manifest.json").unlink()  # resumes from 6
+        job.run(_config(run_dir, "loop.steps=9", "log.tensorboard=true"))
+    lines = [json.loads(x) for x in _metric_lines(run_dir)]
+    assert [line["step"] for line in lines] == list(range(1, 10))
+    assert sum("stop_reason" in line for line in lines) == 1
+    assert [r["step"] for r in read_metrics(run_dir)] == list(range(1, 10))
+    assert job.run_info(run_dir)["last_metrics"]["step"] == 9
+    events = EventAccumulator(str(run_dir / "tb"))
+    events.Reload()
+    steps = [e.step for e in events.Scalars("train/loss")]
+    assert steps == list(range(4, 10))  # 7 and 8 once: the redone ones replaced
+    losses = {e.step: e.value for e in events.Scalars("train/loss")}
+    assert all(losses[r["step"]] == pytest.approx(r["loss"]) for r in lines[3:])
 
 
 @pytest.mark.parametrize("how", ["manifest", "empty_later_step"])

@@ -24,6 +24,7 @@ app = typer.Typer(
 )
 
 EXIT_USAGE = 2
+_OWNS_PROCESS = False  # set by `main`: the process is the `eqtrain` command
 
 SetOption = Annotated[
     list[str] | None,
@@ -142,9 +143,13 @@ def fit(
 ) -> None:
     """Train. With no CONFIG: a small byte-level Llama on the Python standard
     library, on CPU, in a few minutes."""
-    from .. import config as config_lib, distributed, job
+    from .. import _signals, config as config_lib, distributed, job
 
-    with _errors() as where:
+    if launcher is None and _OWNS_PROCESS:
+        # This process is `eqtrain fit`: a second signal at any moment from here
+        # to the interpreter's exit aborts at once (exit 128 + signal).
+        _signals.install_for_process()
+    with _errors() as where, _signals.guarded(launcher is None) as guard:
         if launcher is not None:
             return _launch(
                 launcher,
@@ -173,13 +178,11 @@ def fit(
             typer.echo(job.report(cfg))
             return
         where["run_dir"] = cfg.run_dir
-        try:
-            result = job.run(
-                cfg, resume=resume, overwrite=overwrite, echo=_echo, export=export_
-            )
-        except (SystemExit, KeyboardInterrupt) as e:  # a second SIGTERM/SIGINT
-            _aborted(cfg, e)
-            raise
+        if guard is not None:
+            guard.note = lambda: abort_note(cfg)
+        result = job.run(
+            cfg, resume=resume, overwrite=overwrite, echo=_echo, export=export_
+        )
     if result_file is not None:  # the launcher (eqtrain.ray) prints the summary
         _write_result(result_file, result)
         if result.fit.stop_reason.kind == "nonfinite":
@@ -265,13 +268,11 @@ def _write_result(path: str, result: Any) -> None:
     Path(path).write_text(json.dumps(data), encoding="utf-8")
 
 
-def _aborted(cfg: Any, stop: BaseException) -> None:
-    """Say what a run aborted by a second signal left behind."""
+def abort_note(cfg: Any) -> str:
+    """What a run aborted by a second signal left behind (said by the signal
+    guard's watchdog thread just before the process exits)."""
     from .. import job
 
-    code = getattr(stop, "code", None)
-    if isinstance(stop, SystemExit) and not (isinstance(code, int) and code > 128):
-        return
     note = job.last_checkpoint_note(cfg.run_dir)
     export = ""
     if cfg.export.hf is not None:
@@ -282,10 +283,7 @@ def _aborted(cfg: Any, stop: BaseException) -> None:
             f"from the checkpoint with `eqtrain export {cfg.run_dir} {target} "
             "--overwrite`."
         )
-    _echo(
-        "error: aborted by a second signal while stopping; what was being saved "
-        f"was not completed. {note}{export}"
-    )
+    return f"What was being saved was not completed. {note}{export}"
 
 
 def _summary(result: Any) -> None:
@@ -509,7 +507,9 @@ def main() -> None:
     """The console entry point. It first applies eqtrain's CPU settings to its own
     process (`eqtrain.tune_cpu`: glibc's allocator thresholds and Eigen dots;
     `EQTRAIN_CPU_TUNING=0` opts out), before JAX starts a backend."""
+    global _OWNS_PROCESS
     from .._cpu import tune_cpu
 
     tune_cpu()
+    _OWNS_PROCESS = True
     app(prog_name="eqtrain")

@@ -1,5 +1,6 @@
 """`JsonlWriter`: a metrics-only hook appending one JSON line per step, the file
-`eqtrain.plot` and `eqtrain info` read back."""
+`eqtrain.plot` and `eqtrain info` read back. The file tells one story: a resumed
+run replaces the lines of the steps it redoes, and each step has one line."""
 
 import json
 import math
@@ -10,6 +11,9 @@ from typing import IO, Any
 from .._hooks import StepInfo
 
 
+END_KEYS = ("stop_reason", "stop_message")  # only on a run's last line
+
+
 def _finite_or_str(value: Any) -> Any:
     """JSON has no NaN/inf: write them as strings ("nan", "inf", "-inf")."""
     if isinstance(value, float) and not math.isfinite(value):
@@ -17,6 +21,14 @@ def _finite_or_str(value: Any) -> Any:
     if isinstance(value, list):
         return [_finite_or_str(v) for v in value]
     return value
+
+
+def _step_of(line: bytes) -> int | None:
+    try:
+        step = json.loads(line).get("step")
+    except (ValueError, AttributeError):
+        return None
+    return step if isinstance(step, int) else None
 
 
 class JsonlWriter:
@@ -32,37 +44,116 @@ class JsonlWriter:
         - `step_time`, `data_time` (seconds) and, when the batch has tokens,
           `tokens_per_second` and `tokens_seen` (tokens trained on so far); `mfu`
           (model FLOPs utilisation, a fraction) when `fit` was given
-          `flops_per_token` and `peak_flops`;
-        - on the final line only, `stop_reason` (e.g. `"max_steps"`), when the
-          writer is also given to `at_end`.
+          `flops_per_token` and `peak_flops`.
 
-    The file is opened in append mode, so a resumed run continues the same file.
+    Given also to `at_end`, the writer records how the run ended on the line of
+    the step the final state is at: `stop_reason` (e.g. `"max_steps"`),
+    `stop_message`, and an end-of-run evaluation's `eval/...`. When that step's
+    line is the file's last, it is completed in place; otherwise (the step was not
+    logged, `every(n)`) a line for it is added.
+
+    One story per file:
+        - a step whose update was not applied (`halted`: the state froze at a
+          non-finite loss, `nonfinite="stop"`) gets no line; the end line names
+          the first such step in `stop_message`;
+        - `start=k` (a run resumed from step k; 0 for a fresh start) drops every
+          line after step k, and the end keys of the line of step k, when the
+          writer first opens the file (atomically: a new file replaces the old).
+
+    Args:
+        path: the file (its directory is created).
+        start: the step the run starts from; None: keep the file as it is and
+            append.
     """
 
     uses_state = False
 
-    def __init__(self, path: str | os.PathLike[str]):
+    def __init__(self, path: str | os.PathLike[str], *, start: int | None = None):
         self.path = Path(path)
-        self._file: IO[str] | None = None
+        self.start = start
+        self._file: IO[bytes] | None = None
 
     def __call__(self, info: StepInfo) -> None:
-        if self._file is None:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115
+        if info.stop_reason is None and info.metrics.get("halted"):
+            return  # not trained: the state stayed at the last finite step
+        file = self._open()
         record: dict[str, Any] = {"step": info.step, "time": round(info.elapsed, 6)}
         record.update({k: _finite_or_str(v) for k, v in info.metrics.items()})
         if info.stop_reason is not None:
             record["stop_reason"] = info.stop_reason.kind.value
-        else:
-            record["step_time"] = info.step_time
-            record["data_time"] = info.data_time
-            for key in ("tokens_per_second", "tokens_seen", "mfu"):
-                if getattr(info, key) is not None:
-                    record[key] = getattr(info, key)
-        self._file.write(json.dumps(record) + "\n")
-        self._file.flush()
+            record["stop_message"] = info.stop_reason.message
+            self._end(file, record)
+            return
+        record["step_time"] = info.step_time
+        record["data_time"] = info.data_time
+        for key in ("tokens_per_second", "tokens_seen", "mfu"):
+            if getattr(info, key) is not None:
+                record[key] = getattr(info, key)
+        file.write(json.dumps(record).encode() + b"\n")
+        file.flush()
 
     def close(self) -> None:
         if self._file is not None:
             self._file.close()
             self._file = None
+
+    # -- the file ---------------------------------------------------------------
+    def _open(self) -> IO[bytes]:
+        if self._file is None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            if self.start is not None:
+                self._cut(self.start)
+            self._file = open(self.path, "ab")  # noqa: SIM115
+        return self._file
+
+    def _cut(self, start: int) -> None:
+        """Keep the lines up to step `start` (a resumed run redoes the rest)."""
+        try:
+            lines = self.path.read_bytes().splitlines()
+        except FileNotFoundError:
+            return
+        kept = []
+        for line in lines:
+            step = _step_of(line)
+            if step is None or step > start:
+                continue
+            if step == start:
+                record = json.loads(line)
+                if any(k in record for k in END_KEYS):
+                    line = json.dumps(
+                        {k: v for k, v in record.items() if k not in END_KEYS}
+                    ).encode()
+            kept.append(line + b"\n")
+        tmp = self.path.with_name(f".{self.path.name}.tmp")
+        tmp.write_bytes(b"".join(kept))
+        os.replace(tmp, self.path)
+
+    def _end(self, file: IO[bytes], record: dict[str, Any]) -> None:
+        """Complete the last line when it is the same step's, else add one."""
+        file.flush()
+        size = self.path.stat().st_size
+        offset, last = _last_line(self.path, size)
+        if last is not None and _step_of(last) == record["step"]:
+            merged = {**json.loads(last), **record, "time": json.loads(last)["time"]}
+            # the step's own timings stay; only the end keys and eval are added
+            file.truncate(offset)
+            file.seek(offset)
+            record = merged
+        file.write(json.dumps(record).encode() + b"\n")
+        file.flush()
+
+
+def _last_line(path: Path, size: int) -> tuple[int, bytes | None]:
+    """The offset and bytes of the file's last line (None if empty)."""
+    if size == 0:
+        return 0, None
+    with open(path, "rb") as f:
+        chunk = min(size, 1 << 20)
+        f.seek(size - chunk)
+        tail = f.read(chunk)
+    body = tail.rstrip(b"\n")
+    cut = body.rfind(b"\n")
+    if cut < 0 and chunk < size:
+        return size, None  # a line longer than the chunk: add a new one
+    line = body[cut + 1 :]
+    return size - chunk + cut + 1, line

@@ -23,13 +23,17 @@ class TensorBoardWriter:
     infinities are written as they are. Given also to `at_end`, the final call
     writes only what the last step did not (an end-of-run evaluation).
 
-    The event file is created on the first call. Each writer starts a new file, so
-    a resumed run writing to the same `log_dir` adds to the earlier events.
+    The event file is created on the first call. Each writer starts a new file;
+    with `start=k` (a run resumed from step k, 0 for a fresh start) its first
+    event tells TensorBoard to hide the earlier files' events after step k, so a
+    resumed run's redone steps replace the old ones (as in `metrics.jsonl`).
+    Steps whose update was not applied (`halted`) are not written.
 
     Args:
         log_dir: the run's TensorBoard directory (created if missing).
         flush_secs: how often, in seconds, pending events are flushed to disk
             (`close()` flushes the rest).
+        start: the step the run starts from; None: add to the earlier events.
 
     Raises:
         ConfigError: tensorboardX is not installed.
@@ -38,7 +42,11 @@ class TensorBoardWriter:
     uses_state = False
 
     def __init__(
-        self, log_dir: str | os.PathLike[str], *, flush_secs: float | int = 30
+        self,
+        log_dir: str | os.PathLike[str],
+        *,
+        flush_secs: float | int = 30,
+        start: int | None = None,
     ):
         try:
             import tensorboardX
@@ -50,6 +58,7 @@ class TensorBoardWriter:
         self._module: Any = tensorboardX
         self.log_dir = Path(log_dir)
         self.flush_secs = flush_secs
+        self.start = start
         self._writer: Any = None
         self._dedup = Dedup()
 
@@ -59,10 +68,15 @@ class TensorBoardWriter:
         # truncate) one file. A nanosecond suffix keeps them apart and in order.
         suffix = f".{time.time_ns()}.{os.getpid()}"
         return self._module.SummaryWriter(
-            str(self.log_dir), flush_secs=self.flush_secs, filename_suffix=suffix
+            str(self.log_dir),
+            flush_secs=self.flush_secs,
+            filename_suffix=suffix,
+            purge_step=None if self.start is None else self.start + 1,
         )
 
     def __call__(self, info: StepInfo) -> None:
+        if info.stop_reason is None and info.metrics.get("halted"):
+            return  # not trained: the state stayed at the last finite step
         if self._writer is None:
             self._writer = self._open()
         for tag, value in self._dedup.new(info.step, scalars(info)).items():

@@ -88,15 +88,20 @@ def _progress_hooks(config: Config) -> list[Any]:
     return [hooks_lib.ProgressBar(force_terminal=True)]
 
 
-def _hooks(job: _build.Job, run_dir: Path, exports: bool = True) -> list[Any]:
+def _hooks(
+    job: _build.Job, run_dir: Path, exports: bool = True, start: int = 0
+) -> list[Any]:
+    """Progress, logs and exports; the logs start at step `start` (the resumed
+    one: the redone steps' earlier lines and events are replaced)."""
     config = job.config
     if jax.process_index() != 0:
         return []  # process 0 logs and exports for the run
     log = config.log
     out: list[Any] = _progress_hooks(config)
-    writers: list[Any] = [hooks_lib.JsonlWriter(run_dir / "metrics.jsonl")]
+    metrics = hooks_lib.JsonlWriter(run_dir / "metrics.jsonl", start=start)
+    writers: list[Any] = [metrics]
     if log.tensorboard:
-        writers.append(hooks_lib.TensorBoardWriter(run_dir / "tb"))
+        writers.append(hooks_lib.TensorBoardWriter(run_dir / "tb", start=start))
     if log.wandb_project is not None:
         writers.append(
             hooks_lib.WandbLogger(
@@ -423,7 +428,7 @@ def _assemble(
     )
     fit_kwargs = dict(
         num_steps=loop.steps,
-        hooks=_hooks(job, run_dir, export),
+        hooks=_hooks(job, run_dir, export, start=resumed or 0),
         eval_step=evaluator,
         eval_data=eval_loader,
         eval_every=loop.eval_every or None,
