@@ -17,6 +17,7 @@ from ._errors import (
     ConfigError as ConfigError,
     DonatedStateError as DonatedStateError,
     EqtrainError as EqtrainError,
+    EqtrainWarning as EqtrainWarning,
     StopTraining as StopTraining,
     StructureError as StructureError,
 )

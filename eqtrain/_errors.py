@@ -9,6 +9,11 @@ class ConfigError(EqtrainError, ValueError):
     """A builder or function was given a value it cannot use."""
 
 
+class EqtrainWarning(UserWarning):
+    """Base class of eqtrain's warnings (the `eqtrain` command prints them as one
+    `warning: ...` paragraph, without Python's file and line)."""
+
+
 class StructureError(EqtrainError, ValueError):
     """A pytree did not have the expected structure (e.g. a step changed it)."""
 

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from ._errors import ConfigError
+from ._errors import ConfigError, EqtrainWarning
 
 
 _NONFINITE = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
@@ -152,6 +152,7 @@ def _parse_line(
             warnings.warn(
                 f"{file}:{lineno}: skipping a truncated last line (a crash can "
                 f"leave one half-written): {e}",
+                EqtrainWarning,
                 stacklevel=3,
             )
             return None

@@ -450,9 +450,10 @@ def resume_run(
         if existing and not overwrite:
             raise CheckpointError(
                 f"{directory} already holds checkpoints (steps "
-                f"{existing[-5:]}) and resume='never': refusing to mix two "
-                "runs. Use resume='auto' to continue it, overwrite=True to "
-                "delete them, or a new run directory."
+                f"{existing[-5:]}) and --resume never (resume='never'): refusing "
+                "to mix two runs. Continue it with --resume auto (resume='auto'), "
+                "delete them with --overwrite (overwrite=True), or use a new run "
+                "directory."
             )
         if _writer():
             for step in existing:

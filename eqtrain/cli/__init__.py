@@ -5,6 +5,7 @@ library function; errors of ours exit with code 2 and one paragraph, no tracebac
 
 import contextlib
 import json
+import math
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Annotated, Any
@@ -35,6 +36,22 @@ SetOption = Annotated[
         metavar="KEY=VALUE",
     ),
 ]
+
+
+def _json(data: Any, **kwargs: Any) -> str:
+    """Strict JSON, as metrics.jsonl writes it: NaN and infinities (which JSON
+    has no numbers for) become the strings "nan", "inf" and "-inf"."""
+    return json.dumps(_finite(data), allow_nan=False, **kwargs)
+
+
+def _finite(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_finite(v) for v in value]
+    return value
 
 
 def _fail(message: str) -> None:
@@ -265,6 +282,7 @@ def _write_result(path: str, result: Any) -> None:
         "resumed_from": result.resumed_from,
         "trained": bool(fit_result.history),
     }
+    # Python reads it back: NaN stays a float in `LaunchResult.metrics`.
     Path(path).write_text(json.dumps(data), encoding="utf-8")
 
 
@@ -340,7 +358,7 @@ def eval_(
 
     with _errors():
         metrics = job.evaluate_run(path, list(set_ or []))
-    typer.echo(json.dumps(metrics))
+    typer.echo(_json(metrics))
 
 
 @app.command()
@@ -362,7 +380,11 @@ def export(
         ),
     ] = False,
     overwrite: Annotated[
-        bool, typer.Option(help="Replace an existing export at OUT_DIR.")
+        bool,
+        typer.Option(
+            help="Replace an earlier export at OUT_DIR (never one that also holds "
+            "other files, e.g. your notes: move them out first)."
+        ),
     ] = False,
 ) -> None:
     """Export a run's latest checkpoint (or the given step) in Hugging Face format
@@ -413,7 +435,7 @@ def info(
     with _errors():
         data = job.run_info(path)
     if as_json:
-        typer.echo(json.dumps(data, indent=2))
+        typer.echo(_json(data, indent=2))
         return
     typer.echo(_format_info(data))
 
@@ -447,7 +469,7 @@ def _format_info(data: dict[str, Any]) -> str:
         names = ("step", "loss", "eval/loss", "eval/accuracy")
         names += ("eval/rewards/accuracies", "stop_reason")
         shown = {k: v for k, v in last.items() if k in names}
-        lines.append(f"last logged:  {json.dumps(shown)}")
+        lines.append(f"last logged:  {_json(shown)}")
     lines.append(f"checkpoints:  {len(data['checkpoints'])}")
     for c in data["checkpoints"]:
         if c.get("error"):

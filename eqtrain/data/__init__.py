@@ -23,6 +23,7 @@ from ._corpus import stdlib_corpus as stdlib_corpus, stdlib_files as stdlib_file
 from ._errors import (
     DataError as DataError,
     DataFileNotFoundError as DataFileNotFoundError,
+    DataWarning as DataWarning,
 )
 from ._loader import Loader as Loader
 from ._post import (

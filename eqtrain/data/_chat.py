@@ -211,7 +211,8 @@ class JinjaChatTemplate:
                 "not how the whole conversation's rendering goes on (the template "
                 "rewrites earlier turns), so it cannot be masked by turn. Use a "
                 "template that renders each turn the same way whatever follows "
-                "(e.g. the built-in one: template=None).",
+                "(e.g. the built-in one: data.chat_template = 'builtin', or "
+                "template=None in Python).",
                 reason="with a chat template that cannot be masked by turn "
                 "(not prefix-stable)",
             )
@@ -355,7 +356,8 @@ def _tokens_and_mask(
         raise DataError(
             f"a Jinja chat template needs a tokenizer with `encode_with_offsets` "
             f"(HFTokenizer or ByteTokenizer); got {tokenizer!r}. Use one of those, "
-            "or the built-in template (template=None)."
+            "or the built-in template (data.chat_template = 'builtin'; "
+            "template=None in Python)."
         )
     ids, offsets = encode(text)
     mask = np.zeros(len(ids), np.float32)
@@ -395,7 +397,8 @@ def _compile(source: str) -> Any:
     except jinja2.TemplateError as error:
         raise DataError(
             f"the chat template does not parse: {error}. Fix the template, or use the "
-            "built-in one (template=None)."
+            "built-in one (data.chat_template = 'builtin'; template=None in "
+            "Python)."
         ) from error
 
 

@@ -2,7 +2,7 @@
 
 import os
 
-from .._errors import EqtrainError
+from .._errors import EqtrainError, EqtrainWarning
 
 
 PathLike = str | os.PathLike[str]
@@ -11,6 +11,11 @@ PathLike = str | os.PathLike[str]
 class DataError(EqtrainError, ValueError):
     """The data cannot be used as given: empty, a missing column or field, a file
     that does not parse, or a sequence/batch size larger than the data."""
+
+
+class DataWarning(EqtrainWarning):
+    """Rows of the data that were skipped (e.g. a null text): counted in one
+    warning, never trained on."""
 
 
 class DataFileNotFoundError(EqtrainError, FileNotFoundError):
@@ -38,5 +43,6 @@ def missing_field(field: str, available: list[str], where: str) -> DataError:
     """The error for a column/field `field` absent from `where`."""
     return DataError(
         f"{where} has no field {field!r}; available: {sorted(available)}. Pass the "
-        "right name (e.g. `field=...`/`column=...`) or rename the field in the data."
+        "right name (the config's data.text_column; in Python the `field=` or "
+        "`column=` argument) or rename the field in the data."
     )

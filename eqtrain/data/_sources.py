@@ -11,6 +11,7 @@ from .._errors import ConfigError
 from ._errors import (
     DataError,
     DataFileNotFoundError,
+    DataWarning,
     PathLike,
     check_exists,
     missing_field,
@@ -79,14 +80,16 @@ def from_files(
     except (ValueError, TypeError, KeyError, OSError, StopIteration) as error:
         raise DataError(
             f"could not read {files} as {format!r}: {error}.{_bad_line(files, format)} "
-            "Check the files' contents and `format=`."
+            "Check the files' contents and their format (the file suffix, or "
+            "`format=` in Python)."
         ) from error
     except Exception as error:  # datasets wraps parse errors in DatasetGenerationError
         if type(error).__name__ != "DatasetGenerationError":
             raise
         raise DataError(
             f"could not read {files} as {format!r}: {error.__cause__ or error}."
-            f"{_bad_line(files, format)} Check the files' contents and `format=`."
+            f"{_bad_line(files, format)} Check the files' contents and their "
+            "format (the file suffix, or `format=` in Python)."
         ) from error
     finally:
         if not quiet:
@@ -128,7 +131,8 @@ def _infer_format(files: list[str]) -> str:
         suffixes = sorted({Path(f).suffix or "(none)" for f in files})
         raise ConfigError(
             f"cannot infer one format from the suffixes {suffixes}; known suffixes: "
-            f"{sorted(FORMATS)}. Pass `format=` ('json', 'parquet', 'csv' or 'text')."
+            f"{sorted(FORMATS)}. Rename the files to one of those suffixes (or, in "
+            "Python, pass `format=`: 'json', 'parquet', 'csv' or 'text')."
         )
     return found.pop()  # type: ignore[return-value]
 
@@ -157,8 +161,9 @@ def load_text_dir(directory: PathLike, *, pattern: str = "**/*.txt") -> list[str
     )
     if not files:
         raise DataError(
-            f"no file under {root} matches {pattern!r}. Pass `pattern=` (a glob such "
-            "as '**/*.md') or another directory."
+            f"no file under {root} matches {pattern!r}. Pass another glob (such as "
+            "'**/*.md': data.pattern in the config, `pattern=` in Python) or "
+            "another directory."
         )
     return [read_text(p) for p in files]
 
@@ -192,6 +197,7 @@ def text_column(data: Any, name: str, *, source: str = "the data") -> list[str]:
         warnings.warn(
             f"{source}: skipped {skipped} of {len(values)} rows whose {name!r} is "
             f"not a string (the first: row {first}, {_kind(values[first])}).",
+            DataWarning,
             stacklevel=2,
         )
     return texts

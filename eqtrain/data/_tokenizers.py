@@ -210,8 +210,8 @@ def _config_names(directory: str) -> dict[str, str]:
             config = json.load(f)
     except (OSError, ValueError) as error:
         raise DataError(
-            f"could not parse {path}: {error}. Fix or remove it, or name the special "
-            "tokens with `bos=`, `eos=`, `pad=`."
+            f"could not parse {path}: {error}. Fix or remove it (or, in Python, "
+            "name the special tokens with `bos=`, `eos=`, `pad=`)."
         ) from error
     names = {}
     for kind in ("bos", "eos", "pad"):

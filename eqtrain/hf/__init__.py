@@ -8,6 +8,7 @@ LoRA adapters go both ways in PEFT's format: `export_adapter`, `load_adapter`.
 from ..config import parse_size as parse_size
 from ._errors import (
     HFExportExistsError as HFExportExistsError,
+    HFExportWarning as HFExportWarning,
     HFFileNotFoundError as HFFileNotFoundError,
     HFFormatError as HFFormatError,
 )

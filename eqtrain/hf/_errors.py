@@ -1,6 +1,6 @@
 """Errors of the Hugging Face import/export (subclasses of `EqtrainError`)."""
 
-from .._errors import EqtrainError
+from .._errors import EqtrainError, EqtrainWarning
 
 
 class HFFormatError(EqtrainError, ValueError):
@@ -15,3 +15,7 @@ class HFFileNotFoundError(EqtrainError, FileNotFoundError):
 
 class HFExportExistsError(EqtrainError, FileExistsError):
     """The export directory exists already and `overwrite=False`."""
+
+
+class HFExportWarning(EqtrainWarning):
+    """Replacing an earlier export kept files that are not part of an export."""

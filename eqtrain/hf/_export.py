@@ -7,17 +7,18 @@ import json
 import os
 import shutil
 import tempfile
+import warnings
 from typing import Any
 
 import jax
 import numpy as np
 
-from .. import lora
+from .. import _files, lora
 from .._errors import ConfigError
 from ..config import parse_size
 from ..models import as_dtype
 from . import _maps, _safetensors
-from ._errors import HFExportExistsError
+from ._errors import HFExportExistsError, HFExportWarning
 
 
 SAFE_NAME = "model.safetensors"
@@ -127,7 +128,7 @@ def _dtype_name(dtype: Any) -> str:
             return name
     raise ConfigError(
         f"cannot export parameters of dtype {dtype}; pass dtype='float32', "
-        "'bfloat16' or 'float16'."
+        "'bfloat16' or 'float16' (CLI: --dtype; config: export.dtype)."
     )
 
 
@@ -206,34 +207,43 @@ def _write_json(path: str, content: Any) -> None:
 
 
 # -- atomic directory replacement ----------------------------------------------------
-def _looks_like_export(path: str) -> bool:
-    names = os.listdir(path)
-    return not names or "config.json" in names or "adapter_config.json" in names
-
-
 def _check_target(out_dir: str, overwrite: bool) -> None:
-    """Refuse a target that is not ours to replace: a file, or a non-empty
-    directory that is not an export (whatever `overwrite` says), or, without
-    `overwrite`, an earlier export."""
+    """Refuse a target that is not ours to replace: a file, a non-empty directory
+    that is not an export, or an export that also holds a user's files (whatever
+    `overwrite` says: replacing it would delete them), or, without `overwrite`,
+    an earlier export."""
     if not os.path.lexists(out_dir):
         return
     if not os.path.isdir(out_dir):
         raise HFExportExistsError(
             f"{out_dir} exists and is not a directory, so it is not an export and "
-            "will not be overwritten (not even with overwrite). Export to a new "
+            "will not be overwritten (not even with --overwrite / overwrite=True). "
+            "Export to a new directory."
+        )
+    names = os.listdir(out_dir)
+    if not names:
+        return
+    foreign = _files.foreign_files(out_dir)
+    if "config.json" not in names and "adapter_config.json" not in names:
+        raise HFExportExistsError(
+            f"{out_dir} is not empty ({_files.describe_names(foreign or names)}) "
+            "and holds no config.json (nor an adapter's), so it is not an earlier "
+            "export and will not be overwritten (not even with --overwrite / "
+            "overwrite=True). Export to a new directory."
+        )
+    if foreign:
+        raise HFExportExistsError(
+            f"{out_dir} holds an earlier export and also files that are not part "
+            f"of one ({_files.describe_names(foreign)}), which replacing it would "
+            "delete, so it will not be overwritten (not even with --overwrite / "
+            "overwrite=True). Move those files out of it, or export to a new "
             "directory."
         )
-    if not _looks_like_export(out_dir):
-        raise HFExportExistsError(
-            f"{out_dir} is not empty and holds no config.json (nor an adapter's), "
-            "so it is not an earlier export and will not be overwritten (not even "
-            "with overwrite). Export to a new directory."
-        )
-    if not overwrite and os.listdir(out_dir):
+    if not overwrite:
         raise HFExportExistsError(
             f"{out_dir} already exists and holds an earlier export; pass "
-            "overwrite=True (--overwrite) "
-            "to replace it, or export to a new directory."
+            "--overwrite (overwrite=True) to replace it, or export to a new "
+            "directory."
         )
 
 
@@ -248,15 +258,18 @@ class _atomic_dir:  # noqa: N801 -- used as a context manager
         parent, name = os.path.split(self.out_dir)
         os.makedirs(parent, exist_ok=True)
         self.tmp = tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=parent)
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(self.tmp, 0o777 & ~umask)  # mkdtemp's 0700 is for secrets
+        _files.set_default_mode(self.tmp)  # mkdtemp's 0700 is for secrets
         return self.tmp
 
     def __exit__(self, kind: Any, value: Any, tb: Any) -> None:
         if kind is not None:
             shutil.rmtree(self.tmp, ignore_errors=True)
             return
+        try:  # again: a user may have put files there while it was written
+            _check_target(self.out_dir, self.overwrite)
+        except BaseException:
+            shutil.rmtree(self.tmp, ignore_errors=True)
+            raise
         old = None
         if os.path.lexists(self.out_dir):
             # Move the old export out of the way first: `out_dir` then never holds
@@ -266,4 +279,28 @@ class _atomic_dir:  # noqa: N801 -- used as a context manager
             os.rename(self.out_dir, old)
         os.rename(self.tmp, self.out_dir)
         if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
+            _remove_export(old)
+
+
+def _remove_export(path: str) -> None:
+    """Delete an old export's own files only: a file that appeared in it after the
+    last check stays, with the directory, and is named in a warning."""
+    foreign = _files.foreign_files(path)
+    keep = {name.rstrip("/") for name in foreign}
+    try:
+        for name in os.listdir(path):
+            if name not in keep:
+                os.remove(os.path.join(path, name))
+        if not foreign:
+            os.rmdir(path)
+            return
+    except OSError:
+        return  # the new export is in place; a leftover hidden directory is harmless
+    warnings.warn(
+        HFExportWarning(
+            f"the earlier export was replaced, but {_files.describe_names(foreign)} "
+            f"appeared in it meanwhile; they were kept in {path}. Move them where "
+            "they belong."
+        ),
+        stacklevel=3,
+    )

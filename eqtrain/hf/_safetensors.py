@@ -13,6 +13,7 @@ import numpy as np
 from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
+from .._files import set_default_mode
 from ._errors import HFFileNotFoundError, HFFormatError
 
 
@@ -60,6 +61,7 @@ def write(path: str, tensors: dict[str, np.ndarray], metadata: dict[str, str]) -
         save_file(arrays, path, metadata=dict(metadata))
     except SafetensorError as error:
         raise HFFormatError(f"could not write {path}: {error}.") from None
+    set_default_mode(path)  # the package writes a 0600 temporary and renames it
 
 
 @contextlib.contextmanager

@@ -23,6 +23,7 @@ from .. import (
     sharding,
 )
 from .._errors import ConfigError
+from .._files import set_default_mode
 from .._state import TrainState
 from ..config import (
     AUTO_LOSS_CHUNK,
@@ -686,6 +687,7 @@ def record_init_from(config: Config, run_dir: Path) -> dict[str, Any] | None:
     target = run_dir / RECORD
     tmp = Path(tempfile.mkdtemp(prefix=".init_from-", dir=run_dir))
     try:
+        set_default_mode(tmp)  # mkdtemp's 0700 is for secrets
         for name in RECORD_FILES:
             if (source / name).is_file():
                 shutil.copy2(source / name, tmp / name)

@@ -15,6 +15,7 @@ from types import TracebackType
 from typing import Any
 
 from .._errors import ConfigError
+from .._files import describe_names, foreign_files
 from ..config import Config, lora_on
 
 
@@ -49,21 +50,26 @@ def check_outputs(config: Config, *, writer: bool = True) -> None:
     log nor export) checks the run directory only.
     """
     run_dir = Path(config.run_dir)
-    _check_dir(run_dir, "the run directory", "--run-dir or `run_dir`", create=True)
-    _probe(run_dir, "the run directory", "--run-dir or `run_dir`")
+    where = "choose another place with --run-dir or `run_dir`"
+    _check_dir(run_dir, "the run directory", where, create=True)
+    _probe(run_dir, "the run directory", where)
     for name, what in (
         ("config.toml", "the run's config file"),
         ("metrics.jsonl", "the metrics log"),
         ("plot.png", "the plot `eqtrain plot` writes"),
     ):
         _check_file(run_dir / name, what)
-    _check_dir(run_dir / "checkpoints", "the checkpoint directory", "`run_dir`")
+    _check_dir(run_dir / "checkpoints", "the checkpoint directory", where)
     if not writer:
         return
     if config.log.tensorboard:
         tb = run_dir / "tb"
-        _check_dir(tb, "the TensorBoard directory", "log.tensorboard", create=True)
-        _probe(tb, "the TensorBoard directory", "log.tensorboard")
+        # Its place is fixed (`<run_dir>/tb`); log.tensorboard only turns it on.
+        where = (
+            "choose another run directory (--run-dir), or set log.tensorboard = false"
+        )
+        _check_dir(tb, "the TensorBoard directory", where, create=True)
+        _probe(tb, "the TensorBoard directory", where)
     for target in export_targets(config, run_dir).values():
         _check_export(target, bool(config.export.every))
 
@@ -91,13 +97,15 @@ def _fail(path: Path, what: str, why: str, fix: str) -> ConfigError:
     return ConfigError(f"{what} {path} {why}; the run would fail there. {fix}")
 
 
-def _check_dir(path: Path, what: str, key: str, *, create: bool = False) -> None:
+def _check_dir(path: Path, what: str, where: str, *, create: bool = False) -> None:
+    """`where`: how to choose another place, e.g. "choose another place with
+    export.hf"."""
     if path.exists() and not path.is_dir():
         raise _fail(
             path,
             what,
             "is a file, not a directory",
-            f"Move the file away, or choose another place with {key}.",
+            f"Move the file away, or {where}.",
         )
     if not create:
         return
@@ -105,7 +113,10 @@ def _check_dir(path: Path, what: str, key: str, *, create: bool = False) -> None
         path.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise _fail(
-            path, what, f"cannot be created ({describe(e)})", f"Set {key} elsewhere."
+            path,
+            what,
+            f"cannot be created ({describe(e)})",
+            where[0].upper() + where[1:] + ".",
         ) from None
 
 
@@ -119,7 +130,7 @@ def _check_file(path: Path, what: str) -> None:
         )
 
 
-def _probe(directory: Path, what: str, key: str) -> None:
+def _probe(directory: Path, what: str, where: str) -> None:
     probe = directory / f".eqtrain-write-test-{os.getpid()}"
     try:
         with open(probe, "wb") as f:
@@ -132,7 +143,7 @@ def _probe(directory: Path, what: str, key: str) -> None:
             what,
             f"is not writable ({describe(e)}: writing {PROBE_BYTES // 1024} KiB "
             "failed)",
-            f"Free space there, or choose another place with {key}.",
+            f"Free space there, or {where}.",
         ) from None
     finally:
         try:
@@ -164,28 +175,48 @@ def _holds_step_exports(path: Path) -> bool:
 
 def _check_export(target: Path, per_step: bool) -> None:
     fix = "Set export.hf to a new directory (or to '' for no export)."
+    what = "the export directory (export.hf)"
     if target.exists() and not target.is_dir():
-        raise _fail(target, "the export directory (export.hf)", "is a file", fix)
+        raise _fail(target, what, "is a file", fix)
     if target.is_dir() and not _is_export(target):
         raise _fail(
             target,
-            "the export directory (export.hf)",
+            what,
             "is not empty and holds no config.json (or adapter_config.json), so it "
-            "is not an earlier "
-            "export and will not be overwritten",
+            "is not an earlier export and will not be overwritten",
             fix,
         )
+    if target.is_dir():
+        _check_no_user_files(target, what, fix)
     # The export is written to a temporary sibling and renamed: the parent must
     # take files (and so must the per-step exports' directory).
     parent = target.parent
-    _check_dir(parent, "the export's parent directory", "export.hf", create=True)
-    _probe(parent, "the export's parent directory", "export.hf")
+    where = "choose another place with export.hf"
+    _check_dir(parent, "the export's parent directory", where, create=True)
+    _probe(parent, "the export's parent directory", where)
     if per_step:
         steps = steps_export_dir(target)
         what = "the per-step export directory (export.every)"
         if steps.is_dir() and not _holds_step_exports(steps):
             raise _fail(steps, what, "holds files other than step_<k> exports", fix)
-        _check_dir(steps, what, "export.every", create=True)
+        _check_dir(steps, what, where, create=True)
+        for step in steps.glob("step_*") if steps.is_dir() else ():
+            if _STEP_DIR.fullmatch(step.name) and step.is_dir():
+                _check_no_user_files(step, what, fix)
+
+
+def _check_no_user_files(export: Path, what: str, fix: str) -> None:
+    """An earlier export that also holds a user's files is never replaced (that
+    would delete them)."""
+    foreign = foreign_files(export)
+    if foreign:
+        raise _fail(
+            export,
+            what,
+            f"holds files that are not part of an export ({describe_names(foreign)})"
+            ", which replacing it would delete",
+            "Move them out of it, or s" + fix[1:],
+        )
 
 
 # -- write errors that happen anyway ----------------------------------------------

@@ -26,6 +26,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
 from .. import preference, sharding
+from .._files import set_default_mode
 from . import _build
 
 
@@ -137,6 +138,7 @@ def _write(path: Path, values: Rows, key: str) -> None:
     save_file(
         {k: np.ascontiguousarray(v) for k, v in values.items()}, str(tmp), {"key": key}
     )
+    set_default_mode(tmp)  # save_file leaves 0600
     with open(tmp, "rb") as f:
         os.fsync(f.fileno())
     os.replace(tmp, path)
