@@ -406,3 +406,51 @@ def test_lr_inf_is_refused(tiny):
 def test_config_must_hold_a_finite_lr():
     with pytest.raises(ConfigError, match="finite"):
         eqtrain.config.from_dict({"optim": {"lr": float("inf")}})
+
+
+def test_a_template_that_refuses_most_rows_is_named_in_the_too_few_rows_error(
+    tmp_path,
+):
+    # raise_exception on any system message: 36 of 40 chats are refused
+    chats = []
+    for i in range(40):
+        turns = [{"role": "user", "content": f"hi {i}"}]
+        if i % 10:
+            turns.insert(0, {"role": "system", "content": "be brief"})
+        turns.append({"role": "assistant", "content": f"hello {i}"})
+        chats.append(json.dumps({"messages": turns}))
+    (tmp_path / "chat.jsonl").write_text("\n".join(chats) + "\n")
+    (tmp_path / "tpl.jinja").write_text(
+        "{% for m in messages %}{% if m['role'] == 'system' %}"
+        "{{ raise_exception('System role not supported') }}{% endif %}"
+        "<|{{ m['role'] }}|>{% if m['role'] == 'assistant' %}{% generation %}"
+        "{{ m['content'] }}{% endgeneration %}{% else %}{{ m['content'] }}"
+        "{% endif %}\n{% endfor %}"
+    )
+    config = tmp_path / "sft.toml"
+    config.write_text(
+        f"""run_dir = "{tmp_path / "run"}"
+[model]
+hidden_size = 32
+num_layers = 1
+[data]
+train = "{tmp_path / "chat.jsonl"}"
+eval = "none"
+chat_template = "{tmp_path / "tpl.jinja"}"
+seq_len = 64
+batch_size = 8
+[task]
+kind = "sft"
+[loop]
+eval_every = 0
+"""
+    )
+    result = invoke("fit", config)
+    assert_clean_error(
+        result,
+        "has 4 rows of 64 tokens, fewer than one batch",
+        "36 of 40 rows skipped: 36 rejected by the chat template (System role not "
+        "supported) (first: row 1)",
+        "check the data against data.chat_template",
+    )
+    assert "data.max_prompt_len" not in result.stderr

@@ -65,16 +65,32 @@ progress = "lines"
     return config
 
 
-def _handles_sigterm(pid: int) -> bool:
-    """Whether the process has installed a SIGTERM handler (the signal guard)."""
+def _mask(pid: int, field: str) -> int:
+    """A signal mask of /proc/PID/status (0 once the process is gone)."""
     try:
         with open(f"/proc/{pid}/status") as f:
             for line in f:
-                if line.startswith("SigCgt:"):
-                    return bool(int(line.split()[1], 16) >> (signal.SIGTERM - 1) & 1)
+                if line.startswith(field + ":"):
+                    return int(line.split()[1], 16)
     except OSError:
         pass
-    return False
+    return 0
+
+
+def _handles_sigterm(pid: int) -> bool:
+    """Whether the process has installed a SIGTERM handler (the signal guard)."""
+    return bool(_mask(pid, "SigCgt") >> (signal.SIGTERM - 1) & 1)
+
+
+def _delivered(pid: int, sig: int) -> None:
+    """Wait until `sig` is no longer pending: a second identical signal sent
+    before the first was delivered would merge with it (POSIX does not queue
+    them), and the process would rightly see one."""
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        if not (_mask(pid, "SigPnd") | _mask(pid, "ShdPnd")) >> (sig - 1) & 1:
+            return
+        time.sleep(0.001)
 
 
 def _send_pair(config: Path, offset: float, gap: float, first: int, second: int):
@@ -99,6 +115,7 @@ def _send_pair(config: Path, offset: float, gap: float, first: int, second: int)
         outcome = "finished"
         if proc.poll() is None:
             proc.send_signal(first)
+            _delivered(proc.pid, first)
             time.sleep(gap)
             outcome = "stopped"
             if proc.poll() is None:

@@ -545,10 +545,13 @@ def train_rows(job: Job) -> Rows:
     n = num_rows(rows)
     if n < config.data.batch_size:
         what = "pairs" if "chosen_tokens" in rows else "rows"
+        # the skip report explains a small count (e.g. a template's refusals)
+        skipped = " ".join(n for n in job.notes if n.startswith("data.train "))
         raise ConfigError(
             f"the training data has {n} {what} of {config.data.seq_len} tokens, "
             f"fewer than one batch (`data.batch_size` = {config.data.batch_size}). "
-            "Lower data.batch_size or data.seq_len, or add data."
+            + (f"{skipped.rstrip('.')}. " if skipped else "")
+            + "Lower data.batch_size or data.seq_len, or add data."
         )
     return rows
 
@@ -596,9 +599,15 @@ def post_rows(job: Job, source: str, key: str) -> Rows:
     if report.skipped:
         note = f"{key} ({path.name}): {report}"
         if report.skipped * 5 > report.total:  # e.g. a seq_len too short for the data
+            top = max(report.reasons, key=report.reasons.__getitem__)
+            check = (
+                "the data against data.chat_template"
+                if "chat template" in top
+                else "data.seq_len and data.max_prompt_len"
+            )
             note += (
                 f". That is {report.skipped / report.total:.0%} of the data: check "
-                "data.seq_len and data.max_prompt_len."
+                f"{check}."
             )
         job.notes.append(note)
     return rows
