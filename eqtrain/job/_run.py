@@ -426,7 +426,10 @@ def _assemble(
         hooks=_hooks(job, run_dir, export),
         eval_step=evaluator,
         eval_data=eval_loader,
-        eval_every=loop.eval_every or None,
+        # No eval data (data.eval = none, or `auto` off the stdlib corpus): the
+        # default loop.eval_every has nothing to evaluate (an explicit one with
+        # data.eval = none is refused by the config's checks, before any data).
+        eval_every=(loop.eval_every or None) if eval_loader is not None else None,
         eval_at_end=loop.eval_at_end and eval_loader is not None,
         checkpointer=checkpointer,
         time_limit=loop.time_limit or None,
