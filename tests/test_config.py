@@ -244,6 +244,11 @@ def test_init_from_configs_reload(tmp_path):
         ("seed=-3", "seed", -3),
         ("export.max_shard_size=500MB", "export.max_shard_size", "500MB"),
         ("model.arch=gpt2", "model.arch", "gpt2"),
+        # A list as TOML writes it (the reference's own example), or commas.
+        ('model.remat_save=["layer_input"]', "model.remat_save", "layer_input"),
+        ("model.remat_offload=['query', \"key\"]", "model.remat_offload", "query,key"),
+        ("model.remat_save=layer_input,query", "model.remat_save", "layer_input,query"),
+        ("model.remat_save=[]", "model.remat_save", ""),
     ],
 )
 def test_set_values_are_typed_by_the_schema(override, key, expected):
@@ -411,6 +416,8 @@ OVERRIDE_ERRORS = {
     "loop.time_limit=1.5.5m": r"`loop.time_limit` in --set: .*cannot read '1.5.5m'",
     "loop.time_limit=3s2h": r"`loop.time_limit` in --set: .*largest to smallest",
     "export.max_shard_size=lots": r"`export.max_shard_size` in --set: expected bytes",
+    "model.remat_save=[layer_input]": r"`model.remat_save` in --set: expected a TOML",
+    "model.remat_save=[1]": r"`model.remat_save` in --set: expected a list of names",
 }
 
 

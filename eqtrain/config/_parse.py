@@ -160,6 +160,8 @@ def _from_string(text: str, field: Field) -> Any:
         return stripped[1:-1]  # a quoted string stays a string
     if field.optional and stripped.lower() in _NONE:
         return None
+    if field.kind == "names" and stripped.startswith("["):
+        return _toml_list(stripped)  # as a file writes it: ["layer_input"]
     if field.kind in ("auto_int", "auto_bool") and stripped.lower() == "auto":
         return "auto"
     if field.type is bool:
@@ -178,6 +180,19 @@ def _from_string(text: str, field: Field) -> Any:
                 "expected an integer" if field.type is int else "expected a number"
             ) from None
     return stripped
+
+
+def _toml_list(text: str) -> list[Any]:
+    """A `--set` value written as a TOML array (`["layer_input", "query"]`)."""
+    try:
+        value = tomllib.loads(f"value = {text}")["value"]
+    except tomllib.TOMLDecodeError as e:
+        raise ValueError(
+            f'expected a TOML list such as ["layer_input", "query"] ({e})'
+        ) from None
+    if not isinstance(value, list):
+        raise ValueError('expected a TOML list such as ["layer_input", "query"]')
+    return value
 
 
 def _unset(value: Any, field: Field) -> bool:
