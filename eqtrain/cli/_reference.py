@@ -227,13 +227,20 @@ def _allowed(field: Field) -> str:
         "size": "bytes, or e.g. `500MB`, `5GB`",
     }
     parts = [hints[field.kind]] if field.kind in hints else []
-    low, high = field.min, field.max
-    if low is not None and high is not None:
-        parts.append(f"{_number(low)} to {_number(high)}")
-    elif low is not None:
-        parts.append(f">= {_number(low)}")
-    elif high is not None:
-        parts.append(f"<= {_number(high)}")
+    if field.min is not None and field.max is not None:
+        return "; ".join([*parts, f"{_number(field.min)} to {_number(field.max)}"])
+    bounds = [
+        f"{sign} {_number(value)}"
+        for sign, value in (
+            (">=", field.min),
+            (">", field.above),
+            ("<=", field.max),
+            ("<", field.below),
+        )
+        if value is not None
+    ]
+    if bounds:
+        parts.append(" and ".join(bounds))
     return "; ".join(parts)
 
 

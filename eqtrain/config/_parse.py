@@ -36,6 +36,8 @@ class Field:
     min: float | int | None
     max: float | int | None
     kind: str | None
+    above: float | int | None = None  # exclusive bounds
+    below: float | int | None = None
 
     @property
     def type_name(self) -> str:
@@ -72,6 +74,8 @@ def _fields_of(cls: type, prefix: str) -> dict[str, Field]:
             min=meta.get("min"),
             max=meta.get("max"),
             kind=meta.get("kind"),
+            above=meta.get("above"),
+            below=meta.get("below"),
         )
     return out
 
@@ -274,6 +278,10 @@ def _check(value: Any, field: Field) -> None:
             raise ConfigError(f"`{field.key}` must be >= {field.min}; got {value!r}.")
         if field.max is not None and value > field.max:
             raise ConfigError(f"`{field.key}` must be <= {field.max}; got {value!r}.")
+        if field.above is not None and value <= field.above:
+            raise ConfigError(f"`{field.key}` must be > {field.above}; got {value!r}.")
+        if field.below is not None and value >= field.below:
+            raise ConfigError(f"`{field.key}` must be < {field.below}; got {value!r}.")
 
 
 def convert(value: Any, field: Field, source: str) -> Any:
