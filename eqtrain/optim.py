@@ -123,8 +123,8 @@ def _check_schedule(
     final_lr: float | int,
     decay_steps: int | None,
 ) -> None:
-    if not lr > 0:
-        raise ConfigError(f"`optim.lr` must be > 0; got {lr!r}.")
+    if not lr >= 0:  # 0: a frozen run (e.g. to debug the pipeline)
+        raise ConfigError(f"`optim.lr` must be >= 0; got {lr!r}.")
     if warmup_steps < 0:
         raise ConfigError(f"`optim.warmup_steps` must be >= 0; got {warmup_steps}.")
     if total_steps is None and name != "constant":
@@ -196,7 +196,7 @@ def schedule(
 
     Args:
         name: one of `SCHEDULES`.
-        lr: the peak learning rate, > 0.
+        lr: the peak learning rate, >= 0 (0: nothing trains).
         total_steps: the number of training steps; required except for
             `"constant"`.
         warmup_steps: length of the linear warmup; smaller than `total_steps`.
@@ -218,7 +218,8 @@ def schedule(
     if name == "linear":
         main = optax.linear_schedule(lr, final_lr, steps)
     elif name == "cosine":
-        main = optax.cosine_decay_schedule(lr, steps, alpha=final_lr / lr)
+        alpha = final_lr / lr if lr else 0.0  # lr = 0: final_lr is 0 too
+        main = optax.cosine_decay_schedule(lr, steps, alpha=alpha)
     else:
         decay = _wsd_decay_steps(total_steps, warmup_steps, decay_steps)
         main = optax.join_schedules(
@@ -334,7 +335,7 @@ def build(
     Args:
         name: one of `OPTIMIZERS`: `"adamw"`, `"adam"`, `"lion"`, `"sgd"`,
             `"adafactor"`.
-        lr: the peak learning rate, > 0.
+        lr: the peak learning rate, >= 0 (0: nothing trains).
         schedule: `"constant"`, `"linear"`, `"cosine"` or `"wsd"`; see `schedule`.
         total_steps: the number of training steps; required by the decaying
             schedules.

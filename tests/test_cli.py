@@ -278,7 +278,7 @@ def test_resume_auto_after_an_interrupted_run(tiny_config, tmp_path):
             ["unknown key `lrr`", "Did you mean `lr`"],
         ),
         (None, ["fit", "--set", "loop.steps=ten"], ["`loop.steps`", "integer"]),
-        (None, ["fit", "--set", "optim.b1=2"], ["`optim.b1` must be <= 1"]),
+        (None, ["fit", "--set", "optim.b1=2"], ["`optim.b1` must be < 1"]),
         (None, ["fit", "--set", "optim.name=adamm"], ["'adamw'", "Did you mean"]),
         (None, ["fit", "{missing}"], ["does not exist"]),
         ("file", ["fit", "--run-dir", "{blocked}", "--dry-run"], []),

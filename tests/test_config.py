@@ -108,8 +108,10 @@ def values_for(field: config.Field) -> st.SearchStrategy[Any]:
         strategy = st.sampled_from(nice) | st.integers(low, high)
     elif field.type is float:
         strategy = st.floats(
-            min_value=field.min,
-            max_value=field.max,
+            min_value=field.min if field.above is None else field.above,
+            max_value=field.max if field.below is None else field.below,
+            exclude_min=field.above is not None,  # exclusive bounds
+            exclude_max=field.below is not None,
             allow_nan=False,
             allow_infinity=False,
         )
@@ -244,6 +246,11 @@ def test_init_from_configs_reload(tmp_path):
         ("seed=-3", "seed", -3),
         ("export.max_shard_size=500MB", "export.max_shard_size", "500MB"),
         ("model.arch=gpt2", "model.arch", "gpt2"),
+        # A list as TOML writes it (the reference's own example), or commas.
+        ('model.remat_save=["layer_input"]', "model.remat_save", "layer_input"),
+        ("model.remat_offload=['query', \"key\"]", "model.remat_offload", "query,key"),
+        ("model.remat_save=layer_input,query", "model.remat_save", "layer_input,query"),
+        ("model.remat_save=[]", "model.remat_save", ""),
     ],
 )
 def test_set_values_are_typed_by_the_schema(override, key, expected):
@@ -330,7 +337,7 @@ FILE_ERRORS = {
     "[model]\ntie_embeddings = 1": r"`model.tie_embeddings` .*expected true or false",
     "[model]\narch = 3": r"`model.arch` in .*: expected a string; got 3",
     "[loop]\nsteps = 0": r"`loop.steps` must be >= 1; got 0\.",
-    "[optim]\nb1 = 2": r"`optim.b1` must be <= 1; got 2.0\.",
+    "[optim]\nb1 = 2": r"`optim.b1` must be < 1; got 2.0\.",
     "[optim]\nlr = nan": r"`optim.lr` must be a finite number; got nan\.",
     "[optim]\nlr = inf": r"`optim.lr` must be a finite number; got inf\.",
     "[loop]\ntime_limit = '2h30'": r"`loop.time_limit` in .*'30' has no unit",
@@ -398,7 +405,7 @@ OVERRIDE_ERRORS = {
     "loop.steps=": r"`loop.steps` in --set: expected an integer",
     "optim.lr=fast": r"`optim.lr` in --set: expected a number; got 'fast'",
     "data.shuffle=maybe": r"`data.shuffle` in --set: expected true or false",
-    "optim.b1=1.5": r"`optim.b1` must be <= 1; got 1.5\.",
+    "optim.b1=1.5": r"`optim.b1` must be < 1; got 1.5\.",
     "optim.name=adamww": r"`optim.name` must be one of .*Did you mean `adamw`\?",
     "loop.time_limit=2x": r"`loop.time_limit` in --set: expected a duration like",
     "loop.time_limit=-5m": r"`loop.time_limit` in --set: expected a duration like",
@@ -411,6 +418,8 @@ OVERRIDE_ERRORS = {
     "loop.time_limit=1.5.5m": r"`loop.time_limit` in --set: .*cannot read '1.5.5m'",
     "loop.time_limit=3s2h": r"`loop.time_limit` in --set: .*largest to smallest",
     "export.max_shard_size=lots": r"`export.max_shard_size` in --set: expected bytes",
+    "model.remat_save=[layer_input]": r"`model.remat_save` in --set: expected a TOML",
+    "model.remat_save=[1]": r"`model.remat_save` in --set: expected a list of names",
 }
 
 

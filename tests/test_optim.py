@@ -307,6 +307,13 @@ def test_wsd_is_stable_then_decays():
     assert values == [0.0, 0.5, 1.0, 1.0, 1.0, 1.0, 1.0, 0.8, 0.6, 0.4, 0.2, 0.2]
 
 
+@pytest.mark.parametrize("name", optim.SCHEDULES)
+def test_lr_zero_is_a_frozen_schedule(name):
+    # `optim.lr = 0` is documented (>= 0): a run that trains nothing.
+    sched = optim.schedule(name, lr=0, total_steps=10, warmup_steps=2)
+    assert [float(sched(s)) for s in range(12)] == [0.0] * 12
+
+
 def test_wsd_default_decay_is_a_tenth():
     sched = optim.schedule("wsd", lr=1.0, total_steps=100)
     assert float(sched(90)) == 1.0
@@ -328,8 +335,7 @@ ERRORS = [
         r"got 'cosin'. Did you mean 'cosine'\?$",
     ),
     (dict(schedule="zzz"), r"got 'zzz'\.$"),
-    (dict(lr=0.0), r"`optim.lr` must be > 0; got 0.0"),
-    (dict(lr=-1), r"`optim.lr` must be > 0"),
+    (dict(lr=-1), r"`optim.lr` must be >= 0; got -1"),
     (dict(weight_decay=-0.1), r"`optim.weight_decay` must be >= 0"),
     (dict(name="adam", weight_decay=0.1), r"Use name 'adamw'"),
     (dict(warmup_steps=10, total_steps=10), r"`optim.warmup_steps` must be smaller"),

@@ -145,6 +145,20 @@ def test_make_mesh_errors(axes, match):
         sharding.make_mesh(axes)
 
 
+def test_mesh_advice_fits_the_axes_given():
+    # mesh.sequence = 4 on one device, data = -1 already: advising `data=-1`
+    # (issue 26) was no advice; the divisors of the device count are.
+    with pytest.raises(ConfigError) as caught:
+        sharding.make_mesh({"data": -1, "sequence": 4}, devices=jax.devices()[:1])
+    message = str(caught.value)
+    assert "e.g. data=-1" not in message and "set data=-1" not in message
+    assert "there is 1 device, which 4 does not divide" in message
+    # No axis can take the rest (sequence = 4 on 2 devices): no -1 advice at all.
+    with pytest.raises(ConfigError) as caught:
+        sharding.make_mesh({"data": 1, "sequence": 4}, devices=jax.devices()[:2])
+    assert "-1" not in str(caught.value)
+
+
 def test_batch_sharding_and_check():
     mesh = sharding.make_mesh({"data": 2, "fsdp": 2, "sequence": 2})
     assert sharding.batch_sharding(mesh).spec == P(("data", "fsdp"))

@@ -188,7 +188,9 @@ def _config_keys() -> list[str]:
         "A config is a TOML file with the top-level keys and one table per "
         "section (`[optim]` holds `lr = 1e-4`); `--set optim.lr=1e-4` sets a key "
         "from the command line, after the file. Integers may be written `10_000` "
-        "or `1e4`, durations as seconds or `2h30m`, sizes as bytes or `500MB`. "
+        "or `1e4`, durations as seconds or `2h30m`, sizes as bytes or `500MB`; "
+        "a list of names as in a file (`--set 'model.remat_save=[\"layer_input\"]'`"
+        ") or comma-separated (`--set model.remat_save=layer_input,query`). "
         "An optional key is unset when left out; `--set key=none` unsets it, and "
         'in a file `key = ""` (or `"none"` for a number) does. `eqtrain config` '
         "prints the resolved config of a file and `--set` overrides.",
@@ -225,13 +227,20 @@ def _allowed(field: Field) -> str:
         "size": "bytes, or e.g. `500MB`, `5GB`",
     }
     parts = [hints[field.kind]] if field.kind in hints else []
-    low, high = field.min, field.max
-    if low is not None and high is not None:
-        parts.append(f"{_number(low)} to {_number(high)}")
-    elif low is not None:
-        parts.append(f">= {_number(low)}")
-    elif high is not None:
-        parts.append(f"<= {_number(high)}")
+    if field.min is not None and field.max is not None:
+        return "; ".join([*parts, f"{_number(field.min)} to {_number(field.max)}"])
+    bounds = [
+        f"{sign} {_number(value)}"
+        for sign, value in (
+            (">=", field.min),
+            (">", field.above),
+            ("<=", field.max),
+            ("<", field.below),
+        )
+        if value is not None
+    ]
+    if bounds:
+        parts.append(" and ".join(bounds))
     return "; ".join(parts)
 
 

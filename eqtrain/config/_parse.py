@@ -36,6 +36,8 @@ class Field:
     min: float | int | None
     max: float | int | None
     kind: str | None
+    above: float | int | None = None  # exclusive bounds
+    below: float | int | None = None
 
     @property
     def type_name(self) -> str:
@@ -72,6 +74,8 @@ def _fields_of(cls: type, prefix: str) -> dict[str, Field]:
             min=meta.get("min"),
             max=meta.get("max"),
             kind=meta.get("kind"),
+            above=meta.get("above"),
+            below=meta.get("below"),
         )
     return out
 
@@ -160,6 +164,8 @@ def _from_string(text: str, field: Field) -> Any:
         return stripped[1:-1]  # a quoted string stays a string
     if field.optional and stripped.lower() in _NONE:
         return None
+    if field.kind == "names" and stripped.startswith("["):
+        return _toml_list(stripped)  # as a file writes it: ["layer_input"]
     if field.kind in ("auto_int", "auto_bool") and stripped.lower() == "auto":
         return "auto"
     if field.type is bool:
@@ -178,6 +184,19 @@ def _from_string(text: str, field: Field) -> Any:
                 "expected an integer" if field.type is int else "expected a number"
             ) from None
     return stripped
+
+
+def _toml_list(text: str) -> list[Any]:
+    """A `--set` value written as a TOML array (`["layer_input", "query"]`)."""
+    try:
+        value = tomllib.loads(f"value = {text}")["value"]
+    except tomllib.TOMLDecodeError as e:
+        raise ValueError(
+            f'expected a TOML list such as ["layer_input", "query"] ({e})'
+        ) from None
+    if not isinstance(value, list):
+        raise ValueError('expected a TOML list such as ["layer_input", "query"]')
+    return value
 
 
 def _unset(value: Any, field: Field) -> bool:
@@ -259,6 +278,10 @@ def _check(value: Any, field: Field) -> None:
             raise ConfigError(f"`{field.key}` must be >= {field.min}; got {value!r}.")
         if field.max is not None and value > field.max:
             raise ConfigError(f"`{field.key}` must be <= {field.max}; got {value!r}.")
+        if field.above is not None and value <= field.above:
+            raise ConfigError(f"`{field.key}` must be > {field.above}; got {value!r}.")
+        if field.below is not None and value >= field.below:
+            raise ConfigError(f"`{field.key}` must be < {field.below}; got {value!r}.")
 
 
 def convert(value: Any, field: Field, source: str) -> Any:

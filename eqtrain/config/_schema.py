@@ -16,15 +16,21 @@ def setting(
     choices: tuple[Any, ...] | None = None,
     min: float | int | None = None,
     max: float | int | None = None,
+    above: float | int | None = None,
+    below: float | int | None = None,
     kind: str | None = None,
 ) -> Any:
     """A config field: its default, a help text and its checks.
+
+    `min`/`max` bound a number inclusively, `above`/`below` exclusively (a
+    decay rate below 1; a scale above 0).
 
     `kind` refines how a value is read: `"duration"` (seconds, or a string like
     `"2h30m"`), `"size"` (bytes, or `"5GB"`), `"path"` (relative paths are taken
     from the run directory where the help says so).
     """
     meta = {"help": help, "choices": choices, "min": min, "max": max, "kind": kind}
+    meta |= {"above": above, "below": below}
     return dataclasses.field(default=default, metadata=meta)
 
 
@@ -79,10 +85,15 @@ class ModelConfig:
         min=1,
     )
     head_dim: int | None = setting(
-        None, "Size of each head; unset: hidden_size / num_heads.", min=1
+        None,
+        "Size of each head, an even number (rotary embeddings rotate pairs); "
+        "unset: hidden_size / num_heads.",
+        min=2,
     )
     max_seq_len: int | None = setting(
-        None, "Longest sequence (position table size); unset: data.seq_len.", min=1
+        None,
+        "Longest sequence (position table size); unset: data.seq_len.",
+        min=2,  # as data.seq_len, which must fit
     )
     rope_theta: float = setting(10000.0, "RoPE base (Llama family).", min=1)
     norm_eps: float | None = setting(
@@ -282,7 +293,12 @@ class OptimConfig:
     decay_steps: int | None = setting(
         None, "wsd only: length of the final decay; unset: 10% of the steps.", min=1
     )
-    weight_decay: float = setting(0.1, "Decoupled weight decay.", min=0)
+    weight_decay: float = setting(
+        0.1,
+        "Decoupled weight decay; `adam` takes none (unset, it is 0 there: use "
+        "adamw for Adam with weight decay).",
+        min=0,
+    )
     no_decay: str = setting(
         "(norm|bias|embed|wte|wpe|ln_)",
         "Regex of parameter paths without weight decay (norms, biases, "
@@ -292,15 +308,15 @@ class OptimConfig:
         1.0, "Clip gradients to this global norm; unset or 0: no clipping.", min=0
     )
     b1: float | None = setting(
-        None, "First-moment decay; unset: the optimizer's default.", min=0, max=1
+        None, "First-moment decay; unset: the optimizer's default.", min=0, below=1
     )
     b2: float | None = setting(
-        None, "Second-moment decay; unset: the optimizer's default.", min=0, max=1
+        None, "Second-moment decay; unset: the optimizer's default.", min=0, below=1
     )
     eps: float | None = setting(
         None, "Adam-style epsilon; unset: the optimizer's default.", min=0
     )
-    momentum: float | None = setting(None, "sgd only: momentum.", min=0, max=1)
+    momentum: float | None = setting(None, "sgd only: momentum.", min=0, below=1)
     nesterov: bool = setting(False, "sgd only: Nesterov momentum.")
     accumulate: int = setting(
         1, "Micro-batches per step (gradient accumulation).", min=1
@@ -529,10 +545,10 @@ class LoRAConfig:
         min=0,
     )
     alpha: float | None = setting(
-        None, "Updates are scaled by alpha / rank; unset: alpha = rank.", min=0
+        None, "Updates are scaled by alpha / rank; unset: alpha = rank.", above=0
     )
     dropout: float = setting(
-        0.0, "Dropout on the adapters' inputs in training steps.", min=0, max=0.999
+        0.0, "Dropout on the adapters' inputs in training steps.", min=0, below=1
     )
     targets: str = setting(
         LORA_TARGETS,

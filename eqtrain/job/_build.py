@@ -254,6 +254,7 @@ def build(config: Config, *, recorded: Path | None = None) -> Job:
     source = config.model.init_from if recorded is None else str(recorded)
     tokenizer = make_tokenizer(config, source)
     config, model_config, model_type = _model_config(config, tokenizer, source)
+    config = _optim_defaults(config)
     opt_fields = dataclasses.asdict(config.optim.resolved(config.loop.steps))
     opt_fields.pop("accumulate")
     optimizer = optim.build(**opt_fields, total_steps=config.loop.steps)
@@ -277,6 +278,18 @@ def build(config: Config, *, recorded: Path | None = None) -> Job:
     job.loss_fn = task_loss(config, job.reference, vocab_size=real, chunk=chunk)
     job.loss_chunk = chunk
     return job
+
+
+def _optim_defaults(config: Config) -> Config:
+    """`optim.weight_decay`'s default is AdamW's; `adam` takes no decoupled
+    weight decay, so unless the key was set there it is 0 (and the run's
+    config.toml says so)."""
+    optim_ = config.optim
+    if optim_.name != "adam" or "optim.weight_decay" in explicit(config):
+        return config
+    return dataclasses.replace(
+        config, optim=dataclasses.replace(optim_, weight_decay=0.0)
+    )
 
 
 def _model_shardings(mesh: Any) -> Callable[[Any], Any]:

@@ -47,11 +47,12 @@ def plan(config: Any, *, recorded: Any = None) -> Plan:
     compilation."""
     job = _build.build(config, recorded=recorded)
     check_sequence(job)
+    placed = placement(job)  # the mesh and the batch split: before any data
     rows = sequence_rows(job, _build.train_rows(job))
     eval_rows = _build.eval_rows(job)
     if eval_rows is not None:
         eval_rows = sequence_rows(job, eval_rows)
-    return Plan(job, rows, eval_rows, placement(job))
+    return Plan(job, rows, eval_rows, placed)
 
 
 def check_sequence(job: _build.Job) -> None:

@@ -21,6 +21,7 @@ from ..config import (
     Config,
     explicit,
     from_dict,
+    lora_on,
     read_toml,
     reference_mode,
     to_dict,
@@ -221,6 +222,10 @@ def prepare(
     Progress notes go to `echo` (default: standard error); `export=False` leaves
     out the Hugging Face export (see `run`)."""
     say = echo or _stderr
+    # Before any data is read: a config its checkpoints cannot continue.
+    check_same_state_layout(
+        config, Path(config.run_dir), resume or config.checkpoint.resume
+    )
     planned = _place.plan(config, recorded=_fallback_record(config))
     job, placement = planned.job, planned.placement
     rows, eval_rows = planned.rows, planned.eval_rows
@@ -250,7 +255,6 @@ def prepare(
         check_kill_switch(config)
         for note in job.notes:  # rows the data pipelines skipped
             say(note)
-        check_same_state_layout(config, run_dir, resume or config.checkpoint.resume)
         data = config.data
         loader = Loader(
             rows,
@@ -346,8 +350,9 @@ def _stderr(text: str) -> None:
 
 def check_same_state_layout(config: Config, run_dir: Path, resume: str) -> None:
     """Refuse to resume a run whose checkpoints hold a reference copy (DPO/IPO
-    with `task.reference = "copy"`) with a config that has none, or the
-    reverse: the state would not match its checkpoints."""
+    with `task.reference = "copy"`) with a config that has none, or LoRA
+    adapters with a config without LoRA, or the reverse of either: the state
+    would not match its checkpoints."""
     recorded = run_dir / "config.toml"
     if resume != "auto" or not recorded.is_file():
         return
@@ -357,6 +362,7 @@ def check_same_state_layout(config: Config, run_dir: Path, resume: str) -> None:
         before = from_dict(read_toml(recorded), source=str(recorded))
     except ConfigError:
         return  # an unreadable config.toml: the restore itself reports the state
+    _check_same_lora(before, config, run_dir)
     was, now = reference_mode(before), reference_mode(config)
     if (was == "copy") == (now == "copy"):
         return
@@ -367,6 +373,26 @@ def check_same_state_layout(config: Config, run_dir: Path, resume: str) -> None:
         "only a 'copy' reference is part of the saved state, so its checkpoints "
         f"cannot continue this way. Keep task.reference = {was or 'none'!r} (or "
         "the task) to resume, or start a new run directory."
+    )
+
+
+def _check_same_lora(before: Config, config: Config, run_dir: Path) -> None:
+    if lora_on(before) == lora_on(config):
+        return
+    if lora_on(config):  # e.g. a run made by `eqtrain import`
+        raise ConfigError(
+            f"LoRA cannot continue the run in {run_dir}: its checkpoints hold "
+            "every weight (full fine-tuning, or a model brought in by `eqtrain "
+            "import`), while a LoRA run trains adapters on a frozen base that "
+            "`model.init_from` names, so set model.init_from to the model's "
+            "Hugging Face directory (`eqtrain export` writes one from this run) "
+            "and start a new run directory."
+        )
+    raise ConfigError(
+        f"the run in {run_dir} trained LoRA adapters (its checkpoints hold only "
+        "those), so it cannot continue with LoRA off: keep its [lora] settings to "
+        "resume it, or start a new run directory from its merged model (`eqtrain "
+        "export RUN --merged`)."
     )
 
 
@@ -431,7 +457,10 @@ def _assemble(
         hooks=_hooks(job, run_dir, export, start=resumed or 0),
         eval_step=evaluator,
         eval_data=eval_loader,
-        eval_every=loop.eval_every or None,
+        # No eval data (data.eval = none, or `auto` off the stdlib corpus): the
+        # default loop.eval_every has nothing to evaluate (an explicit one with
+        # data.eval = none is refused by the config's checks, before any data).
+        eval_every=(loop.eval_every or None) if eval_loader is not None else None,
         eval_at_end=loop.eval_at_end and eval_loader is not None,
         checkpointer=checkpointer,
         time_limit=loop.time_limit or None,

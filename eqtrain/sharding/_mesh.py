@@ -56,12 +56,27 @@ def _sizes(axes: Mapping[str, int], num_devices: int) -> dict[str, int]:
 
 
 def _mismatch(sizes: Mapping[str, int], product: int, num_devices: int) -> str:
-    given = {k: v for k, v in sizes.items() if v != 1}
-    return (
-        f"mesh axis sizes {given or dict(sizes)} multiply to {product}, but there "
-        f"are {num_devices} devices. Make the sizes multiply to {num_devices}, or "
-        "set one axis to -1 to take the remaining devices (e.g. data=-1)."
-    )
+    given = {k: v for k, v in sizes.items() if v not in (1, -1)}
+    rest = [k for k, v in sizes.items() if v == -1]
+    devices = "is 1 device" if num_devices == 1 else f"are {num_devices} devices"
+    head = f"mesh axis sizes {given or dict(sizes)} multiply to {product}, but there "
+    if rest:  # the advice to set an axis to -1 would be no advice at all
+        fits = [d for d in range(1, num_devices + 1) if num_devices % d == 0]
+        return (
+            head + f"{devices}, which {product} does not divide, so "
+            f"{rest[0]}=-1 cannot take the rest. Give the other axes sizes that "
+            f"multiply to a divisor of {num_devices} ({', '.join(map(str, fits))})."
+        )
+    # An axis that can take the rest: the others' product divides the devices
+    # (not `sequence`, which a config cannot set to -1).
+    takes = [
+        k
+        for k in sizes
+        if k != "sequence"
+        and num_devices % math.prod(v for n, v in sizes.items() if n != k) == 0
+    ]
+    hint = f", or set {takes[0]}=-1 to take the remaining devices" if takes else ""
+    return head + f"{devices}. Make the sizes multiply to {num_devices}{hint}."
 
 
 def make_mesh(
