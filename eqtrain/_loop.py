@@ -3,6 +3,7 @@ step ahead of the device, reads metrics in batches, runs hooks, evaluations and
 checkpoints, and ends on a `StopReason` (see `_stops.py` for every way a run ends).
 """
 
+import contextlib
 import dataclasses
 import math
 import os
@@ -145,6 +146,35 @@ class _Pending:
     dispatched: float
 
 
+@dataclasses.dataclass(frozen=True)
+class FailedAt:
+    """Where an exception ended `fit`, as `fit` found out (it attaches this to the
+    exception; read it with `failed_at`). The device reports a failed step late
+    (when its results are read, or when a later step is dispatched), so `fit`
+    reads the results not read yet one by one: the first unreadable one is the
+    step that failed.
+
+    Attributes:
+        step: the training step that failed (the first step is 1); None when
+            every dispatched step ran (the exception came from elsewhere, e.g.
+            an evaluation or a hook).
+        finished: the last step known to have run.
+    """
+
+    step: int | None
+    finished: int
+
+    def __str__(self) -> str:
+        if self.step is not None:
+            return f"at step {self.step}"
+        return f"after step {self.finished}, outside the training step"
+
+
+def failed_at(error: BaseException) -> FailedAt | None:
+    """Where `error` ended `fit` (None if it did not come out of `fit`)."""
+    return getattr(error, "eqtrain_failed_at", None)
+
+
 class _Run:
     """One `fit` call's moving parts: the compiled step and the work between steps
     (reading metrics, evaluating, hooks, checkpoints). `loop` is the loop itself."""
@@ -176,12 +206,15 @@ class _Run:
         self.last_eval_step: int | None = None
         self.arrays: list[Any] = []  # the latest dispatched state's arrays
         self.done = 0  # steps dispatched (the latest state's step)
+        self.finished = 0  # the last step whose results were read (so it ran)
+        self.unread: list[_Pending] = []  # dispatched steps not read yet
+        self.dispatching: int | None = None  # the step being dispatched
         self.saved: int | None = None  # the last step handed to the checkpointer
 
     def loop(self, arrays: list[Any], layout: Any, data: Iterable[Batch]) -> StopReason:
         """Dispatch steps until a stop reason holds; returns it. `self.arrays`
         holds the latest state's arrays throughout."""
-        self.arrays, batches, unread = arrays, iter(data), []
+        self.arrays, batches, self.unread = arrays, iter(data), []
         while (reason := self.stopper.check(self.done)) is None:
             waited = now()
             batch = next(batches, _END)
@@ -191,21 +224,24 @@ class _Run:
                 )
                 break
             dispatched = now()
+            self.dispatching = self.done + 1
             self.arrays, metrics = self.step.call_flat(self.arrays, batch)
-            self.done += 1
+            self.done, self.dispatching = self.done + 1, None
             due = [h for h in self.loop_hooks if h.due(self.done, dispatched)]
+            unread = self.unread
             unread.append(
                 _Pending(self.done, metrics, due, dispatched - waited,
                          count_tokens(batch), dispatched)
             )  # fmt: skip
             if self.needs_state(unread[-1]):  # wait for this step: its state is used
                 self.read(unread, layout.rebuild(self.arrays))
-                unread = []
+                self.unread = []
             elif len(unread) > 1 and self.read_due(unread[:-1]):  # while it runs
                 self.read(unread[:-1], None)
-                unread = unread[-1:]
-        if unread:
-            self.read(unread, layout.rebuild(self.arrays))
+                self.unread = unread[-1:]
+        if self.unread:
+            self.read(self.unread, layout.rebuild(self.arrays))
+            self.unread = []
         return self.stopper.final(reason, self.done)
 
     # -- between steps ----------------------------------------------------------
@@ -228,6 +264,7 @@ class _Run:
         evaluation, hooks and checkpoint in order. `state` is the state after the
         last of them (`None` when it was already donated to a later step)."""
         host = _to_host([p.metrics for p in pendings])
+        self.finished = pendings[-1].step
         step_time = self.throughput.tick(len(pendings))
         for i, (pending, metrics) in enumerate(zip(pendings, host, strict=True)):
             last = i == len(pendings) - 1
@@ -300,7 +337,20 @@ class _Run:
                 last.update(evaluated)
         return self.throughput.final_info(state, done, metrics, reason, self.num_steps)
 
-    def save_after_error(self, layout: Any, first: int, error: Exception) -> None:
+    def locate_failure(self) -> FailedAt:
+        """Where the exception ending the run came from: the first dispatched
+        step whose results cannot be read, else the step being dispatched."""
+        for pending in self.unread:
+            try:
+                _to_host([pending.metrics])
+            except Exception:  # this step failed: its results carry the error
+                return FailedAt(pending.step, self.finished)
+            self.finished = pending.step
+        return FailedAt(self.dispatching, self.finished)
+
+    def save_after_error(
+        self, layout: Any, first: int, error: Exception, where: FailedAt
+    ) -> None:
         """An exception is ending the run: save the latest state if it is intact
         and newer than the start, so that no finished step is lost; then `fit`
         re-raises. Failing to save only adds a note."""
@@ -311,6 +361,14 @@ class _Run:
             return  # already saved (e.g. the final save, before an end hook failed)
         if isinstance(error, _CheckpointFailed):
             return  # the checkpointer itself failed: saving again would too
+        if where.step is not None and where.step <= self.done:
+            print(
+                f"[eqtrain] {type(error).__name__} ended the run {where}; the "
+                "states from that step on carry the error, so none was saved.",
+                file=sys.stderr,
+                flush=True,
+            )
+            return
         try:
             state = layout.rebuild(self.arrays)
             check_live(state, "the save after an error")
@@ -324,16 +382,16 @@ class _Run:
             ckpt.save(info, final=True)
         except Exception as failure:  # the original error matters more
             print(
-                f"[eqtrain] {type(error).__name__} ended the run after step "
-                f"{self.done}; its state could not be saved "
+                f"[eqtrain] {type(error).__name__} ended the run {where}; the "
+                f"state of step {self.done} could not be saved "
                 f"({type(failure).__name__}: {_first_line(failure)}).",
                 file=sys.stderr,
                 flush=True,
             )
             return
         print(
-            f"[eqtrain] {type(error).__name__} ended the run after step {self.done}; "
-            f"the state of step {self.done} was saved first.",
+            f"[eqtrain] {type(error).__name__} ended the run {where}; the state "
+            f"of step {self.done} was saved first.",
             file=sys.stderr,
             flush=True,
         )
@@ -606,7 +664,7 @@ def fit(
             read_seconds=read_seconds,
             throughput=_Throughput(flops_per_token, peak_flops, tokens_seen),
         )
-        run.done = first
+        run.done = run.finished = first
         for hook in scheduled:
             hook.start(stopper.start)
         failed = True  # until the run got through `finish`
@@ -616,7 +674,10 @@ def fit(
             run.finish(final, reason)
             failed = False
         except Exception as error:
-            run.save_after_error(layout, first, error)
+            where = run.locate_failure()
+            with contextlib.suppress(AttributeError, TypeError):  # a frozen type
+                error.eqtrain_failed_at = where  # type: ignore[attr-defined]
+            run.save_after_error(layout, first, error, where)
             if isinstance(error, _CheckpointFailed):
                 raise error.__cause__ from None  # type: ignore[misc]
             raise

@@ -302,7 +302,7 @@ def test_out_of_memory_at_the_first_step_says_what_lowers_it(tiny, monkeypatch):
         result,
         "ran out of device memory (RESOURCE_EXHAUSTED: Out of memory",
         "--dry-run",
-        "estimates ",
+        "puts the compiled training step's peak at ",
         "per device",
         "data.batch_size (8)",
         "optim.accumulate (1",
@@ -315,6 +315,56 @@ def test_out_of_memory_at_the_first_step_says_what_lowers_it(tiny, monkeypatch):
         jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: out of memory")
     )
     assert not eqtrain.job._preflight.is_out_of_memory(RuntimeError("Out of memory"))
+
+
+class XlaRuntimeError(RuntimeError):  # jaxlib's class name, as raised by XLA
+    pass
+
+
+OOM = "RESOURCE_EXHAUSTED: Out of memory while trying to allocate 12.5GiB."
+
+
+class _Poisoned:
+    """A result of a step that failed on the device: reading it raises."""
+
+    def __array__(self, *args, **kwargs):
+        raise XlaRuntimeError(OOM)
+
+
+def _failing_step(monkeypatch, *, at, late):
+    """The training step fails at call `at`: at once (its dispatch raises), or
+    `late` (as on an accelerator: its results carry the error, and so does
+    every later dispatch)."""
+    call_flat, calls = eqtrain.Jitted.call_flat, []
+
+    def failing(self, arrays, batch):
+        calls.append(None)
+        if len(calls) == at and not late or len(calls) > at:
+            raise XlaRuntimeError(OOM)
+        new, metrics = call_flat(self, arrays, batch)
+        if len(calls) == at:
+            return new, {k: _Poisoned() for k in metrics}
+        return new, metrics
+
+    monkeypatch.setattr(eqtrain.Jitted, "call_flat", failing)
+
+
+def test_out_of_memory_names_the_failed_step_and_the_dry_runs_peak(tiny, monkeypatch):
+    dry = invoke("fit", tiny, "--dry-run")
+    assert dry.exit_code == 0, dry.output
+    peak = next(ln for ln in dry.stdout.splitlines() if ln.strip().startswith("peak"))
+    peak = peak.split("peak", 1)[1].strip()
+    # The first step fails, but the device says so only when step 2 is dispatched
+    # (the other cases: tests/test_loop_end.py).
+    _failing_step(monkeypatch, at=1, late=True)
+    result = CliRunner().invoke(app, ["fit", str(tiny)])
+    assert result.exit_code == 2, result.output
+    assert "Traceback" not in result.output
+    error = result.stderr.strip().splitlines()[-1]
+    assert error.startswith("error: training ran out of device memory at step 1 (")
+    assert f"puts the compiled training step's peak at {peak} per device" in error
+    assert "after step 2" not in result.stderr
+    assert "ended the run at step 1; the states from that step on" in result.stderr
 
 
 def test_second_signal_during_the_final_save_says_what_was_saved(tiny, monkeypatch):

@@ -17,6 +17,7 @@ from eqtrain import (
     checkpoint,
     every,
 )
+from eqtrain._loop import failed_at
 
 from .conftest import make_batches, mse_loss
 from .test_loop import FakeCheckpointer, _spy_on, fresh_state
@@ -82,6 +83,67 @@ def test_a_hook_error_saves_the_latest_state_then_propagates(step, batches, caps
     assert reason.kind == StopKind.ERROR and "the hook broke" in reason.message
     assert ckpt.closed == 1
     assert "the state of step 4 was saved first" in capsys.readouterr().err
+
+
+class _DeviceError(RuntimeError):
+    pass
+
+
+class _Poisoned:
+    """A result of a step that failed on the device: reading it raises."""
+
+    def __array__(self, *args, **kwargs):
+        raise _DeviceError("RESOURCE_EXHAUSTED: out of memory")
+
+
+@pytest.mark.parametrize(
+    "late, read_every, saved",
+    [(False, 1, 2), (True, 5, None)],
+    ids=["raised-at-dispatch", "reported-late"],
+)
+def test_fit_names_the_step_a_device_error_came_from(
+    step, batches, monkeypatch, capsys, late, read_every, saved
+):
+    """Step 3 fails: at once (its dispatch raises), or late, as on an accelerator
+    (its results carry the error, and so does every later dispatch)."""
+    call_flat, calls = eqtrain.Jitted.call_flat, []
+
+    def failing(self, arrays, batch):
+        calls.append(None)
+        if len(calls) > 3 or len(calls) == 3 and not late:
+            raise _DeviceError("RESOURCE_EXHAUSTED: out of memory")
+        new, metrics = call_flat(self, arrays, batch)
+        return new, {k: _Poisoned() for k in metrics} if len(calls) == 3 else metrics
+
+    monkeypatch.setattr(eqtrain.Jitted, "call_flat", failing)
+    ckpt = FakeCheckpointer(100)
+    with pytest.raises(_DeviceError) as raised:
+        eqtrain.fit(
+            fresh_state(), step, batches, num_steps=10, checkpointer=ckpt,
+            read_every=read_every, read_seconds=1e9,
+        )  # fmt: skip
+    where = failed_at(raised.value)
+    assert (where.step, where.finished, str(where)) == (3, 2, "at step 3")
+    err = capsys.readouterr().err
+    assert "_DeviceError ended the run at step 3" in err
+    if saved is None:  # the state of any step from 3 on is not what it should be
+        assert ckpt.finals == [] and "none was saved" in err
+    else:
+        assert [s for s, _, _ in ckpt.finals] == [saved]
+
+
+def test_an_error_outside_the_steps_is_located_after_them(step, batches):
+    def broken(info):
+        if info.step == 4:
+            raise RuntimeError("the hook broke")
+
+    with pytest.raises(RuntimeError) as raised:
+        eqtrain.fit(
+            fresh_state(), step, batches, num_steps=10,
+            hooks=[at([4], broken, uses_state=True)],
+        )  # fmt: skip
+    where = failed_at(raised.value)
+    assert (where.step, str(where)) == (None, "after step 4, outside the training step")
 
 
 def test_a_late_hook_error_saves_the_newest_dispatched_state(step, batches):

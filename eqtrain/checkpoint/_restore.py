@@ -3,8 +3,12 @@
 and `restore_or_init`, the explicit resume policy shared by scripts and the CLI."""
 
 import dataclasses
+import inspect
+import logging
 import os
+import re
 import sys
+import traceback
 import uuid
 import warnings
 from collections.abc import Callable
@@ -66,32 +70,78 @@ class DamagedCheckpointError(CheckpointError):
     recorded when it was written."""
 
 
+# An Orbax read error quotes the array's whole TensorStore spec (as the repr of a
+# bound method, in this Orbax); the array's key in it is the relative `path`.
+_ARRAY_PATH = re.compile(r"'path': '([^'/][^']*)/'")
+
+
+def _innermost(e: BaseException) -> BaseException:
+    while e.__cause__ is not None:
+        e = e.__cause__
+    return e
+
+
 def _summary(e: BaseException) -> str:
-    """One line: Orbax/TensorStore errors embed pages of JSON specs."""
-    text = str(e).strip().splitlines()
-    line = text[0] if text else type(e).__name__
-    line = line.split(" [tensorstore_spec")[0]
+    """One readable line: the array (when the error names one) and the innermost
+    cause, without TensorStore's specs, source locations or database paths."""
+    array = _ARRAY_PATH.search(str(e))
+    cause = _innermost(e)
+    line = (str(cause).strip().splitlines() or [""])[0]
+    for cut in (" [tensorstore_spec", " [source locations", " See full", " <bound"):
+        line = line.split(cut)[0]
+    line = re.sub(r' in OCDBT database at [^"]*"[^"]*"', "", line).rstrip(" .:")
+    if array and line:  # TensorStore's message starts with its status code
+        line = f"array {array.group(1)}: {line}"
+    else:
+        line = f"{type(cause).__name__}: {line}" if line else type(cause).__name__
     return line[:300] + ("..." if len(line) > 300 else "")
 
 
-def _first_line(e: BaseException) -> str:
-    return _summary(e)
+def _orbax_code(code: Any) -> bool:
+    return f"{os.sep}orbax{os.sep}" in getattr(code, "co_filename", "")
+
+
+def _abandoned(unraisable: Any) -> bool:
+    """Noise left by a failed Orbax restore or save, reported when Python drops
+    it: the reads still in flight when Orbax gave up and closed its event loop
+    (their coroutines, closed unfinished, turn the close into an error naming
+    the array), and TensorStore's threads finding that loop closed."""
+    value, obj = unraisable.exc_value, unraisable.object
+    if isinstance(value, RuntimeError) and str(value) == "Event loop is closed":
+        return True
+    return inspect.iscoroutine(obj) and _orbax_code(obj.cr_code)
+
+
+class _QuietAbandonedTasks(logging.Filter):
+    """asyncio's "Task was destroyed but it is pending" and "exception was never
+    retrieved" for the tasks a failed Orbax restore left behind (the failure
+    itself is reported, in one paragraph)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        text = record.getMessage()
+        if "never retrieved" not in text and "destroyed but it is pending" not in text:
+            return True
+        if "orbax" in text:
+            return False
+        tb = record.exc_info[2] if record.exc_info else None
+        return not any(_orbax_code(f.f_code) for f, _ in traceback.walk_tb(tb))
 
 
 def quiet_closed_loop() -> None:
-    """Drop the "Event loop is closed" errors TensorStore's threads report (as
-    unraisable exceptions) when reads of a failed restore or save complete after
-    Orbax closed its asyncio loop: noise, not information. Everything else still
-    reaches the previous hook."""
+    """Drop what a failed Orbax restore or save leaves behind on standard error
+    after eqtrain reported the failure: tracebacks of its abandoned reads (as
+    unraisable exceptions, when Python collects them) and asyncio's log records
+    about them. Anything else still reaches the previous hook and the log."""
+    logger = logging.getLogger("asyncio")
+    if not any(isinstance(f, _QuietAbandonedTasks) for f in logger.filters):
+        logger.addFilter(_QuietAbandonedTasks())
     previous = sys.unraisablehook
     if getattr(previous, "_eqtrain_quiet", False):
         return
 
     def hook(unraisable: Any) -> None:
-        value = unraisable.exc_value
-        if isinstance(value, RuntimeError) and str(value) == "Event loop is closed":
-            return
-        previous(unraisable)
+        if not _abandoned(unraisable):
+            previous(unraisable)
 
     hook._eqtrain_quiet = True  # type: ignore[attr-defined]
     sys.unraisablehook = hook
@@ -168,6 +218,11 @@ def _restore_step(
         if isinstance(shardings, eqx.Module):  # a state-shaped pytree
             shardings = trained_part(shardings)
     check_compatible(manifest.get("leaves", {}), template, str(step_dir))
+    # Missing or cut-short array files are found from the index, without
+    # starting Orbax's reads (which name no file, and leave reads behind).
+    problem = _storage.step_problems(step_dir)
+    if problem is not None:
+        raise DamagedCheckpointError(f"{step_dir} is unreadable: {problem}")
     try:
         data = _storage.read_json(step_dir, _storage.DATA, _storage.DATA_FILE)
         target, paths, _, targets = abstract_on_disk(template, shardings)
@@ -175,7 +230,7 @@ def _restore_step(
             arrays = checkpointer.restore(step_dir / _storage.STATE, target)
     except Exception as e:  # damaged files surface as many error types
         raise DamagedCheckpointError(
-            f"{step_dir} is unreadable ({type(e).__name__}: {_summary(e)})"
+            f"{step_dir} is unreadable ({_summary(e)})"
         ) from None
     recorded = manifest.get("checksums")
     if recorded:

@@ -10,6 +10,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from . import _ocdbt
 from ._errors import CheckpointError
 
 
@@ -132,19 +133,31 @@ def clean_leftovers(directory: Path) -> list[str]:
 
 
 def step_problems(step_dir: Path) -> str | None:
-    """A cheap structural check of a step (no array is read): None if its
-    manifest, data position and array index are there, else what is missing.
-    Flipped bits or truncated array files are found only by restoring
-    (checksums)."""
+    """What a restore of this step would find unreadable, checked cheaply (no
+    array data is read): None if its JSON items, Orbax's array metadata and its
+    OCDBT index are readable and every array file the index refers to is there
+    and long enough, else one short sentence naming the file (and the arrays in
+    it). Flipped bits inside an array file are found only by restoring (the
+    checksums recorded in the manifest)."""
     try:
         read_json(step_dir, MANIFEST, MANIFEST_FILE)
         read_json(step_dir, DATA, DATA_FILE)
     except CheckpointError as e:
         return str(e)
-    for name in ("_METADATA", "manifest.ocdbt"):
-        if not (step_dir / STATE / name).is_file():
-            return f"{step_dir / STATE / name} is missing"
-    return None
+    state = step_dir / STATE
+    if not (state / "manifest.ocdbt").is_file():
+        return f"{state / 'manifest.ocdbt'} is missing"
+    # Orbax reads these JSON files when they are there (a restore into a
+    # template does without them).
+    for path in [state / "_METADATA", *sorted(state.glob("array_metadatas/*"))]:
+        try:
+            with open(path) as f:
+                json.load(f)
+        except FileNotFoundError:
+            continue
+        except (OSError, ValueError) as e:
+            return f"cannot read {path}: {e}"
+    return _ocdbt.problems(state)
 
 
 def read_json(step_dir: Path, item: str, filename: str) -> Any:

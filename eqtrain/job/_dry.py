@@ -14,24 +14,6 @@ from ..config import Config
 from . import _build, _memory, _place
 
 
-def _activations(config: Config, job: _build.Job, parallel: int) -> int:
-    """A rough upper estimate of the activations kept for the backward pass on one
-    device (f32 unless bf16 compute), for one micro-batch."""
-    c, m = config, job.config.model
-    micro = c.data.batch_size // c.optim.accumulate // parallel or 1
-    micro *= job.tokens_per_row // c.data.seq_len  # a preference row is a pair
-    seq, hidden = c.data.seq_len, m.hidden_size
-    inter = m.intermediate_size or 4 * hidden
-    width = 2 if c.loop.precision == "bf16" else 4
-    per_layer = micro * seq * (10 * hidden + 3 * inter) + micro * m.num_heads * seq**2
-    if m.remat == "full":
-        kept = m.num_layers * micro * seq * hidden + per_layer
-    else:
-        kept = m.num_layers * per_layer
-    logits = 2 * micro * seq * job.model_config.vocab_size
-    return int((kept + logits) * width)
-
-
 def _bytes(tree: Any) -> int:
     leaves = jax.tree.leaves(tree)
     return sum(math.prod(x.shape) * x.dtype.itemsize for x in leaves if _shaped(x))

@@ -16,6 +16,7 @@ from typing import Any
 
 from .._errors import ConfigError
 from .._files import describe_names, foreign_files
+from .._loop import failed_at
 from ..config import Config, lora_on
 
 
@@ -310,18 +311,22 @@ def is_out_of_memory(error: BaseException) -> bool:
 
 
 def out_of_memory_error(error: BaseException, prepared: Any) -> ConfigError:
-    """A `ConfigError` for a run that ran out of device memory: the dry run's
-    estimate per device, and the settings that lower it with their values."""
+    """A `ConfigError` for a run that ran out of device memory: the step that
+    failed (as `fit` found it), the dry run's figure for the compiled step's
+    peak per device, and the settings that lower it with their values."""
     config = prepared.job.config
     first = next((ln for ln in str(error).splitlines() if ln.strip()), "")[:200]
+    where = failed_at(error)
+    when = "" if where is None else f" {where}"
     try:
-        estimate = f"estimates {memory_estimate(prepared)} per device"
+        peak = compiled_peak(prepared)
+        estimate = f"puts the compiled training step's peak at {peak} per device"
     except Exception:  # noqa: BLE001 -- the advice matters more than the figure
-        estimate = "gives a per-device memory estimate"
+        estimate = "gives the compiled training step's peak memory per device"
     c = config
     micro = c.data.batch_size // c.optim.accumulate
     return ConfigError(
-        f"training ran out of device memory ({first}). The dry run "
+        f"training ran out of device memory{when} ({first}). The dry run "
         f"(`eqtrain fit CONFIG --dry-run`) {estimate}. Lower it with: a smaller "
         f"data.batch_size ({c.data.batch_size}) or a larger optim.accumulate "
         f"({c.optim.accumulate}; micro-batches of {micro} rows), a shorter "
@@ -336,15 +341,12 @@ def out_of_memory_error(error: BaseException, prepared: Any) -> ConfigError:
     )
 
 
-def memory_estimate(prepared: Any) -> str:
-    """The dry run's per-device total: state (as sharded) plus activations."""
+def compiled_peak(prepared: Any) -> str:
+    """The dry run's "peak" figure: the per-device peak of the compiled training
+    step (XLA's memory analysis), compiled again from shapes (nothing runs)."""
     from .. import sharding
-    from ._dry import _activations
+    from . import _memory
 
     job, placement = prepared.job, prepared.placement
-    table = sharding.describe(job.abstract_state(), placement.state_shardings)
-    mesh = placement.mesh
-    parallel = mesh.shape["data"] * mesh.shape["fsdp"]
-    total = sum(t.bytes_per_device for t in table)
-    total += _activations(job.config, job, parallel)
-    return sharding.format_bytes(total)
+    batch = _memory.abstract_batch(job, prepared.rows)
+    return sharding.format_bytes(_memory.step_memory(job, placement, batch).peak)

@@ -186,6 +186,7 @@ class Prepared:
         resumed_from: the restored checkpoint's step, or None.
         source: the restored step directory (of this run or another), or None.
         lock: the run directory's lock (process 0), released by `close()`.
+        rows: the training rows (their columns' shapes size the compiled step).
     """
 
     job: _build.Job
@@ -197,6 +198,7 @@ class Prepared:
     resumed_from: int | None
     source: Path | None = None
     lock: Any = None
+    rows: Any = None
 
     def close(self) -> None:
         """Stop the loader's prefetch and release the run directory."""
@@ -310,7 +312,7 @@ def prepare(
         if lock is not None:
             lock.release()
         raise
-    prepared.lock = lock
+    prepared.lock, prepared.rows = lock, rows
     return prepared
 
 
