@@ -287,9 +287,10 @@ def _all_gather(q, k, v, pos, seg, *, n, window, layout, implementation):
         return _dense(q, *whole[:2], pos, seg, *whole[2:], window, implementation)
     # Otherwise block by block, as the ring (same skips, same online softmax),
     # each device's block cut from the gathered K/V instead of passed round. One
-    # XLA attention of the local queries over all keys held `[heads, S/n, S]`
-    # scores, masked half by causality, for the backward: twice Ulysses' memory,
-    # whose local `attention` skips the masked blocks (at n = 4, 2k tokens).
+    # XLA attention of the local queries over all keys (the earlier form) kept
+    # `[heads, S/n, S]` scores for the backward, the half that causality masks
+    # included: twice Ulysses' memory, whose local `attention` skips masked
+    # blocks (n = 4, 2k tokens: docs/sharding.md, "What it saves").
     s = k.shape[0]
     block = lambda kv, src: tuple(
         lax.dynamic_slice_in_dim(x, src * s, s) for x in whole
