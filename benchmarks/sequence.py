@@ -21,7 +21,10 @@ the times say nothing about accelerators.
 
 Usage:
 
-    .venv/bin/python benchmarks/sequence.py [--quick] [--steps 3]
+    .venv/bin/python benchmarks/sequence.py [--quick] [--steps 3] [--seq-len 2048 ...]
+
+`--steps 0` compiles only: the memory figures, which do not depend on the
+machine's load, without the times, which do.
 """
 
 import os
@@ -102,7 +105,7 @@ def point(
     compile_s = time.perf_counter() - start
     temp = int(compiled.memory_analysis().temp_size_in_bytes)
     times = []
-    if temp * len(devices) <= args.run_limit:
+    if args.steps > 0 and temp * len(devices) <= args.run_limit:
         for _ in range(args.steps + 1):
             start = time.perf_counter()
             state, metrics = compiled(state, batch)
@@ -123,7 +126,16 @@ def point(
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="seq_len 256, 1 step")
-    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument(
+        "--steps", type=int, default=3, help="0: compile only (memory, no times)"
+    )
+    parser.add_argument(
+        "--seq-len",
+        type=int,
+        nargs="+",
+        default=[2048, 4096, 8192, 16384],
+        help="row lengths to measure",
+    )
     parser.add_argument(
         "--run-limit",
         type=float,
@@ -131,7 +143,7 @@ def main() -> None:
         help="run steps only while all devices' temporaries fit this (bytes)",
     )
     args = parser.parse_args()
-    lengths = [256] if args.quick else [2048, 4096, 8192, 16384]
+    lengths = [256] if args.quick else args.seq_len
     if args.quick:
         args.steps = 1
     for seq_len in lengths:

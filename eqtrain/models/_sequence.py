@@ -143,7 +143,11 @@ def sequence_attention(
       `ppermute` in a `lax.scan` and merge by online softmax; each block's body
       is rematerialised, and blocks that causality masks entirely are skipped
       (from the layout, not the data).
-    - `"all_gather"`: queries stay split, keys and values are gathered.
+    - `"all_gather"`: keys and values, with their positions and segment ids,
+      are gathered in one collective; queries stay split. The local queries go
+      over the gathered blocks as the ring's do (online softmax, each block
+      rematerialised, masked blocks skipped), or, with `implementation="cudnn"`,
+      through one fused kernel call over all keys.
 
     Args:
         q, k, v: one sequence's heads (a batch under `jax.vmap`), in the token
@@ -226,14 +230,6 @@ def _gather(x: Array) -> Array:
     return lax.all_gather(x, AXIS, axis=0, tiled=True)
 
 
-def _all_gather(q, k, v, pos, seg, *, n, window, layout, implementation):
-    del n, layout
-    k_pos, k_seg = _gather(pos), _gather(seg)
-    return _dense(
-        q, _gather(k), _gather(v), pos, seg, k_pos, k_seg, window, implementation
-    )
-
-
 def _ulysses(q, k, v, pos, seg, *, n, window, layout, implementation):
     heads, kv_heads = q.shape[1], k.shape[1]
     if heads % n:
@@ -280,7 +276,35 @@ def _merge(acc, q, q_pos, q_seg, k, v, k_pos, k_seg, window):
 
 def _ring(q, k, v, pos, seg, *, n, window, layout, implementation):
     del implementation  # the blocks are computed here, not by a kernel
+    perm = [(i, (i + 1) % n) for i in range(n)]
+    block = lambda kv, src: tuple(lax.ppermute(x, AXIS, perm) for x in kv)
+    return _blocks(q, (k, v, pos, seg), block, n=n, window=window, layout=layout)
+
+
+def _all_gather(q, k, v, pos, seg, *, n, window, layout, implementation):
+    whole = tuple(_gather(x) for x in (k, v, pos, seg))
+    if implementation == "cudnn":  # a fused kernel never holds the scores
+        return _dense(q, *whole[:2], pos, seg, *whole[2:], window, implementation)
+    # Otherwise block by block, as the ring (same skips, same online softmax),
+    # each device's block cut from the gathered K/V instead of passed round. One
+    # XLA attention of the local queries over all keys (the earlier form) kept
+    # `[heads, S/n, S]` scores for the backward, the half that causality masks
+    # included: twice Ulysses' memory, whose local `attention` skips masked
+    # blocks (n = 4, 2k tokens: docs/sharding.md, "What it saves").
+    s = k.shape[0]
+    block = lambda kv, src: tuple(
+        lax.dynamic_slice_in_dim(x, src * s, s) for x in whole
+    )
+    return _blocks(q, (k, v, pos, seg), block, n=n, window=window, layout=layout)
+
+
+def _blocks(q, kv, block, *, n, window, layout):
+    """Attention of the local queries over the `n` devices' key/value blocks, one
+    block at a time, merged by online softmax: the local `kv = (k, v, pos, seg)`
+    first, then `block(kv, src)` (the previous block and the source device's
+    index) gives the block of device `src` for `src = me - 1, me - 2, ...`."""
     s, heads, d = q.shape
+    k, _, pos, seg = kv  # the local block: the queries' own positions
     kv_heads = k.shape[1]
     qg = (q * (1.0 / math.sqrt(d))).astype(q.dtype)
     qg = qg.reshape(s, kv_heads, heads // kv_heads, d)
@@ -324,12 +348,12 @@ def _ring(q, k, v, pos, seg, *, n, window, layout, implementation):
     other = jax.checkpoint(
         zigzag if layout == "zigzag" else contiguous, prevent_cse=False
     )
-    perm = [(i, (i + 1) % n) for i in range(n)]
 
     def step(carry, t):
         acc, kv = carry
-        kv = tuple(lax.ppermute(x, AXIS, perm) for x in kv)
-        return (other(acc, kv, (me - t) % n), kv), None
+        src = (me - t) % n
+        kv = block(kv, src)
+        return (other(acc, kv, src), kv), None
 
     shape = (s, kv_heads, heads // kv_heads)
     acc = (
@@ -337,7 +361,6 @@ def _ring(q, k, v, pos, seg, *, n, window, layout, implementation):
         jnp.full(shape, _NEG, jnp.float32),
         jnp.zeros(shape, jnp.float32),
     )
-    kv = (k, v, pos, seg)
     acc = diagonal(acc, kv)
     (acc, _), _ = lax.scan(step, (acc, kv), jnp.arange(1, n))
     out, _, total = acc
