@@ -115,8 +115,8 @@ def run(config, notes=None):
 def test_dpo_step_one_is_log_2_in_every_reference_mode(mode, files, tmp_path):
     extra = ["task.kind=dpo", f"task.reference={mode}", "loop.steps=1"]
     extra += [f"data.eval={files['pairs_eval']}", "data.eval_rows=8"]
-    if mode == "adapters_off":
-        extra.append("lora.rank=4")
+    if mode == "adapters_off":  # three steps: the adapters move off zero
+        extra += ["lora.rank=4", "loop.steps=3", "optim.lr=1e-2"]
     config = load(tmp_path, files["pairs"], *extra)
     result = run(config)
     first = result.fit.history[0]
@@ -126,6 +126,10 @@ def test_dpo_step_one_is_log_2_in_every_reference_mode(mode, files, tmp_path):
     assert "eval/rewards/accuracies" in result.fit.metrics
     out = tmp_path / "run" / "hf"
     if mode == "adapters_off":  # the adapter; the policy alone in PEFT's format
+        # once trained, the policy differs from its reference (the base): a
+        # reference that kept the adapters on would give margins of exactly 0
+        assert abs(result.fit.history[-1]["rewards/margins"]) > 1e-4
+        assert abs(result.fit.metrics["eval/rewards/margins"]) > 1e-4
         assert (out / "adapter_config.json").exists()
         return
     # the export is the policy alone: a plain model, loadable as any other
