@@ -320,17 +320,42 @@ def test_dry_run_reports_the_compiled_step(tmp_path):
     text = job.report(config)
     assert "XLA's memory analysis" in text and "peak" in text
     assert "loss chunked, 256 tokens (auto)" in text
+    # XLA's own figures for the step a run of this config compiles, on a batch
+    # of its shapes (independently of the report's StepMemory)
     planned = _place.plan(config)
-    batch = _memory.abstract_batch(planned.job, planned.rows)
-    chunked = _memory.step_memory(planned.job, planned.placement, batch)
-    assert f"peak              {eqtrain.sharding.format_bytes(chunked.peak)}" in text
+    rows, size = planned.rows, config.data.batch_size
+    batch = {
+        k: jax.ShapeDtypeStruct((size, *v.shape[1:]), v.dtype) for k, v in rows.items()
+    }
+
+    def analysis(built):
+        step = _place.train_step(built, planned.placement)
+        return step.lower(built.abstract_state(), batch).compile().memory_analysis()
+
+    chunked = analysis(planned.job)
+    peak = (
+        chunked.argument_size_in_bytes
+        + chunked.output_size_in_bytes
+        - chunked.alias_size_in_bytes
+        + chunked.temp_size_in_bytes
+    )
+    assert f"peak              {eqtrain.sharding.format_bytes(peak)}" in text
+    # the arguments are this device's share of the state (fsdp = 2) and batch:
+    # the report compiled neither an unsharded nor a smaller state
+    abstract = eqx.filter(planned.job.abstract_state(), _is_struct)
+    state = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(abstract))
+    assert state // 2 < chunked.argument_size_in_bytes < state
     plain_config = dataclasses.replace(
         config, model=dataclasses.replace(config.model, loss_chunk=0)
     )
-    plain_job = _build.build(plain_config)
-    plain = _memory.step_memory(plain_job, planned.placement, batch)
-    assert chunked.temp < plain.temp  # the [8, 16, 8192] logits are gone
+    plain = analysis(_build.build(plain_config))
+    logits = 16 * 8192 * 4  # [8, 16, 8192] float32 logits, a row per device
+    assert chunked.temp_size_in_bytes + logits <= plain.temp_size_in_bytes
     assert not (tmp_path / "run").exists()
+
+
+def _is_struct(x):
+    return isinstance(x, jax.ShapeDtypeStruct)
 
 
 def test_memory_budget_finds_the_longest_seq_len(tmp_path):
