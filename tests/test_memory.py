@@ -131,8 +131,12 @@ def test_every_remat_preset_gives_the_gradients_of_none(presets):
         _close(got_grads, grads, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.slow
-def test_every_remat_preset_trains_like_none():
+@pytest.mark.parametrize(
+    "presets",  # the default suite: custom (saves and offloads); slow: every one
+    [("custom",), pytest.param(REMAT_PRESETS, marks=pytest.mark.slow)],
+    ids=["custom", "all"],
+)
+def test_every_remat_preset_trains_like_none(presets):
     """Three AdamW steps under each preset give the losses of `remat="none"`."""
     model = Llama(LLAMA, jr.key(0))
     batch = {"tokens": TOKENS[:, :-1], "targets": TOKENS[:, 1:]}
@@ -150,7 +154,7 @@ def test_every_remat_preset_trains_like_none():
         return out
 
     reference = curve(model)
-    for preset in REMAT_PRESETS:
+    for preset in presets:
         got = curve(model.with_options(**_preset(preset)))
         np.testing.assert_allclose(got, reference, rtol=1e-5, err_msg=preset)
 
@@ -216,18 +220,20 @@ def test_chunked_loss_trains_the_same_curve():
 
 
 # -- config keys ------------------------------------------------------------------
+def _overrides(tmp_path, *overrides):
+    return [
+        f"run_dir={tmp_path / 'run'}",
+        "model.hidden_size=32",
+        "model.num_layers=1",
+        "data.seq_len=16",
+        "data.batch_size=8",
+        "loop.steps=4",
+        *overrides,
+    ]
+
+
 def _config(tmp_path, *overrides):
-    return config_lib.load(
-        overrides=[
-            f"run_dir={tmp_path / 'run'}",
-            "model.hidden_size=32",
-            "model.num_layers=1",
-            "data.seq_len=16",
-            "data.batch_size=8",
-            "loop.steps=4",
-            *overrides,
-        ]
-    )
+    return config_lib.load(overrides=_overrides(tmp_path, *overrides))
 
 
 def test_memory_keys_reach_the_job(tmp_path):
@@ -373,5 +379,17 @@ def test_memory_budget_finds_the_longest_seq_len(tmp_path):
     assert f"seq_len      64: {eqtrain.sharding.format_bytes(peaks[64])}" in text
     assert f"seq_len     128: {eqtrain.sharding.format_bytes(peaks[128])}" in text
     assert "-> data.seq_len = 64" in text
+    # the same through `eqtrain fit --memory-budget` (a dry run: nothing written)
+    from typer.testing import CliRunner
+
+    from eqtrain.cli import app
+
+    sets = [x for o in _overrides(tmp_path) for x in ("--set", o)]
+    cli = CliRunner().invoke(app, ["fit", *sets, "--memory-budget", str(budget)])
+    assert cli.exit_code == 0, cli.output
+    assert "XLA's memory analysis" in cli.stdout  # the dry run's report first
+    assert text in cli.stdout and not (tmp_path / "run").exists()
+    bad = CliRunner().invoke(app, ["fit", *sets, "--memory-budget", "lots"])
+    assert bad.exit_code == 2 and bad.stderr.startswith("error: `--memory-budget`")
     none = _memory.longest_seq_len(config, peaks[64] // 2, rows, max_compiles=3)
     assert none.seq_len is None and none.tried == [(64, peaks[64])]

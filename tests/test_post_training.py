@@ -201,6 +201,41 @@ def test_precomputed_reference_equals_the_copy_and_survives_resume(files, tmp_pa
         np.testing.assert_array_equal(x, y)
 
 
+def test_precomputed_reference_is_read_back_or_recomputed(files, tmp_path):
+    """The default suite's variant of the slow kill and damage tests: a resumed
+    run reads the stored log-probs back (nothing computed); a damaged file is
+    recomputed to the same values; a changed data file is recomputed for its
+    new rows."""
+    from safetensors.numpy import load_file
+
+    pairs = _write(tmp_path / "pairs.jsonl", _pairs(24))
+    extra = ["task.kind=dpo", "task.reference=precomputed", "data.shuffle=false"]
+    extra += ["optim.schedule=constant", "checkpoint.every=1"]
+
+    def again(steps, **how):
+        notes = []
+        config = load(tmp_path, pairs, *extra, f"loop.steps={steps}")
+        result = job.run(config, echo=notes.append, **how)
+        return result, any("computing the reference" in n for n in notes)
+
+    assert again(1)[1]
+    stored = tmp_path / "run" / "reference" / "train.safetensors"
+    first = load_file(stored)
+    result, computed = again(2)
+    assert result.resumed_from == 1 and not computed  # read back
+    stored.write_bytes(stored.read_bytes()[:-7])
+    result, computed = again(3)
+    assert result.resumed_from == 2 and computed  # damaged: recomputed
+    for name, value in load_file(stored).items():
+        np.testing.assert_array_equal(value, first[name])
+    _write(pairs, _pairs(24, seed=5))  # the data changed under the run
+    result, computed = again(1, resume="never", overwrite=True)
+    assert computed
+    assert not np.array_equal(
+        load_file(stored)["reference_chosen"], first["reference_chosen"]
+    )
+
+
 def test_a_killed_reference_pass_continues_from_its_parts(files, tmp_path, monkeypatch):
     monkeypatch.setattr(_reference, "PART_ROWS", 16)  # three parts of 16 pairs
     config = load(
