@@ -12,7 +12,16 @@ import pytest
 EXAMPLES = sorted((Path(__file__).parent.parent / "examples").glob("*.py"))
 
 
-@pytest.mark.parametrize("script", EXAMPLES, ids=lambda p: p.name)
+# llama_stdlib.py under `nox -s slow`: pretrain_stdlib.toml (below) trains the
+# same Llama on the same data by default (the default suite's time)
+@pytest.mark.parametrize(
+    "script",
+    [
+        pytest.param(p, marks=pytest.mark.slow) if p.name == "llama_stdlib.py" else p
+        for p in EXAMPLES
+    ],
+    ids=lambda p: p.name,
+)
 def test_example_smoke(script, tmp_path):
     env = dict(os.environ, XLA_FLAGS="", JAX_PLATFORMS="cpu")
     proc = subprocess.run(
@@ -53,12 +62,17 @@ CONFIGS = sorted((Path(__file__).parent.parent / "examples" / "configs").glob("*
 # the default suite's time: these two run full-size under `nox -s slow`, and
 # small (test_lora_and_dpo_configs_run_small) by default
 SLOW_CONFIGS = ("dpo.toml", "lora.toml")
+# sharded_simulated.toml: slow only; the default suite's whole runs on 8 devices
+# (test_job's mesh keys, test_sequence's fit, test_lora's 2x2x2 mesh) cover it
+SLOW_ONLY = ("sharded_simulated.toml",)
 
 
 @pytest.mark.parametrize(
     "path",
     [
-        pytest.param(p, marks=pytest.mark.slow) if p.name in SLOW_CONFIGS else p
+        pytest.param(p, marks=pytest.mark.slow)
+        if p.name in SLOW_CONFIGS + SLOW_ONLY
+        else p
         for p in CONFIGS
     ],
     ids=lambda p: p.name,
