@@ -15,10 +15,16 @@ FAKE_DEVICES = {
 
 @nox.session
 def tests(session: nox.Session) -> None:
-    """The default suite (everything not marked slow)."""
-    session.install("-e", ".[test,hf]")
+    """The default suite (everything not marked slow), with every extra it uses
+    installed: a test skipped for a missing extra fails (docs/testing.md)."""
+    session.install("-e", ".[test,hf,ray]")
     session.run(
-        "pytest", "-m", "not slow", "--durations=10", *session.posargs, env=FAKE_DEVICES
+        "pytest",
+        "-m",
+        "not slow",
+        "--durations=10",
+        *session.posargs,
+        env={**FAKE_DEVICES, "EQTRAIN_REQUIRE_EXTRAS": "1"},
     )
 
 
@@ -28,7 +34,12 @@ def slow(session: nox.Session) -> None:
     session.install("-e", ".[test,hf,ray]")
     # exit code 5 = no test collected: there may be no slow test yet
     session.run(
-        "pytest", "-m", "slow", *session.posargs, env=FAKE_DEVICES, success_codes=[0, 5]
+        "pytest",
+        "-m",
+        "slow",
+        *session.posargs,
+        env={**FAKE_DEVICES, "EQTRAIN_REQUIRE_EXTRAS": "1"},
+        success_codes=[0, 5],
     )
 
 

@@ -361,6 +361,24 @@ def test_bit_flip_fails_the_checksums(tmp_path):
         assert resume_run(tmp_path, lambda: init(width=64)).step == 2
 
 
+def test_a_checkpoint_written_before_checksums_still_restores(tmp_path):
+    """A manifest of format 1 (no run_id, no checksums) restores and resumes."""
+    train(init(width=64), make_batches(4), 4, Checkpointer(tmp_path, every_steps=2))
+    want = restore(tmp_path, lambda: init(width=64), step=4).state
+    for step in (2, 4):
+        path = tmp_path / "checkpoints" / str(step) / "manifest" / "manifest.json"
+        manifest = json.loads(path.read_text())
+        for key in ("run_id", "checksum", "checksums"):
+            del manifest[key]
+        path.write_text(json.dumps({**manifest, "format": 1}))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # not taken for damaged, silently
+        old = restore(tmp_path, lambda: init(width=64))
+        assert old.step == 4
+        assert_same(old.state, want)
+        assert resume_run(tmp_path, lambda: init(width=64)).step == 4
+
+
 def test_checksums_cover_every_dtype():
     from eqtrain.checkpoint._integrity import _all_sums, checksums, host_sums
 

@@ -12,7 +12,16 @@ import pytest
 EXAMPLES = sorted((Path(__file__).parent.parent / "examples").glob("*.py"))
 
 
-@pytest.mark.parametrize("script", EXAMPLES, ids=lambda p: p.name)
+# llama_stdlib.py under `nox -s slow`: pretrain_stdlib.toml (below) trains the
+# same Llama on the same data by default (the default suite's time)
+@pytest.mark.parametrize(
+    "script",
+    [
+        pytest.param(p, marks=pytest.mark.slow) if p.name == "llama_stdlib.py" else p
+        for p in EXAMPLES
+    ],
+    ids=lambda p: p.name,
+)
 def test_example_smoke(script, tmp_path):
     env = dict(os.environ, XLA_FLAGS="", JAX_PLATFORMS="cpu")
     proc = subprocess.run(
@@ -50,18 +59,25 @@ def test_llama_learns_the_stdlib(tmp_path):
 CONFIGS = sorted((Path(__file__).parent.parent / "examples" / "configs").glob("*.toml"))
 
 
-SLOW_CONFIGS = ("dpo.toml", "lora.toml")  # the default suite's time: `nox -s slow`
+# the default suite's time: these two run full-size under `nox -s slow`, and
+# small (test_lora_and_dpo_configs_run_small) by default
+SLOW_CONFIGS = ("dpo.toml", "lora.toml")
+# sharded_simulated.toml: slow only; the default suite's whole runs on 8 devices
+# (test_job's mesh keys, test_sequence's fit, test_lora's 2x2x2 mesh) cover it
+SLOW_ONLY = ("sharded_simulated.toml",)
 
 
 @pytest.mark.parametrize(
     "path",
     [
-        pytest.param(p, marks=pytest.mark.slow) if p.name in SLOW_CONFIGS else p
+        pytest.param(p, marks=pytest.mark.slow)
+        if p.name in SLOW_CONFIGS + SLOW_ONLY
+        else p
         for p in CONFIGS
     ],
     ids=lambda p: p.name,
 )
-def test_example_configs_run(path, tmp_path):
+def test_example_configs_run(path, tmp_path, small=()):
     """Each ready config validates, dry-runs, and trains two steps (8 simulated
     devices, as the sharded example asks)."""
     import jax.random as jr
@@ -69,7 +85,7 @@ def test_example_configs_run(path, tmp_path):
     from eqtrain import config as config_lib, hf, job
     from eqtrain.models import Llama, LlamaConfig
 
-    overrides = [f"run_dir={tmp_path / 'run'}", "log.progress=none"]
+    overrides = [f"run_dir={tmp_path / 'run'}", "log.progress=none", *small]
     if "init_from" in path.read_text():  # stands in for runs/pretrain_stdlib/hf
         base = LlamaConfig(
             vocab_size=259,
@@ -82,7 +98,8 @@ def test_example_configs_run(path, tmp_path):
         hf.export(Llama(base, jr.key(0)), base, tmp_path / "base")
         overrides.append(f"model.init_from={tmp_path / 'base'}")
     config = config_lib.load(path, overrides)
-    assert "memory per device" in job.report(config)
+    if not small:
+        assert "memory per device" in job.report(config)
     short = config_lib.load(
         path,
         [
@@ -102,3 +119,18 @@ def test_example_configs_run(path, tmp_path):
         assert (tmp_path / "run" / "hf-merged" / "config.json").exists()
     else:
         assert (tmp_path / "run" / "hf" / "config.json").exists()
+
+
+@pytest.mark.parametrize("name", SLOW_CONFIGS, ids=lambda n: n.removesuffix(".toml"))
+def test_lora_and_dpo_configs_run_small(name, tmp_path):
+    """The slow-only configs as written, on smaller batches (and, for lora.toml,
+    short rows of a small text: tokenizing the Python standard library takes
+    most of its full-size time)."""
+    (tmp_path / "small.txt").write_text("def f(x):\n    return x + 1\n" * 400)
+    small = ["data.batch_size=8", "data.eval_rows=8"]
+    if name == "lora.toml":
+        small += [f"data.train={tmp_path / 'small.txt'}", "data.seq_len=32"]
+        small += ["data.eval=none", "loop.eval_every=0"]
+    test_example_configs_run(
+        CONFIGS[[p.name for p in CONFIGS].index(name)], tmp_path, small
+    )

@@ -4,6 +4,7 @@ effect on the assembled run), and the job's commands work in-process."""
 import dataclasses
 import json
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -73,6 +74,45 @@ def _opt_kwargs(monkeypatch):
 
 
 # -- one entry per key: (override, check(prepared)) -------------------------------
+def step_jaxpr(p, batch=None):
+    """The jaxpr of the run's own training step (`p.step`) on one of its batches."""
+    batch = p.loader.peek() if batch is None else batch
+    return eqx.filter_make_jaxpr(p.step.fn)(p.state, batch)[0].jaxpr
+
+
+def equations(jaxpr):
+    """Every equation of `jaxpr` and of the jaxprs inside it (scan, cond, pjit...)."""
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for param in eqn.params.values():
+            for sub in param if isinstance(param, tuple | list) else (param,):
+                sub = getattr(sub, "jaxpr", sub)  # a ClosedJaxpr's own
+                if hasattr(sub, "eqns"):
+                    yield from equations(sub)
+
+
+def micro_batches(p):
+    """`(count, rows, seq_len)` of every `scan` in the step that runs over the
+    token rows: the gradient accumulation's loop over its micro-batches."""
+    out = set()
+    for eqn in equations(step_jaxpr(p)):
+        if eqn.primitive.name == "scan":
+            for v in eqn.invars:
+                shape = v.aval.shape
+                if v.aval.dtype == jnp.int32 and len(shape) == 3:
+                    out.add(shape)
+    return out
+
+
+def product_dtypes(p):
+    """The input dtypes of every matrix product in the step."""
+    return {
+        tuple(str(v.aval.dtype) for v in eqn.invars)
+        for eqn in equations(step_jaxpr(p))
+        if eqn.primitive.name == "dot_general"
+    }
+
+
 def mc(p):
     return p.job.model_config
 
@@ -157,9 +197,9 @@ CONSUMERS = {
             )
         ),
     ),
-    "optim.accumulate": (
-        "optim.accumulate=2",
-        lambda p: p.job.config.optim.accumulate == 2,  # and see test_accumulate
+    "optim.accumulate": (  # the step scans 2 micro-batches of 8 rows of 16
+        "optim.accumulate=2",  # (weighting: test_accumulate_weighs_tokens)
+        lambda p: micro_batches(p) == {(2, 8, 16)},
     ),
     "loop.steps": ("loop.steps=7", lambda p: p.fit_kwargs["num_steps"] == 7),
     "loop.eval_every": ("loop.eval_every=3", lambda p: p.fit_kwargs["eval_every"] == 3),
@@ -429,20 +469,44 @@ def test_loop_step_options(text_dirs, tmp_path):
         np.asarray(exported.embed_tokens.weight),
         np.asarray(state.ema_model.embed_tokens.weight),
     )
+    # bf16: the run's step multiplies in bfloat16 (float32 parameters, cast
+    # inside the step); without it, every product is float32
+    bf16 = product_dtypes(prepared(text_dirs, tmp_path / "a", "loop.precision=bf16"))
+    assert ("bfloat16", "bfloat16") in bf16
+    assert ("float32", "float32") not in bf16
+    assert result.fit.state.model.embed_tokens.weight.dtype == jnp.float32
+    fp32 = product_dtypes(prepared(text_dirs, tmp_path / "b"))
+    assert fp32 == {("float32", "float32")}
 
 
-def test_accumulate_equals_one_big_batch(text_dirs, tmp_path):
-    a = _run(
-        text_dirs,
-        tmp_path / "a",
-        "optim.accumulate=2",
-        "data.batch_size=16",
-        "loop.steps=2",
+def _copy(state):
+    return jax.tree.map(lambda x: x.copy() if eqx.is_array(x) else x, state)
+
+
+def test_accumulate_weighs_tokens(text_dirs, tmp_path):
+    """The run's step with optim.accumulate=2 on a batch whose two micro-batches
+    hold different numbers of real tokens (8 rows of 16, 8 rows of 2) equals one
+    big batch: each micro-batch weighted by its tokens, which the plain mean of
+    the two micro-batch losses would not give."""
+    one = prepared(text_dirs, tmp_path / "one", "data.batch_size=16")
+    two = prepared(
+        text_dirs, tmp_path / "two", "data.batch_size=16", "optim.accumulate=2"
     )
-    b = _run(text_dirs, tmp_path / "b", "data.batch_size=16", "loop.steps=2")
-    la = [h["loss"] for h in a.fit.history if "loss" in h]
-    lb = [h["loss"] for h in b.fit.history if "loss" in h]
-    np.testing.assert_allclose(la, lb, rtol=1e-5)
+    batch = {k: np.asarray(v) for k, v in one.loader.peek().items()}
+    mask = np.ones(batch["targets"].shape, np.float32)
+    mask[8:, 2:] = 0.0
+    batch["loss_mask"] = mask
+    s1, m1 = one.step(_copy(one.state), batch)
+    s2, m2 = two.step(_copy(two.state), batch)
+    np.testing.assert_allclose(float(m2["loss"]), float(m1["loss"]), rtol=1e-6)
+    for x, y in zip(
+        jax.tree.leaves(s2.params), jax.tree.leaves(s1.params), strict=True
+    ):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-5, atol=1e-7)
+    loss = eqx.filter_jit(lambda m, b: one.job.loss_fn(m, b, None)[0])
+    halves = [loss(one.state.model, {k: v[:8] for k, v in batch.items()})]
+    halves.append(loss(one.state.model, {k: v[8:] for k, v in batch.items()}))
+    assert abs(np.mean(halves) - float(m1["loss"])) > 1e-3  # weighting matters here
 
 
 def test_data_sources(text_dirs, tmp_path):

@@ -316,11 +316,17 @@ def _lora_run(axes, kind, steps=6):
     return np.asarray(jax.device_get(losses)), state
 
 
-@pytest.mark.slow  # the default suite's time: `nox -s slow`
-@pytest.mark.parametrize("kind", ["llama", "gpt2"])
-def test_lora_on_a_2x2x2_mesh_equals_one_device(kind):
-    reference, ref_state = _lora_run(None, kind)
-    losses, state = _lora_run((2, 2, 2), kind)
+@pytest.mark.parametrize(
+    "kind, steps",  # the default suite: llama for 3 steps; `nox -s slow`: the rest
+    [
+        ("llama", 3),
+        pytest.param("llama", 6, marks=pytest.mark.slow),
+        pytest.param("gpt2", 6, marks=pytest.mark.slow),
+    ],
+)
+def test_lora_on_a_2x2x2_mesh_equals_one_device(kind, steps):
+    reference, ref_state = _lora_run(None, kind, steps)
+    losses, state = _lora_run((2, 2, 2), kind, steps)
     np.testing.assert_allclose(losses, reference, rtol=0, atol=1e-5)
     got = jax.device_get(eqx.filter(state.model, eqx.is_array))
     want = jax.device_get(eqx.filter(ref_state.model, eqx.is_array))

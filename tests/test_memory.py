@@ -107,8 +107,9 @@ def _preset(preset):
     return {"remat": preset}
 
 
-# Presets whose policies the default suite checks; the rest under `nox -s slow`.
-QUICK_PRESETS = ("full", "save_qkv", "offload_layer_input", "custom")
+# Presets whose policies the default suite checks; the rest under `nox -s slow`
+# (custom: by default in test_every_remat_preset_trains_like_none).
+QUICK_PRESETS = ("full", "save_qkv", "offload_layer_input")
 
 
 @pytest.mark.parametrize(
@@ -131,8 +132,12 @@ def test_every_remat_preset_gives_the_gradients_of_none(presets):
         _close(got_grads, grads, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.slow
-def test_every_remat_preset_trains_like_none():
+@pytest.mark.parametrize(
+    "presets",  # the default suite: custom (saves and offloads); slow: every one
+    [("custom",), pytest.param(REMAT_PRESETS, marks=pytest.mark.slow)],
+    ids=["custom", "all"],
+)
+def test_every_remat_preset_trains_like_none(presets):
     """Three AdamW steps under each preset give the losses of `remat="none"`."""
     model = Llama(LLAMA, jr.key(0))
     batch = {"tokens": TOKENS[:, :-1], "targets": TOKENS[:, 1:]}
@@ -150,7 +155,7 @@ def test_every_remat_preset_trains_like_none():
         return out
 
     reference = curve(model)
-    for preset in REMAT_PRESETS:
+    for preset in presets:
         got = curve(model.with_options(**_preset(preset)))
         np.testing.assert_allclose(got, reference, rtol=1e-5, err_msg=preset)
 
@@ -216,18 +221,20 @@ def test_chunked_loss_trains_the_same_curve():
 
 
 # -- config keys ------------------------------------------------------------------
+def _overrides(tmp_path, *overrides):
+    return [
+        f"run_dir={tmp_path / 'run'}",
+        "model.hidden_size=32",
+        "model.num_layers=1",
+        "data.seq_len=16",
+        "data.batch_size=8",
+        "loop.steps=4",
+        *overrides,
+    ]
+
+
 def _config(tmp_path, *overrides):
-    return config_lib.load(
-        overrides=[
-            f"run_dir={tmp_path / 'run'}",
-            "model.hidden_size=32",
-            "model.num_layers=1",
-            "data.seq_len=16",
-            "data.batch_size=8",
-            "loop.steps=4",
-            *overrides,
-        ]
-    )
+    return config_lib.load(overrides=_overrides(tmp_path, *overrides))
 
 
 def test_memory_keys_reach_the_job(tmp_path):
@@ -320,17 +327,42 @@ def test_dry_run_reports_the_compiled_step(tmp_path):
     text = job.report(config)
     assert "XLA's memory analysis" in text and "peak" in text
     assert "loss chunked, 256 tokens (auto)" in text
+    # XLA's own figures for the step a run of this config compiles, on a batch
+    # of its shapes (independently of the report's StepMemory)
     planned = _place.plan(config)
-    batch = _memory.abstract_batch(planned.job, planned.rows)
-    chunked = _memory.step_memory(planned.job, planned.placement, batch)
-    assert f"peak              {eqtrain.sharding.format_bytes(chunked.peak)}" in text
+    rows, size = planned.rows, config.data.batch_size
+    batch = {
+        k: jax.ShapeDtypeStruct((size, *v.shape[1:]), v.dtype) for k, v in rows.items()
+    }
+
+    def analysis(built):
+        step = _place.train_step(built, planned.placement)
+        return step.lower(built.abstract_state(), batch).compile().memory_analysis()
+
+    chunked = analysis(planned.job)
+    peak = (
+        chunked.argument_size_in_bytes
+        + chunked.output_size_in_bytes
+        - chunked.alias_size_in_bytes
+        + chunked.temp_size_in_bytes
+    )
+    assert f"peak              {eqtrain.sharding.format_bytes(peak)}" in text
+    # the arguments are this device's share of the state (fsdp = 2) and batch:
+    # the report compiled neither an unsharded nor a smaller state
+    abstract = eqx.filter(planned.job.abstract_state(), _is_struct)
+    state = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(abstract))
+    assert state // 2 < chunked.argument_size_in_bytes < state
     plain_config = dataclasses.replace(
         config, model=dataclasses.replace(config.model, loss_chunk=0)
     )
-    plain_job = _build.build(plain_config)
-    plain = _memory.step_memory(plain_job, planned.placement, batch)
-    assert chunked.temp < plain.temp  # the [8, 16, 8192] logits are gone
+    plain = analysis(_build.build(plain_config))
+    logits = 16 * 8192 * 4  # [8, 16, 8192] float32 logits, a row per device
+    assert chunked.temp_size_in_bytes + logits <= plain.temp_size_in_bytes
     assert not (tmp_path / "run").exists()
+
+
+def _is_struct(x):
+    return isinstance(x, jax.ShapeDtypeStruct)
 
 
 def test_memory_budget_finds_the_longest_seq_len(tmp_path):
@@ -344,9 +376,21 @@ def test_memory_budget_finds_the_longest_seq_len(tmp_path):
         peaks[length] = _memory.step_memory(built, _place.placement(built), batch).peak
     assert peaks[64] < peaks[128]
     budget = (peaks[64] + peaks[128]) // 2
-    text = job.budget_report(config, budget, "test")
+    # through `eqtrain fit --memory-budget` (a dry run: nothing written)
+    from typer.testing import CliRunner
+
+    from eqtrain.cli import app
+
+    sets = [x for o in _overrides(tmp_path) for x in ("--set", o)]
+    cli = CliRunner().invoke(app, ["fit", *sets, "--memory-budget", str(budget)])
+    assert cli.exit_code == 0, cli.output
+    assert "XLA's memory analysis" in cli.stdout  # the dry run's report first
+    text = cli.stdout
+    assert not (tmp_path / "run").exists()
     assert f"seq_len      64: {eqtrain.sharding.format_bytes(peaks[64])}" in text
     assert f"seq_len     128: {eqtrain.sharding.format_bytes(peaks[128])}" in text
     assert "-> data.seq_len = 64" in text
+    bad = CliRunner().invoke(app, ["fit", *sets, "--memory-budget", "lots"])
+    assert bad.exit_code == 2 and bad.stderr.startswith("error: `--memory-budget`")
     none = _memory.longest_seq_len(config, peaks[64] // 2, rows, max_compiles=3)
     assert none.seq_len is None and none.tried == [(64, peaks[64])]

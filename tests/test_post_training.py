@@ -115,8 +115,8 @@ def run(config, notes=None):
 def test_dpo_step_one_is_log_2_in_every_reference_mode(mode, files, tmp_path):
     extra = ["task.kind=dpo", f"task.reference={mode}", "loop.steps=1"]
     extra += [f"data.eval={files['pairs_eval']}", "data.eval_rows=8"]
-    if mode == "adapters_off":
-        extra.append("lora.rank=4")
+    if mode == "adapters_off":  # three steps: the adapters move off zero
+        extra += ["lora.rank=4", "loop.steps=3", "optim.lr=1e-2"]
     config = load(tmp_path, files["pairs"], *extra)
     result = run(config)
     first = result.fit.history[0]
@@ -126,6 +126,10 @@ def test_dpo_step_one_is_log_2_in_every_reference_mode(mode, files, tmp_path):
     assert "eval/rewards/accuracies" in result.fit.metrics
     out = tmp_path / "run" / "hf"
     if mode == "adapters_off":  # the adapter; the policy alone in PEFT's format
+        # once trained, the policy differs from its reference (the base): a
+        # reference that kept the adapters on would give margins of exactly 0
+        assert abs(result.fit.history[-1]["rewards/margins"]) > 1e-4
+        assert abs(result.fit.metrics["eval/rewards/margins"]) > 1e-4
         assert (out / "adapter_config.json").exists()
         return
     # the export is the policy alone: a plain model, loadable as any other
@@ -195,6 +199,41 @@ def test_precomputed_reference_equals_the_copy_and_survives_resume(files, tmp_pa
         _params(resumed.fit.state), _params(uninterrupted.fit.state), strict=True
     ):
         np.testing.assert_array_equal(x, y)
+
+
+def test_precomputed_reference_is_read_back_or_recomputed(files, tmp_path):
+    """The default suite's variant of the slow kill and damage tests: a resumed
+    run reads the stored log-probs back (nothing computed); a damaged file is
+    recomputed to the same values; a changed data file is recomputed for its
+    new rows."""
+    from safetensors.numpy import load_file
+
+    pairs = _write(tmp_path / "pairs.jsonl", _pairs(24))
+    extra = ["task.kind=dpo", "task.reference=precomputed", "data.shuffle=false"]
+    extra += ["optim.schedule=constant", "checkpoint.every=1"]
+
+    def again(steps, **how):
+        notes = []
+        config = load(tmp_path, pairs, *extra, f"loop.steps={steps}")
+        result = job.run(config, echo=notes.append, **how)
+        return result, any("computing the reference" in n for n in notes)
+
+    assert again(1)[1]
+    stored = tmp_path / "run" / "reference" / "train.safetensors"
+    first = load_file(stored)
+    result, computed = again(2)
+    assert result.resumed_from == 1 and not computed  # read back
+    stored.write_bytes(stored.read_bytes()[:-7])
+    result, computed = again(3)
+    assert result.resumed_from == 2 and computed  # damaged: recomputed
+    for name, value in load_file(stored).items():
+        np.testing.assert_array_equal(value, first[name])
+    _write(pairs, _pairs(24, seed=5))  # the data changed under the run
+    result, computed = again(1, resume="never", overwrite=True)
+    assert computed
+    assert not np.array_equal(
+        load_file(stored)["reference_chosen"], first["reference_chosen"]
+    )
 
 
 def test_a_killed_reference_pass_continues_from_its_parts(files, tmp_path, monkeypatch):

@@ -159,8 +159,12 @@ def policy_logps(model, batch):
     return logps
 
 
+def tiny_base():
+    return Llama(TINY, jr.key(0))
+
+
 def state_for(reference, model=None):
-    base = model or Llama(TINY, jr.key(0))
+    base = model or tiny_base()
     if reference == "copy":
         wrapped = preference.with_reference(base)
         trainable = preference.reference_trainable(wrapped)
@@ -188,6 +192,25 @@ def test_dpo_step_one_is_log_2_in_every_reference_mode(reference):
     assert float(loss) == pytest.approx(np.log(2.0), abs=1e-6)
     assert float(aux["rewards/margins"]) == pytest.approx(0.0, abs=1e-6)
     assert float(aux["weight"]) == 8.0  # pairs, not tokens
+    if reference == "adapters_off":  # at step one (lora_b = 0) on and off agree:
+        _adapters_off_is_the_base_after_training(loss_fn, state)  # so train them
+
+
+def _adapters_off_is_the_base_after_training(loss_fn, state):
+    """Three steps move the policy (the adapters); the reference stays the base
+    model, so the loss is DPO's against the base's log-probs, in NumPy."""
+    step = eqtrain.jit(eqtrain.train_step(loss_fn, optax.adam(1e-2)))
+    for i in range(3):
+        state, _ = step(state, toy_pairs(8, seed=i))
+    batch = toy_pairs(8, seed=7)
+    logps = eqx.filter_jit(policy_logps)
+    pc, pr = (np.asarray(x, np.float64) for x in logps(state.model, batch))
+    rc, rr = (np.asarray(x, np.float64) for x in logps(tiny_base(), batch))
+    assert np.abs(pc - rc).min() > 1e-3  # the policy is no longer the base
+    loss, aux = loss_fn(state.model, batch, None)
+    h = 0.1 * ((pc - rc) - (pr - rr))
+    close(loss, np.mean(-log_sigmoid(h)))
+    close(aux["rewards/chosen"], np.mean(0.1 * (pc - rc)))
 
 
 def test_dpo_learns_the_toy_preference_and_keeps_the_reference_frozen():

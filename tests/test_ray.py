@@ -1,20 +1,25 @@
-"""`eqtrain.ray`: the launch plan, restart policy and refusals without Ray (default
-suite), and for real on a local Ray bound to 127.0.0.1 (`slow`): two workers equal
-one process with two devices bit for bit, a SIGKILLed worker restarts the group
-and the export equals an uninterrupted run's, and a worker that always fails ends
-the run after `max_restarts`."""
+"""`eqtrain.ray`: the launch plan, restart policy, signal forwarding and refusals
+without Ray, and for real on a local Ray bound to 127.0.0.1: in the default suite,
+one short run whose SIGKILLed worker restarts the group (resuming bit for bit) and
+whose driver passes a SIGTERM on to the workers; under `slow`, two workers equal
+one process with two devices bit for bit, a group restarted twice exports what an
+uninterrupted run exports, and a worker that always fails ends the run after
+`max_restarts`."""
 
 import importlib.util
+import json
 import os
 import re
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
 
+import eqtrain
 from eqtrain import ConfigError, config as config_lib
 from eqtrain.cli import app
 from eqtrain.ray import (
@@ -182,6 +187,80 @@ def test_local_ray_that_lacks_the_resources(monkeypatch):
     _check_fits(Ray(), gpus, local=False)  # a cluster may grow: it waits
 
 
+# -- signals, without Ray: the supervisor's loop with stand-in actors -------------
+class _Remote:
+    def __init__(self, fn):
+        self.remote = fn
+
+
+class _FakeActor:
+    """A worker that saves and stops on SIGTERM (or, `stubborn`, never does: a
+    second signal must then kill it); `poll` answers as the real actor does."""
+
+    def __init__(self, stubborn=False, on_first_poll_after_signal=None):
+        self.sent, self.killed, self.stubborn = [], False, stubborn
+        self.after_signal = on_first_poll_after_signal
+        self.send = _Remote(self.sent.append)
+        self.kill = _Remote(lambda: setattr(self, "killed", True))
+        self.poll = _Remote(self._poll)
+
+    def _poll(self):
+        self.polls = getattr(self, "polls", 0) + 1
+        assert self.polls < 50, "after 10 s, no signal has reached this worker"
+        if self.killed:
+            return [], -signal.SIGKILL, None
+        if self.sent and self.after_signal is not None:
+            self.after_signal(), setattr(self, "after_signal", None)
+        if self.sent and not self.stubborn:
+            return ["stopped by SIGTERM"], 0, {"stop": "signal"}
+        return [], None, None
+
+
+class _FakeRay:
+    class exceptions:  # noqa: N801 (as `ray.exceptions`)
+        GetTimeoutError = RayError = type("NeverRaised", (Exception,), {})
+
+    def get(self, ref, timeout=None):
+        return ref
+
+
+def _watch(actors, first_signal):
+    from eqtrain.ray._launch import _Group, _Signals, _Supervisor
+
+    notes, config = [], _load("distributed.processes=2")
+    before = signal.getsignal(first_signal)
+    with _Signals(notes.append) as signals:
+        supervisor = _Supervisor(
+            _FakeRay(), plan(config), config, notes.append, {}, signals
+        )
+        os.kill(os.getpid(), first_signal)  # to the driver: this process
+        exits = supervisor._watch(_Group(None, actors))
+    assert signal.getsignal(first_signal) is before  # handlers restored
+    return exits, notes
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["INT", "TERM"])
+def test_the_driver_passes_sigint_and_sigterm_on_to_every_worker(signum):
+    actors = [_FakeActor(), _FakeActor()]
+    exits, notes = _watch(actors, signum)
+    assert [a.sent for a in actors] == [[signal.SIGTERM]] * 2  # a clean stop
+    assert not any(a.killed for a in actors)
+    assert sorted(e.worker for e in exits) == [0, 1] and all(e.clean for e in exits)
+    name = signal.Signals(signum).name
+    assert notes[0].startswith(f"[ray] {name} received: asking every worker")
+
+
+def test_a_second_signal_aborts_the_workers():
+    again = lambda: os.kill(os.getpid(), signal.SIGINT)  # noqa: E731
+    actors = [_FakeActor(stubborn=True, on_first_poll_after_signal=again)]
+    actors.append(_FakeActor(stubborn=True))
+    exits, notes = _watch(actors, signal.SIGTERM)
+    assert all(a.killed for a in actors)
+    assert [a.sent for a in actors] == [[signal.SIGTERM]] * 2  # once, then killed
+    assert any("SIGINT received again: aborting the workers" in n for n in notes)
+    assert all(e.code == -signal.SIGKILL for e in exits)
+
+
 # -- the CLI, without Ray ---------------------------------------------------------
 def _one_paragraph(result):
     assert result.exit_code == 2, result.output
@@ -219,7 +298,7 @@ PIDS = re.compile(r"worker (\d+): pid (\d+)")
 def ray_home(tmp_path_factory):
     """A local Ray on 127.0.0.1 for this module (HOME in a temporary directory:
     Ray writes ~/.ray); always shut down, leaving no Ray process behind."""
-    if importlib.util.find_spec("ray") is None:  # CI installs no `ray` extra
+    if importlib.util.find_spec("ray") is None:  # a failure in CI (conftest.py)
         pytest.skip("needs the `ray` extra")
     home = tmp_path_factory.mktemp("home")
     saved = {k: os.environ.get(k) for k in ("HOME", "RAY_USAGE_STATS_ENABLED")}
@@ -352,6 +431,54 @@ def uninterrupted(ray_home, text_dir, tmp_path_factory):
 
     result, lines = _launch(text_dir, run_dir, echo=check_ports)
     return run_dir, result, lines, listeners
+
+
+def test_killed_worker_restarts_the_group_and_a_sigterm_reaches_the_workers(
+    ray_home, text_dir, tmp_path
+):
+    """The default suite's real Ray run (the smallest that shows both): worker
+    1's `eqtrain fit` SIGKILLed at step 3, the group restarts from checkpoint 2
+    and repeats step 3 bit for bit; then a SIGTERM to the driver is passed on to
+    both workers, which save and stop together, cleanly."""
+    pids, kills, signals, resumed = {}, [], [], []
+    deadline = time.monotonic() + 300
+
+    def act(line):
+        assert time.monotonic() < deadline, "the Ray run took over 300 s"
+        for worker, pid in PIDS.findall(line):
+            pids[int(worker)] = int(pid)
+        resumed.extend(["yes"] if "resumed from" in line else [])
+        step = STEP.match(line)
+        if step is None:
+            return
+        if int(step.group(1)) >= 3 and not kills:
+            os.kill(pids[1], signal.SIGKILL)  # worker 1's training process
+            kills.append(pids[1])
+        elif int(step.group(1)) >= 4 and resumed and not signals:
+            os.kill(os.getpid(), signal.SIGTERM)  # to the driver: this process
+            signals.append(int(step.group(1)))
+
+    run_dir = tmp_path / "run"
+    result, lines = _launch(
+        text_dir, run_dir, "loop.steps=40", "checkpoint.every=2", echo=act
+    )
+    assert kills and signals and result.restarts == 1
+    failures = [x for x in lines if x.startswith("[ray] worker")]
+    assert "worker 1 failed: it was killed by signal SIGKILL" in failures[0]
+    assert any("SIGTERM received: asking every worker" in x for x in lines)
+    stop = result.stop_reason
+    assert (str(stop.kind), stop.message) == ("signal", "SIGTERM"), stop
+    assert signals[0] <= result.step < 40
+    assert eqtrain.checkpoint.list_steps(run_dir)[-1] == result.step  # saved
+    # steps the killed attempt logged and the restarted one logged again: the
+    # same losses bit for bit (metrics.jsonl is appended to)
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    seen = {}
+    for r in (r for r in rows if "loss" in r):
+        seen.setdefault(r["step"], []).append(r["loss"])
+    repeated = {k: v for k, v in seen.items() if len(v) > 1}
+    assert repeated and all(len(set(v)) == 1 for v in repeated.values()), seen
+    assert sorted(seen) == list(range(1, result.step + 1))
 
 
 @pytest.mark.slow

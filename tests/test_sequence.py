@@ -324,6 +324,27 @@ def test_job_refuses_before_compiling(text_dir, tmp_path, extra, match):
         job.report(config_lib.load(overrides=overrides))
 
 
+def test_fit_on_a_sequence_mesh_and_its_checkpoint_on_one_without(text_dir, tmp_path):
+    """The default suite's whole runs (in this process, 8 devices; the slow ones
+    below run `eqtrain fit` itself on every scheme): the ring on mesh.sequence =
+    4 trains like the run without sequence parallelism, and its step-2
+    checkpoint continues on mesh.sequence = 1 along that run's curve."""
+
+    def fit(run, *extra):
+        sets = _overrides(text_dir, run, "loop.steps=4", "checkpoint.every=2")
+        sets += ["mesh.fsdp=-1", "data.batch_size=8", *extra]  # 2 x 4 devices
+        result = job.run(config_lib.load(overrides=sets), echo=lambda s: None)
+        return [h["loss"] for h in result.fit.history if "loss" in h], result
+
+    plain, _ = fit(tmp_path / "plain")
+    ring = ["model.sequence_parallel=ring", "mesh.sequence=4"]
+    first, _ = fit(tmp_path / "moved", *ring, "loop.steps=2")
+    np.testing.assert_allclose(first, plain[:2], rtol=1e-4, atol=1e-4)
+    then, resumed = fit(tmp_path / "moved", "mesh.sequence=1")
+    assert resumed.resumed_from == 2 and len(then) == 2
+    np.testing.assert_allclose(then, plain[2:], rtol=1e-4, atol=1e-4)
+
+
 # -- slow: whole runs ---------------------------------------------------------------
 def _fit(text_dir, run_dir, *extra, devices=8):
     """`eqtrain fit` in a subprocess with `devices` simulated CPU devices; the
