@@ -239,7 +239,7 @@ def test_logged_learning_rate_is_the_schedule(name):
     np.testing.assert_allclose(logged, SCHEDULE_VALUES[name], rtol=1e-6, atol=1e-9)
 
 
-def _cosine(t):  # from 1e-2 to 1e-3 over 6 steps (8 - 2 of warmup)
+def _cosine_at(t):  # from 1e-2 to 1e-3 over 6 steps (8 - 2 of warmup)
     return 1e-3 + (1e-2 - 1e-3) * 0.5 * (1 + np.cos(np.pi * min(t, 6) / 6))
 
 
@@ -249,7 +249,7 @@ SCHEDULE_VALUES = {
     "constant": [0.0, 1e-2 / 3, 2e-2 / 3] + [1e-2] * 8,  # warmup 3
     # warmup 2, then 1e-2 to 1e-3 linearly over steps 2..8, then 1e-3
     "linear": [0.0, 5e-3] + [1e-2 - 9e-3 * t / 6 for t in range(7)] + [1e-3] * 2,
-    "cosine": [0.0, 5e-3] + [_cosine(t) for t in range(9)],
+    "cosine": [0.0, 5e-3] + [_cosine_at(t) for t in range(9)],
     # warmup 2, stable until step 5, then to 0 over the last 3 steps
     "wsd": [0.0, 5e-3, 1e-2, 1e-2, 1e-2, 1e-2, 1e-2 * 2 / 3, 1e-2 / 3, 0.0, 0.0, 0.0],
 }

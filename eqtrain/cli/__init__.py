@@ -162,11 +162,7 @@ def fit(
     library, on CPU, in a few minutes."""
     from .. import _signals, config as config_lib, distributed, job
 
-    if launcher is None and _OWNS_PROCESS:
-        # This process is `eqtrain fit`: a second signal at any moment from here
-        # to the interpreter's exit aborts at once (exit 128 + signal).
-        _signals.install_for_process()
-    with _errors() as where, _signals.guarded(launcher is None) as guard:
+    with _errors() as where, contextlib.ExitStack() as stack:
         if launcher is not None:
             return _launch(
                 launcher,
@@ -180,6 +176,13 @@ def fit(
             )
         # a no-op unless EQTRAIN_* or SLURM say otherwise
         cluster = distributed.initialize()
+        # After `initialize`: JAX's preemption notice takes SIGTERM over when it
+        # starts, and the guard must be the handler the process ends up with.
+        if _OWNS_PROCESS:
+            # This process is `eqtrain fit`: a second signal at any moment from
+            # here to the interpreter's exit aborts at once (exit 128 + signal).
+            _signals.install_for_process()
+        guard = stack.enter_context(_signals.guarded())
         overrides = list(set_ or [])
         if run_dir is not None:
             overrides.append(f"run_dir={run_dir}")
