@@ -114,6 +114,7 @@ def test_sequence_quick():
         assert r["tokens_per_device"] == 64 and r["temp_vs_sequence_1"] > 2
 
 
+@pytest.mark.slow  # default-suite time (docs/testing.md)
 def test_mfu_quick():
     (record,), stderr = _quick("mfu.py")
     assert record["model"] == "quick" and record["devices"] >= 1

@@ -124,7 +124,9 @@ def test_lora_head_weight_includes_the_adapter_and_refuses_dropout():
 
 
 # -- the loss equals causal_lm_loss ------------------------------------------------
-@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+@pytest.mark.parametrize(
+    "kind", ["llama", pytest.param("gpt2", marks=pytest.mark.slow)]
+)
 def test_chunked_loss_equals_causal_lm_loss(kind):
     model = make(kind)
     (l1, a1), g1 = value_and_grads(NAIVE[kind], model, BATCH)

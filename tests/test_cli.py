@@ -210,6 +210,7 @@ def test_dry_run_trains_nothing(tiny_config, tmp_path):
     assert not run_dir.exists()
 
 
+@pytest.mark.slow  # default-suite time (docs/testing.md)
 def test_resume_auto_after_an_interrupted_run(tiny_config, tmp_path):
     run_dir = tmp_path / "interrupted"
     args = [

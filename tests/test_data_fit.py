@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import jax.random as jr
 import numpy as np
 import optax
+import pytest
 
 import eqtrain
 from eqtrain.data import ByteTokenizer, Loader, chunk_documents
@@ -121,6 +122,7 @@ def test_loader_close_stops_prefetch_and_keeps_the_position():
     assert next(iter(loader))["id"].tolist() == reference[2]
 
 
+@pytest.mark.slow  # default-suite time (docs/testing.md)
 def test_data_benchmark_quick():
     import os
     import subprocess

@@ -104,6 +104,7 @@ def _listens_on_loopback_only(port):
     return bool(ours) and all(a.split(":")[0] in LOOPBACK for a in ours)
 
 
+@pytest.mark.slow  # default-suite time (docs/testing.md)
 def test_sigterm_to_one_process_stops_both_at_the_same_step(tmp_path):
     procs, port = _start_pair(tmp_path / "run", "--steps", "100000")
     try:

@@ -63,8 +63,15 @@ CONFIGS = sorted((Path(__file__).parent.parent / "examples" / "configs").glob("*
 # small (test_lora_and_dpo_configs_run_small) by default
 SLOW_CONFIGS = ("dpo.toml", "lora.toml")
 # sharded_simulated.toml: slow only; the default suite's whole runs on 8 devices
-# (test_job's mesh keys, test_sequence's fit, test_lora's 2x2x2 mesh) cover it
-SLOW_ONLY = ("sharded_simulated.toml",)
+# (test_job's mesh keys, test_sequence's fit, test_lora's 2x2x2 mesh) cover it.
+# pretrain_stdlib.toml is the built-in default run (test_cli runs that), and
+# finetune_hf.toml / sft.toml are covered by test_interop / test_post_training.
+SLOW_ONLY = (
+    "sharded_simulated.toml",
+    "pretrain_stdlib.toml",
+    "finetune_hf.toml",
+    "sft.toml",
+)
 
 
 @pytest.mark.parametrize(

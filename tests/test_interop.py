@@ -58,6 +58,7 @@ def _config(tmp_path, base, *extra):
     )
 
 
+@pytest.mark.slow  # default-suite time (docs/testing.md)
 def test_a_run_from_an_hf_directory_stands_on_its_own(tmp_path, base):
     job.run(_config(tmp_path, base), echo=lambda s: None)
     run = tmp_path / "run"
@@ -206,6 +207,7 @@ def test_the_base_is_read_straight_onto_the_mesh(tmp_path, base, monkeypatch):
     )
 
 
+@pytest.mark.slow  # default-suite time (docs/testing.md)
 def test_import_keeps_what_the_model_section_cannot_say(tmp_path):
     """`eqtrain import` of a GPT-2 with exact GELU and per-layer attention scaling
     ([model] has no keys for them): the run keeps the directory's config.json as

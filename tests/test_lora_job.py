@@ -254,6 +254,7 @@ def test_lora_keys_reach_the_run(lora_run, tmp_path):
     assert none.lora is None and not lora.adapter_paths(none.abstract_state().model)
 
 
+@pytest.mark.slow  # default-suite time (docs/testing.md)
 def test_dry_run_shows_trainable_and_frozen(lora_run):
     _, path, _ = lora_run
     text = job.report(config_lib.load(path))
@@ -288,6 +289,7 @@ def config_lib_error():
     return ConfigError
 
 
+@pytest.mark.slow  # default-suite time (docs/testing.md)
 def test_cli_export_adapter_and_merged(lora_run, tmp_path):
     root, _, _ = lora_run
     from eqtrain.cli import _format_info

@@ -129,7 +129,8 @@ def _train(loss_fn, model, batches, accumulate, **kwargs):
     return state, history
 
 
-@pytest.mark.parametrize("packed", [False, True])
+# unpacked in the default suite; test_job's accumulate test weighs tokens end to end
+@pytest.mark.parametrize("packed", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_lm_accumulation_equals_full_batch(model, packed):
     batches = [lm_batch(seed=s, packed=packed) for s in range(2)]
     # Micro-batches with very different token counts: exactness needs the weights.

@@ -193,6 +193,7 @@ def test_offload_needs_host_memory(monkeypatch):
     dataclasses.replace(LLAMA, remat="full")  # no offload: fine
 
 
+@pytest.mark.slow  # default-suite time (docs/testing.md)
 def test_chunked_loss_trains_the_same_curve():
     """20 AdamW steps with the chunked loss follow the plain loss's curve."""
     model = Llama(dataclasses.replace(LLAMA, tie_word_embeddings=False), jr.key(3))

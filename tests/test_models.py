@@ -277,6 +277,7 @@ def test_gpt2_untied_head_is_one_more_leaf():
     assert padded.lm_head.weight.shape == padded.wte.weight.shape == (40, 16)
 
 
+@pytest.mark.slow  # default-suite time (docs/testing.md)
 def test_gpt2_inverse_layer_scale_gradients_scan_equal_unrolled():
     cfg = dataclasses.replace(
         TINY_GPT2, n_layer=3, scale_attn_by_inverse_layer_idx=True
@@ -418,7 +419,12 @@ def _grads(model, tokens):
 
 
 @pytest.mark.parametrize(
-    "scan, policies", [(True, ("full", "dots", "dots_no_batch")), (False, ("full",))]
+    "scan, policies",
+    [
+        # scanned: under `nox -s slow` (test_memory checks every preset's gradients)
+        pytest.param(True, ("full", "dots", "dots_no_batch"), marks=pytest.mark.slow),
+        (False, ("full",)),
+    ],
 )
 def test_remat_gives_identical_gradients(scan, policies):
     model = Llama(TINY, jr.key(0)).with_options(scan_layers=scan)

@@ -270,6 +270,7 @@ def test_a_killed_reference_pass_continues_from_its_parts(files, tmp_path, monke
     assert {"reference_chosen", "reference_rejected"} <= set(batch)
 
 
+@pytest.mark.slow  # default-suite time (docs/testing.md)
 def test_orpo_and_simpo_need_no_reference(files, tmp_path):
     for kind in ("orpo", "simpo"):
         config = load(tmp_path / kind, files["pairs"], f"task.kind={kind}")
@@ -451,6 +452,7 @@ def test_bad_data_files_fail_before_compiling(files, tmp_path):
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.slow  # default-suite time (docs/testing.md)
 def test_skipped_rows_are_said_at_the_start(files, tmp_path):
     rows = _pairs(16) + [{"prompt": "p", "chosen": "x", "rejected": "x"}] * 2
     path = _write(tmp_path / "some_bad.jsonl", rows)
@@ -465,6 +467,7 @@ def test_skipped_rows_are_said_at_the_start(files, tmp_path):
     assert any("data.train (some_bad.jsonl): 2 of 18 rows skipped" in n for n in notes)
 
 
+@pytest.mark.slow  # default-suite time (docs/testing.md)
 def test_cli_refuses_a_bad_task_with_one_line(files, tmp_path):
     proc = cli(
         "fit",
@@ -480,6 +483,7 @@ def test_cli_refuses_a_bad_task_with_one_line(files, tmp_path):
     assert "chat" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
 
 
+@pytest.mark.slow  # default-suite time (docs/testing.md)
 def test_sft_then_dpo_from_an_hf_directory_keep_its_chat_template(tmp_path):
     """`model.init_from` with a tokenizer and a Jinja chat template: the rows are
     rendered with the model's template, and the exports carry it, so that

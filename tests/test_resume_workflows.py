@@ -127,6 +127,7 @@ def test_kill_switch_left_behind_is_named_before_starting(run):
     assert ckpt.list_steps(run_dir) == [3, 6]
 
 
+@pytest.mark.slow  # default-suite time (docs/testing.md)
 def test_rollback_asks_for_overwrite_before_training(run):
     run_dir, fit = run
     before = _metric_lines(run_dir)
@@ -139,6 +140,7 @@ def test_rollback_asks_for_overwrite_before_training(run):
     assert ckpt.read_manifest(run_dir, step=6)["step"] == 6
 
 
+@pytest.mark.slow  # default-suite time (docs/testing.md)
 def test_truncated_latest_is_moved_aside_once_and_never_blocks_again(run):
     run_dir, fit = run
     _truncate_arrays(run_dir / "checkpoints" / "6")
@@ -170,6 +172,7 @@ def test_bit_flip_is_caught_by_the_checksums(run):
     assert "warning:" in done.stderr and "checkpoints/6" in done.stderr
 
 
+@pytest.mark.slow  # default-suite time (docs/testing.md)
 def test_two_fits_on_one_directory_then_kill_switch_and_again(run):
     run_dir, fit = run
     first = subprocess.Popen(

@@ -59,6 +59,7 @@ def TrainStateFor(opt):  # noqa: N802 -- reads like a constructor
     return eqtrain.TrainState.create(Regressor(jr.key(0)), opt, key=0)
 
 
+@pytest.mark.slow  # default-suite time (docs/testing.md)
 def test_llama_losses_match_over_twenty_steps():
     mesh = sharding.make_mesh({"data": -1})
     config = LlamaConfig(

@@ -393,7 +393,13 @@ def test_describe_table():
 
 
 # -- sharded training equals single-device training ----------------------------------
-@pytest.mark.parametrize("axes", MESHES, ids=lambda a: "x".join(map(str, a)))
+# pure data (8x1x1) and pure FSDP (1x8x1) under `nox -s slow` (default-suite time):
+# 2x2x2 and 1x2x4 take every axis
+@pytest.mark.parametrize(
+    "axes",
+    [pytest.param(a, marks=pytest.mark.slow) if a in MESHES[:2] else a for a in MESHES],
+    ids=lambda a: "x".join(map(str, a)),
+)
 def test_llama_meshes_match_single_device(axes):
     reference, _ = trajectory(None)
     losses, state = trajectory(axes)
@@ -412,6 +418,7 @@ def test_llama_meshes_match_single_device(axes):
         assert state.model.lm_head.weight.sharding.spec == vocab
 
 
+@pytest.mark.slow  # default-suite time (docs/testing.md)
 def test_sequence_axis_matches_single_device():
     reference, _ = trajectory(None)
     losses, state = trajectory((2, 2, 1, 2))
@@ -419,6 +426,7 @@ def test_sequence_axis_matches_single_device():
     assert setup((2, 2, 1, 2))[2].spec == P(("data", "fsdp"), "sequence")
 
 
+@pytest.mark.slow  # default-suite time (docs/testing.md)
 def test_gpt2_tensor_parallel_matches_single_device():
     reference, _ = trajectory(None, "gpt2", 10)
     losses, state = trajectory((2, 2, 2), "gpt2", 10)
