@@ -20,48 +20,24 @@ import pytest
 import eqtrain.checkpoint
 from eqtrain import _signals
 
+from .test_cli import write_tiny_config
+
 
 EQTRAIN = [sys.executable, "-m", "eqtrain.cli"]
-TEXT = "def f(x):\n    return x + 1\n\nclass A:\n    pass\n" * 80
 BAD = ("Traceback", "Exception ignored", "Segmentation", "Fatal Python error")
 
 
 def _config(root: Path, steps: int) -> Path:
-    (root / "train").mkdir(parents=True)
-    (root / "eval").mkdir()
-    for i in range(3):
-        (root / "train" / f"{i}.txt").write_text(TEXT * (i + 1))
-    (root / "eval" / "0.txt").write_text(TEXT[::-1])
-    config = root / "run.toml"
-    config.write_text(
-        f"""
-run_dir = "{root / "run"}"
-
-[model]
-hidden_size = 32
-num_layers = 1
-
-[data]
-train = "{root / "train"}"
-eval = "{root / "eval"}"
-seq_len = 16
-batch_size = 8
-eval_rows = 16
-
-[optim]
-schedule = "constant"
-
-[loop]
-steps = {steps}
-eval_every = 10
-
-[checkpoint]
-every = 4
-
-[log]
-progress = "lines"
-"""
+    """test_cli's tiny run, `steps` long on a constant schedule (a resumed run
+    equals an uninterrupted one), a checkpoint every 4 steps."""
+    root.mkdir(parents=True, exist_ok=True)
+    config = write_tiny_config(root)
+    text = config.read_text()
+    text = text.replace("steps = 6", f"steps = {steps}").replace(
+        "every = 3", "every = 4"
     )
+    text = text.replace("warmup_steps = 1", 'warmup_steps = 1\nschedule = "constant"')
+    config.write_text(text)
     return config
 
 
@@ -109,7 +85,9 @@ def _send_pair(config: Path, offset: float, gap: float, first: int, second: int)
     try:
         deadline = time.monotonic() + 60
         while not _handles_sigterm(proc.pid):
-            assert proc.poll() is None and time.monotonic() < deadline
+            if proc.poll() is not None or time.monotonic() > deadline:
+                proc.kill()
+                raise AssertionError(f"ended early: {proc.communicate()}")
             time.sleep(0.005)
         time.sleep(offset)
         outcome = "finished"
