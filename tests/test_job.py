@@ -630,7 +630,7 @@ def test_eval_export_info_in_process(text_dirs, tmp_path):
     assert dataclasses.asdict(result.config.loop) == info["config"]["loop"]
 
 
-@pytest.mark.slow  # default-suite time: test_resume_workflows' one-story test reads both
+@pytest.mark.slow  # default-suite time: the one-story test reads both logs
 def test_tensorboard_and_jsonl_from_a_run(text_dirs, tmp_path):
     pytest.importorskip("tensorboardX")
     event_accumulator = pytest.importorskip(
