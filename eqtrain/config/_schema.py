@@ -42,6 +42,7 @@ REFERENCES = ("auto", "copy", "adapters_off", "precomputed")
 OPTIMIZERS = ("adamw", "adam", "lion", "sgd", "adafactor")
 SCHEDULES = ("constant", "linear", "cosine", "wsd")
 DTYPES = ("float32", "bfloat16", "float16")
+TRAIN_DTYPES = ("float32", "bfloat16")  # float16 would need loss scaling
 # `model.loss_chunk = "auto"` chunks the loss from this vocabulary size on (see
 # docs/performance.md, "Memory", for the measurement behind it: at 2048 ids the
 # chunked loss was 0.79x the plain one's time, at 259 ids 1.56x).
@@ -111,7 +112,11 @@ class ModelConfig:
     )
     init_std: float = setting(0.02, "Standard deviation of the initial weights.", min=0)
     param_dtype: str = setting(
-        "float32", "Dtype the parameters are stored and updated in.", choices=DTYPES
+        "float32",
+        "Dtype the parameters are stored and updated in. Not float16: training in "
+        "it needs loss scaling, which eqtrain does not do (a float16 run went "
+        "non-finite at step 2); use bfloat16 (or export.dtype = float16).",
+        choices=TRAIN_DTYPES,
     )
     remat: str = setting(
         "none",
