@@ -149,10 +149,13 @@ def values(key, *, bounds=True):
 
 
 # -- companions: what a key needs to mean anything --------------------------------
+# chats and pairs need longer rows than BASE's 16 tokens (else every row is
+# skipped, rightly, once the data is read)
 SFT = [
     "task.kind=sft",
     "data.train={root}/sft.jsonl",
     "data.eval={root}/sft_eval.jsonl",
+    "data.seq_len=64",
 ]
 PC = [
     "task.kind=sft",
@@ -163,6 +166,7 @@ PC = [
 PREF = [
     "data.train={root}/preference.jsonl",
     "data.eval={root}/preference_eval.jsonl",
+    "data.seq_len=64",
 ]
 LORA = ["lora.rank=4"]
 HF_BASE = ["model.init_from={root}/hf", *(f"{k}=-" for k in ARCH_KEYS)]
@@ -241,6 +245,8 @@ REFUSED = {
     ("model.vocab_size", "1"): "does not fit the model's vocabulary of 1",
     # one row cannot split over the 8 simulated devices (it runs on one device)
     ("data.batch_size", "1"): "must split evenly over the 8 devices",
+    # nor one eval row (this crashed in the first evaluation, after a step)
+    ("data.eval_rows", "1"): "an eval batch (1 rows",
 }
 
 

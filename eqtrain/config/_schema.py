@@ -375,7 +375,7 @@ class LoopConfig:
         None,
         "Keep an exponential moving average of the weights with this decay.",
         min=0,
-        max=1,
+        below=1,
     )
 
 
@@ -497,7 +497,7 @@ class LogConfig:
         None,
         "Peak FLOP/s of one device, for MFU; unset: looked up for known "
         "accelerators (none on CPU).",
-        min=0,
+        above=0,
     )
 
 

@@ -97,6 +97,26 @@ def sequence_rows(job: _build.Job, rows: _build.Rows) -> _build.Rows:
     return models.sequence_rows(rows, layout=m.sequence_layout, ways=ways)
 
 
+def check_eval_batch(config: Any, parallel: int) -> None:
+    """An eval batch (`data.batch_size` rows, or `data.eval_rows` when fewer) must
+    split over the data axes too; said before any data is read."""
+    data = config.data
+    source = data.eval
+    if source == "auto":
+        lm = config.task.kind == "lm"
+        source = "stdlib" if data.train == "stdlib" and lm else "none"
+    if source == "none":
+        return
+    rows = min(data.batch_size, data.eval_rows)
+    if rows % parallel:
+        raise ConfigError(
+            f"an eval batch ({rows} rows: the smaller of data.batch_size and "
+            f"data.eval_rows) must split evenly over the {parallel} devices of "
+            "mesh.data x mesh.fsdp; raise data.eval_rows to a multiple of "
+            f'{parallel}, or set data.eval = "none".'
+        )
+
+
 def placement(job: _build.Job) -> Placement:
     """The `Placement` of `job`: checks the mesh against the devices, the batch
     against the data axes and every parameter against its rule."""
@@ -111,6 +131,7 @@ def placement(job: _build.Job) -> Placement:
             f"must split evenly over the {parallel} devices of mesh.data x mesh.fsdp; "
             "change data.batch_size, optim.accumulate or the mesh."
         )
+    check_eval_batch(job.config, parallel)
     abstract = job.abstract_state()
     rules = sharding.rules_for(abstract.model, mesh)
     state_sh = sharding.state_shardings(abstract, mesh, rules, optimizer=job.optimizer)

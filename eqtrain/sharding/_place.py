@@ -83,10 +83,24 @@ def _opt_shardings(
     """Shardings of an optimizer state: parameter-shaped parts like the parameters,
     everything else (counters, scalars) replicated."""
     non_params = lambda x: replicated if is_arraylike(x) else None
+
+    def like_param(x: Any, sharding: Any) -> Any:
+        # a leaf in a parameter's place but not of its shape (Adafactor's
+        # factored row/column statistics) is replicated
+        if not is_arraylike(x):
+            return None
+        if len(sharding.spec) > len(x.shape):
+            return replicated
+        try:
+            sharding.shard_shape(tuple(x.shape))
+        except (ValueError, TypeError):
+            return replicated
+        return sharding
+
     if optimizer is not None:
         return optax.tree_map_params(
             optimizer,
-            lambda x, sharding: sharding if is_arraylike(x) else None,
+            like_param,
             opt_state,
             params_sh,
             transform_non_params=non_params,
