@@ -13,13 +13,11 @@ import sys
 
 import numpy as np
 import pytest
-from typer.testing import CliRunner
 
 import eqtrain.checkpoint
 import eqtrain.config
 import eqtrain.data
 import eqtrain.hf
-from eqtrain.cli import app
 from eqtrain.hf import _export
 from eqtrain.job import _preflight, _reference
 
@@ -27,17 +25,7 @@ from eqtrain.job import _preflight, _reference
 TEXT = "def f(x):\n    return x + 1\n\nclass A:\n    pass\n"
 
 
-def invoke(*args):
-    return CliRunner().invoke(app, [str(a) for a in args], catch_exceptions=False)
-
-
-def assert_clean_error(result, *fragments):
-    assert result.exit_code == 2, result.output
-    assert "Traceback" not in result.output
-    assert result.stderr.startswith("error: "), result.stderr
-    assert result.stderr.count("\n") == 1, result.stderr  # one paragraph
-    for fragment in fragments:
-        assert fragment in result.stderr, result.stderr
+from .test_failures_inputs import assert_clean_error, invoke  # noqa: E402
 
 
 def assert_error_after_warning(result, *fragments):
