@@ -5,14 +5,17 @@ The loss (`chunked_cross_entropy`) is a `jax.custom_vjp` whose differentiated
 forward computes each chunk's gradient on the spot (logits -> softmax -> the
 chunk's `d hidden` and its share of `d weight`), so the backward only scales what
 the forward saved by the incoming cotangent; undifferentiated calls (evaluation)
-run the primal alone, with no gradient work. Per-token log-probs
+run the primal alone, with no gradient work. Both optionally transform the
+logits as some heads do (Granite's `logit_scale`, then Gemma 2/3's final
+`softcap`, `c * tanh(z / c)`), chain rule included. Per-token log-probs
 (`chunked_token_logprobs`, for per-sequence sums) get a cotangent per token, so
 their backward recomputes each chunk's logits instead. `eqtrain.losses` builds
 the model-level losses on these.
 """
 
 import functools
-from typing import NamedTuple
+import math
+from typing import Any, NamedTuple
 
 import jax
 import jax.lax as lax
@@ -64,12 +67,40 @@ def _grads(g: Array, h: Array, w: Array) -> tuple[Array, Array]:
     return dh.astype(h.dtype), dw
 
 
-def _logits(h: Array, w: Array, vocab_size: int | None) -> Array:
+def _logits(
+    h: Array,
+    w: Array,
+    vocab_size: int | None,
+    logit_scale: float | int = 1.0,
+    softcap: float | int | None = None,
+) -> Array:
     """`[chunk, V]` f32 logits, padded-vocabulary ids at -inf (`vocab_mask`)."""
+    return _logits_slope(h, w, vocab_size, logit_scale, softcap)[0]
+
+
+def _logits_slope(
+    h: Array,
+    w: Array,
+    vocab_size: int | None,
+    logit_scale: float,
+    softcap: float | None,
+) -> tuple[Array, Array | float | None]:
+    """`(logits, slope)`: `h @ w.T` in f32, times `logit_scale`, soft-capped to
+    `softcap * tanh(z / softcap)`, then padded-vocabulary ids at -inf; `slope` is
+    `d logits / d (h @ w.T)` (None: 1, the default path's unchanged ops), taken
+    before the mask so that a masked id's (zero) cotangent stays finite."""
     z = _dot_t(h, w)
+    slope = None
+    if logit_scale != 1.0:
+        z = z * logit_scale
+        slope = logit_scale
+    if softcap is not None:
+        z = softcap * jnp.tanh(z / softcap)
+        d = 1.0 - jnp.square(z / softcap)
+        slope = d if slope is None else d * slope
     if vocab_size is not None and vocab_size < z.shape[-1]:
         z = jnp.where(jnp.arange(z.shape[-1])[None, :] < vocab_size, z, -jnp.inf)
-    return z
+    return z, slope
 
 
 def _stats(z: Array, t: Array) -> tuple[Array, Array, Array]:
@@ -120,32 +151,59 @@ def _check_chunk(chunk: int) -> None:
         )
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
-def _ce(h, w, t, m, chunk, z_loss, vocab_size):
+def _transforms(logit_scale: Any, softcap: Any) -> tuple[float, Any]:
+    """`(logit_scale, softcap)` as Python floats (static arguments), checked."""
+    try:
+        scale = float(logit_scale)
+        cap = None if softcap is None else float(softcap)
+    except (TypeError, jax.errors.ConcretizationTypeError):
+        raise ConfigError(
+            f"`logit_scale` and `softcap` must be Python numbers (static: fixed by "
+            f"the model's config), not traced arrays; got {logit_scale!r}, "
+            f"{softcap!r}."
+        ) from None
+    if not (math.isfinite(scale) and scale > 0):
+        raise ConfigError(
+            f"`logit_scale` must be a finite number > 0 (Granite: 1 / "
+            f"logits_scaling); got {logit_scale!r}."
+        )
+    if cap is not None and not (math.isfinite(cap) and cap > 0):
+        raise ConfigError(
+            f"`softcap` must be None or a finite number > 0 (Gemma 2: 30.0); got "
+            f"{softcap!r}."
+        )
+    return scale, cap
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8))
+def _ce(h, w, t, m, chunk, z_loss, vocab_size, logit_scale=1.0, softcap=None):
     hs, ts, ms = _chunks(chunk, h, t, m)
 
     def body(acc, xs):
         hc, tc, mc = _masked(*xs)
-        log_z, picked, correct = _stats(_logits(hc, w, vocab_size), tc)
+        z = _logits(hc, w, vocab_size, logit_scale, softcap)
+        log_z, picked, correct = _stats(z, tc)
         return acc + _sums(log_z - picked, log_z, correct, mc, z_loss), None
 
     sums, _ = lax.scan(body, jnp.zeros((4,), jnp.float32), (hs, ts, ms))
     return sums
 
 
-def _ce_fwd(h, w, t, m, chunk, z_loss, vocab_size):
+def _ce_fwd(h, w, t, m, chunk, z_loss, vocab_size, logit_scale=1.0, softcap=None):
     hs, ts, ms = _chunks(chunk, h, t, m)
 
     def body(carry, xs):
         acc, dw = carry
         hc, tc, mc = _masked(*xs)
-        z = _logits(hc, w, vocab_size)
+        z, slope = _logits_slope(hc, w, vocab_size, logit_scale, softcap)
         log_z, picked, correct = _stats(z, tc)
         # d(nll)/dz = softmax - onehot; d(log_z**2)/dz = 2 log_z softmax.
         p = jnp.exp(z - log_z[:, None])
         scale = 1.0 + 2.0 * z_loss * log_z if z_loss else jnp.ones_like(log_z)
         onehot = jnp.arange(z.shape[-1])[None, :] == tc[:, None]
         g = p * scale[:, None] - onehot.astype(jnp.float32)
+        if slope is not None:  # back through the soft-cap and the scale
+            g = g * slope
         g = jnp.where((mc != 0)[:, None], mc[:, None] * g, 0.0)
         dh, dw_chunk = _grads(g, hc, w)
         dw = dw + dw_chunk
@@ -158,7 +216,7 @@ def _ce_fwd(h, w, t, m, chunk, z_loss, vocab_size):
     return sums, (dh, dw.astype(w.dtype), t, m)
 
 
-def _ce_bwd(chunk, z_loss, vocab_size, saved, ct):
+def _ce_bwd(chunk, z_loss, vocab_size, logit_scale, softcap, saved, ct):
     dh, dw, t, m = saved
     # Only `total` (ct[0]) is differentiable; `ChunkedCE` stops the others.
     c = ct[0]
@@ -183,9 +241,16 @@ def chunked_cross_entropy(
     chunk: int,
     z_loss: float | int = 0.0,
     vocab_size: int | None = None,
+    logit_scale: float | int = 1.0,
+    softcap: float | int | None = None,
 ) -> ChunkedCE:
     """Cross-entropy of `logits = hidden @ weight.T` summed over target tokens,
     never holding more than `[chunk, vocab]` logits.
+
+    With `logit_scale` or `softcap` the logits are `softcap * tanh(logit_scale *
+    (hidden @ weight.T) / softcap)` (the scale first; either may be left out),
+    and everything (nll, `log_z` of the z-loss, accuracy, the padded-id mask)
+    is of these.
 
     Logits, log-sum-exp and gradients are f32 whatever the input dtype. Under
     `jax.grad` each chunk's gradient is computed in the forward pass (the backward
@@ -202,31 +267,37 @@ def chunked_cross_entropy(
         chunk: tokens per chunk; `N` is padded to a multiple with masked rows.
         z_loss: coefficient of `log_z**2` in `total`.
         vocab_size: the real vocabulary of a padded head (`losses.vocab_mask`).
+        logit_scale: a factor on the logits (Granite: `1 / logits_scaling`);
+            1 leaves them as they are.
+        softcap: the soft-cap `c` of `c * tanh(z / c)` after the scale (Gemma
+            2/3's `final_logit_softcapping`); None: none.
 
     Returns:
         A `ChunkedCE` of f32 sums; only `total` carries a gradient (w.r.t.
         `hidden` and `weight`).
     """
     _check_chunk(chunk)
+    scale, cap = _transforms(logit_scale, softcap)
     m = jnp.asarray(mask).astype(jnp.float32)
     t = jnp.where(m != 0, jnp.asarray(targets), 0).astype(jnp.int32)
     chunk = min(chunk, max(hidden.shape[0], 1))
-    sums = _ce(hidden, weight, t, m, chunk, float(z_loss), vocab_size)
+    sums = _ce(hidden, weight, t, m, chunk, float(z_loss), vocab_size, scale, cap)
     stats = lax.stop_gradient(sums[1:])
     return ChunkedCE(sums[0], stats[0], stats[1], stats[2])
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def _logp(h, w, t, chunk, vocab_size):
-    return _logp_fwd(h, w, t, chunk, vocab_size)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
+def _logp(h, w, t, chunk, vocab_size, logit_scale=1.0, softcap=None):
+    return _logp_fwd(h, w, t, chunk, vocab_size, logit_scale, softcap)[0]
 
 
-def _logp_fwd(h, w, t, chunk, vocab_size):
+def _logp_fwd(h, w, t, chunk, vocab_size, logit_scale=1.0, softcap=None):
     hs, ts = _chunks(chunk, h, t)
 
     def body(_, xs):
         hc, tc = xs
-        log_z, picked, _ = _stats(_logits(hc, w, vocab_size), tc)
+        z = _logits(hc, w, vocab_size, logit_scale, softcap)
+        log_z, picked, _ = _stats(z, tc)
         return None, (picked - log_z, log_z)
 
     _, (logp, log_z) = lax.scan(body, None, (hs, ts))
@@ -235,16 +306,20 @@ def _logp_fwd(h, w, t, chunk, vocab_size):
     return logp, (h, w, t, log_z)
 
 
-def _logp_bwd(chunk, vocab_size, saved, ct):
+def _logp_bwd(chunk, vocab_size, logit_scale, softcap, saved, ct):
     h, w, t, log_z = saved
     hs, ts, lzs, cts = _chunks(chunk, h, t, log_z, ct.astype(jnp.float32))
 
     def body(dw, xs):
         hc, tc, lzc, cc = xs
         # d logp / dz = onehot - softmax, recomputed from the saved log_z.
-        p = jnp.exp(_logits(hc, w, vocab_size) - lzc[:, None])
+        z, slope = _logits_slope(hc, w, vocab_size, logit_scale, softcap)
+        p = jnp.exp(z - lzc[:, None])
         onehot = (jnp.arange(p.shape[-1])[None, :] == tc[:, None]).astype(jnp.float32)
-        g = jnp.where((cc != 0)[:, None], cc[:, None] * (onehot - p), 0.0)
+        if slope is None:
+            g = jnp.where((cc != 0)[:, None], cc[:, None] * (onehot - p), 0.0)
+        else:  # back through the soft-cap and the scale
+            g = jnp.where((cc != 0)[:, None], cc[:, None] * ((onehot - p) * slope), 0.0)
         dh, dw_chunk = _grads(g, hc, w)
         dw = dw + dw_chunk
         return dw, dh
@@ -263,15 +338,18 @@ def chunked_token_logprobs(
     *,
     chunk: int,
     vocab_size: int | None = None,
+    logit_scale: float | int = 1.0,
+    softcap: float | int | None = None,
 ) -> Float[Array, " tokens"]:
     """`log softmax(hidden @ weight.T)[target]` per token, in f32, chunk by chunk.
 
     Differentiable w.r.t. `hidden` and `weight`; the backward recomputes each
     chunk's logits (a cotangent per token cannot be folded in ahead of time), and
     tokens whose cotangent is 0 contribute exactly 0. `targets` must be valid ids.
+    `logit_scale`, `softcap`: as for `chunked_cross_entropy`.
     """
     _check_chunk(chunk)
+    scale, cap = _transforms(logit_scale, softcap)
     chunk = min(chunk, max(hidden.shape[0], 1))
-    return _logp(
-        hidden, weight, jnp.asarray(targets).astype(jnp.int32), chunk, vocab_size
-    )
+    t = jnp.asarray(targets).astype(jnp.int32)
+    return _logp(hidden, weight, t, chunk, vocab_size, scale, cap)

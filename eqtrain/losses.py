@@ -157,6 +157,14 @@ def _batch_features(
     return vmap_rows(call)(tokens, extras, keys)
 
 
+def _logit_options(model: Any) -> dict[str, Any]:
+    """The keyword arguments of the chunked losses that transform a model's logits
+    (`logit_scale`, `softcap`), from its `logit_options()`; `{}` (plain logits)
+    for a model without one."""
+    options = getattr(model, "logit_options", None)
+    return {} if options is None else dict(options())
+
+
 def chunked_causal_lm_loss_fn(
     *, chunk: int = 256, z_loss: float | int = 0.0, vocab_size: int | None = None
 ) -> Callable[..., tuple[Float[Array, ""], Aux]]:
@@ -170,6 +178,9 @@ def chunked_causal_lm_loss_fn(
     aux (`accuracy`, `weight`, `z_loss` when on) equal `causal_lm_loss_fn`'s up
     to float rounding; with bf16 compute the logits are f32 here (the plain loss
     rounds them to bf16 first). `eqtrain fit` uses it for `model.loss_chunk`.
+    A model whose head transforms its logits (Gemma 2/3's soft-cap, Granite's
+    scale) says how with `logit_options() -> {"logit_scale": ..., "softcap":
+    ...}`, passed on to `chunked_cross_entropy`.
 
     Args:
         chunk: tokens per chunk (of the flattened `batch * seq`); 256 is a good
@@ -206,6 +217,7 @@ def chunked_causal_lm_loss_fn(
             chunk=chunk,
             z_loss=z_loss,
             vocab_size=vocab_size,
+            **_logit_options(model),
         )
         count = jnp.sum(mask)
         denom = jnp.where(count > 0, count, 1.0)
@@ -225,13 +237,16 @@ def chunked_sequence_logprobs(
     *,
     chunk: int = 256,
     vocab_size: int | None = None,
+    logit_scale: float | int = 1.0,
+    softcap: float | int | None = None,
 ) -> tuple[Float[Array, "*batch"], Float[Array, "*batch"]]:
     """`preference.sequence_logprobs` from hidden states and the head matrix
     (`model.features`, `model.head_weight()`), without the full logits.
 
     Returns `(sum over masked positions of log p(target), number of masked
     positions)` per sequence in f32, differentiable w.r.t. `hidden` and `weight`
-    (see `chunked_token_logprobs`).
+    (see `chunked_token_logprobs`). `logit_scale`, `softcap`: the logit
+    transforms of `chunked_cross_entropy` (a model's `logit_options()`).
     """
     m = jnp.asarray(mask).astype(jnp.float32)
     t = jnp.where(m != 0, jnp.asarray(targets), 0)
@@ -241,6 +256,8 @@ def chunked_sequence_logprobs(
         t.reshape(-1),
         chunk=chunk,
         vocab_size=vocab_size,
+        logit_scale=logit_scale,
+        softcap=softcap,
     ).reshape(t.shape)
     return jnp.sum(jnp.where(m != 0, logp * m, 0.0), axis=-1), jnp.sum(m, axis=-1)
 

@@ -27,7 +27,7 @@ from jaxtyping import Array, ArrayLike, Float, Int, PRNGKeyArray
 from . import lora
 from ._errors import ConfigError
 from ._state import trainable_mask
-from .losses import chunked_sequence_logprobs, vocab_mask
+from .losses import _logit_options, chunked_sequence_logprobs, vocab_mask
 
 
 Metrics = dict[str, Float[Array, ""]]
@@ -264,6 +264,7 @@ def _logps(
             mask,
             chunk=chunk,
             vocab_size=vocab_size,
+            **_logit_options(model),
         )
     logits = jax.vmap(lambda t, k: model(t, key=k))(tokens, keys)
     return sequence_logprobs(logits, targets, mask, vocab_size=vocab_size)

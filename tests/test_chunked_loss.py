@@ -14,7 +14,7 @@ import optax
 import pytest
 
 import eqtrain
-from eqtrain import ConfigError, lora, losses, preference, sharding
+from eqtrain import ConfigError, _chunked, lora, losses, preference, sharding
 from eqtrain.models import GPT2, GPT2Config, Llama, LlamaConfig, resize_vocab
 
 
@@ -78,6 +78,11 @@ def assert_close(a, b, rtol=RTOL, atol=ATOL):
     for x, y in zip(jtu.tree_leaves(a), jtu.tree_leaves(b), strict=True):
         x, y = np.asarray(x, np.float32), np.asarray(y, np.float32)
         np.testing.assert_allclose(x, y, rtol=rtol, atol=atol)
+
+
+def assert_finite(tree):
+    # assert_allclose takes NaN == NaN: a comparison alone cannot catch NaN.
+    assert all(np.all(np.isfinite(np.asarray(x))) for x in jtu.tree_leaves(tree))
 
 
 # -- models: features and head_weight ----------------------------------------------
@@ -148,7 +153,9 @@ def _naive_sums(h, w, t, m, z_loss, vocab_size):
 def test_kernel_chunk_sizes(chunk):
     h = jr.normal(jr.key(0), (30, 8))
     w = jr.normal(jr.key(1), (13, 8))
-    t = jr.randint(jr.key(2), (30,), 0, 11).at[20:].set(-100)
+    # Garbage targets on masked rows only (unmasked ones at -100 made the sums NaN,
+    # and assert_allclose takes NaN == NaN).
+    t = jr.randint(jr.key(2), (30,), 0, 11).at[14:24].set(-100)
     m = jr.uniform(jr.key(3), (30,)).at[12:26].set(0.0)  # fractional weights too
     w = w.at[3].set(w[5]).at[11:].set(9.0)  # a tie for the max; padded rows
 
@@ -163,7 +170,9 @@ def test_kernel_chunk_sizes(chunk):
         _naive_sums(h, w, t, m, 0.1, 11),
     )
     grad = lambda f: jax.jit(jax.value_and_grad(f, (0, 1), has_aux=True))(h, w)
-    assert_close(grad(naive), grad(chunked))
+    got = grad(chunked)
+    assert_finite(got)
+    assert_close(grad(naive), got)
 
 
 def test_all_masked_is_zero_with_zero_gradients():
@@ -272,6 +281,187 @@ def test_chunked_sequence_logprobs_equals_sequence_logprobs():
         h, w
     )
     assert_close(grad(naive), grad(chunked))
+
+
+# -- logit transforms: Granite's scale, Gemma 2/3's final soft-cap -----------------
+def _transform(z, logit_scale=1.0, softcap=None):
+    """The plain transforms, as a model's head applies them to full logits."""
+    if logit_scale != 1.0:
+        z = z * logit_scale
+    if softcap is not None:
+        z = softcap * jnp.tanh(z / softcap)
+    return z
+
+
+TRANSFORMS = {
+    "both": dict(logit_scale=0.25, softcap=3.0),
+    "scale": dict(logit_scale=0.25),
+    "softcap": dict(softcap=3.0),
+}
+
+
+def _kernel_inputs():
+    # Logits of a few units (std ~5.7), so that the soft-cap bends them without
+    # saturating; padded rows 11, 12 with huge logits that the mask must drop.
+    h = 2.0 * jr.normal(jr.key(0), (30, 8))
+    w = jr.normal(jr.key(1), (13, 8)).at[11:].set(9.0)
+    t = jr.randint(jr.key(2), (30,), 0, 11).at[14:24].set(-100)  # masked rows
+    m = jr.uniform(jr.key(3), (30,)).at[12:26].set(0.0)
+    return h, w, t, m
+
+
+@pytest.mark.parametrize("chunk", [4, 7, 1000])
+@pytest.mark.parametrize("which", list(TRANSFORMS))
+@pytest.mark.parametrize("z_loss, vocab_size", [(0.0, None), (0.1, 11)])
+def test_kernels_with_logit_transforms_equal_full_logits(
+    which, chunk, z_loss, vocab_size
+):
+    opts = TRANSFORMS[which]
+    h, w, t, m = _kernel_inputs()
+    full = lambda h, w: losses.vocab_mask(_transform(h @ w.T, **opts), vocab_size)
+    grad = lambda f: jax.jit(jax.value_and_grad(f, (0, 1), has_aux=True))(h, w)
+
+    def naive(h, w):
+        nll, log_z, correct = losses._token_cross_entropy(
+            full(h, w), jnp.where(m > 0, t, 0)
+        )
+        total = nll + z_loss * jnp.square(log_z)
+        sums = tuple(jnp.sum(m * x) for x in (total, nll, jnp.square(log_z), correct))
+        return sums[0], sums
+
+    def chunked(h, w):
+        ce = losses.chunked_cross_entropy(
+            h, w, t, m, chunk=chunk, z_loss=z_loss, vocab_size=vocab_size, **opts
+        )
+        return ce.total, tuple(ce)
+
+    (v1, s1), g1 = grad(naive)
+    (v2, s2), g2 = grad(chunked)
+    assert_finite((v2, s2, g2))
+    assert_close((v1, s1, g1), (v2, s2, g2))
+    # The transforms matter here: the plain logits give another loss.
+    plain = losses.chunked_cross_entropy(
+        h, w, t, m, chunk=chunk, z_loss=z_loss, vocab_size=vocab_size
+    )
+    assert abs(float(plain.total) - float(v2)) > 1e-2 * abs(float(v2))
+
+    # Per-token log-probs, with a cotangent per token (zeros included).
+    tv = jnp.where(m > 0, t, 0)
+    c = jr.normal(jr.key(4), (30,)).at[5:9].set(0.0)
+
+    def naive_logp(h, w):
+        logp = jax.nn.log_softmax(full(h, w), axis=-1)
+        logp = jnp.take_along_axis(logp, tv[:, None], axis=-1)[:, 0]
+        return jnp.sum(c * logp), logp
+
+    def chunked_logp(h, w):
+        logp = losses.chunked_token_logprobs(
+            h, w, tv, chunk=chunk, vocab_size=vocab_size, **opts
+        )
+        return jnp.sum(c * logp), logp
+
+    got = grad(chunked_logp)
+    assert_finite(got)
+    assert_close(grad(naive_logp), got)
+
+
+def test_default_logit_transforms_add_no_ops():
+    # Explicit defaults trace to exactly the plain kernels (bit-identical results),
+    # for the loss and the log-probs, forward and backward.
+    h, w, t, m = _kernel_inputs()
+    tv = jnp.where(m > 0, t, 0)
+    ce = lambda **o: (
+        lambda h, w: (
+            losses.chunked_cross_entropy(
+                h, w, t, m, chunk=7, z_loss=0.1, vocab_size=11, **o
+            ).total
+        )
+    )
+    lp = lambda **o: (
+        lambda h, w: jnp.sum(
+            losses.chunked_token_logprobs(h, w, tv, chunk=7, vocab_size=11, **o)
+        )
+    )
+    for f in (ce, lp):
+        jaxprs = [
+            str(jax.make_jaxpr(jax.value_and_grad(f(**o), (0, 1)))(h, w))
+            for o in ({}, dict(logit_scale=1.0, softcap=None), dict(logit_scale=1))
+        ]
+        assert jaxprs[0] == jaxprs[1] == jaxprs[2]
+        assert "tanh" not in jaxprs[0]
+        with_cap = str(jax.make_jaxpr(jax.grad(f(softcap=3.0), (0, 1)))(h, w))
+        assert "tanh" in with_cap
+
+
+def test_bad_logit_transforms_are_refused():
+    h, w, t = jnp.ones((2, 2)), jnp.ones((3, 2)), jnp.zeros(2, jnp.int32)
+    ce = functools.partial(losses.chunked_cross_entropy, h, w, t, jnp.ones(2), chunk=2)
+    lp = functools.partial(losses.chunked_token_logprobs, h, w, t, chunk=2)
+    for f in (ce, lp):
+        with pytest.raises(ConfigError, match="`softcap` must be None or"):
+            f(softcap=0.0)
+        with pytest.raises(ConfigError, match="`logit_scale` must be a finite"):
+            f(logit_scale=-1.0)
+    with pytest.raises(ConfigError, match="not traced arrays"):
+        jax.jit(lambda s: _chunked._transforms(1.0, s))(3.0)
+
+
+class CappedLM(eqx.Module):
+    """A tiny LM whose head scales and soft-caps its logits (the Granite and Gemma
+    2/3 heads), with the chunked losses' `features`/`head_weight`/`logit_options`."""
+
+    embed: jax.Array
+    head: jax.Array
+    logit_scale: float = eqx.field(static=True)
+    softcap: float | None = eqx.field(static=True)
+
+    def features(self, tokens, *, key=None, **rows):
+        return 2.0 * jnp.tanh(self.embed[tokens])
+
+    def head_weight(self, *, key=None):
+        return self.head
+
+    def logit_options(self):
+        return {"logit_scale": self.logit_scale, "softcap": self.softcap}
+
+    def __call__(self, tokens, *, key=None, **rows):
+        z = self.features(tokens) @ self.head_weight().T
+        return _transform(z, self.logit_scale, self.softcap)
+
+
+def test_model_logit_options_reach_the_chunked_losses():
+    # The chunked loss and DPO's chunked log-probs equal the plain ones on the
+    # model's own (scaled, soft-capped) logits.
+    model = CappedLM(
+        jr.normal(jr.key(0), (64, 16)),
+        jr.normal(jr.key(1), (64, 16)),
+        logit_scale=0.25,
+        softcap=3.0,
+    )
+    chunked = losses.chunked_causal_lm_loss_fn(chunk=6)
+    want = value_and_grads(losses.causal_lm_loss, model, BATCH)
+    got = value_and_grads(chunked, model, BATCH)
+    assert_finite(got)
+    assert_close(want, got)
+    # Without the options the chunked loss would be of the plain logits.
+    plain = eqx.filter_jit(chunked)(
+        CappedLM(model.embed, model.head, logit_scale=1.0, softcap=None), BATCH
+    )
+    assert abs(float(plain[0]) - float(got[0][0])) > 1e-2
+
+    # Preference log-probs: `preference` passes the options as well.
+    pairs = {
+        "chosen_tokens": BATCH["tokens"][:4],
+        "rejected_tokens": BATCH["tokens"][4:],
+        "chosen_targets": BATCH["targets"][:4],
+        "rejected_targets": BATCH["targets"][4:],
+        "chosen_mask": BATCH["loss_mask"][:4],
+        "rejected_mask": BATCH["loss_mask"][4:],
+    }
+    logps = eqx.filter_jit(
+        lambda m, chunk: preference.pair_logprobs(m, pairs, chunk=chunk)
+    )
+    assert_close(logps(model, None), logps(model, 5), atol=1e-5)
 
 
 # -- no [tokens, vocab] intermediate -----------------------------------------------
