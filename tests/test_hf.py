@@ -269,8 +269,12 @@ def test_load_errors(tmp_path):
     write({"num_hidden_layers": 1})
     with pytest.raises(hf.HFFormatError, match=r"unexpected: model.layers.1."):
         hf.load(tmp_path / "a")
-    write({"rope_parameters": {"rope_type": "yarn", "factor": 4.0}})
-    with pytest.raises(hf.HFFormatError, match="RoPE scaling"):
+    # a rope type transformers has and eqtrain does not: refused by name
+    write({"rope_parameters": {"rope_type": "mrope", "mrope_section": [2, 2]}})
+    with pytest.raises(hf.HFFormatError, match="rope_parameters.mrope_section"):
+        hf.load(tmp_path / "a")
+    write({"rope_parameters": {"rope_type": "llama3", "factor": 8.0}})
+    with pytest.raises(hf.HFFormatError, match="low_freq_factor"):
         hf.load(tmp_path / "a")
 
 

@@ -34,7 +34,12 @@ def setting(
     return dataclasses.field(default=default, metadata=meta)
 
 
-ARCHS = ("llama", "mistral", "qwen2", "gpt2")
+# The Hugging Face model types of `eqtrain.models.FAMILIES` (the config cannot
+# import the models, which pull in JAX; tests/test_models.py checks they agree).
+ARCHS = (
+    *("llama", "mistral", "qwen2", "qwen3", "smollm3", "gemma", "gemma2"),
+    *("gemma3_text", "phi3", "olmo2", "granite", "starcoder2", "gpt2"),
+)
 TASKS = ("lm", "sft", "dpo", "ipo", "orpo", "simpo")
 PREFERENCE_TASKS = ("dpo", "ipo", "orpo", "simpo")
 DATA_FORMATS = ("auto", "text", "chat", "prompt_completion", "preference")
@@ -60,7 +65,8 @@ FINAL_LR_DIVISOR = 10  # of optim.lr (0 for the constant schedule)
 class ModelConfig:
     arch: str = setting(
         "llama",
-        "Architecture: Llama, Mistral and Qwen2 share one implementation; GPT-2.",
+        "Architecture: a Hugging Face model type. All but gpt2 are one decoder "
+        "with per-family switches (eqtrain.models.archs; docs/models.md).",
         choices=ARCHS,
     )
     init_from: str | None = setting(

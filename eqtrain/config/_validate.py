@@ -148,9 +148,9 @@ def _model(config: Config) -> None:
         wrong = [k for k in LLAMA_ONLY if f"model.{k}" in given]
         if wrong:
             raise ConfigError(
-                f"`model.{wrong[0]}` applies to the Llama family (llama, mistral, "
-                "qwen2) only; model.arch is 'gpt2'. Remove it or change the "
-                "architecture."
+                f"`model.{wrong[0]}` applies to the decoder families (every "
+                "model.arch but gpt2) only; model.arch is 'gpt2'. Remove it or "
+                "change the architecture."
             )
     heads = m.num_heads
     if m.head_dim is None and m.hidden_size % heads:

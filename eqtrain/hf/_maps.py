@@ -7,6 +7,7 @@ families' registry (`eqtrain.models.family`); this module adds what is specific
 to Hugging Face's `config.json`.
 """
 
+import dataclasses
 import importlib.metadata
 from collections.abc import Iterator
 from typing import Any
@@ -16,7 +17,8 @@ import jax.tree_util as jtu
 import numpy as np
 
 from .._errors import ConfigError
-from ..models import FAMILIES, GPT2Config, HFNames, LlamaConfig, family
+from ..models import FAMILIES, GPT2Config, HFNames, family
+from ..models.archs import ARCHS as DECODER_ARCHS, HFConfigError, Reader
 from ..models.gpt2 import ACTIVATIONS as GPT2_ACTIVATIONS
 from ._errors import HFFormatError
 
@@ -31,12 +33,14 @@ DTYPE_NAMES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16
 
 
 def infer_model_type(config: Any, model_type: str | None) -> str:
-    """The Hugging Face `model_type` of an eqtrain config (see `eqtrain.hf.export`)."""
+    """The Hugging Face `model_type` of an eqtrain config (see `eqtrain.hf.export`):
+    `model_type`, else the config's own (`DecoderConfig.model_type`), else the
+    first architecture that expresses it."""
     fam = next((f for f in FAMILIES.values() if isinstance(config, f.config)), None)
     if fam is None:
         names = " or ".join(f"`{f.config.__name__}`" for f in FAMILIES.values())
         raise ConfigError(
-            f"`eqtrain.hf` exports Llama-family and GPT-2 models; got a config of "
+            f"`eqtrain.hf` exports the decoder families and GPT-2; got a config of "
             f"type {type(config).__name__}. Pass the model's {names} (`model.config`)."
         )
     inferred = fam.model_type_of(config)
@@ -50,36 +54,15 @@ def infer_model_type(config: Any, model_type: str | None) -> str:
             f"a {type(config).__name__} cannot be exported as {model_type!r}; "
             f"use model_type={inferred!r} (or None to infer it)."
         )
-    _check_expressible(config, model_type)
+    arch = DECODER_ARCHS.get(model_type)
+    problems = [] if arch is None else arch.problems(config)
+    if problems:
+        raise ConfigError(
+            f"this {type(config).__name__} has {'; '.join(problems)}, which HF's "
+            f"{model_type!r} cannot express; pass another model_type (or None to "
+            f"infer it: {inferred!r})."
+        )
     return model_type
-
-
-def _check_expressible(config: Any, model_type: str) -> None:
-    if family(model_type).name != "llama":
-        return
-    qkv, o = config.attention_bias, config.attention_bias
-    if config.o_proj_bias is not None:
-        o = config.o_proj_bias
-    problems = {
-        "llama": [
-            (qkv != o, "q/k/v and o_proj biases differ (Llama has both or neither)"),
-            (config.sliding_window is not None, "a sliding window"),
-        ],
-        "mistral": [(qkv or o or config.mlp_bias, "biases (Mistral has none)")],
-        "qwen2": [
-            (not qkv or o, "not q/k/v biases without an o_proj bias"),
-            (config.mlp_bias, "MLP biases"),
-            (config.sliding_window is not None, "a sliding window on every layer"),
-        ],
-    }[model_type]
-    for bad, what in problems:
-        if bad:
-            raise ConfigError(
-                f"this LlamaConfig has {what}, which HF's {model_type!r} cannot "
-                f"express; pass another model_type (or None to infer it): qkv "
-                f"bias={qkv}, o_proj bias={o}, mlp_bias={config.mlp_bias}, "
-                f"sliding_window={config.sliding_window}."
-            )
 
 
 # -- config.json -----------------------------------------------------------------------
@@ -101,8 +84,10 @@ def hf_config(
         "dtype": dtype,
         "torch_dtype": dtype,
     }
-    to_hf = {"gpt2": _gpt2_config, "llama": _llama_config}[family(model_type).name]
-    out = {**common, **to_hf(config, model_type)}
+    if model_type in DECODER_ARCHS:
+        out = {**common, **DECODER_ARCHS[model_type].to_hf(config)}
+    else:
+        out = {**common, **_gpt2_config(config, model_type)}
     version = _transformers_version()
     if version:
         out["transformers_version"] = version
@@ -128,40 +113,6 @@ def _gpt2_config(c: GPT2Config, model_type: str) -> dict[str, Any]:
         "add_cross_attention": False,
         "tie_word_embeddings": c.tie_word_embeddings,
     }
-
-
-def _llama_config(c: LlamaConfig, model_type: str) -> dict[str, Any]:
-    theta = float(c.rope_theta)
-    out: dict[str, Any] = {
-        "hidden_size": c.hidden_size,
-        "intermediate_size": c.intermediate_size,
-        "num_hidden_layers": c.num_hidden_layers,
-        "num_attention_heads": c.num_attention_heads,
-        "num_key_value_heads": c.kv_heads,
-        "head_dim": c.head_size,
-        "hidden_act": "silu",
-        "max_position_embeddings": c.max_position_embeddings,
-        "rms_norm_eps": float(c.rms_norm_eps),
-        "rope_parameters": {"rope_theta": theta, "rope_type": "default"},
-        "rope_theta": theta,
-        "attention_dropout": 0.0,
-        "tie_word_embeddings": c.tie_word_embeddings,
-    }
-    if model_type == "llama":
-        out.update(
-            attention_bias=c.attention_bias, mlp_bias=c.mlp_bias, pretraining_tp=1
-        )
-    elif model_type == "mistral":
-        out.update(sliding_window=c.sliding_window)
-    else:
-        layers = c.num_hidden_layers
-        out.update(
-            sliding_window=None,
-            use_sliding_window=False,
-            max_window_layers=layers,
-            layer_types=["full_attention"] * layers,
-        )
-    return out
 
 
 def generation_config(bos: int | None, eos: int | None) -> dict[str, Any]:
@@ -195,9 +146,18 @@ def eqtrain_config(hf: dict[str, Any], path: str, param_dtype: str) -> tuple[str
             f"{sorted(ARCHS)}. Another architecture needs a model family "
             "(eqtrain/models/_registry.py) and its config.json map here."
         )
-    from_hf = {"gpt2": _gpt2_from_hf, "llama": _llama_from_hf}[family(model_type).name]
     try:
-        return model_type, from_hf(hf, model_type, path, param_dtype)
+        if model_type in DECODER_ARCHS:
+            config = DECODER_ARCHS[model_type].from_hf(Reader(hf, path), param_dtype)
+            # Without a model_type, the config is exported as the first
+            # architecture that expresses it: record the file's only if it differs.
+            plain = dataclasses.replace(config, model_type=None)
+            if family(plain).model_type_of(plain) == model_type:
+                config = plain
+            return model_type, config
+        return model_type, _gpt2_from_hf(hf, model_type, path, param_dtype)
+    except HFConfigError as error:
+        raise HFFormatError(str(error)) from None
     except KeyError as error:
         raise HFFormatError(
             f"{path}: the {model_type} config has no {error.args[0]!r}; it is needed "
@@ -249,58 +209,6 @@ def _gpt2_from_hf(
         ),
         reorder_and_upcast_attn=bool(hf.get("reorder_and_upcast_attn", False)),
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", True)),
-        param_dtype=param_dtype,
-    )
-
-
-def _rope_theta(hf: dict[str, Any], path: str) -> float:
-    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-    kind = rope.get("rope_type", rope.get("type", "default"))
-    _require(path, "RoPE scaling", kind == "default", kind)
-    return float(rope.get("rope_theta", hf.get("rope_theta", 10000.0)))
-
-
-def _llama_from_hf(
-    hf: dict[str, Any], model_type: str, path: str, param_dtype: str
-) -> LlamaConfig:
-    act = hf.get("hidden_act", "silu")
-    _require(path, "activations other than silu", act == "silu", act)
-    heads = int(hf["num_attention_heads"])
-    bias = o_bias = mlp_bias = False
-    window = None
-    if model_type == "llama":
-        bias = o_bias = bool(hf.get("attention_bias", False))
-        mlp_bias = bool(hf.get("mlp_bias", False))
-    elif model_type == "mistral":
-        window = hf.get("sliding_window")
-    else:
-        bias, o_bias = True, False
-        sliding = hf.get("use_sliding_window", False)
-        _require(path, "Qwen2's per-layer sliding windows", not sliding, sliding)
-    # Values equal to their defaults are written as `None`, as a hand-written
-    # LlamaConfig would have them, so that a round trip gives an equal config.
-    hidden = int(hf["hidden_size"])
-    kv = int(hf.get("num_key_value_heads") or heads)
-    head_dim = hf.get("head_dim")
-    if head_dim is not None and hidden % heads == 0 and head_dim == hidden // heads:
-        head_dim = None
-    return LlamaConfig(
-        vocab_size=int(hf["vocab_size"]),
-        hidden_size=hidden,
-        intermediate_size=int(hf["intermediate_size"]),
-        num_hidden_layers=int(hf["num_hidden_layers"]),
-        num_attention_heads=heads,
-        num_key_value_heads=None if kv == heads else kv,
-        head_dim=None if head_dim is None else int(head_dim),
-        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-        rope_theta=_rope_theta(hf, path),
-        attention_bias=bias,
-        o_proj_bias=None if o_bias == bias else o_bias,
-        mlp_bias=mlp_bias,
-        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        sliding_window=window,
-        max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
-        initializer_range=float(hf.get("initializer_range", 0.02)),
         param_dtype=param_dtype,
     )
 

@@ -237,20 +237,32 @@ class Embedding(eqx.Module):
 
 class RMSNorm(eqx.Module):
     """Root-mean-square norm, computed in f32 like Hugging Face's `LlamaRMSNorm`:
-    `weight * (x * rsqrt(mean(x**2) + eps)).astype(x.dtype)`."""
+    `weight * (x * rsqrt(mean(x**2) + eps)).astype(x.dtype)`.
+
+    `plus_one=True` is Gemma's variant: the gain is `1 + weight` (zeros at
+    init), applied in f32 before the cast: `(h * (1 + weight)).astype(x.dtype)`.
+    """
 
     weight: Float[Array, " dim"]
     eps: float = eqx.field(static=True)
+    plus_one: bool = eqx.field(static=True, default=False)
 
-    def __init__(self, dim: int, *, eps: float | int, dtype: Any):
-        self.weight = jnp.ones((dim,), dtype)
+    def __init__(
+        self, dim: int, *, eps: float | int, dtype: Any, plus_one: bool = False
+    ):
+        init = jnp.zeros if plus_one else jnp.ones
+        self.weight = init((dim,), dtype)
         self.eps = float(eps)
+        self.plus_one = plus_one
 
     @jax.named_scope("norm")
     def __call__(self, x: Float[Array, "*batch dim"]) -> Float[Array, "*batch dim"]:
         h = x.astype(jnp.float32)
         h = h * lax.rsqrt(jnp.mean(h * h, axis=-1, keepdims=True) + self.eps)
-        return _broadcast_last(self.weight, x.ndim) * h.astype(x.dtype)
+        w = _broadcast_last(self.weight, x.ndim)
+        if self.plus_one:
+            return (h * (1.0 + w.astype(jnp.float32))).astype(x.dtype)
+        return w * h.astype(x.dtype)
 
 
 class LayerNorm(eqx.Module):
@@ -272,6 +284,79 @@ class LayerNorm(eqx.Module):
         h = ((h - mean) * lax.rsqrt(var + self.eps)).astype(x.dtype)
         w, b = (_broadcast_last(p, x.ndim) for p in (self.weight, self.bias))
         return h * w + b
+
+
+def _gelu_tanh(x: Array) -> Array:
+    return jax.nn.gelu(x, approximate=True)
+
+
+def _gelu_erf(x: Array) -> Array:
+    return jax.nn.gelu(x, approximate=False)
+
+
+LAPLACE_SCALE = 0.282095 * math.sqrt(2.0)  # transformers' LaplaceActivation
+ACTIVATIONS: dict[str, Callable[[Array], Array]] = {
+    # The tanh approximation under its names (`gelu_fast` writes sqrt(2/pi) as
+    # 0.7978845608, the same float32 number).
+    "gelu_new": _gelu_tanh,
+    "gelu_pytorch_tanh": _gelu_tanh,
+    "gelu_python_tanh": _gelu_tanh,
+    "gelu_accurate": _gelu_tanh,
+    "gelu_fast": _gelu_tanh,
+    # The exact (erf) GELU.
+    "gelu": _gelu_erf,
+    "gelu_python": _gelu_erf,
+    "gelu_10": lambda x: jnp.clip(_gelu_erf(x), -10, 10),
+    "quick_gelu": lambda x: x * jax.nn.sigmoid(1.702 * x),
+    "relu": jax.nn.relu,
+    "relu2": lambda x: jnp.square(jax.nn.relu(x)),
+    "relu6": jax.nn.relu6,
+    "leaky_relu": jax.nn.leaky_relu,  # torch's default slope, 0.01
+    "silu": jax.nn.silu,
+    "swish": jax.nn.silu,
+    "hardswish": jax.nn.hard_swish,
+    "mish": jax.nn.mish,
+    "sigmoid": jax.nn.sigmoid,
+    "tanh": jnp.tanh,
+    "linear": lambda x: x,
+    "laplace": lambda x: 0.5 * (1.0 + jax.lax.erf((x - 0.707107) / LAPLACE_SCALE)),
+    "sqrtsoftplus": lambda x: jnp.sqrt(jax.nn.softplus(x)),
+}
+
+
+def head_weight(
+    embedding: Embedding, lm_head: AnyLinear | None, *, key: PRNGKeyArray | None = None
+) -> Float[Array, "vocab hidden"]:
+    """The `[vocab, hidden]` matrix of a decoder's head: the tied embedding, the
+    `lm_head` weight, or, for a head wrapped by `eqtrain.lora`, the merged
+    `weight + scale * lora_b @ lora_a` (f32, in the weight's dtype; as
+    `lora.merged_weight`), so the adapter's gradient flows through it.
+
+    `key` says the caller is in a training step (adapter dropout active): dropout
+    on the head's input cannot be folded into a matrix, so that case is refused.
+
+    Raises:
+        ConfigError: the head has a bias, or an enabled adapter with dropout and a
+            `key` was given.
+    """
+    if lm_head is None:
+        return embedding.weight
+    if lm_head.bias is not None:
+        raise ConfigError(
+            "`head_weight` needs a head without bias (logits = x @ W.T); this "
+            "`lm_head` has one. Use the model's `__call__` for its logits."
+        )
+    if not isinstance(lm_head, LoRALinear) or not lm_head.enabled:
+        return lm_head.weight
+    if lm_head.dropout > 0 and key is not None:
+        raise ConfigError(
+            f"the `lm_head` LoRA adapter has dropout {lm_head.dropout}, which a "
+            "chunked head (one matrix) cannot apply. Leave `lm_head` out of the "
+            "LoRA `targets`, set the LoRA dropout to 0, or use the plain loss."
+        )
+    b, a = lm_head.lora_b.astype(jnp.float32), lm_head.lora_a.astype(jnp.float32)
+    w = lm_head.weight.astype(jnp.float32) + lm_head.scale * (b @ a)
+    return w.astype(lm_head.weight.dtype)
 
 
 # -- positions, rotary embeddings and attention ------------------------------------
@@ -335,8 +420,10 @@ def attention(
     sliding_window: int | None,
     implementation: str | None,
     query_chunk: int = 0,
+    scale: float | None = None,
+    softcap: float | None = None,
 ) -> Float[Array, "seq heads head_dim"]:
-    """Causal attention with `jax.nn.dot_product_attention`.
+    """Causal attention with `jax.nn.dot_product_attention` (`dot_attention`).
 
     Query head `h` reads key/value head `h // (heads // kv_heads)` (grouped-query
     attention, heads grouped contiguously as Hugging Face's `repeat_kv`). A position
@@ -346,7 +433,11 @@ def attention(
     `query_chunk > 0` (and shorter than the sequence): the queries go through in
     blocks of that many (`blocked_attention`), so that the `[heads, seq, seq]`
     scores never exist at once, in the backward pass either.
+
+    `scale` multiplies the scores (default `head_dim ** -0.5`); `softcap` caps
+    them as `softcap * tanh(scores / softcap)` before the mask (Gemma 2).
     """
+    extra = dict(scale=scale, softcap=softcap)
     if 0 < query_chunk < q.shape[0] and implementation != "cudnn":
         return blocked_attention(
             q,
@@ -356,6 +447,7 @@ def attention(
             sliding_window=sliding_window,
             implementation=implementation,
             query_chunk=query_chunk,
+            **extra,
         )
     if implementation != "cudnn" and q.shape[0] > CAUSAL_BLOCK_MIN:
         return causal_blocks(
@@ -365,20 +457,83 @@ def attention(
             segment_ids=segment_ids,
             sliding_window=sliding_window,
             implementation=implementation,
+            **extra,
         )
     mask = None
     if segment_ids is not None:
         mask = segment_mask(segment_ids)[None]
     window = None if sliding_window is None else (sliding_window - 1, 0)
-    return jax.nn.dot_product_attention(
+    return dot_attention(
         q,
         k,
         v,
         mask=mask,
         is_causal=True,
         local_window_size=window,
-        implementation=implementation,  # pyright: ignore[reportArgumentType]
+        implementation=implementation,
+        **extra,
     )
+
+
+_MASKED = -1e30  # a masked score: finite, so a fully masked row never gives NaN
+
+
+def dot_attention(
+    q: Float[Array, "q heads head_dim"],
+    k: Float[Array, "k kv_heads head_dim"],
+    v: Float[Array, "k kv_heads head_dim"],
+    *,
+    mask: Bool[Array, "#heads q k"] | None = None,
+    is_causal: bool = False,
+    local_window_size: tuple[int, int] | None = None,
+    implementation: str | None = None,
+    scale: float | None = None,
+    softcap: float | None = None,
+) -> Float[Array, "q heads head_dim"]:
+    """`jax.nn.dot_product_attention`, or, with a `softcap`, the same computation
+    written out (no fused kernel caps scores): f32 scores `q . k * scale`,
+    `softcap * tanh(scores / softcap)`, masked, softmax in f32, cast to `q`'s
+    dtype, times `v`. Grouped-query heads as `attention`."""
+    if softcap is None:
+        return jax.nn.dot_product_attention(
+            q,
+            k,
+            v,
+            mask=mask,
+            is_causal=is_causal,
+            local_window_size=local_window_size,
+            implementation=implementation,  # pyright: ignore[reportArgumentType]
+            scale=scale,
+        )
+    if implementation == "cudnn":
+        raise ConfigError(
+            "attention soft-capping (attn_logit_softcapping, Gemma 2) has no "
+            "cuDNN kernel; use attention_impl = None or 'xla'."
+        )
+    t, heads, d = q.shape
+    s, kv_heads = k.shape[0], k.shape[1]
+    scale = d**-0.5 if scale is None else scale
+    qg = q.reshape(t, kv_heads, heads // kv_heads, d)
+    scores = jnp.einsum("tkgd,skd->kgts", qg, k, preferred_element_type=jnp.float32)
+    scores = scores * jnp.float32(scale)
+    scores = jnp.float32(softcap) * jnp.tanh(scores / jnp.float32(softcap))
+    keep = jnp.ones((t, s), bool)
+    if is_causal or local_window_size is not None:
+        diff = jnp.arange(t)[:, None] - jnp.arange(s)[None, :]
+        if is_causal:
+            keep = keep & (diff >= 0)
+        if local_window_size is not None:
+            left, right = local_window_size
+            keep = keep & (diff <= left) & (-diff <= right)
+    full = keep[None, None]
+    if mask is not None:  # [1 or heads, q, k]
+        m = jnp.broadcast_to(mask, (mask.shape[0], t, s))
+        groups = (kv_heads, heads // kv_heads) if m.shape[0] > 1 else (1, 1)
+        full = full & m.reshape(*groups, t, s)
+    scores = jnp.where(full, scores, _MASKED)
+    probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
+    out = jnp.einsum("kgts,skd->tkgd", probs, v)
+    return out.reshape(t, heads, d)
 
 
 CAUSAL_BLOCK_MIN = 128
@@ -402,6 +557,8 @@ def causal_blocks(
     segment_ids: Int[Array, " seq"] | None,
     sliding_window: int | None,
     implementation: str | None,
+    scale: float | None = None,
+    softcap: float | None = None,
 ) -> Float[Array, "seq heads head_dim"]:
     """Causal attention as `attention`, block by block of queries, each against
     only the keys it can see: block `[i, j)` attends to keys `[0, j)` (from
@@ -424,12 +581,14 @@ def causal_blocks(
             sliding_window,
         )  # fmt: skip
         outs.append(
-            jax.nn.dot_product_attention(
+            dot_attention(
                 q[start:end],
                 k[first:end],
                 v[first:end],
                 mask=mask[None],
-                implementation=implementation,  # pyright: ignore[reportArgumentType]
+                implementation=implementation,
+                scale=scale,
+                softcap=softcap,
             )
         )
     return jnp.concatenate(outs, axis=0)
@@ -462,6 +621,8 @@ def blocked_attention(
     sliding_window: int | None,
     implementation: str | None,
     query_chunk: int,
+    scale: float | None = None,
+    softcap: float | None = None,
 ) -> Float[Array, "seq heads head_dim"]:
     """`attention`, one block of `query_chunk` queries at a time against all keys
     (a `lax.map` of a rematerialised block), each block's mask built from the
@@ -483,12 +644,14 @@ def blocked_attention(
 
     def block(qb: Array, qp: Array, qs_: Array) -> Array:
         mask = position_mask(qp, qs_, k_pos, segs, sliding_window)
-        return jax.nn.dot_product_attention(
+        return dot_attention(
             qb,
             k,
             v,
             mask=mask[None],
-            implementation=implementation,  # pyright: ignore[reportArgumentType]
+            implementation=implementation,
+            scale=scale,
+            softcap=softcap,
         )
 
     run = jax.checkpoint(block, prevent_cse=False)
@@ -744,6 +907,7 @@ def run_layers(
     key: PRNGKeyArray | None = None,
     remat_save: Sequence[str] = (),
     remat_offload: Sequence[str] = (),
+    kinds: Sequence[Any] | None = None,
 ) -> Array:
     """`x = call(layer_i, x, key_i)` for each layer of a stack, in order.
 
@@ -754,27 +918,66 @@ def run_layers(
     `CHECKPOINT_NAMES`); it applies `jax.checkpoint` to each layer, whose input
     is named `"layer_input"`. `key` is split into one key per layer when the
     layers use one (`uses_key`); otherwise every `key_i` is None.
+
+    `kinds`: one static value per layer (hashable: e.g. its attention window and
+    rotary table), passed on as `call(layer_i, x, key_i, kinds[i])`. Layers
+    whose kinds differ cannot share one traced body; when the kinds repeat with
+    a period `p` (Gemma 2's alternation: 2; Gemma 3's 5:1 pattern: 6), `scan`
+    runs over groups of `p` layers, each group unrolled inside, and the layers
+    after the last whole group unrolled after it.
     """
     on, policy = remat_policy(remat, remat_save, remat_offload)
     dynamic, static = eqx.partition(layers, eqx.is_array)
     num = jtu.tree_leaves(dynamic)[0].shape[0]
     keys = jr.split(key, num) if key is not None and uses_key(layers) else None
+    kinds = None if kinds is None else tuple(kinds)
+    if kinds is not None and len(kinds) != num:
+        raise ConfigError(f"{len(kinds)} layer kinds for {num} layers.")
 
-    def body(h: Array, xs: Any) -> Array:
+    def body(h: Array, xs: Any, kind: Any = None) -> Array:
         params, k = xs
-        return call(eqx.combine(params, static), name_activation(h, "layer_input"), k)
+        layer = eqx.combine(params, static)
+        h = name_activation(h, "layer_input")
+        return call(layer, h, k) if kinds is None else call(layer, h, k, kind)
 
+    unrolled = scanned = body
     if on:
         # prevent_cse stops XLA from merging the recomputation with the forward pass
         # (undoing the remat); inside `scan` that cannot happen and it only costs.
-        body = jax.checkpoint(body, policy=policy, prevent_cse=not scan)
-    if scan:
-        x, _ = lax.scan(lambda h, p: (body(h, p), None), x, (dynamic, keys))
+        remat_ = lambda cse: jax.checkpoint(
+            body, policy=policy, prevent_cse=cse, static_argnums=(2,)
+        )
+        unrolled, scanned = remat_(True), remat_(False)
+    period = 1 if kinds is None else _period(kinds)
+    first = None if kinds is None else kinds[0]
+    if scan and period == 1:
+        step = lambda h, p: (scanned(h, p, first), None)
+        x, _ = lax.scan(step, x, (dynamic, keys))
         return x
-    for i in range(num):
+    groups = num // period if scan else 0
+    done = 0
+    if groups > 1:
+        cut = lambda a: a[: groups * period].reshape(groups, period, *a.shape[1:])
+
+        def group(h: Array, xs: Any) -> tuple[Array, None]:
+            for j in range(period):
+                h = scanned(h, jtu.tree_map(lambda a, j=j: a[j], xs), kinds[j])
+            return h, None
+
+        x, _ = lax.scan(group, x, jtu.tree_map(cut, (dynamic, keys)))
+        done = groups * period
+    for i in range(done, num):
         xs = jtu.tree_map(lambda a, i=i: a[i], (dynamic, keys))
-        x = body(x, xs)
+        x = unrolled(x, xs, None if kinds is None else kinds[i])
     return x
+
+
+def _period(kinds: tuple[Any, ...]) -> int:
+    """The smallest `p` with `kinds[i] == kinds[i % p]` for every `i`."""
+    for p in range(1, len(kinds) + 1):
+        if all(kinds[i] == kinds[i % p] for i in range(len(kinds))):
+            return p
+    return len(kinds)
 
 
 # -- configuration helpers -------------------------------------------------------------

@@ -16,7 +16,8 @@ from typing import Any
 from jax.sharding import PartitionSpec
 
 from .._errors import ConfigError
-from . import gpt2, llama
+from . import decoder, gpt2
+from .archs import ARCHS as DECODER_ARCHS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,7 +75,7 @@ class Family:
         return tuple(self.hf)
 
 
-# -- Llama, Mistral, Qwen2 ---------------------------------------------------------
+# -- the decoder families (Llama, Mistral, Qwen2, Qwen3, Gemma, ...) ---------------
 
 
 def scan_layers(value: bool | str) -> bool:
@@ -105,18 +106,20 @@ def runtime_options(m: Any) -> dict[str, Any]:
     )
 
 
-def _llama_from_section(
+def _decoder_from_section(
     m: Any,
     *,
     vocab_size: int,
     max_seq_len: int,
     given: Collection[str] = (),
     arch: str | None = None,
-) -> llama.LlamaConfig:
+) -> decoder.DecoderConfig:
+    """A `[model]` section as a `DecoderConfig`: its sizes and keys, with the
+    switches of its `arch` (the family's own name, `llama`, leaves the
+    architecture to the keys: with a sliding window it is Mistral's)."""
     arch = arch or m.arch
-    # Qwen2 means q/k/v biases (and none on o_proj) unless the section says otherwise.
-    qwen2_bias = arch == "qwen2" and "attention_bias" not in given
-    return llama.LlamaConfig(
+    spec = DECODER_ARCHS.get(arch)
+    fields: dict[str, Any] = dict(
         vocab_size=vocab_size,
         hidden_size=m.hidden_size,
         intermediate_size=m.intermediate_size or 4 * m.hidden_size,
@@ -126,8 +129,7 @@ def _llama_from_section(
         head_dim=m.head_dim,
         rms_norm_eps=1e-6 if m.norm_eps is None else m.norm_eps,
         rope_theta=m.rope_theta,
-        attention_bias=m.attention_bias or qwen2_bias,
-        o_proj_bias=False if arch == "qwen2" else None,
+        attention_bias=m.attention_bias,
         mlp_bias=m.mlp_bias,
         tie_word_embeddings=m.tie_embeddings,
         sliding_window=m.sliding_window,
@@ -136,9 +138,26 @@ def _llama_from_section(
         param_dtype=m.param_dtype,
         **runtime_options(m),
     )
+    if spec is not None and arch != "llama":
+        # the architecture's switches, unless the section set that key itself
+        section_keys = {_SECTION_KEYS.get(k, k) for k in given}
+        fixed = spec.fixed(decoder.DecoderConfig(**_sizes(fields)))
+        fields.update({k: v for k, v in fixed.items() if k not in section_keys})
+        fields.update(model_type=arch, hidden_act=spec.act[1])
+    return decoder.DecoderConfig(**fields)
 
 
-def _llama_to_section(c: llama.LlamaConfig) -> dict[str, Any]:
+# `[model]` keys under their `DecoderConfig` names, where they differ
+_SECTION_KEYS = {"tie_embeddings": "tie_word_embeddings", "norm_eps": "rms_norm_eps"}
+
+
+def _sizes(fields: dict[str, Any]) -> dict[str, Any]:
+    keys = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers")
+    keys += ("num_attention_heads", "num_key_value_heads", "head_dim")
+    return {k: fields[k] for k in keys}
+
+
+def _decoder_to_section(c: decoder.DecoderConfig) -> dict[str, Any]:
     return dict(
         vocab_size=c.vocab_size,
         hidden_size=c.hidden_size,
@@ -158,10 +177,15 @@ def _llama_to_section(c: llama.LlamaConfig) -> dict[str, Any]:
     )
 
 
-def _llama_model_type(c: llama.LlamaConfig) -> str:
-    if c.attention_bias and c.o_proj_bias is False:
-        return "qwen2"
-    return "mistral" if c.sliding_window is not None else "llama"
+def _decoder_model_type(c: decoder.DecoderConfig) -> str:
+    """The config's own `model_type`, else the first architecture that expresses
+    it (`archs.ARCHS`' order: Llama, Mistral, Qwen2, ...)."""
+    if c.model_type is not None:
+        return c.model_type
+    for name, spec in DECODER_ARCHS.items():
+        if not spec.problems(c):
+            return name
+    return "llama"  # none does: `infer_model_type` names what llama lacks
 
 
 # -- GPT-2 ---------------------------------------------------------------------------
@@ -207,18 +231,17 @@ def _gpt2_to_section(c: gpt2.GPT2Config) -> dict[str, Any]:
 FAMILIES: dict[str, Family] = {
     "llama": Family(
         name="llama",
-        model=llama.Llama,
-        config=llama.LlamaConfig,
+        model=decoder.Decoder,
+        config=decoder.DecoderConfig,
         hf={
-            "llama": HFNames("llama", "LlamaForCausalLM", "model.", "layers"),
-            "mistral": HFNames("mistral", "MistralForCausalLM", "model.", "layers"),
-            "qwen2": HFNames("qwen2", "Qwen2ForCausalLM", "model.", "layers"),
+            t: HFNames(t, a.architecture, "model.", "layers")
+            for t, a in DECODER_ARCHS.items()
         },
-        from_section=_llama_from_section,
-        to_section=_llama_to_section,
-        model_type_of=_llama_model_type,
-        flops_per_token=llama.flops_per_token,
-        tp_rules=llama.tensor_parallel_rules,
+        from_section=_decoder_from_section,
+        to_section=_decoder_to_section,
+        model_type_of=_decoder_model_type,
+        flops_per_token=decoder.flops_per_token,
+        tp_rules=decoder.tensor_parallel_rules,
     ),
     "gpt2": Family(
         name="gpt2",

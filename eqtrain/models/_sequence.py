@@ -25,7 +25,7 @@ from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float, Int
 
 from .._errors import ConfigError
-from ._layers import attention, position_mask, segment_positions
+from ._layers import attention, dot_attention, position_mask, segment_positions
 
 
 SCHEMES = ("ulysses", "ring", "all_gather")
@@ -107,11 +107,12 @@ def under_mesh(fn: Callable[..., Any], mesh: Any) -> Callable[..., Any]:
     return wrapped
 
 
-def _dense(q, k, v, q_pos, q_seg, k_pos, k_seg, window, implementation):
-    """Attention of local queries over the given keys, masked by positions."""
+def _dense(q, k, v, q_pos, q_seg, k_pos, k_seg, window, implementation, **score):
+    """Attention of local queries over the given keys, masked by positions
+    (`score`: `scale` and `softcap`, as `dot_attention`)."""
     mask = position_mask(q_pos, q_seg, k_pos, k_seg, window)
-    return jax.nn.dot_product_attention(
-        q, k, v, mask=mask[None], implementation=implementation
+    return dot_attention(
+        q, k, v, mask=mask[None], implementation=implementation, **score
     )
 
 
@@ -127,6 +128,8 @@ def sequence_attention(
     layout: str = "contiguous",
     implementation: str | None = None,
     mesh: Any = None,
+    scale: float | None = None,
+    softcap: float | None = None,
 ) -> Float[Array, "seq heads head_dim"]:
     """Causal attention of one sequence split over the mesh's `sequence` axis.
 
@@ -161,7 +164,9 @@ def sequence_attention(
         implementation: the local kernel of `jax.nn.dot_product_attention`.
         mesh: default the mesh in context; without a `sequence` axis > 1 the
             plain attention runs (on rows in contiguous layout).
+        scale, softcap: of the scores, as `eqtrain.models._layers.attention`.
     """
+    score = dict(scale=scale, softcap=softcap)
     check_scheme(scheme, layout)
     seq = q.shape[0]
     segs = jnp.zeros((seq,), jnp.int32) if segment_ids is None else segment_ids
@@ -178,8 +183,11 @@ def sequence_attention(
                 segment_ids=segment_ids,
                 sliding_window=sliding_window,
                 implementation=implementation,
+                **score,
             )
-        return _dense(q, k, v, positions, segs, positions, segs, sliding_window, None)
+        return _dense(
+            q, k, v, positions, segs, positions, segs, sliding_window, None, **score
+        )
     chunks = 2 * n if layout == "zigzag" else n
     if seq % chunks:
         raise ConfigError(
@@ -197,6 +205,7 @@ def sequence_attention(
         window=sliding_window,
         layout=layout,
         implementation=implementation,
+        score=score,
     )
     # Every mesh axis is manual: the rows' axes come from the `vmap` around the
     # model (`spmd_axis_name`, see `eqtrain._rows.vmap_rows`), whole heads lie on
@@ -230,7 +239,7 @@ def _gather(x: Array) -> Array:
     return lax.all_gather(x, AXIS, axis=0, tiled=True)
 
 
-def _ulysses(q, k, v, pos, seg, *, n, window, layout, implementation):
+def _ulysses(q, k, v, pos, seg, *, n, window, layout, implementation, score):
     heads, kv_heads = q.shape[1], k.shape[1]
     if heads % n:
         raise ConfigError(
@@ -250,13 +259,14 @@ def _ulysses(q, k, v, pos, seg, *, n, window, layout, implementation):
             segment_ids=seg,
             sliding_window=window,
             implementation=implementation,
+            **score,
         )
     else:
-        out = _dense(q, k, v, pos, seg, pos, seg, window, implementation)
+        out = _dense(q, k, v, pos, seg, pos, seg, window, implementation, **score)
     return lax.all_to_all(out, AXIS, 0, 1, tiled=True)
 
 
-def _merge(acc, q, q_pos, q_seg, k, v, k_pos, k_seg, window):
+def _merge(acc, q, q_pos, q_seg, k, v, k_pos, k_seg, window, softcap=None):
     """Online softmax: fold one key block into the accumulators of `q`'s rows.
 
     `acc = (out [q, kv, group, d], max [q, kv, group], sum [q, kv, group])` in f32;
@@ -264,6 +274,8 @@ def _merge(acc, q, q_pos, q_seg, k, v, k_pos, k_seg, window):
     cancels in `out / sum`, so no gradient flows through it."""
     out, top, total = acc
     scores = jnp.einsum("qhgd,khd->qhgk", q, k, preferred_element_type=jnp.float32)
+    if softcap is not None:
+        scores = jnp.float32(softcap) * jnp.tanh(scores / jnp.float32(softcap))
     mask = position_mask(q_pos, q_seg, k_pos, k_seg, window)[:, None, None, :]
     scores = jnp.where(mask, scores, _NEG)
     new_top = lax.stop_gradient(jnp.maximum(top, jnp.max(scores, axis=-1)))
@@ -274,17 +286,21 @@ def _merge(acc, q, q_pos, q_seg, k, v, k_pos, k_seg, window):
     return out * scale[..., None] + pv, new_top, total
 
 
-def _ring(q, k, v, pos, seg, *, n, window, layout, implementation):
+def _ring(q, k, v, pos, seg, *, n, window, layout, implementation, score):
     del implementation  # the blocks are computed here, not by a kernel
     perm = [(i, (i + 1) % n) for i in range(n)]
     block = lambda kv, src: tuple(lax.ppermute(x, AXIS, perm) for x in kv)
-    return _blocks(q, (k, v, pos, seg), block, n=n, window=window, layout=layout)
+    return _blocks(
+        q, (k, v, pos, seg), block, n=n, window=window, layout=layout, **score
+    )
 
 
-def _all_gather(q, k, v, pos, seg, *, n, window, layout, implementation):
+def _all_gather(q, k, v, pos, seg, *, n, window, layout, implementation, score):
     whole = tuple(_gather(x) for x in (k, v, pos, seg))
     if implementation == "cudnn":  # a fused kernel never holds the scores
-        return _dense(q, *whole[:2], pos, seg, *whole[2:], window, implementation)
+        return _dense(
+            q, *whole[:2], pos, seg, *whole[2:], window, implementation, **score
+        )
     # Otherwise block by block, as the ring (same skips, same online softmax),
     # each device's block cut from the gathered K/V instead of passed round. One
     # XLA attention of the local queries over all keys (the earlier form) kept
@@ -295,10 +311,12 @@ def _all_gather(q, k, v, pos, seg, *, n, window, layout, implementation):
     block = lambda kv, src: tuple(
         lax.dynamic_slice_in_dim(x, src * s, s) for x in whole
     )
-    return _blocks(q, (k, v, pos, seg), block, n=n, window=window, layout=layout)
+    return _blocks(
+        q, (k, v, pos, seg), block, n=n, window=window, layout=layout, **score
+    )
 
 
-def _blocks(q, kv, block, *, n, window, layout):
+def _blocks(q, kv, block, *, n, window, layout, scale=None, softcap=None):
     """Attention of the local queries over the `n` devices' key/value blocks, one
     block at a time, merged by online softmax: the local `kv = (k, v, pos, seg)`
     first, then `block(kv, src)` (the previous block and the source device's
@@ -306,7 +324,8 @@ def _blocks(q, kv, block, *, n, window, layout):
     s, heads, d = q.shape
     k, _, pos, seg = kv  # the local block: the queries' own positions
     kv_heads = k.shape[1]
-    qg = (q * (1.0 / math.sqrt(d))).astype(q.dtype)
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    qg = (q * scale).astype(q.dtype)
     qg = qg.reshape(s, kv_heads, heads // kv_heads, d)
     me = lax.axis_index(AXIS)
     half = s // 2
@@ -318,7 +337,7 @@ def _blocks(q, kv, block, *, n, window, layout):
         rows = tuple(cut(a, lo, size) for a in acc)
         keys = tuple(cut(x, k_lo, k_size) for x in kv)
         q_, p_, s_ = cut(qg, lo, size), cut(pos, lo, size), cut(seg, lo, size)
-        part = _merge(rows, q_, p_, s_, *keys, window)
+        part = _merge(rows, q_, p_, s_, *keys, window, softcap)
         return tuple(
             lax.dynamic_update_slice_in_dim(a, b, lo, 0)
             for a, b in zip(acc, part, strict=True)
@@ -383,6 +402,8 @@ def attend(
     sequence_parallel: str | None,
     sequence_layout: str,
     query_chunk: int = 0,
+    scale: float | None = None,
+    softcap: float | None = None,
 ) -> Float[Array, "seq heads head_dim"]:
     """The models' attention: `attention` (one device's whole sequence, rows in
     order; `query_chunk`: blocked, see `attention`), or `sequence_attention`
@@ -396,6 +417,8 @@ def attend(
             sliding_window=sliding_window,
             implementation=implementation,
             query_chunk=query_chunk,
+            scale=scale,
+            softcap=softcap,
         )
     return sequence_attention(
         q,
@@ -407,6 +430,8 @@ def attend(
         sliding_window=sliding_window,
         layout=sequence_layout,
         implementation=implementation,
+        scale=scale,
+        softcap=softcap,
     )
 
 

@@ -7,11 +7,9 @@ Builds on the layers in `eqtrain.models._layers`.
 
 import dataclasses
 import math
-from collections.abc import Callable
 from typing import Any
 
 import equinox as eqx
-import jax
 import jax.numpy as jnp
 import jax.random as jr
 from jax.sharding import PartitionSpec
@@ -19,6 +17,7 @@ from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from .._errors import ConfigError
 from ._layers import (
+    ACTIVATIONS,
     AnyLinear,
     Embedding,
     LayerNorm,
@@ -26,6 +25,7 @@ from ._layers import (
     as_dtype,
     check_options,
     default_positions,
+    head_weight,
     mlp_chunk_count,
     name_activation,
     residual_scale,
@@ -36,45 +36,8 @@ from ._layers import (
     with_config_options,
 )
 from ._sequence import attend, check_scheme
-from .llama import head_weight
 
 
-def _gelu_tanh(x: Array) -> Array:
-    return jax.nn.gelu(x, approximate=True)
-
-
-def _gelu_erf(x: Array) -> Array:
-    return jax.nn.gelu(x, approximate=False)
-
-
-LAPLACE_SCALE = 0.282095 * math.sqrt(2.0)  # transformers' LaplaceActivation
-ACTIVATIONS: dict[str, Callable[[Array], Array]] = {
-    # The tanh approximation under its names (`gelu_fast` writes sqrt(2/pi) as
-    # 0.7978845608, the same float32 number).
-    "gelu_new": _gelu_tanh,
-    "gelu_pytorch_tanh": _gelu_tanh,
-    "gelu_python_tanh": _gelu_tanh,
-    "gelu_accurate": _gelu_tanh,
-    "gelu_fast": _gelu_tanh,
-    # The exact (erf) GELU.
-    "gelu": _gelu_erf,
-    "gelu_python": _gelu_erf,
-    "gelu_10": lambda x: jnp.clip(_gelu_erf(x), -10, 10),
-    "quick_gelu": lambda x: x * jax.nn.sigmoid(1.702 * x),
-    "relu": jax.nn.relu,
-    "relu2": lambda x: jnp.square(jax.nn.relu(x)),
-    "relu6": jax.nn.relu6,
-    "leaky_relu": jax.nn.leaky_relu,  # torch's default slope, 0.01
-    "silu": jax.nn.silu,
-    "swish": jax.nn.silu,
-    "hardswish": jax.nn.hard_swish,
-    "mish": jax.nn.mish,
-    "sigmoid": jax.nn.sigmoid,
-    "tanh": jnp.tanh,
-    "linear": lambda x: x,
-    "laplace": lambda x: 0.5 * (1.0 + jax.lax.erf((x - 0.707107) / LAPLACE_SCALE)),
-    "sqrtsoftplus": lambda x: jnp.sqrt(jax.nn.softplus(x)),
-}
 """Every parameter-free `activation_function` of transformers' `ACT2FN`, as
 `GPT2MLP` applies it (`prelu` and `xielu` learn parameters a GPT-2 checkpoint
 has no tensors for)."""
