@@ -886,6 +886,55 @@ def check_options(
     as_dtype(param_dtype)
 
 
+RUNTIME_OPTIONS = frozenset(
+    {"remat", "scan_layers", "attention_impl", "remat_save", "remat_offload"}
+    | {"mlp_chunks", "attention_chunk", "sequence_parallel", "sequence_layout"}
+)
+"""Config fields of the language models that `with_options` may change on an
+existing model (none changes an array's shape)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class RuntimeOptions:
+    """How a block computes, the same for every layer (one object instead of
+    loose keywords): the attention kernel, its query chunks, sequence
+    parallelism, and the MLP's sequence chunks (resolved for the sequence)."""
+
+    implementation: str | None
+    query_chunk: int
+    sequence_parallel: str | None
+    sequence_layout: str
+    mlp_chunks: int
+
+    @classmethod
+    def of(cls, config: Any, seq: int, hidden: int) -> "RuntimeOptions":
+        """The options of a model config (its `RUNTIME_OPTIONS` fields) for a
+        sequence of `seq` tokens and a residual stream `hidden` wide."""
+        return cls(
+            implementation=config.attention_impl,
+            query_chunk=config.attention_chunk,
+            sequence_parallel=config.sequence_parallel,
+            sequence_layout=config.sequence_layout,
+            mlp_chunks=mlp_chunk_count(config.mlp_chunks, seq, hidden),
+        )
+
+
+def check_runtime(config: Any) -> None:
+    """Validate a model config's runtime options (`RUNTIME_OPTIONS`)."""
+    from ._sequence import check_scheme
+
+    check_scheme(config.sequence_parallel, config.sequence_layout)
+    check_options(
+        attention_impl=config.attention_impl,
+        remat=config.remat,
+        param_dtype=config.param_dtype,
+        remat_save=config.remat_save,
+        remat_offload=config.remat_offload,
+        mlp_chunks=config.mlp_chunks,
+        attention_chunk=config.attention_chunk,
+    )
+
+
 LayerT = TypeVar("LayerT", bound=eqx.Module)
 
 

@@ -25,17 +25,18 @@ from jaxtyping import Array, Float, Int, PRNGKeyArray
 from .._errors import ConfigError
 from ._layers import (
     ACTIVATIONS,
+    RUNTIME_OPTIONS,
     AnyLinear,
     Embedding,
     LayerNorm,
     Linear,
     RMSNorm,
+    RuntimeOptions,
     as_dtype,
-    check_options,
+    check_runtime,
     default_positions,
     fused_linears,
     head_weight,
-    mlp_chunk_count,
     name_activation,
     run_layers,
     split_key,
@@ -44,7 +45,7 @@ from ._layers import (
     with_config_options,
 )
 from ._rope import Rope, apply_rope, rope_cos_sin
-from ._sequence import attend, check_scheme
+from ._sequence import attend
 
 
 NORMS = ("rms", "rms_one", "layer")
@@ -163,7 +164,7 @@ class DecoderConfig:
     no_rope_layers: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
-        check_scheme(self.sequence_parallel, self.sequence_layout)
+        check_runtime(self)
         heads, kv = self.num_attention_heads, self.kv_heads
         if heads % kv:
             raise ConfigError(
@@ -211,15 +212,6 @@ class DecoderConfig:
             raise ConfigError(
                 f"`layer_types` holds {bad}; each entry must be one of {LAYER_TYPES}."
             )
-        check_options(
-            attention_impl=self.attention_impl,
-            remat=self.remat,
-            param_dtype=self.param_dtype,
-            remat_save=self.remat_save,
-            remat_offload=self.remat_offload,
-            mlp_chunks=self.mlp_chunks,
-            attention_chunk=self.attention_chunk,
-        )
 
     @property
     def kv_heads(self) -> int:
@@ -267,36 +259,6 @@ class DecoderConfig:
 
 
 LlamaConfig = DecoderConfig
-
-RUNTIME_OPTIONS = frozenset(
-    {"remat", "scan_layers", "attention_impl", "remat_save", "remat_offload"}
-    | {"mlp_chunks", "attention_chunk", "sequence_parallel", "sequence_layout"}
-)
-"""Config fields that `Decoder.with_options` may change on an existing model."""
-
-
-@dataclasses.dataclass(frozen=True)
-class RuntimeOptions:
-    """How a block computes, the same for every layer (one object instead of
-    loose keywords): the attention kernel, its query chunks, sequence
-    parallelism, and the MLP's sequence chunks (resolved for the sequence)."""
-
-    implementation: str | None
-    query_chunk: int
-    sequence_parallel: str | None
-    sequence_layout: str
-    mlp_chunks: int
-
-    @classmethod
-    def of(cls, config: Any, seq: int) -> "RuntimeOptions":
-        return cls(
-            implementation=config.attention_impl,
-            query_chunk=config.attention_chunk,
-            sequence_parallel=config.sequence_parallel,
-            sequence_layout=config.sequence_layout,
-            mlp_chunks=mlp_chunk_count(config.mlp_chunks, seq, config.hidden_size),
-        )
-
 
 def _norm(config: DecoderConfig, dim: int) -> RMSNorm | LayerNorm:
     dtype, eps = as_dtype(config.param_dtype), config.rms_norm_eps
@@ -632,7 +594,7 @@ class Decoder(eqx.Module):
         config = self.config
         positions = default_positions(tokens.shape[0], segment_ids, positions)
         tables = rope_tables(config, positions)
-        options = RuntimeOptions.of(config, tokens.shape[0])
+        options = RuntimeOptions.of(config, tokens.shape[0], config.hidden_size)
         x = self.embed_tokens(tokens)
         if config.embedding_multiplier is not None:
             x = x * config.embedding_multiplier

@@ -18,15 +18,16 @@ from jaxtyping import Array, Float, Int, PRNGKeyArray
 from .._errors import ConfigError
 from ._layers import (
     ACTIVATIONS,
+    RUNTIME_OPTIONS,
     AnyLinear,
     Embedding,
     LayerNorm,
     Linear,
+    RuntimeOptions,
     as_dtype,
-    check_options,
+    check_runtime,
     default_positions,
     head_weight,
-    mlp_chunk_count,
     name_activation,
     residual_scale,
     run_layers,
@@ -35,7 +36,7 @@ from ._layers import (
     tiled,
     with_config_options,
 )
-from ._sequence import attend, check_scheme
+from ._sequence import attend
 
 
 """Every parameter-free `activation_function` of transformers' `ACT2FN`, as
@@ -99,7 +100,7 @@ class GPT2Config:
     sequence_layout: str = "contiguous"
 
     def __post_init__(self) -> None:
-        check_scheme(self.sequence_parallel, self.sequence_layout)
+        check_runtime(self)
         if self.n_embd % self.n_head:
             raise ConfigError(
                 f"`n_embd` {self.n_embd} must be a multiple of `n_head` {self.n_head}."
@@ -109,26 +110,11 @@ class GPT2Config:
                 f"`activation_function` must be one of {sorted(ACTIVATIONS)}; got "
                 f"{self.activation_function!r}."
             )
-        check_options(
-            attention_impl=self.attention_impl,
-            remat=self.remat,
-            param_dtype=self.param_dtype,
-            remat_save=self.remat_save,
-            remat_offload=self.remat_offload,
-            mlp_chunks=self.mlp_chunks,
-            attention_chunk=self.attention_chunk,
-        )
 
     @property
     def inner_size(self) -> int:
         """`n_inner`, resolved."""
         return self.n_inner or 4 * self.n_embd
-
-
-RUNTIME_OPTIONS = frozenset(
-    {"remat", "scan_layers", "attention_impl", "remat_save", "remat_offload"}
-    | {"mlp_chunks", "attention_chunk", "sequence_parallel", "sequence_layout"}
-)
 
 
 class GPT2Attention(eqx.Module):
@@ -151,13 +137,10 @@ class GPT2Attention(eqx.Module):
         self,
         x: Float[Array, "seq embd"],
         *,
+        options: RuntimeOptions,
         segment_ids: Int[Array, " seq"] | None,
-        implementation: str | None,
-        query_chunk: int = 0,
+        positions: Int[Array, " seq"] | None,
         query_scale: Array | float | None = None,
-        positions: Int[Array, " seq"] | None = None,
-        sequence_parallel: str | None = None,
-        sequence_layout: str = "contiguous",
         key: PRNGKeyArray | None = None,
     ) -> Float[Array, "seq embd"]:
         """`query_scale` multiplies q, and so the scores, on top of attention's
@@ -177,10 +160,10 @@ class GPT2Attention(eqx.Module):
             segment_ids=segment_ids,
             positions=positions,
             sliding_window=None,
-            implementation=implementation,
-            query_chunk=query_chunk,
-            sequence_parallel=sequence_parallel,
-            sequence_layout=sequence_layout,
+            implementation=options.implementation,
+            query_chunk=options.query_chunk,
+            sequence_parallel=options.sequence_parallel,
+            sequence_layout=options.sequence_layout,
         )
         return name_activation(self.c_proj(out.reshape(seq, d), key=kp), "attn_out")
 
@@ -232,15 +215,16 @@ class GPT2Block(eqx.Module):
         self,
         x: Float[Array, "seq embd"],
         *,
+        options: RuntimeOptions,
         key: PRNGKeyArray | None = None,
-        mlp_chunks: int = 1,
         **attn: Any,
     ) -> Array:
-        """`mlp_chunks > 1`: the MLP runs tiled over the sequence (`tiled`)."""
+        """`options.mlp_chunks > 1`: the MLP runs tiled over the sequence
+        (`tiled`); `attn`: `segment_ids`, `positions`, `query_scale`."""
         ka, km = split_key(key, 2)
-        x = x + self.attn(self.ln_1(x), key=ka, **attn)
+        x = x + self.attn(self.ln_1(x), options=options, key=ka, **attn)
         h = name_activation(self.ln_2(x), "mlp_in")
-        h = tiled(lambda c, k: self.mlp(c, key=k), h, mlp_chunks, km)
+        h = tiled(lambda c, k: self.mlp(c, key=k), h, options.mlp_chunks, km)
         return x + name_activation(h, "mlp_out")
 
 
@@ -322,16 +306,8 @@ class GPT2(eqx.Module):
             )
         positions = default_positions(tokens.shape[0], segment_ids, positions)
         x = self.wte(tokens) + self.wpe(positions)
-        chunks = mlp_chunk_count(config.mlp_chunks, tokens.shape[0], config.n_embd)
-        attn = dict(
-            segment_ids=segment_ids,
-            implementation=config.attention_impl,
-            query_chunk=config.attention_chunk,
-            mlp_chunks=chunks,
-            positions=positions,
-            sequence_parallel=config.sequence_parallel,
-            sequence_layout=config.sequence_layout,
-        )
+        options = RuntimeOptions.of(config, tokens.shape[0], config.n_embd)
+        attn = dict(options=options, segment_ids=segment_ids, positions=positions)
         if config.scale_attn_by_inverse_layer_idx:
             # The layer index travels with the layers, so `lax.scan` slices it too.
             layers: Any = _Numbered(self.h, jnp.arange(config.n_layer))

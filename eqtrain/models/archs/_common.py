@@ -12,8 +12,9 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from ..._errors import ConfigError
+from .._layers import RUNTIME_OPTIONS
 from .._rope import Rope, rope_from_hf
-from ..decoder import RUNTIME_OPTIONS, DecoderConfig
+from ..decoder import DecoderConfig
 
 
 class HFConfigError(ConfigError):
