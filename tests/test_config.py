@@ -451,11 +451,11 @@ INVALID = [
     ),
     (
         ["model.arch=gpt2", "model.num_kv_heads=4"],
-        r"`model.num_kv_heads` applies to the decoder families .*model.arch is 'gpt2'",
+        r"`model.num_kv_heads` applies to the architectures .*model.arch is 'gpt2'",
     ),
     (
         ["model.arch=gpt2", "model.rope_theta=5e5"],
-        r"`model.rope_theta` applies to the decoder families",
+        r"`model.rope_theta` applies to the architectures",
     ),
     (
         ["model.hidden_size=100", "model.num_heads=3"],

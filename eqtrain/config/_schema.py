@@ -8,6 +8,8 @@ generated CLI reference alike, so they cannot drift apart.
 import dataclasses
 from typing import Any
 
+from ..models import FAMILIES
+
 
 def setting(
     default: Any,
@@ -34,12 +36,8 @@ def setting(
     return dataclasses.field(default=default, metadata=meta)
 
 
-# The Hugging Face model types of `eqtrain.models.FAMILIES` (the config cannot
-# import the models, which pull in JAX; tests/test_models.py checks they agree).
-ARCHS = (
-    *("llama", "mistral", "qwen2", "qwen3", "smollm3", "gemma", "gemma2"),
-    *("gemma3_text", "phi3", "olmo2", "granite", "starcoder2", "gpt2"),
-)
+# The Hugging Face model types of the model families, in their registry's order.
+ARCHS = tuple(t for family in FAMILIES.values() for t in family.model_types)
 TASKS = ("lm", "sft", "dpo", "ipo", "orpo", "simpo")
 PREFERENCE_TASKS = ("dpo", "ipo", "orpo", "simpo")
 DATA_FORMATS = ("auto", "text", "chat", "prompt_completion", "preference")

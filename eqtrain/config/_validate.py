@@ -1,5 +1,6 @@
 """Checks across fields of a `Config`, run before anything is built or compiled."""
 
+from .. import models
 from .._errors import ConfigError
 from ..losses import CAUSAL_LM_AUX
 from ._parse import _did_you_mean, explicit, schema
@@ -7,15 +8,8 @@ from ._schema import PREFERENCE_TASKS, Config
 from ._units import parse_resources
 
 
-# Model keys that only the Llama family reads, and those an HF directory decides.
-LLAMA_ONLY = (
-    "num_kv_heads",
-    "head_dim",
-    "rope_theta",
-    "attention_bias",
-    "mlp_bias",
-    "sliding_window",
-)
+# The [model] keys an HF directory decides (which of them an architecture reads:
+# its family's `section_keys`).
 ARCH_KEYS = (
     "arch",
     "vocab_size",
@@ -26,7 +20,12 @@ ARCH_KEYS = (
     "max_seq_len",
     "norm_eps",
     "tie_embeddings",
-    *LLAMA_ONLY,
+    "num_kv_heads",
+    "head_dim",
+    "rope_theta",
+    "attention_bias",
+    "mlp_bias",
+    "sliding_window",
 )
 
 
@@ -144,21 +143,27 @@ def _model(config: Config) -> None:
                 "and model.scan_layers may stay)."
             )
         return
-    if m.arch == "gpt2":
-        wrong = [k for k in LLAMA_ONLY if f"model.{k}" in given]
-        if wrong:
-            raise ConfigError(
-                f"`model.{wrong[0]}` applies to the decoder families (every "
-                "model.arch but gpt2) only; model.arch is 'gpt2'. Remove it or "
-                "change the architecture."
-            )
+    family = models.family(m.arch)
+    wrong = [k for k in ARCH_KEYS if f"model.{k}" in given]
+    wrong = [k for k in wrong if k not in family.section_keys]
+    if wrong:
+        others = sorted(
+            t
+            for f in models.FAMILIES.values()
+            if wrong[0] in f.section_keys
+            for t in f.model_types
+        )
+        raise ConfigError(
+            f"`model.{wrong[0]}` applies to the architectures {others} only; "
+            f"model.arch is {m.arch!r}. Remove it or change the architecture."
+        )
     heads = m.num_heads
     if m.head_dim is None and m.hidden_size % heads:
         raise ConfigError(
             f"`model.hidden_size` ({m.hidden_size}) must be divisible by "
             f"`model.num_heads` ({heads}), or set `model.head_dim`."
         )
-    kv = m.num_kv_heads if m.arch != "gpt2" else None
+    kv = m.num_kv_heads if "num_kv_heads" in family.section_keys else None
     if kv is not None and heads % kv:
         raise ConfigError(
             f"`model.num_heads` ({heads}) must be a multiple of `model.num_kv_heads` "

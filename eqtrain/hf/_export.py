@@ -16,7 +16,7 @@ import numpy as np
 from .. import _files, lora
 from .._errors import ConfigError
 from ..config import parse_size
-from ..models import as_dtype
+from ..models import as_dtype, family
 from . import _maps, _safetensors
 from ._errors import HFExportExistsError, HFExportWarning
 
@@ -119,7 +119,7 @@ def hf_tensors(
 
 
 def _num_layers(config: Any) -> int:
-    return getattr(config, "num_hidden_layers", None) or config.n_layer
+    return family(config).num_layers(config)
 
 
 def _dtype_name(dtype: Any) -> str:

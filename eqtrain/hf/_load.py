@@ -19,7 +19,7 @@ import numpy as np
 from jax.sharding import Sharding
 
 from .._errors import StructureError
-from ..models import as_dtype
+from ..models import as_dtype, family
 from . import _maps, _safetensors
 from ._errors import HFFileNotFoundError, HFFormatError
 from ._export import INDEX_NAME, SAFE_NAME
@@ -334,7 +334,7 @@ def _plan(
     """The template's leaves with a `_Leaf` for each parameter, after checking
     every name and shape (from the headers alone)."""
     entries = _normalise_names(dict(entries), arch, config)
-    num_layers = getattr(config, "num_hidden_layers", None) or config.n_layer
+    num_layers = family(config).num_layers(config)
     out, used, missing, wrong = [], set(), [], []
     for key_path, struct in jtu.tree_flatten_with_path(template)[0]:
         if not _maps.is_struct(struct):
@@ -417,17 +417,13 @@ def _normalise_names(
     that equals the embedding (the two are read to compare them)."""
     for name in [n for n in entries if n.endswith(_IGNORED)]:
         del entries[name]
-    if arch.model_type == "gpt2" and not any(
-        n.startswith(arch.prefix) for n in entries
-    ):
+    if arch.unprefixed and not any(n.startswith(arch.prefix) for n in entries):
         entries = {
             (n if n == "lm_head.weight" else arch.prefix + n): e
             for n, e in entries.items()
         }
     tied = getattr(config, "tie_word_embeddings", True)
-    embed = arch.prefix + (
-        "wte.weight" if arch.model_type == "gpt2" else "embed_tokens.weight"
-    )
+    embed = arch.prefix + arch.embedding
     head = entries.get("lm_head.weight")
     if (
         tied

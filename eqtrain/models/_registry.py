@@ -28,7 +28,9 @@ class HFNames:
     `prefix` (`model.` / `transformer.`), the stacked layers (`layers.X[i]` in
     eqtrain, `{prefix}{layers}.{i}.X` there) and the `conv1d` leaves (under the
     layers), which Hugging Face stores `[in, out]` where eqtrain's `Linear`
-    stores `[out, in]`.
+    stores `[out, in]`. `embedding` is the input embedding's path (a tied head's
+    duplicate in a file is recognised by it); `unprefixed`: files without the
+    prefix are accepted too (OpenAI's original GPT-2 upload).
     """
 
     model_type: str
@@ -36,6 +38,8 @@ class HFNames:
     prefix: str
     layers: str
     conv1d: tuple[str, ...] = ()
+    embedding: str = "embed_tokens.weight"
+    unprefixed: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,6 +62,9 @@ class Family:
             that describes `config` most closely.
         flops_per_token: `(config, seq_len) -> float`, training FLOPs per token.
         tp_rules: `() -> [(regex, PartitionSpec)]`, the tensor-parallel rules.
+        num_layers: `config -> int`, the depth of the stacked layers.
+        section_keys: the `[model]` architecture keys `from_section` reads
+            (setting another is a config error).
     """
 
     name: str
@@ -69,6 +76,8 @@ class Family:
     model_type_of: Callable[[Any], str]
     flops_per_token: Callable[[Any, int], float]
     tp_rules: Callable[[], list[tuple[str, PartitionSpec]]]
+    num_layers: Callable[[Any], int]
+    section_keys: frozenset[str]
 
     @property
     def model_types(self) -> tuple[str, ...]:
@@ -242,6 +251,10 @@ FAMILIES: dict[str, Family] = {
         model_type_of=_decoder_model_type,
         flops_per_token=decoder.flops_per_token,
         tp_rules=decoder.tensor_parallel_rules,
+        num_layers=lambda c: c.num_hidden_layers,
+        section_keys=frozenset(_decoder_to_section(decoder.DecoderConfig()))
+        - {"init_std"}
+        | {"arch", "max_seq_len"},
     ),
     "gpt2": Family(
         name="gpt2",
@@ -259,6 +272,8 @@ FAMILIES: dict[str, Family] = {
                     "mlp.c_fc.weight",
                     "mlp.c_proj.weight",
                 ),
+                embedding="wte.weight",
+                unprefixed=True,
             )
         },
         from_section=_gpt2_from_section,
@@ -266,6 +281,10 @@ FAMILIES: dict[str, Family] = {
         model_type_of=lambda c: "gpt2",
         flops_per_token=gpt2.flops_per_token,
         tp_rules=gpt2.tensor_parallel_rules,
+        num_layers=lambda c: c.n_layer,
+        section_keys=frozenset(_gpt2_to_section(gpt2.GPT2Config()))
+        - {"init_std"}
+        | {"arch", "intermediate_size"},
     ),
 }
 

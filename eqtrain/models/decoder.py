@@ -260,6 +260,7 @@ class DecoderConfig:
 
 LlamaConfig = DecoderConfig
 
+
 def _norm(config: DecoderConfig, dim: int) -> RMSNorm | LayerNorm:
     dtype, eps = as_dtype(config.param_dtype), config.rms_norm_eps
     if config.norm == "layer":
