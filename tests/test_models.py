@@ -711,3 +711,51 @@ def test_causal_blocks_equal_one_shot_attention(window):
         np.testing.assert_allclose(g, w, atol=1e-5)
     text = jax.jit(blocked).lower(q, k, v).as_text()
     assert "300x300" not in text and "128x300" not in text  # no block sees every key
+
+
+@pytest.mark.parametrize("window", [pytest.param(None, marks=pytest.mark.slow), 50])
+def test_soft_capped_scaled_attention_in_every_kernel(window):
+    """Gemma 2's attention (a custom scale, scores capped at `c * tanh(s / c)`)
+    through the one-shot, causal-block (past 128 tokens) and query-chunked
+    kernels equals a plain NumPy computation of it, with packed segments, GQA
+    and a window; values and gradients agree between the kernels."""
+    from eqtrain.models import _layers
+
+    seq, heads, kv, dim, scale, cap = 300, 4, 2, 8, 0.2, 5.0
+    q, k, v = (
+        3 * jr.normal(key, (seq, h, dim))
+        for key, h in zip(jr.split(jr.key(1), 3), (heads, kv, kv), strict=True)
+    )
+    segs = jnp.array([1] * 70 + [2] * 200 + [0] * 30)
+    pos = jnp.arange(seq)
+    mask = np.asarray(_layers.position_mask(pos, segs, pos, segs, window))
+    s = np.einsum("qhd,khd->hqk", q, np.repeat(np.asarray(k), heads // kv, 1)) * scale
+    s = np.where(mask[None], cap * np.tanh(s / cap), -np.inf)
+    p = np.exp(s - s.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    want = np.einsum("hqk,khd->qhd", p, np.repeat(np.asarray(v), heads // kv, 1))
+    kw = dict(segment_ids=segs, sliding_window=window, implementation=None)
+    kw.update(scale=scale, softcap=cap)
+    kernels = {
+        "blocks": lambda q, k, v: attention(q, k, v, **kw),
+        "chunked": lambda q, k, v: attention(q, k, v, query_chunk=64, **kw),
+        "short": lambda q, k, v: attention(q[:100], k[:100], v[:100], **kw | {
+            "segment_ids": segs[:100]}),
+    }  # fmt: skip
+    for name, fn in kernels.items():
+        n = 100 if name == "short" else seq
+        got = fn(q, k, v)
+        np.testing.assert_allclose(got, want[:n], rtol=2e-5, atol=2e-5, err_msg=name)
+    grads = [
+        jax.grad(lambda *a, fn=fn: jnp.sum(fn(*a) ** 2), (0, 1, 2))(q, k, v)
+        for fn in (kernels["blocks"], kernels["chunked"])
+    ]
+    for a, b in zip(*grads, strict=True):
+        np.testing.assert_allclose(a, b, atol=2e-4)
+    # the unchanged path: no cap gives jax.nn.dot_product_attention's result
+    plain = attention(q, k, v, segment_ids=segs, sliding_window=window,
+                      implementation=None)  # fmt: skip
+    no_cap = attention(q, k, v, **kw | {"softcap": None, "scale": None})
+    np.testing.assert_array_equal(plain, no_cap)
+    with pytest.raises(ConfigError, match="soft-capping"):
+        _layers.dot_attention(q, k, v, implementation="cudnn", softcap=cap)
