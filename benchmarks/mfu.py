@@ -92,7 +92,7 @@ import optax  # noqa: E402
 
 import eqtrain  # noqa: E402
 from eqtrain import hooks, losses, sharding  # noqa: E402
-from eqtrain.models import Llama, LlamaConfig, llama, num_params  # noqa: E402
+from eqtrain.models import Llama, LlamaConfig, archs, llama, num_params  # noqa: E402
 
 
 MODELS = {
@@ -245,13 +245,47 @@ def base_config(name: str) -> LlamaConfig:
     return QUICK if name == "quick" else MODELS[name]
 
 
+def family_config(config: LlamaConfig, family: str, seq: int) -> LlamaConfig:
+    """`config`'s shape as architecture `family` (a model type of
+    `eqtrain.models.archs.ARCHS`): its switches, and the attention pattern its
+    checkpoints use, with windows of a quarter of the sequence (Mistral and
+    StarCoder2 on every layer, Gemma 2 on every other one, Gemma 3 on five of
+    six)."""
+    arch = archs.ARCHS[family]
+    config = dataclasses.replace(config, model_type=family, hidden_act=arch.act[1])
+    config = dataclasses.replace(config, **arch.fixed(config))
+    layers = config.num_hidden_layers
+    every = {"gemma2": 2, "gemma3_text": 6}.get(family)
+    if every:
+        types = tuple(
+            "sliding_attention" if (i + 1) % every else "full_attention"
+            for i in range(layers)
+        )
+        config = dataclasses.replace(config, layer_types=types)
+    if every or family in ("mistral", "starcoder2"):
+        config = dataclasses.replace(config, sliding_window=seq // 4)
+    if family == "gemma2":
+        config = dataclasses.replace(
+            config, attn_logit_softcapping=50.0, final_logit_softcapping=30.0
+        )
+    return config
+
+
 def model_config(name: str, args: argparse.Namespace, device: Any) -> LlamaConfig:
-    """The benchmarked configuration: the size's shape with this run's options."""
+    """The benchmarked configuration: the size's shape with this run's options
+    (and `--family`'s architecture). cuDNN has no soft-capped scores: Gemma 2
+    takes XLA's attention under `--attention auto`."""
+    config = base_config(name)
+    if args.family != "llama":
+        config = family_config(config, args.family, args.seq)
+    choice = args.attention
+    if choice == "auto" and config.attn_logit_softcapping is not None:
+        choice = "xla"
     return dataclasses.replace(
-        base_config(name),
+        config,
         max_position_embeddings=args.seq,
         param_dtype=args.param_dtype,
-        attention_impl=attention_impl(args.attention, device),
+        attention_impl=attention_impl(choice, device),
     )
 
 
@@ -283,6 +317,7 @@ def benchmark(name: str, args: argparse.Namespace) -> dict[str, Any]:
         sys.exit(f"{name}: the loss is {loss}; the step is broken.")
     return {
         "model": name,
+        "family": args.family,
         "params": num_params(abstract.model),
         "devices": len(devices),
         "device_kind": devices[0].device_kind,
@@ -349,6 +384,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--peak-tflops", type=float, default=None, help="dense peak of one device"
     )
+    parser.add_argument(
+        "--family",
+        default="llama",
+        help="a model type of eqtrain.models.archs.ARCHS (the size's shape with "
+        "that architecture's switches), a comma-separated list, or all",
+    )
     parser.add_argument("--quick", action="store_true", help="tiny CPU smoke test")
     args = parser.parse_args(argv)
     quick = args.quick
@@ -370,8 +411,14 @@ def main(argv: list[str] | None = None) -> None:
     names = ["quick"] if args.quick else ["125m", "1b"]
     if not args.quick and args.model != "both":
         names = [args.model]
+    families = list(archs.ARCHS) if args.family == "all" else args.family.split(",")
+    unknown = sorted(set(families) - set(archs.ARCHS))
+    if unknown:
+        sys.exit(f"--family: unknown {unknown}; the families are {list(archs.ARCHS)}.")
     for name in names:
-        print(json.dumps(benchmark(name, args)), flush=True)
+        for family in families:
+            args.family = family
+            print(json.dumps(benchmark(name, args)), flush=True)
 
 
 if __name__ == "__main__":
