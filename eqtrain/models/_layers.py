@@ -266,7 +266,8 @@ class RMSNorm(eqx.Module):
 
 
 class LayerNorm(eqx.Module):
-    """Layer norm with weight and bias (statistics in f32), as `torch.nn.LayerNorm`."""
+    """Layer norm with weight and bias, in f32 and rounded once to the input's
+    dtype, as `torch.nn.LayerNorm`."""
 
     weight: Float[Array, " dim"]
     bias: Float[Array, " dim"]
@@ -281,9 +282,10 @@ class LayerNorm(eqx.Module):
         h = x.astype(jnp.float32)
         mean = jnp.mean(h, axis=-1, keepdims=True)
         var = jnp.mean(jnp.square(h - mean), axis=-1, keepdims=True)
-        h = ((h - mean) * lax.rsqrt(var + self.eps)).astype(x.dtype)
+        h = (h - mean) * lax.rsqrt(var + self.eps)
         w, b = (_broadcast_last(p, x.ndim) for p in (self.weight, self.bias))
-        return h * w + b
+        # gain and bias in f32, rounded once, as torch's LayerNorm for bfloat16
+        return (h * w.astype(jnp.float32) + b.astype(jnp.float32)).astype(x.dtype)
 
 
 def _gelu_tanh(x: Array) -> Array:

@@ -82,6 +82,8 @@ class Arch:
         act: the key of the MLP's activation in config.json and its default.
         original_default: for configs with a top-level
             `original_max_position_embeddings` (Phi-3), its default.
+        rope_aliases: rope types its config class renames (Phi-3 reads the
+            legacy `su` and `yarn` as `longrope`).
         defaults: transformers' defaults of common keys where they are not
             Llama's (`tie_word_embeddings`, `head_dim`, `rms_norm_eps`).
     """
@@ -97,6 +99,7 @@ class Arch:
     act: tuple[str, str] = ("hidden_act", "silu")
     original_default: int | None = None
     defaults: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    rope_aliases: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
     def fixed(self, config: DecoderConfig) -> dict[str, Any]:
         """The switches' values for (the sizes of) `config`."""
@@ -119,13 +122,23 @@ class Arch:
         try:
             common = read_common(reader, self)
             fields = {**common, **self.fixed_from(common), **self.read(reader, common)}
-            return DecoderConfig(param_dtype=param_dtype, **fields)
+            config = DecoderConfig(param_dtype=param_dtype, **fields)
         except HFConfigError:
             raise
         except ConfigError as error:
             text = str(error)
             where = "" if reader.path in text else f"{reader.path}: "
             raise HFConfigError(where + text) from None
+        # What export could not write back as this model type (e.g. Qwen2's
+        # sliding layers before full ones) is refused here too.
+        problems = self.problems(config)
+        if problems:
+            raise HFConfigError(
+                f"{reader.path}: eqtrain does not support {'; '.join(problems)} "
+                f"in a {self.model_type} model; this checkpoint cannot be loaded "
+                "exactly."
+            )
+        return config
 
     def fixed_from(self, fields: dict[str, Any]) -> dict[str, Any]:
         probe = DecoderConfig(**{k: v for k, v in fields.items() if k in _SIZE_FIELDS})
@@ -191,11 +204,20 @@ def read_rope(
     (transformers 5; Gemma 3's per layer type with `layer_type`), else from
     `rope_scaling` and `rope_theta` (4.x files)."""
     params, name = r.get("rope_parameters"), "rope_parameters"
-    if isinstance(params, Mapping) and layer_type is not None:
-        params, name = params.get(layer_type), f"{name}.{layer_type}"
-    if not isinstance(params, Mapping):
-        params, name = r.get("rope_scaling") or {}, "rope_scaling"
+    scaling = r.get("rope_scaling") or {}
+    if layer_type is not None:
+        # Gemma 3: a dict per layer type; a 4.x `rope_scaling` is the full
+        # layers' alone (the sliding ones keep the default type).
+        nested = params if isinstance(params, Mapping) else {}
+        params, name = dict(nested.get(layer_type) or {}), f"{name}.{layer_type}"
+        if layer_type == "full_attention" and scaling:
+            params, name = {**params, **scaling}, "rope_scaling"
+    elif not isinstance(params, Mapping):
+        params, name = scaling, "rope_scaling"
     params = dict(params)
+    kind = params.get("rope_type", params.get("type"))
+    if kind in arch.rope_aliases:
+        params["rope_type"] = arch.rope_aliases[kind]
     if "rope_theta" not in params:
         local = layer_type == "sliding_attention"
         params["rope_theta"] = r.get(

@@ -31,10 +31,27 @@ def _pattern(r: Reader, common: dict[str, Any], every: int) -> tuple[str, ...]:
     return types
 
 
-def _gemma2(r: Reader, common: dict[str, Any], every: int = 2) -> dict[str, Any]:
+def _causal(r: Reader) -> None:
     bidirectional = r.get("use_bidirectional_attention", False)
-    r.require("bidirectional attention", not bidirectional, bidirectional)
+    r.require("`use_bidirectional_attention`", not bidirectional, bidirectional)
+
+
+def _gemma1(r: Reader, common: dict[str, Any]) -> dict[str, Any]:
+    _causal(r)
+    act = common["hidden_act"]
+    return dict(
+        attention_bias=bool(r.get("attention_bias", False)),
+        # official releases say "gelu" and mean the tanh approximation
+        hidden_act="gelu_pytorch_tanh" if act == "gelu" else act,
+    )
+
+
+def _gemma2(r: Reader, common: dict[str, Any], every: int = 2) -> dict[str, Any]:
+    _causal(r)
     soft = lambda key, default: r.hf.get(key, default)
+    types = _pattern(r, common, every)
+    # transformers needs a window even if no layer slides (export writes one)
+    window = int(r.get("sliding_window", 4096))
     return dict(
         attention_bias=bool(r.get("attention_bias", False)),
         attention_scale=float(r.get("query_pre_attn_scalar", 256)) ** -0.5,
@@ -44,8 +61,8 @@ def _gemma2(r: Reader, common: dict[str, Any], every: int = 2) -> dict[str, Any]
         final_logit_softcapping=soft(
             "final_logit_softcapping", 30.0 if every == 2 else None
         ),
-        sliding_window=int(r.get("sliding_window", 4096)),
-        layer_types=_pattern(r, common, every),
+        sliding_window=window if "sliding_attention" in types else None,
+        layer_types=types,
     )
 
 
@@ -71,7 +88,8 @@ def _write2(c: DecoderConfig) -> dict[str, Any]:
         else scalar,
         attn_logit_softcapping=c.attn_logit_softcapping,
         final_logit_softcapping=c.final_logit_softcapping,
-        sliding_window=c.sliding_window,
+        # Gemma 2 and 3 build a sliding mask even if no layer uses it
+        sliding_window=c.sliding_window or c.max_position_embeddings,
         layer_types=layer_types(c),
     )
 
@@ -97,13 +115,7 @@ GEMMA = Arch(
     "GemmaForCausalLM",
     switches=GEMMA_SWITCHES,
     free=frozenset({"attention_bias"}),
-    read=lambda r, c: dict(
-        attention_bias=bool(r.get("attention_bias", False)),
-        # official releases say "gelu" and mean the tanh approximation
-        hidden_act="gelu_pytorch_tanh"
-        if c["hidden_act"] == "gelu"
-        else c["hidden_act"],
-    ),
+    read=_gemma1,
     write=lambda c: dict(attention_bias=c.attention_bias),
     act=("hidden_act", "gelu_pytorch_tanh"),
     defaults=dict(head_dim=256, tie_word_embeddings=True),

@@ -6,13 +6,16 @@ from ._common import Arch
 
 def _read(r, common):
     one = lambda key: None if float(r.get(key, 1.0)) == 1.0 else float(r.get(key))
+    scale = float(r.get("attention_multiplier", 1.0))
+    size = common["head_dim"] or common["hidden_size"] // common["num_attention_heads"]
     return dict(
         attention_bias=bool(r.get("attention_bias", False)),
         mlp_bias=bool(r.get("mlp_bias", False)),
         embedding_multiplier=one("embedding_multiplier"),
         residual_multiplier=one("residual_multiplier"),
         logits_scaling=one("logits_scaling"),
-        attention_scale=float(r.get("attention_multiplier", 1.0)),
+        # the default scale is written as None, as `_write` reads it
+        attention_scale=None if scale == size**-0.5 else scale,
     )
 
 

@@ -1,6 +1,7 @@
 """Llama (1, 2, 3.x with any rope type), Mistral and Qwen2: the shared decoder's
 defaults, with biases or sliding windows."""
 
+from collections.abc import Callable
 from typing import Any
 
 from ..decoder import DecoderConfig
@@ -14,9 +15,12 @@ def _biases(r: Reader, common: dict[str, Any]) -> dict[str, Any]:
     )
 
 
-def _windows(r: Reader, common: dict[str, Any]) -> dict[str, Any]:
+def _windows(
+    r: Reader, common: dict[str, Any], slides: Callable[[int], bool] | None = None
+) -> dict[str, Any]:
     """Qwen2/Qwen3/SmolLM3: `sliding_window` only with `use_sliding_window`, on
-    the layers from `max_window_layers` on (or as `layer_types` says)."""
+    the layers `slides(i)` says (Qwen's default: from `max_window_layers` on), or
+    as `layer_types` says."""
     window = r.get("sliding_window") if r.get("use_sliding_window", False) else None
     if window is None:
         return {}
@@ -24,8 +28,9 @@ def _windows(r: Reader, common: dict[str, Any]) -> dict[str, Any]:
     types = read_layer_types(r, layers)
     if types is None:
         first = int(r.get("max_window_layers", layers))
+        slides = slides or (lambda i: i >= first)
         types = tuple(
-            "sliding_attention" if i >= first else "full_attention"
+            "sliding_attention" if slides(i) else "full_attention"
             for i in range(layers)
         )
     return dict(sliding_window=int(window), layer_types=types)

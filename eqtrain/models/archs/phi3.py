@@ -11,6 +11,13 @@ def _original(c):
     return dict(original_max_position_embeddings=rope.original_max_position_embeddings)
 
 
+def _rope_type(c):
+    kind = c.global_rope.rope_type
+    if kind in ("default", "longrope"):
+        return []
+    return [f"rope_type={kind!r} (Phi-3 has 'default' or 'longrope')"]
+
+
 PHI3 = Arch(
     "phi3",
     "Phi3ForCausalLM",
@@ -22,7 +29,9 @@ PHI3 = Arch(
         partial_rotary_factor=c.partial_rotary_factor,
         **_original(c),
     ),
+    check=_rope_type,
     original_default=4096,
     defaults=dict(rms_norm_eps=1e-5),
+    rope_aliases=dict(su="longrope", yarn="longrope"),
 )
 ARCHS = (PHI3,)

@@ -17,7 +17,13 @@ def _no_rope_layers(r, common):
         given,
     )
     flags = tuple(int(bool(x)) for x in given)
-    return {**_biases(r, common), **_windows(r, common), "no_rope_layers": flags}
+    # SmolLM3's default windows are on the layers without rotary embeddings
+    windows = _windows(r, common, lambda i: not flags[i])
+    return {
+        **_biases(r, common),
+        **windows,
+        "no_rope_layers": None if all(flags) else flags,
+    }
 
 
 QWEN3 = Arch(
@@ -48,7 +54,6 @@ SMOLLM3 = Arch(
         "mlp_bias": c.mlp_bias,
         "no_rope_layers": list(c.no_rope_layers or [1] * c.num_hidden_layers),
     },
-    check=_contiguous_windows,
     theta=2000000.0,
     defaults=dict(tie_word_embeddings=True),
 )
