@@ -50,9 +50,11 @@ __all__ = [
     "unwrap",
 ]
 
-DEFAULT_TARGETS = r"(^|\.)((q|k|v|o|gate|up|down)_proj|c_attn|c_proj|c_fc)$"
-"""The attention and MLP projections of the Llama family and GPT-2 (not the
-output head)."""
+DEFAULT_TARGETS = r"(^|\.)((q|k|v|o|qkv|gate|up|down|gate_up)_proj|c_attn|c_proj|c_fc)$"
+"""The attention and MLP projections of every decoder family and GPT-2 (not the
+output head), as PEFT's `all-linear`: q/k/v/o (Phi-3's fused `qkv_proj`),
+gate/up/down (Phi-3's `gate_up_proj`, StarCoder2's `c_fc`/`c_proj`), GPT-2's
+`c_attn`/`c_proj`/`c_fc`."""
 
 ADAPTER_LEAVES = ("lora_a", "lora_b")
 

@@ -542,7 +542,7 @@ class TaskConfig:
     )
 
 
-LORA_TARGETS = r"(^|\.)((q|k|v|o|gate|up|down)_proj|c_attn|c_proj|c_fc)$"
+LORA_TARGETS = r"(^|\.)((q|k|v|o|qkv|gate|up|down|gate_up)_proj|c_attn|c_proj|c_fc)$"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,6 +1,6 @@
-"""`eqtrain fit --dry-run`: what a run would do — mesh, parameters, a per-leaf
-sharding table and the per-device memory of its compiled training step — without
-training or writing."""
+"""`eqtrain fit --dry-run`: what a run would do — mesh, parameters, training FLOPs
+per token, a per-leaf sharding table and the per-device memory of its compiled
+training step — without training or writing."""
 
 import math
 from typing import Any
@@ -107,6 +107,8 @@ def report(config: Config) -> str:
         f"steps        {config.loop.steps} x batch {config.data.batch_size} "
         f"(accumulate {config.optim.accumulate}); optimizer {config.optim.name}, "
         f"lr {config.optim.lr:g} {config.optim.schedule}",
+        f"compute      {job.flops_per_token():,.0f} training FLOPs per token "
+        f"(forward + backward, data.seq_len {config.data.seq_len})",
         f"devices      {mesh.devices.size} x {mesh.devices.flat[0].platform}; mesh "
         + ", ".join(f"{k}={v}" for k, v in mesh.shape.items()),
         *_sequence_lines(config, seq_ways),
