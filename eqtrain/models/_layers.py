@@ -888,10 +888,23 @@ def check_options(
     as_dtype(param_dtype)
 
 
-RUNTIME_OPTIONS = frozenset(
-    {"remat", "scan_layers", "attention_impl", "remat_save", "remat_offload"}
-    | {"mlp_chunks", "attention_chunk", "sequence_parallel", "sequence_layout"}
-)
+@dataclasses.dataclass(frozen=True)
+class RuntimeFields:
+    """The runtime options every language-model config holds (`RUNTIME_OPTIONS`;
+    documented in `DecoderConfig`): how the model computes, never its arrays."""
+
+    remat: str = "none"
+    scan_layers: bool = True
+    attention_impl: str | None = None
+    remat_save: tuple[str, ...] = ()
+    remat_offload: tuple[str, ...] = ()
+    mlp_chunks: int | str = 1
+    attention_chunk: int = 0
+    sequence_parallel: str | None = None
+    sequence_layout: str = "contiguous"
+
+
+RUNTIME_OPTIONS = frozenset(f.name for f in dataclasses.fields(RuntimeFields))
 """Config fields of the language models that `with_options` may change on an
 existing model (none changes an array's shape)."""
 

@@ -282,8 +282,7 @@ FAMILIES: dict[str, Family] = {
         flops_per_token=gpt2.flops_per_token,
         tp_rules=gpt2.tensor_parallel_rules,
         num_layers=lambda c: c.n_layer,
-        section_keys=frozenset(_gpt2_to_section(gpt2.GPT2Config()))
-        - {"init_std"}
+        section_keys=frozenset(_gpt2_to_section(gpt2.GPT2Config())) - {"init_std"}
         | {"arch", "intermediate_size"},
     ),
 }

@@ -394,29 +394,26 @@ def attend(
     q: Float[Array, "seq heads head_dim"],
     k: Float[Array, "seq kv_heads head_dim"],
     v: Float[Array, "seq kv_heads head_dim"],
+    options: Any,
     *,
     segment_ids: Int[Array, " seq"] | None,
     positions: Int[Array, " seq"] | None,
-    sliding_window: int | None,
-    implementation: str | None,
-    sequence_parallel: str | None,
-    sequence_layout: str,
-    query_chunk: int = 0,
+    sliding_window: int | None = None,
     scale: float | None = None,
     softcap: float | None = None,
 ) -> Float[Array, "seq heads head_dim"]:
-    """The models' attention: `attention` (one device's whole sequence, rows in
-    order; `query_chunk`: blocked, see `attention`), or `sequence_attention`
-    with a `sequence_parallel` scheme."""
-    if sequence_parallel is None:
+    """The models' attention under their `RuntimeOptions` (`options`): `attention`
+    (one device's whole sequence, rows in order; `options.query_chunk`: blocked,
+    see `attention`), or `sequence_attention` with a `sequence_parallel` scheme."""
+    if options.sequence_parallel is None:
         return attention(
             q,
             k,
             v,
             segment_ids=segment_ids,
             sliding_window=sliding_window,
-            implementation=implementation,
-            query_chunk=query_chunk,
+            implementation=options.implementation,
+            query_chunk=options.query_chunk,
             scale=scale,
             softcap=softcap,
         )
@@ -424,12 +421,12 @@ def attend(
         q,
         k,
         v,
-        scheme=sequence_parallel,
+        scheme=options.sequence_parallel,
         positions=positions,
         segment_ids=segment_ids,
         sliding_window=sliding_window,
-        layout=sequence_layout,
-        implementation=implementation,
+        layout=options.sequence_layout,
+        implementation=options.implementation,
         scale=scale,
         softcap=softcap,
     )

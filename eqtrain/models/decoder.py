@@ -31,6 +31,7 @@ from ._layers import (
     LayerNorm,
     Linear,
     RMSNorm,
+    RuntimeFields,
     RuntimeOptions,
     as_dtype,
     check_runtime,
@@ -59,7 +60,7 @@ LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
 @dataclasses.dataclass(frozen=True)
-class DecoderConfig:
+class DecoderConfig(RuntimeFields):
     """Shape, architecture switches and runtime options of a `Decoder`. Field
     names follow Hugging Face's configs; the defaults are Llama's (Llama-2-7B's
     shape), so `DecoderConfig()` with sizes is a Llama.
@@ -135,15 +136,6 @@ class DecoderConfig:
     max_position_embeddings: int = 2048
     initializer_range: float | int = 0.02
     param_dtype: str = "float32"
-    remat: str = "none"
-    scan_layers: bool = True
-    attention_impl: str | None = None
-    remat_save: tuple[str, ...] = ()
-    remat_offload: tuple[str, ...] = ()
-    mlp_chunks: int | str = 1
-    attention_chunk: int = 0
-    sequence_parallel: str | None = None
-    sequence_layout: str = "contiguous"
     model_type: str | None = None
     norm: str = "rms"
     block: str = "pre"
@@ -362,13 +354,10 @@ class Attention(eqx.Module):
             q,
             k,
             v,
+            options,
             segment_ids=segment_ids,
             positions=positions,
             sliding_window=window,
-            implementation=options.implementation,
-            query_chunk=options.query_chunk,
-            sequence_parallel=options.sequence_parallel,
-            sequence_layout=options.sequence_layout,
             scale=self.scale,
             softcap=self.softcap,
         )

@@ -23,6 +23,7 @@ from ._layers import (
     Embedding,
     LayerNorm,
     Linear,
+    RuntimeFields,
     RuntimeOptions,
     as_dtype,
     check_runtime,
@@ -45,7 +46,7 @@ has no tensors for)."""
 
 
 @dataclasses.dataclass(frozen=True)
-class GPT2Config:
+class GPT2Config(RuntimeFields):
     """Shape and options of a `GPT2`. Field names and defaults follow Hugging Face's
     `GPT2Config` (GPT-2 small); there is no dropout.
 
@@ -89,15 +90,6 @@ class GPT2Config:
     reorder_and_upcast_attn: bool = False
     tie_word_embeddings: bool = True
     param_dtype: str = "float32"
-    remat: str = "none"
-    scan_layers: bool = True
-    attention_impl: str | None = None
-    remat_save: tuple[str, ...] = ()
-    remat_offload: tuple[str, ...] = ()
-    mlp_chunks: int | str = 1
-    attention_chunk: int = 0
-    sequence_parallel: str | None = None
-    sequence_layout: str = "contiguous"
 
     def __post_init__(self) -> None:
         check_runtime(self)
@@ -153,18 +145,7 @@ class GPT2Attention(eqx.Module):
             q = q * jnp.asarray(query_scale).astype(q.dtype)
         q = name_activation(q, "query")
         k, v = name_activation(qkv[:, 1], "key"), name_activation(qkv[:, 2], "value")
-        out = attend(
-            q,
-            k,
-            v,
-            segment_ids=segment_ids,
-            positions=positions,
-            sliding_window=None,
-            implementation=options.implementation,
-            query_chunk=options.query_chunk,
-            sequence_parallel=options.sequence_parallel,
-            sequence_layout=options.sequence_layout,
-        )
+        out = attend(q, k, v, options, segment_ids=segment_ids, positions=positions)
         return name_activation(self.c_proj(out.reshape(seq, d), key=kp), "attn_out")
 
 
