@@ -467,8 +467,14 @@ def _collect(
             first.setdefault(skip.reason, i)
     report = SkipReport(total=len(rows), kept=len(kept), reasons=reasons, first=first)
     if not kept:
+        top = max(reasons, key=reasons.__getitem__)
+        check = (
+            "the rows against the chat template (the tokenizer's own, or "
+            "data.chat_template's; template= in Python)"
+            if "chat template" in top
+            else "the format and field names, and seq_len/max_prompt_len"
+        )
         raise DataError(
-            f"all {len(rows)} rows were skipped: {report.details()}. Check the "
-            "format and field names, and seq_len/max_prompt_len."
+            f"all {len(rows)} rows were skipped: {report.details()}. Check {check}."
         )
     return kept, report
