@@ -24,7 +24,30 @@ Usage (CPU; needs `pip install torch==2.13.0 transformers`):
 
     JAX_PLATFORMS=cpu .venv/bin/python benchmarks/models.py [--steps 8]
         [--rounds 3] [--batch 16] [--seq 256] [--threads 2] [--remat none]
-        [--no-scan-layers] [--quick]
+        [--no-scan-layers] [--quick] [--family MODEL_TYPE|all]
+
+`--family` (one Hugging Face `model_type` of `eqtrain.models.archs.ARCHS`, several
+separated by commas, or `all`) measures the decoder families instead, each at the
+same sizes (those of the Llama above, or `--quick`'s): transformers' config class
+for that model type is built with those sizes and the family's own defaults
+(activations, norms, q/k norms, soft-caps, rotary bases, no-rope layers), plus a
+few switches that make the family's distinguishing features act at this size
+(`family_extras`: a sliding window of `seq // 2` for the windowed families, Gemma
+3's full layer last, Granite 3's multipliers). eqtrain's config is read from it by
+the family's `Arch` (as `eqtrain.hf.load` reads a config.json), the randomly
+initialised eqtrain model is exported with `eqtrain.hf.export` and loaded by
+`transformers.AutoModelForCausalLM.from_pretrained` (its default attention: SDPA,
+Gemma 2 eager), so both start from equal weights. One JSON line per family:
+
+    {"family", "architecture", "config", "params", "batch", "seq", "threads",
+     "remat", "scan_layers", "cpu_settings", "steps", "rounds", "eqtrain_step_ms",
+     "torch_step_ms", "eqtrain_tokens_per_s", "torch_tokens_per_s", "ratio",
+     "ratio_range", "eqtrain_best_step_ms", "torch_best_step_ms", "ratio_of_best",
+     "first_loss_diff"}
+
+with the median step time of each side over rounds, `ratio` as above (> 1:
+eqtrain faster) and its range over rounds, and the fastest round's step time of
+each side and their ratio (on a busy machine the least disturbed figures).
 """
 
 import argparse
@@ -32,6 +55,7 @@ import dataclasses
 import json
 import statistics
 import sys
+import tempfile
 import time
 from typing import Any
 
@@ -149,11 +173,14 @@ def to_torch(model: Llama, cfg: LlamaConfig) -> Any:
 
 
 class TorchRunner:
-    def __init__(self, model: Llama, cfg: LlamaConfig, batches: list[dict]):
+    def __init__(
+        self, model: Llama, cfg: LlamaConfig, batches: list[dict], hf: Any = None
+    ):
+        """`hf`: the transformers model to train (default: `to_torch(model, cfg)`)."""
         import torch
 
         self.torch = torch
-        self.hf = to_torch(model, cfg)
+        self.hf = to_torch(model, cfg) if hf is None else hf
         self.state = {k: v.clone() for k, v in self.hf.state_dict().items()}
         self.hf.train()
         self.batches = [
@@ -182,6 +209,25 @@ class TorchRunner:
 
 
 # -- the benchmark -----------------------------------------------------------------
+def measure(
+    runners: dict[str, Any], args: argparse.Namespace
+) -> tuple[dict[str, list[float]], dict[str, float]]:
+    """Per-round tokens/s of each runner (rounds alternate ABBA after an untimed
+    warm-up, which also compiles), and each one's first loss."""
+    firsts = {}
+    for name, run in runners.items():  # compile and warm up, untimed
+        _, firsts[name] = run(args.warmup)
+    rates: dict[str, list[float]] = {name: [] for name in runners}
+    tokens = args.steps * args.batch * args.seq
+    for r in range(args.rounds):
+        for name in list(runners) if r % 2 == 0 else list(reversed(runners)):
+            seconds, _ = runners[name](args.steps)
+            rates[name].append(tokens / seconds)
+    shown = {k: [round(x) for x in v] for k, v in rates.items()}
+    print(f"tokens/s per round: {shown}", file=sys.stderr)
+    return rates, firsts
+
+
 def benchmark(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
@@ -194,17 +240,7 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any]:
         "eqtrain": JaxRunner(model, batches).run,
         "torch": TorchRunner(model, cfg, batches).run,
     }
-    firsts = {}
-    for name, run in runners.items():  # compile and warm up, untimed
-        _, firsts[name] = run(args.warmup)
-    rates: dict[str, list[float]] = {name: [] for name in runners}
-    tokens = args.steps * args.batch * args.seq
-    for r in range(args.rounds):
-        for name in list(runners) if r % 2 == 0 else list(reversed(runners)):
-            seconds, _ = runners[name](args.steps)
-            rates[name].append(tokens / seconds)
-    shown = {k: [round(x) for x in v] for k, v in rates.items()}
-    print(f"tokens/s per round: {shown}", file=sys.stderr)
+    rates, firsts = measure(runners, args)
     paired = [e / t for e, t in zip(rates["eqtrain"], rates["torch"], strict=True)]
     return {
         "config": "quick" if args.quick else "llama_4m",
@@ -222,6 +258,127 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any]:
         "ratio": round(statistics.median(paired), 4),
         "first_loss_diff": abs(firsts["eqtrain"] - firsts["torch"]),
     }
+
+
+# -- the decoder families ----------------------------------------------------------
+def family_extras(model_type: str, seq: int, layers: int) -> dict[str, Any]:
+    """transformers config keys beyond the shared sizes, so that what tells the
+    family apart acts at the benchmark's size: windowed families get a window of
+    half the sequence (their defaults, 4096 or none, would cover it whole); Gemma 3
+    gets its global layer last (its default 5:1 pattern has none in 4 layers);
+    Granite takes granite-3.0-2b-base's multipliers (all 1.0 by default)."""
+    window = max(1, seq // 2)
+    if model_type in ("mistral", "gemma2", "phi3", "starcoder2"):
+        return {"sliding_window": window}
+    if model_type == "gemma3_text":
+        types = ["sliding_attention"] * (layers - 1) + ["full_attention"]
+        return {"sliding_window": window, "layer_types": types}
+    if model_type == "granite":
+        return dict(
+            embedding_multiplier=12.0,
+            attention_multiplier=0.015625,
+            residual_multiplier=0.22,
+            logits_scaling=8.0,
+        )
+    return {}
+
+
+def family_models(
+    model_type: str, base: LlamaConfig, args: argparse.Namespace
+) -> tuple[Llama, Any]:
+    """The eqtrain model of one family at `base`'s sizes and the transformers
+    model with the same weights (exported by `eqtrain.hf.export`, loaded by
+    `from_pretrained`)."""
+    import torch
+    import transformers
+
+    from eqtrain import hf
+    from eqtrain.models.archs import ARCHS, Reader
+
+    sizes = dict(
+        vocab_size=base.vocab_size,
+        hidden_size=base.hidden_size,
+        intermediate_size=base.intermediate_size,
+        num_hidden_layers=base.num_hidden_layers,
+        num_attention_heads=base.num_attention_heads,
+        num_key_value_heads=base.kv_heads,
+        head_dim=base.head_size,
+        max_position_embeddings=base.max_position_embeddings,
+        tie_word_embeddings=base.tie_word_embeddings,
+        pad_token_id=0,  # some defaults (SmolLM3's 128004) lie outside the vocab
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    extras = family_extras(model_type, args.seq, base.num_hidden_layers)
+    hf_cfg = transformers.AutoConfig.for_model(model_type, **sizes, **extras)
+    reader = Reader(hf_cfg.to_dict(), f"transformers' {type(hf_cfg).__name__}")
+    cfg = ARCHS[model_type].from_hf(reader, "float32")
+    cfg = dataclasses.replace(cfg, remat=args.remat, scan_layers=args.scan_layers)
+    model = Llama(cfg, jr.key(0))
+    transformers.utils.logging.disable_progress_bar()  # "Loading weights"
+    with tempfile.TemporaryDirectory() as tmp:
+        path = hf.export(model, None, f"{tmp}/hf")
+        torch_model = transformers.AutoModelForCausalLM.from_pretrained(
+            path, dtype=torch.float32
+        )
+    return model, torch_model
+
+
+def family_benchmark(model_type: str, args: argparse.Namespace) -> dict[str, Any]:
+    """One family's step times, eqtrain against transformers."""
+    base = QUICK if args.quick else CONFIG
+    model, torch_model = family_models(model_type, base, args)
+    cfg = model.config
+    batches = make_batches(cfg, args.steps, args.batch, args.seq)
+    runners = {
+        "eqtrain": JaxRunner(model, batches).run,
+        "torch": TorchRunner(model, cfg, batches, hf=torch_model).run,
+    }
+    rates, firsts = measure(runners, args)
+    tokens = args.steps * args.batch * args.seq
+    step_ms = lambda r: 1000 * tokens / r / args.steps
+    paired = [e / t for e, t in zip(rates["eqtrain"], rates["torch"], strict=True)]
+    return {
+        "family": model_type,
+        "architecture": type(torch_model).__name__,
+        "config": "quick" if args.quick else "llama_4m",
+        "params": num_params(model),
+        "batch": args.batch,
+        "seq": args.seq,
+        "threads": args.threads,
+        "remat": args.remat,
+        "scan_layers": args.scan_layers,
+        "cpu_settings": args.cpu_settings,
+        "steps": args.steps,
+        "rounds": args.rounds,
+        "eqtrain_step_ms": round(step_ms(statistics.median(rates["eqtrain"])), 1),
+        "torch_step_ms": round(step_ms(statistics.median(rates["torch"])), 1),
+        "eqtrain_tokens_per_s": round(statistics.median(rates["eqtrain"]), 1),
+        "torch_tokens_per_s": round(statistics.median(rates["torch"]), 1),
+        "ratio": round(statistics.median(paired), 4),
+        "ratio_range": [round(min(paired), 4), round(max(paired), 4)],
+        # the fastest round of each: the least disturbed on a shared machine
+        "eqtrain_best_step_ms": round(step_ms(max(rates["eqtrain"])), 1),
+        "torch_best_step_ms": round(step_ms(max(rates["torch"])), 1),
+        "ratio_of_best": round(max(rates["eqtrain"]) / max(rates["torch"]), 4),
+        "first_loss_diff": abs(firsts["eqtrain"] - firsts["torch"]),
+    }
+
+
+def families(spec: str) -> list[str]:
+    """`--family`'s model types, in `ARCHS` order for `all`."""
+    from eqtrain.models.archs import ARCHS
+
+    if spec == "all":
+        return list(ARCHS)
+    names = [n.strip() for n in spec.split(",") if n.strip()]
+    unknown = [n for n in names if n not in ARCHS]
+    if unknown or not names:
+        raise SystemExit(
+            f"--family: unknown model type(s) {unknown}; expected 'all' or some "
+            f"of {', '.join(ARCHS)}, separated by commas."
+        )
+    return names
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -247,7 +404,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "XLA's and glibc's defaults)",
     )
     parser.add_argument("--quick", action="store_true", help="tiny smoke test")
+    parser.add_argument(
+        "--family",
+        default=None,
+        help="decoder families to compare instead of the Llama: a Hugging Face "
+        "model_type (llama, mistral, qwen2, qwen3, smollm3, gemma, gemma2, "
+        "gemma3_text, phi3, olmo2, granite, starcoder2), several separated by "
+        "commas, or 'all'; one JSON line each",
+    )
     args = parser.parse_args(argv)
+    args.families = None if args.family is None else families(args.family)
     args.cpu_settings = []
     args.steps = args.steps or (3 if args.quick else 8)
     args.rounds = args.rounds or (2 if args.quick else 3)
@@ -259,7 +425,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     args.cpu_settings = eqtrain.tune_cpu() if args.tune_cpu else []
-    print(json.dumps(benchmark(args)), flush=True)
+    if args.family is None:
+        print(json.dumps(benchmark(args)), flush=True)
+        return
+    import torch
+
+    torch.set_num_threads(args.threads)
+    for model_type in args.families:
+        print(f"{model_type}:", file=sys.stderr)
+        print(json.dumps(family_benchmark(model_type, args)), flush=True)
 
 
 if __name__ == "__main__":

@@ -12,11 +12,12 @@ import pytest
 BENCHMARKS = Path(__file__).parent.parent / "benchmarks"
 
 
-def _quick(script: str) -> tuple[list[dict], str]:
-    """Run `benchmarks/<script> --quick` on CPU; its JSON records and its stderr."""
+def _quick(script: str, *args: str) -> tuple[list[dict], str]:
+    """Run `benchmarks/<script> --quick [args]` on CPU; its JSON records and its
+    stderr."""
     env = dict(os.environ, XLA_FLAGS="", JAX_PLATFORMS="cpu")
     proc = subprocess.run(
-        [sys.executable, str(BENCHMARKS / script), "--quick"],
+        [sys.executable, str(BENCHMARKS / script), "--quick", *args],
         capture_output=True,
         text=True,
         timeout=300,
@@ -45,6 +46,25 @@ def test_models_quick():
     pytest.importorskip("transformers")
     records, _ = _quick("models.py")
     assert records[-1]["config"] == "quick" and records[-1]["ratio"] > 0
+
+
+@pytest.mark.slow  # the default suite's time: `nox -s slow`
+def test_models_family_quick():
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    # Phi-3: fused qkv/gate_up, a window on every layer; Gemma 2: four norms per
+    # block, soft-capped scores and logits, windows on alternate layers
+    records, _ = _quick("models.py", "--family", "phi3,gemma2", "--steps", "2")
+    assert [r["family"] for r in records] == ["phi3", "gemma2"]
+    assert [r["architecture"] for r in records] == [
+        "Phi3ForCausalLM",
+        "Gemma2ForCausalLM",
+    ]
+    for r in records:
+        assert r["eqtrain_step_ms"] > 0 and r["torch_step_ms"] > 0
+        low, high = r["ratio_range"]
+        assert 0 < low <= r["ratio"] <= high
+        assert r["first_loss_diff"] < 1e-4  # the same weights on both sides
 
 
 @pytest.mark.slow  # the default suite's time: `nox -s slow`

@@ -1,7 +1,9 @@
 """Hugging Face interop: `export` writes an eqtrain model as the directory
 `transformers`' `save_pretrained` would write (safetensors, config.json,
 generation_config.json, tokenizer files); `load` reads such a directory back
-(safetensors only, strictly). Architectures: `llama`, `mistral`, `qwen2`, `gpt2`.
+(safetensors only, strictly). Architectures: the decoder families of
+`eqtrain.models.archs` (`llama`, `mistral`, `qwen2`, `qwen3`, `smollm3`, `gemma`,
+`gemma2`, `gemma3_text`, `phi3`, `olmo2`, `granite`, `starcoder2`) and `gpt2`.
 LoRA adapters go both ways in PEFT's format: `export_adapter`, `load_adapter`.
 """
 

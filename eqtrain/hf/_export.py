@@ -43,7 +43,7 @@ def export(
     `transformers.AutoModelForCausalLM.from_pretrained(out_dir)` loads exactly.
 
     Args:
-        model: a `Llama` or `GPT2` (stacked layers).
+        model: a `Decoder` (`Llama`) or `GPT2` (stacked layers).
         config: its config (`None`: `model.config`).
         out_dir: the directory to create; written to a temporary sibling and
             renamed, so it is either complete or absent.
@@ -54,11 +54,16 @@ def export(
         tokenizer: an `eqtrain.data.HFTokenizer` (its files are written) or any
             object with `bos_id`/`eos_id` (e.g. `ByteTokenizer`: ids only).
         bos_token_id, eos_token_id: override the tokenizer's ids.
-        model_type: `"llama"`, `"mistral"`, `"qwen2"` or `"gpt2"`; `None` infers
-            it: a `GPT2Config` is `gpt2`; a `LlamaConfig` with q/k/v biases and
-            `o_proj_bias=False` is `qwen2`, else with a `sliding_window`
-            `mistral`, else `llama`. A type that cannot express the config (e.g.
-            Mistral with biases) raises `ConfigError`.
+        model_type: a `model_type` of `eqtrain.models.archs.ARCHS` (`"llama"`,
+            `"mistral"`, `"qwen2"`, `"qwen3"`, `"smollm3"`, `"gemma"`,
+            `"gemma2"`, `"gemma3_text"`, `"phi3"`, `"olmo2"`, `"granite"`,
+            `"starcoder2"`) or `"gpt2"`; `None` infers it: a `GPT2Config` is
+            `gpt2`; a `DecoderConfig` exports as its own `model_type` when set,
+            else as the first architecture of that list (`ARCHS`' order) that
+            expresses it (the defaults: `llama`; with a `sliding_window`:
+            `mistral`; q/k/v biases without an o_proj bias: `qwen2`). A type that
+            cannot express the config (e.g. Mistral with biases) raises
+            `ConfigError` naming what it lacks.
         chat_template: a Jinja chat template (e.g. the one a fine-tuning run
             rendered its data with) written with an `HFTokenizer`'s files: as
             `chat_template.jinja` (transformers 5) and in `tokenizer_config.json`

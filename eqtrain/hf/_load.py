@@ -42,10 +42,15 @@ def load(
 ) -> tuple[Any, Any]:
     """Read a Hugging Face checkpoint directory into `(model, config)`.
 
-    Supports `model_type` `llama`, `mistral`, `qwen2` and `gpt2`, a single
+    Supports the decoder `model_type`s of `eqtrain.models.archs.ARCHS` (`llama`,
+    `mistral`, `qwen2`, `qwen3`, `smollm3`, `gemma`, `gemma2`, `gemma3_text`,
+    `phi3`, `olmo2`, `granite`, `starcoder2`; rope types `default`, `linear`,
+    `dynamic`, `yarn`, `longrope`, `llama3`) and `gpt2`, a single
     `model.safetensors` or shards with `model.safetensors.index.json`, stored in
-    float32, bfloat16 or float16. Pickle checkpoints (`pytorch_model.bin`) are
-    refused: reading them runs arbitrary code.
+    float32, bfloat16 or float16. What the model cannot reproduce exactly is
+    refused by name (another model type or rope type, multimodal RoPE, Gemma's
+    bidirectional attention, ...; docs/hf.md). Pickle checkpoints
+    (`pytorch_model.bin`) are refused: reading them runs arbitrary code.
 
     Nothing is read before every tensor's name and shape has been checked against
     the model (from the files' headers). Then each parameter is read lazily and
@@ -80,7 +85,8 @@ def load(
 
     Raises:
         HFFileNotFoundError: no directory, or no `config.json` in it.
-        HFFormatError: unknown `model_type`, a pickle-only checkpoint, a damaged
+        HFFormatError: unknown `model_type`, a config.json the model cannot
+            reproduce (the key is named), a pickle-only checkpoint, a damaged
             safetensors file, or tensors missing, unexpected or of the wrong
             shape (named in the message).
         StructureError: `shardings` does not have one sharding per parameter.

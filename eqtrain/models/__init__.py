@@ -1,7 +1,11 @@
 """Models: plain Equinox modules with a frozen config dataclass each, built from
 `(config, key)`.
 
-- `eqtrain.models.llama`: `Llama`, `LlamaConfig` (Llama, Mistral, Qwen2);
+- `eqtrain.models.decoder`: `Decoder`, `DecoderConfig`, one decoder for every
+  Llama-like Hugging Face family (Llama, Mistral, Qwen2, Qwen3, SmolLM3, Gemma 1/2/3,
+  Phi-3, OLMo 2, Granite, StarCoder2), told apart by the config's switches;
+  `eqtrain.models.archs` maps each `model_type` to them (`ARCHS`);
+  `eqtrain.models.llama`: the same classes as `Llama`, `LlamaConfig`;
 - `eqtrain.models.gpt2`: `GPT2`, `GPT2Config`;
 - `eqtrain.models.mlp`: `MLPClassifier`, `MLPConfig`.
 
@@ -10,11 +14,12 @@ Sequence parallelism (`sequence_attention`, `SCHEMES`): set a model's
 (`under_mesh(step, mesh)`); `sequence_rows` adds `positions` (and the zigzag
 layout) to LM rows.
 
-Each submodule also has `flops_per_token(config, seq_len)`. The language-model
-families (Llama, GPT-2) have one registry entry each, which owns the `[model]`
-config section both ways, FLOPs, tensor-parallel rules and Hugging Face names:
+Each submodule also has `flops_per_token(config, seq_len)`. The language models
+(the decoder, GPT-2) have one registry entry each, which owns the `[model]` config
+section both ways, FLOPs, tensor-parallel rules and the Hugging Face names of every
+`model_type` it covers:
 
-    fam = models.family("qwen2")            # or a config, or a model
+    fam = models.family("gemma2")           # any model_type, a config, or a model
     model = fam.model(fam.from_section(section, vocab_size=259, max_seq_len=128), key)
 """
 
