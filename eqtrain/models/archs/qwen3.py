@@ -37,7 +37,6 @@ QWEN3 = Arch(
     },
     write=lambda c: {**write_windows(c), "attention_bias": c.attention_bias},
     check=_contiguous_windows,
-    theta=1000000.0,
     defaults=dict(head_dim=128),
 )
 SMOLLM3 = Arch(
