@@ -128,7 +128,12 @@ def test_example_configs_run(path, tmp_path, small=()):
         assert (tmp_path / "run" / "hf" / "config.json").exists()
 
 
-@pytest.mark.parametrize("name", SLOW_CONFIGS, ids=lambda n: n.removesuffix(".toml"))
+@pytest.mark.parametrize(
+    "name",
+    # default-suite time: DPO runs by default in test_post_training
+    ["lora.toml", pytest.param("dpo.toml", marks=pytest.mark.slow)],
+    ids=lambda n: n.removesuffix(".toml"),
+)
 def test_lora_and_dpo_configs_run_small(name, tmp_path):
     """The slow-only configs as written, on smaller batches (and, for lora.toml,
     short rows of a small text: tokenizing the Python standard library takes

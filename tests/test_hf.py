@@ -383,7 +383,13 @@ def test_export_writes_hf_tokenizer_files(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "family", ["qwen2", pytest.param("gpt2", marks=pytest.mark.slow)]
+    "family",
+    [
+        # default-suite time: test_families_training fits starcoder2 from its HF
+        # directory through the CLI by default
+        pytest.param("qwen2", marks=pytest.mark.slow),
+        pytest.param("gpt2", marks=pytest.mark.slow),
+    ],
 )
 def test_fine_tune_from_hf_directory_and_export(tmp_path, family):
     """`model.init_from`: a run starts from `save_pretrained`'s weights exactly,

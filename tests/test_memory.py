@@ -366,6 +366,7 @@ def _is_struct(x):
     return isinstance(x, jax.ShapeDtypeStruct)
 
 
+@pytest.mark.slow  # default-suite time: the dry run's report is tested by default
 def test_memory_budget_finds_the_longest_seq_len(tmp_path):
     config = _config(tmp_path)
     rows = _place.plan(config).rows

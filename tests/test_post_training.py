@@ -201,6 +201,7 @@ def test_precomputed_reference_equals_the_copy_and_survives_resume(files, tmp_pa
         np.testing.assert_array_equal(x, y)
 
 
+@pytest.mark.slow  # default-suite time: ..._survives_resume reads it back by default
 def test_precomputed_reference_is_read_back_or_recomputed(files, tmp_path):
     """The default suite's variant of the slow kill and damage tests: a resumed
     run reads the stored log-probs back (nothing computed); a damaged file is
