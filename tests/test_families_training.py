@@ -471,6 +471,19 @@ KEPT = {
     ),
     "qwen3": ("head_dim", "rms_norm_eps"),
     "starcoder2": ("sliding_window", "use_bias", "norm_epsilon", "hidden_act"),
+    "llama": ("head_dim", "rope_parameters.rope_theta"),
+    "mistral": ("sliding_window",),
+    "qwen2": ("tie_word_embeddings",),
+    "smollm3": ("no_rope_layers",),
+    "gemma": ("hidden_act", "tie_word_embeddings"),
+    "gemma3_text": ("sliding_window", "layer_types", "query_pre_attn_scalar"),
+    "olmo2": ("rms_norm_eps",),
+    "granite": (
+        "embedding_multiplier",
+        "residual_multiplier",
+        "logits_scaling",
+        "attention_multiplier",
+    ),
 }
 
 
