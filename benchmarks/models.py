@@ -243,16 +243,7 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any]:
     rates, firsts = measure(runners, args)
     paired = [e / t for e, t in zip(rates["eqtrain"], rates["torch"], strict=True)]
     return {
-        "config": "quick" if args.quick else "llama_4m",
-        "params": num_params(model),
-        "batch": args.batch,
-        "seq": args.seq,
-        "threads": args.threads,
-        "remat": args.remat,
-        "scan_layers": args.scan_layers,
-        "cpu_settings": args.cpu_settings,
-        "steps": args.steps,
-        "rounds": args.rounds,
+        **_settings(args, model),
         "eqtrain_tokens_per_s": round(statistics.median(rates["eqtrain"]), 1),
         "torch_tokens_per_s": round(statistics.median(rates["torch"]), 1),
         "ratio": round(statistics.median(paired), 4),
@@ -341,16 +332,7 @@ def family_benchmark(model_type: str, args: argparse.Namespace) -> dict[str, Any
     return {
         "family": model_type,
         "architecture": type(torch_model).__name__,
-        "config": "quick" if args.quick else "llama_4m",
-        "params": num_params(model),
-        "batch": args.batch,
-        "seq": args.seq,
-        "threads": args.threads,
-        "remat": args.remat,
-        "scan_layers": args.scan_layers,
-        "cpu_settings": args.cpu_settings,
-        "steps": args.steps,
-        "rounds": args.rounds,
+        **_settings(args, model),
         "eqtrain_step_ms": round(step_ms(statistics.median(rates["eqtrain"])), 1),
         "torch_step_ms": round(step_ms(statistics.median(rates["torch"])), 1),
         "eqtrain_tokens_per_s": round(statistics.median(rates["eqtrain"]), 1),
@@ -379,6 +361,22 @@ def families(spec: str) -> list[str]:
             f"of {', '.join(ARCHS)}, separated by commas."
         )
     return names
+
+
+def _settings(args: argparse.Namespace, model: Any) -> dict[str, Any]:
+    """The record's fields that say what was run (shared by both benchmarks)."""
+    return {
+        "config": "quick" if args.quick else "llama_4m",
+        "params": num_params(model),
+        "batch": args.batch,
+        "seq": args.seq,
+        "threads": args.threads,
+        "remat": args.remat,
+        "scan_layers": args.scan_layers,
+        "cpu_settings": args.cpu_settings,
+        "steps": args.steps,
+        "rounds": args.rounds,
+    }
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

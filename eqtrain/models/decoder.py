@@ -12,7 +12,6 @@ mappings live in `eqtrain.models.archs`.
 """
 
 import dataclasses
-from collections.abc import Callable
 from typing import Any
 
 import equinox as eqx
@@ -730,6 +729,3 @@ def tensor_parallel_rules() -> list[tuple[str, PartitionSpec]]:
             PartitionSpec(("tensor", "fsdp"), None),
         ),
     ]
-
-
-LayerFn = Callable[..., Array]
