@@ -4,6 +4,12 @@ import os
 # Must happen before JAX touches a device: 8 simulated CPU devices for sharding tests.
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# Tokenized stores go to one directory per test session (never ~/.cache); keyed
+# by content, so the tests share the built-in corpus's store.
+if "EQTRAIN_DATA_CACHE" not in os.environ:
+    import tempfile
+
+    os.environ["EQTRAIN_DATA_CACHE"] = tempfile.mkdtemp(prefix="eqtrain-data-")
 
 import equinox as eqx  # noqa: E402
 import jax  # noqa: E402

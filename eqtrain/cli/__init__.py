@@ -509,6 +509,53 @@ def plot(
     typer.echo(f"wrote {out}")
 
 
+data_app = typer.Typer(
+    help="Tokenized stores of a config's text data.", no_args_is_help=True
+)
+app.add_typer(data_app, name="data")
+
+
+@data_app.command(name="prepare")
+def data_prepare(
+    config: Annotated[
+        Path | None, typer.Argument(help="A TOML config; none: the defaults.")
+    ] = None,
+    set_: SetOption = None,
+    verify: Annotated[
+        bool,
+        typer.Option(
+            "--verify/--no-verify",
+            help="Check every committed part's sha256 (and rebuild damaged ones).",
+        ),
+    ] = True,
+    launcher: Annotated[
+        str,
+        typer.Option(
+            "--launcher",
+            help="`local`: worker processes (data.workers); `ray`: Ray tasks on the "
+            "cluster of distributed.ray_address (or a local Ray).",
+        ),
+    ] = "local",
+) -> None:
+    """Tokenize the config's text sources into stores on disk (in parallel, in
+    parts that a killed run continues), so that `eqtrain fit` starts at once.
+    Prints one JSON line per store."""
+    from .. import config as config_lib, job
+
+    if launcher not in ("local", "ray"):
+        _fail(f"--launcher must be 'local' or 'ray'; got {launcher!r}.")
+    with _errors():
+        cfg = config_lib.load(config, list(set_ or []))
+        if launcher == "ray":
+            from ..ray import prepare_data as ray_prepare
+
+            stores = ray_prepare(cfg, verify=verify, echo=_echo)
+        else:
+            stores = job.prepare_data(cfg, verify=verify, say=_echo)
+    for entry in stores:
+        typer.echo(_json(entry))
+
+
 @app.command(name="config")
 def config_(
     config: Annotated[

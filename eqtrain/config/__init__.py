@@ -11,9 +11,11 @@ from ._parse import (
     Field as Field,
     apply_overrides as apply_overrides,
     explicit as explicit,
+    format_sources as format_sources,
     from_dict as from_dict,
     load as load,
     parse_duration as parse_duration,
+    parse_sources as parse_sources,
     read_toml as read_toml,
     schema as schema,
 )

@@ -46,6 +46,7 @@ class Field:
             "size": "size",
             "path": "path",
             "names": "names",
+            "sources": "sources",
             "auto_int": "integer or 'auto'",
             "auto_bool": "boolean or 'auto'",
         }.get(self.kind or "", self.type.__name__)
@@ -223,6 +224,8 @@ def _coerce(value: Any, field: Field) -> Any:
         if value.strip().lower() != "auto":
             raise ValueError("expected true, false or 'auto'")
         return "auto"
+    if field.kind == "sources":
+        return format_sources(parse_sources(value))
     if field.kind == "names":
         items = value.split(",") if isinstance(value, str) else value
         if not isinstance(items, (list, tuple)) or not all(
@@ -258,6 +261,74 @@ def _coerce(value: Any, field: Field) -> Any:
     if not isinstance(value, str):
         raise ValueError("expected a string")
     return value
+
+
+_NAMED_SOURCE = re.compile(r"([A-Za-z_][A-Za-z0-9_-]*):(.+)")
+
+
+def parse_sources(value: Any) -> list[tuple[str, float, str | None]]:
+    """`data.sources` as `(path, weight, name)` entries, from TOML tables
+    (`[[data.sources]]` with `path`, `weight` and an optional `name`) or a string
+    `"path=weight, path=weight"` (a name may lead: `"web:path=0.7"`); ValueError
+    when malformed."""
+    if value in ("", None, []):
+        return []
+    entries: list[tuple[str, float, str | None]] = []
+    if isinstance(value, str):
+        for item in value.split(","):
+            if not item.strip():
+                continue
+            path, sep, weight = item.strip().rpartition("=")
+            if not sep or not path.strip():
+                raise ValueError(
+                    f"expected `path=weight` entries separated by commas, such as "
+                    f'"web.jsonl=0.7,code=0.3"; {item.strip()!r} has no weight'
+                )
+            name = None
+            named = _NAMED_SOURCE.match(path.strip())
+            if named and named.group(1) != "stdlib":
+                name, path = named.group(1), named.group(2)
+            try:
+                entries.append((path.strip(), float(weight), name))
+            except ValueError:
+                raise ValueError(
+                    f"the weight of {path.strip()!r} is {weight.strip()!r}, not a "
+                    "number"
+                ) from None
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            if not isinstance(item, Mapping) or "path" not in item:
+                raise ValueError(
+                    f"entry {i} must be a table with `path` and `weight` (a "
+                    "`[[data.sources]]` section)"
+                )
+            unknown = sorted(set(item) - {"path", "weight", "name"})
+            if unknown:
+                raise ValueError(
+                    f"entry {i} has unknown keys {unknown}; a source has path, weight "
+                    "and name"
+                )
+            weight = item.get("weight", 1.0)
+            if isinstance(weight, bool) or not isinstance(weight, (int, float)):
+                raise ValueError(f"the weight of entry {i} must be a number")
+            name = item.get("name")
+            entries.append((str(item["path"]), float(weight), name))
+    else:
+        raise ValueError("expected `[[data.sources]]` tables or a string")
+    for path, weight, _ in entries:
+        if not math.isfinite(weight) or weight <= 0:
+            raise ValueError(f"the weight of {path!r} must be a positive number")
+        if "," in path or "=" in path:
+            raise ValueError(f"the path {path!r} may not hold ',' or '='")
+    return entries
+
+
+def format_sources(entries: list[tuple[str, float, str | None]]) -> str:
+    """The canonical string of `data.sources` entries (as `parse_sources` reads)."""
+    return ", ".join(
+        (f"{name}:" if name else "") + f"{path}={weight:g}"
+        for path, weight, name in entries
+    )
 
 
 def _check(value: Any, field: Field) -> None:
@@ -342,7 +413,7 @@ def _flatten(data: Mapping[str, Any], source: str) -> list[tuple[str, Any]]:
                     f"got {value!r}."
                 )
             for sub, v in value.items():
-                if isinstance(v, Mapping):
+                if isinstance(v, Mapping) and not (key, sub) == ("data", "sources"):
                     raise ConfigError(
                         f"`{key}.{sub}` in {source} is a table, but [{key}] has no "
                         "sub-sections; write its keys directly under it."

@@ -278,6 +278,28 @@ class DataConfig:
     eval_rows: int = setting(
         128, "At most this many rows of the eval text are evaluated.", min=1
     )
+    sources: str = setting(
+        "",
+        "A mixture for task.kind = lm, in place of `train`: several sources with "
+        "weights, as `[[data.sources]]` tables with `path` and `weight` (and an "
+        'optional `name`), or `--set data.sources="web.jsonl=0.7,code=0.3"`. '
+        "Each batch's rows follow the weights; each source repeats or is read "
+        "partially as its weight asks.",
+        kind="sources",
+    )
+    cache: str = setting(
+        "auto",
+        "Where tokenized stores are kept (one per source, named by the content of "
+        "the files, the tokenizer and the settings; reused by later runs). `auto`: "
+        "$EQTRAIN_DATA_CACHE, else ~/.cache/eqtrain/data. For task.kind = lm.",
+        kind="path",
+    )
+    workers: int | str = setting(
+        "auto",
+        "Processes that tokenize when a store is prepared; `auto`: the CPU count.",
+        min=1,
+        kind="auto_int",
+    )
     shuffle: bool = setting(True, "Shuffle the training rows every epoch.")
     prefetch: int = setting(2, "Batches prepared ahead in a background thread.", min=0)
 

@@ -5,6 +5,12 @@ resumable `Loader` with per-process slicing and prefetch.
     rows = chunk_documents(docs, ByteTokenizer(), seq_len=256)
     loader = Loader(rows, batch_size=16, seed=0)         # resumable: loader.position
 
+Corpora larger than memory: a tokenized store on disk, prepared once (in
+parallel, resumable) and read by index arithmetic:
+
+    store = prepare("corpus.jsonl", tok)                 # cached by content
+    loader = Loader(store.lm_rows(seq_len=1024), batch_size=16, seed=0)
+
 Post-training (SFT, preference pairs) with the model's own chat template:
 
     template = chat_template(tok.directory)              # Jinja, or the built-in one
@@ -26,6 +32,7 @@ from ._errors import (
     DataWarning as DataWarning,
 )
 from ._loader import Loader as Loader
+from ._mixture import Mixture as Mixture
 from ._post import (
     SkipReport as SkipReport,
     infer_format as infer_format,
@@ -38,6 +45,13 @@ from ._sources import (
     load_text_dir as load_text_dir,
     read_text as read_text,
     text_column as text_column,
+)
+from ._store import (
+    LMRows as LMRows,
+    MappedRows as MappedRows,
+    Store as Store,
+    default_cache as default_cache,
+    prepare as prepare,
 )
 from ._text import (
     chat_examples as chat_examples,

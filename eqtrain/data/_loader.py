@@ -27,7 +27,11 @@ class _Table:
     """Rows of a source, fetched by index arrays."""
 
     def __init__(self, source: Any):
-        if isinstance(source, Mapping):
+        if hasattr(source, "num_rows") and hasattr(source, "take"):
+            self.kind = "rows"  # a row source: a store's rows, a mixture
+            self.data = source
+            self.num_rows = int(source.num_rows)
+        elif isinstance(source, Mapping):
             self.kind = "arrays"
             self.data: Any = {k: np.asarray(v) for k, v in source.items()}
             if not self.data:
@@ -53,7 +57,9 @@ class _Table:
             raise ConfigError(
                 f"cannot load batches from a {type(source).__name__}. Pass a dict of "
                 "equal-length arrays (e.g. from `chunk_documents`/`pack`/`collate`), a "
-                "`datasets.Dataset`, or a list of examples with a `transform=`."
+                "`datasets.Dataset`, a row source (`num_rows` and `take`, e.g. "
+                "`eqtrain.data.prepare(...).lm_rows(seq_len)`), or a list of examples "
+                "with a `transform=`."
             )
         if self.num_rows == 0:
             raise DataError(
@@ -64,6 +70,8 @@ class _Table:
     def take(self, indices: np.ndarray) -> Any:
         if self.kind == "arrays":
             return {k: v[indices] for k, v in self.data.items()}
+        if self.kind == "rows":
+            return self.data.take(indices)
         if self.kind == "dataset":
             return self.data[indices.tolist()]  # a dict of columns (lists)
         return [self.data[i] for i in indices.tolist()]
@@ -92,7 +100,12 @@ class Loader:
 
     Args:
         source: a dict of equal-length arrays (rows along axis 0), a
-            `datasets.Dataset`, or a sequence of examples (with `transform`).
+            `datasets.Dataset`, a sequence of examples (with `transform`), or a
+            row source: an object with `num_rows` and `take(indices)` returning
+            a dict of arrays, such as a tokenized store's `LMRows` or a
+            `Mixture` (which may define `epoch_order(epoch, seed=, shuffle=)`;
+            it then decides each epoch's order). Rows are read only when a
+            batch needs them, in the prefetch thread.
         batch_size: the global batch size B (all processes together).
         mode: `"train"` or `"eval"` (see above).
         seed: the data-order seed (independent of the model's key).
@@ -308,6 +321,9 @@ class Loader:
         """The order of the rows in `epoch`: a permutation drawn from
         `(seed, epoch)` (or `arange` without shuffling)."""
         rows = self._table.num_rows
+        custom = getattr(self._table.data, "epoch_order", None)
+        if self._table.kind == "rows" and custom is not None:  # e.g. a mixture
+            return custom(epoch, seed=self.seed, shuffle=self.shuffle)
         if not self.shuffle:
             return np.arange(rows)
         return np.random.default_rng([self.seed, epoch]).permutation(rows)

@@ -7,6 +7,7 @@ model, optimizer, mesh, resume, hooks, checkpoints, evaluation and export from a
 """
 
 from ._build import Job as Job, build as build
+from ._data import prepare_data as prepare_data, tokens_per_source as tokens_per_source
 from ._dry import budget_report as budget_report, report as report
 from ._inspect import (
     evaluate_run as evaluate_run,

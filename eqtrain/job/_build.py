@@ -32,6 +32,7 @@ from ..config import (
     Config,
     explicit,
     lora_on,
+    parse_sources,
     reference_mode,
 )
 from ..losses import causal_lm_loss, causal_lm_loss_fn, chunked_causal_lm_loss_fn
@@ -521,43 +522,98 @@ def _check_vocab(config: Config, tokenizer: Any, vocab: int, source: str) -> Non
 
 
 # -- data ---------------------------------------------------------------------------
-def _documents(source: str, config: Config, split: str, key: str) -> list[str]:
+def store(job: Job, source: str, split: str, key: str) -> data_lib.Store:
+    """The tokenized store of the text source `source` (the config key `key`):
+    opened at once when it was prepared before, else prepared now (in parallel,
+    with a progress line). `stdlib` is the built-in corpus's `split`."""
+    config = job.config
     if source == "stdlib":
-        return data_lib.stdlib_corpus(split)
-    path = Path(source)
-    if not path.exists():
+        source = "stdlib" if split == "train" else "stdlib:eval"
+    elif not Path(source).exists():
         raise ConfigError(
             f"`{key}` names {source!r}, which does not exist. Pass 'stdlib', a "
-            "directory of text files or a .txt/.json/.jsonl/.parquet/.csv file."
+            "directory of text files or a .txt/.json/.jsonl/.parquet/.csv file "
+            "(also .gz or .zst)."
         )
-    if path.is_dir():
-        return data_lib.load_text_dir(path, pattern=config.data.pattern)
-    if path.suffix.lower() == ".txt":
-        return [data_lib.read_text(path)]
-    table = data_lib.from_files(path)
-    return data_lib.text_column(table, config.data.text_column, source=source)
+    workers = config.data.workers
+    cache = config.data.cache
+    try:
+        return data_lib.prepare(
+            source,
+            job.tokenizer,
+            cache_dir=None if cache == "auto" else cache,
+            workers=None if workers == "auto" else workers,
+            text_column=config.data.text_column,
+            pattern=config.data.pattern,
+        )
+    except data_lib.DataError as e:
+        raise ConfigError(f"`{key}` ({source}): {e}") from None
 
 
-def num_rows(rows: Rows) -> int:
-    """Rows (or preference pairs) in `rows`."""
+def text_sources(config: Config) -> list[tuple[str, str, float, str]]:
+    """The training text sources: `(name, path, weight, key)` for each entry of
+    `data.sources`, or the one `data.train`."""
+    entries = parse_sources(config.data.sources)
+    if not entries:
+        return [("train", config.data.train, 1.0, "data.train")]
+    out, seen = [], set()
+    for i, (path, weight, name) in enumerate(entries):
+        name = name or _source_name(path)
+        while name in seen:
+            name = f"{name}_{i}"
+        seen.add(name)
+        out.append((name, path, weight, f"data.sources[{i}]"))
+    return out
+
+
+def _source_name(path: str) -> str:
+    """A metric-friendly name of a source: its file or directory name, without
+    suffixes."""
+    name = Path(path.rstrip("/")).name or path
+    return name.split(".", 1)[0] or name
+
+
+def num_rows(rows: Any) -> int:
+    """Rows (or preference pairs) in `rows` (a dict of arrays or a row source)."""
+    if hasattr(rows, "num_rows"):
+        return int(rows.num_rows)
     return len(next(iter(rows.values())))
 
 
-def train_rows(job: Job) -> Rows:
+def first_rows(rows: Any, n: int) -> Rows:
+    """The first `n` rows of `rows` as a dict of arrays."""
+    if hasattr(rows, "take"):
+        return rows.take(np.arange(n))
+    return {k: v[:n] for k, v in rows.items()}
+
+
+def train_rows(job: Job) -> Any:
     """The training rows of `data.train` (`tokens`, `targets`, `loss_mask`, ...;
-    pairs for preference tasks); fewer than one batch of them is an error saying
-    how many there are."""
+    pairs for preference tasks): for task.kind = lm a row source over the
+    tokenized stores (a `Mixture` with `data.sources`), else a dict of arrays.
+    Fewer than one batch of them is an error saying how many there are."""
     config = job.config
     if config.task.kind == "lm":
-        docs = _documents(config.data.train, config, "train", "data.train")
-        rows = data_lib.chunk_documents(
-            docs, job.tokenizer, seq_len=config.data.seq_len
-        )
+        seq_len = config.data.seq_len
+        sources = text_sources(config)
+        try:
+            parts = [
+                store(job, path, "train", key).lm_rows(seq_len)
+                for _, path, _, key in sources
+            ]
+        except data_lib.DataError as e:
+            raise ConfigError(f"the training data: {e}") from None
+        if len(parts) == 1 and not config.data.sources:
+            rows = parts[0]
+        else:
+            rows = data_lib.Mixture(
+                parts, [w for _, _, w, _ in sources], names=[n for n, *_ in sources]
+            )
     else:
         rows = post_rows(job, config.data.train, "data.train")
     n = num_rows(rows)
     if n < config.data.batch_size:
-        what = "pairs" if "chosen_tokens" in rows else "rows"
+        what = "pairs" if "chosen_tokens" in first_rows(rows, 1) else "rows"
         # the skip report explains a small count (e.g. a template's refusals)
         skipped = " ".join(n for n in job.notes if n.startswith("data.train "))
         raise ConfigError(
@@ -661,15 +717,15 @@ def eval_rows(job: Job) -> Rows | None:
     if source == "none" or config.loop.eval_every == 0 and not config.loop.eval_at_end:
         return None
     if text:
-        docs = _documents(source, config, "eval", "data.eval")
-        rows = data_lib.chunk_documents(
-            docs, job.tokenizer, seq_len=config.data.seq_len
-        )
+        try:
+            rows = store(job, source, "eval", "data.eval").lm_rows(config.data.seq_len)
+        except data_lib.DataError as e:
+            raise ConfigError(f"`data.eval` ({source}): {e}") from None
     else:
         rows = post_rows(job, source, "data.eval")
     n = min(config.data.eval_rows, num_rows(rows))
     n -= n % min(config.data.batch_size, n)  # whole batches: one compiled shape
-    return {k: v[:n] for k, v in rows.items()}
+    return first_rows(rows, n)
 
 
 def eval_batch_size(rows: Rows, config: Config) -> int:

@@ -48,7 +48,8 @@ def _lora_lines(job: _build.Job, abstract: Any) -> list[str]:
 
 
 def _unit(rows: Any) -> str:
-    return "pairs" if rows is not None and "chosen_tokens" in rows else "rows"
+    pairs = isinstance(rows, dict) and "chosen_tokens" in rows
+    return "pairs" if pairs else "rows"
 
 
 def _task_lines(job: _build.Job) -> list[str]:

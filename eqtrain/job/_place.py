@@ -4,7 +4,7 @@ shardings from the partition rules, and the batch sharding."""
 import dataclasses
 from typing import Any
 
-from .. import models, sharding
+from .. import data as data_lib, models, sharding
 from .._errors import ConfigError
 from .._jit import Jitted, jit
 from ..step import train_step as _train_step
@@ -91,10 +91,16 @@ def sequence_rows(job: _build.Job, rows: _build.Rows) -> _build.Rows:
     """LM rows with the global `positions` a sequence-parallel model reads, in the
     configured layout (`eqtrain.models.sequence_rows`); other rows unchanged."""
     m = job.config.model
-    if m.sequence_parallel is None or "tokens" not in rows:
+    if m.sequence_parallel is None or "tokens" not in _build.first_rows(rows, 1):
         return rows
     ways = job.config.mesh.sequence
-    return models.sequence_rows(rows, layout=m.sequence_layout, ways=ways)
+
+    def positioned(rows: _build.Rows) -> _build.Rows:
+        return models.sequence_rows(rows, layout=m.sequence_layout, ways=ways)
+
+    if hasattr(rows, "take"):  # a row source: each batch as it is read
+        return data_lib.MappedRows(rows, positioned)
+    return positioned(rows)
 
 
 def check_eval_batch(config: Any, parallel: int) -> None:

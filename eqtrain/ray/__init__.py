@@ -14,6 +14,7 @@ from ._launch import (
     LaunchResult as LaunchResult,
     fit as fit,
     import_ray as import_ray,
+    prepare_data as prepare_data,
 )
 from ._plan import (
     Exit as Exit,

@@ -129,8 +129,27 @@ def fit(
     config = dataclasses.replace(config, run_dir=absolute(config.run_dir))
     say = echo or _stderr
     with _connected(ray, the_plan, say), _Signals(say) as signals:
+        if config.task.kind == "lm":  # the stores, as Ray tasks, before any worker
+            job.prepare_data(config, executor="ray", verify=False, say=say)
         supervisor = _Supervisor(ray, the_plan, config, say, dict(env or {}), signals)
         return supervisor.run(resume=resume, overwrite=overwrite)
+
+
+def prepare_data(
+    config: Config,
+    *,
+    verify: bool = True,
+    echo: Callable[[str], None] | None = None,
+) -> list[dict[str, Any]]:
+    """`eqtrain data prepare CONFIG --launcher ray`: the stores of `config`'s text
+    sources, their parts built as Ray tasks on the cluster's CPUs (the same parts
+    and ledger as a local prepare, so the same bytes). Connects as `fit` does;
+    the sources and `data.cache` must be on a filesystem every node sees."""
+    the_plan = make_plan(config)
+    ray = import_ray()
+    say = echo or _stderr
+    with _connected(ray, the_plan, say):
+        return job.prepare_data(config, executor="ray", verify=verify, say=say)
 
 
 def _stderr(text: str) -> None:

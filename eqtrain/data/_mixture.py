@@ -1,0 +1,196 @@
+"""`Mixture`: several row sources interleaved by weight, deterministically, at
+the row level, so that every batch's composition follows the weights and any
+position is computed directly (exact resume in O(1) batches).
+
+The order is a fixed schedule of `PERIOD` rows: source `s` fills `quota[s]`
+slots of each period (its weight times `PERIOD`, rounded so they sum to
+`PERIOD`), placed by largest deficit, so that after any prefix of `j` rows each
+source has had `j * quota[s] / PERIOD` rows give or take one. The `k`-th row a
+source contributes is row `k % n` of its own epoch `k // n` (a permutation drawn
+from `(seed, source, epoch)`): a small source with a large weight repeats, a large
+one with a small weight is read partially per mixture epoch, and neither's order
+depends on the other's.
+"""
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from .._errors import ConfigError
+from ._errors import DataError
+
+
+PERIOD = 4096
+"""Rows in one period of the schedule (weights are honoured to 1 / PERIOD)."""
+
+
+class Mixture:
+    """Row sources (each with `num_rows` and `take`, e.g. `LMRows`) mixed by
+    weight; a `Loader` source.
+
+    One mixture epoch is `num_rows` rows, the sum of the sources' rows; the
+    `Loader` asks `epoch_order(epoch, seed=, shuffle=)` for its order.
+
+    Args:
+        sources: the row sources; their rows must have the same columns and
+            shapes (the same `seq_len`).
+        weights: one per source, positive; normalised to sum to 1.
+        names: one per source, for metrics (default `source0`, `source1`, ...).
+
+    Raises:
+        ConfigError: weights that are not positive finite numbers, or not one per
+            source.
+        DataError: sources whose rows differ in columns or shapes.
+    """
+
+    def __init__(
+        self,
+        sources: Sequence[Any],
+        weights: Sequence[float],
+        *,
+        names: Sequence[str] | None = None,
+    ):
+        if not sources:
+            raise ConfigError("a mixture needs at least one source.")
+        if len(weights) != len(sources):
+            raise ConfigError(
+                f"a mixture needs one weight per source; got {len(weights)} weights "
+                f"for {len(sources)} sources."
+            )
+        for i, w in enumerate(weights):
+            if not isinstance(w, (int, float)) or not math.isfinite(w) or w <= 0:
+                raise ConfigError(
+                    f"the weight of source {i} is {w!r}; weights must be positive "
+                    "numbers (they are normalised to sum to 1)."
+                )
+        self.names = (
+            list(names)
+            if names is not None
+            else [f"source{i}" for i in range(len(sources))]
+        )
+        if len(self.names) != len(sources) or len(set(self.names)) != len(sources):
+            raise ConfigError(
+                f"a mixture needs one distinct name per source; got {names}."
+            )
+        self.sources = list(sources)
+        total = float(sum(weights))
+        self.weights = [float(w) / total for w in weights]
+        self.sizes = np.array([int(s.num_rows) for s in sources], np.int64)
+        self.offsets = np.concatenate([[0], np.cumsum(self.sizes)])
+        self.num_rows = int(self.offsets[-1])
+        self._check_layout()
+        self.quota = _quotas(self.weights, PERIOD)
+        self.schedule, self.rank = _schedule(self.quota)
+        # rows of source s among the first j rows of a period: prefix[s][j]
+        self.prefix = np.zeros((len(sources), PERIOD + 1), np.int64)
+        for s in range(len(sources)):
+            self.prefix[s, 1:] = np.cumsum(self.schedule == s)
+
+    def _check_layout(self) -> None:
+        first = None
+        for name, source in zip(self.names, self.sources, strict=True):
+            row = source.take(np.zeros(1, np.int64))
+            layout = {k: (np.shape(v)[1:], np.asarray(v).dtype) for k, v in row.items()}
+            if first is None:
+                first = (name, layout)
+            elif layout != first[1]:
+                raise DataError(
+                    f"the mixture's sources must give rows of one layout; "
+                    f"{first[0]} gives {first[1]} and {name} gives {layout}. Use one "
+                    "data.seq_len and one kind of data for every source."
+                )
+
+    def __len__(self) -> int:
+        return self.num_rows
+
+    def epoch_order(self, epoch: int, *, seed: int, shuffle: bool) -> np.ndarray:
+        """Row ids (into the concatenated sources) of mixture epoch `epoch`."""
+        g = np.arange(
+            epoch * self.num_rows, (epoch + 1) * self.num_rows, dtype=np.int64
+        )
+        slot = g % PERIOD
+        source = self.schedule[slot]
+        k = (g // PERIOD) * self.quota[source] + self.rank[slot]
+        out = np.empty_like(g)
+        for s, n in enumerate(self.sizes):
+            where = source == s
+            ks = k[where]
+            if len(ks) == 0:
+                continue
+            epochs, index = np.divmod(ks, n)
+            rows = np.empty_like(ks)
+            for e in np.unique(epochs):
+                here = epochs == e
+                order = (
+                    np.random.default_rng([seed, s, int(e)]).permutation(n)
+                    if shuffle
+                    else np.arange(n)
+                )
+                rows[here] = order[index[here]]
+            out[where] = self.offsets[s] + rows
+        return out
+
+    def take(self, indices: np.ndarray) -> dict[str, np.ndarray]:
+        """Rows `indices` (ids as `epoch_order` gives), in that order."""
+        indices = np.asarray(indices, np.int64).reshape(-1)
+        source = np.searchsorted(self.offsets, indices, side="right") - 1
+        parts: dict[int, dict[str, np.ndarray]] = {}
+        for s in np.unique(source):
+            where = source == s
+            parts[int(s)] = self.sources[s].take(indices[where] - self.offsets[s])
+        template = next(iter(parts.values()))
+        out = {
+            k: np.empty((len(indices), *np.shape(v)[1:]), np.asarray(v).dtype)
+            for k, v in template.items()
+        }
+        for s, rows in parts.items():
+            where = source == s
+            for k, v in rows.items():
+                out[k][where] = v
+        return out
+
+    def rows_per_source(self, rows: int) -> dict[str, int]:
+        """How many of the first `rows` rows (counted over every epoch, as
+        `epoch * num_rows + index * batch_size`) came from each source."""
+        full, rest = divmod(int(rows), PERIOD)
+        return {
+            name: int(full * self.quota[s] + self.prefix[s, rest])
+            for s, name in enumerate(self.names)
+        }
+
+    def __repr__(self) -> str:
+        parts = ", ".join(
+            f"{n}: {w:.3g} of {int(r):,} rows"
+            for n, w, r in zip(self.names, self.weights, self.sizes, strict=True)
+        )
+        return f"Mixture({parts})"
+
+
+def _quotas(weights: Sequence[float], period: int) -> np.ndarray:
+    """Slots per period for each weight: largest remainders, summing to `period`;
+    every source gets at least one slot."""
+    exact = np.array(weights) * period
+    quota = np.maximum(np.floor(exact).astype(np.int64), 1)
+    while quota.sum() > period:  # only when tiny weights were raised to 1
+        quota[int(np.argmax(quota))] -= 1
+    remainder = exact - np.floor(exact)
+    for s in np.argsort(-remainder, kind="stable")[: period - int(quota.sum())]:
+        quota[s] += 1
+    return quota
+
+
+def _schedule(quota: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The source of each slot of a period (largest deficit first, ties to the
+    lower index) and the slot's rank among its source's slots."""
+    period = int(quota.sum())
+    taken = np.zeros(len(quota), np.int64)
+    schedule = np.empty(period, np.int64)
+    rank = np.empty(period, np.int64)
+    for j in range(period):
+        deficit = (j + 1) * quota / period - taken
+        s = int(np.argmax(deficit))
+        schedule[j], rank[j] = s, taken[s]
+        taken[s] += 1
+    return schedule, rank
