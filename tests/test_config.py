@@ -99,6 +99,10 @@ def values_for(field: config.Field) -> st.SearchStrategy[Any]:
         strategy = st.booleans()
     elif field.kind == "size":
         strategy = st.sampled_from(["5GB", "500MB", "2GiB", "1000", "1.5GB"])
+    elif field.kind == "sources":  # as --set writes them, or [[data.sources]]
+        strategy = st.sampled_from(
+            ["", "a.jsonl=0.7, b=0.3", "web:c/d=2", [{"path": "x", "weight": 1.5}]]
+        )
     elif field.key == "checkpoint.best":
         strategy = st.sampled_from(["eval/loss", "eval/accuracy"]) | st.text()
     elif field.type is int:

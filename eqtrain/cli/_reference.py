@@ -90,7 +90,13 @@ def _commands() -> list[str]:
         if command.hidden:
             continue
         ctx = click.Context(command, info_name=name, parent=root)
-        lines += _command(name, command, ctx)
+        subcommands = getattr(command, "commands", None)
+        if not subcommands:
+            lines += _command(name, command, ctx)
+            continue
+        for sub, subcommand in subcommands.items():  # a group: `eqtrain data ...`
+            inner = click.Context(subcommand, info_name=sub, parent=ctx)
+            lines += _command(f"{name} {sub}", subcommand, inner)
     return lines
 
 

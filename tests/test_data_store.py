@@ -1,0 +1,318 @@
+"""The tokenized store: round trip against the in-memory pipeline, the content
+key, a killed prepare continued byte for byte, damaged parts rebuilt (never read),
+a full disk, the 1- vs 2-process split, and mixtures (composition and resume)."""
+
+import errno
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from eqtrain.data import (
+    ByteTokenizer,
+    DataError,
+    HFTokenizer,
+    Loader,
+    Mixture,
+    _store,
+    chunk_documents,
+    prepare,
+)
+
+
+def _docs(n: int, seed: int = 0) -> list[str]:
+    rng = np.random.default_rng(seed)
+    words = ["alpha", "beta", "gamma", "délta", "ε", "zeta\n", "eta", "θ", "iota"]
+    return [
+        f"doc {i}: " + " ".join(rng.choice(words, size=int(rng.integers(1, 60))))
+        for i in range(n)
+    ]
+
+
+def _jsonl(path: Path, docs: list[str]) -> Path:
+    with open(path, "w", encoding="utf-8") as f:
+        for d in docs:
+            f.write(json.dumps({"text": d, "id": len(d)}) + "\n")
+    return path
+
+
+def _files(directory: Path) -> dict[str, bytes]:
+    """A store's bytes by relative path (its data, ledger and store.json)."""
+    return {
+        p.relative_to(directory).as_posix(): p.read_bytes()
+        for p in sorted(directory.rglob("*"))
+        if p.is_file() and p.name != ".lock"
+    }
+
+
+def _all_rows(rows) -> dict[str, np.ndarray]:
+    return rows.take(np.arange(rows.num_rows))
+
+
+def _assert_rows_equal(got, want) -> None:
+    assert got.keys() == want.keys()
+    for k in want:
+        np.testing.assert_array_equal(got[k], want[k], err_msg=k)
+
+
+@pytest.fixture
+def hf_tokenizer(tmp_path):
+    tokenizers = pytest.importorskip("tokenizers")
+    from tokenizers import models, pre_tokenizers, trainers
+
+    tok = tokenizers.Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<unk>", "<|endoftext|>"]
+    )
+    tok.train_from_iterator(_docs(200, seed=5), trainer)
+    path = tmp_path / "tokenizer.json"
+    tok.save(str(path))
+    return HFTokenizer.from_file(path)
+
+
+@pytest.mark.parametrize("tokenizer", ["byte", "hf"])
+def test_store_rows_equal_the_in_memory_pipeline(tmp_path, tokenizer, hf_tokenizer):
+    tok = ByteTokenizer() if tokenizer == "byte" else hf_tokenizer
+    docs = _docs(400)
+    source = _jsonl(tmp_path / "c.jsonl", docs)
+    store = prepare(source, tok, cache_dir=tmp_path / "cache", piece_bytes=4000)
+    assert store.num_parts > 3 and store.num_documents == len(docs)
+    assert store.dtype == np.uint16
+    for seq_len in (7, 64):
+        _assert_rows_equal(
+            _all_rows(store.lm_rows(seq_len)),
+            chunk_documents(docs, tok, seq_len=seq_len),
+        )
+
+
+def test_a_python_source_and_workers_give_the_same_bytes(tmp_path):
+    docs = _docs(300)
+    tok = ByteTokenizer()
+    source = _jsonl(tmp_path / "c.jsonl", docs)
+    inline = prepare(
+        source, tok, cache_dir=tmp_path / "a", piece_bytes=3000, executor="inline"
+    )
+    workers = prepare(
+        source, tok, cache_dir=tmp_path / "b", piece_bytes=3000, workers=2
+    )
+    assert inline.directory.name == workers.directory.name  # the same key
+    assert _files(inline.directory) == _files(workers.directory)
+    # from Python: a list of strings and a datasets.Dataset give the same rows
+    datasets = pytest.importorskip("datasets")
+    from_list = prepare(docs, tok, cache_dir=tmp_path / "c", piece_bytes=3000)
+    table = datasets.Dataset.from_dict({"text": docs})
+    from_table = prepare(table, tok, cache_dir=tmp_path / "c", piece_bytes=3000)
+    want = _all_rows(inline.lm_rows(32))
+    _assert_rows_equal(_all_rows(from_list.lm_rows(32)), want)
+    _assert_rows_equal(_all_rows(from_table.lm_rows(32)), want)
+    iterable = table.to_iterable_dataset()
+    from_iterable = prepare(iterable, tok, cache_dir=tmp_path / "c", piece_bytes=3000)
+    _assert_rows_equal(_all_rows(from_iterable.lm_rows(32)), want)
+
+
+def test_the_cache_key_follows_the_content(tmp_path):
+    tok = ByteTokenizer()
+    source = _jsonl(tmp_path / "c.jsonl", _docs(50))
+    cache = tmp_path / "cache"
+    first = prepare(source, tok, cache_dir=cache)
+    again = prepare(source, tok, cache_dir=cache)
+    assert again.directory == first.directory
+    other_column = prepare(source, tok, cache_dir=cache, text_column="text")
+    assert other_column.directory == first.directory
+    time.sleep(0.01)
+    _jsonl(source, _docs(50, seed=1))  # new content
+    changed = prepare(source, tok, cache_dir=cache)
+    assert changed.directory != first.directory
+    assert changed.num_tokens != first.num_tokens
+
+
+def _interrupted_prepare(source: Path, cache: Path, stop_after: int) -> None:
+    """Prepare `source` in a subprocess killed once `stop_after` parts are
+    committed (SIGKILL: no cleanup of any kind)."""
+    script = textwrap.dedent(
+        f"""
+        import eqtrain.data._store as s
+        from eqtrain.data import ByteTokenizer, prepare
+        real = s.build_part
+        def slow(task, encoder):
+            entry = real(task, encoder)
+            import time; time.sleep(0.3)
+            return entry
+        s.build_part = slow
+        prepare({str(source)!r}, ByteTokenizer(), cache_dir={str(cache)!r},
+                piece_bytes=2000, executor="inline")
+        """
+    )
+    process = subprocess.Popen([sys.executable, "-c", script])
+    deadline = time.monotonic() + 60
+    try:
+        while time.monotonic() < deadline:
+            ledgers = list(cache.glob("*/parts/*.json"))
+            if len(ledgers) >= stop_after:
+                break
+            if process.poll() is not None:
+                raise AssertionError("the prepare ended before it was killed")
+            time.sleep(0.02)
+        else:
+            raise AssertionError("no part was committed in time")
+    finally:
+        process.kill()
+        process.wait()
+
+
+def test_a_killed_prepare_continues_to_the_same_bytes(tmp_path, capfd):
+    source = _jsonl(tmp_path / "c.jsonl", _docs(300))
+    _interrupted_prepare(source, tmp_path / "killed", stop_after=3)
+    (directory,) = (tmp_path / "killed").iterdir()
+    assert not (directory / "store.json").exists()
+    committed = len(list(directory.glob("parts/*.json")))
+    assert committed >= 3
+    said = []
+    resumed = prepare(
+        source,
+        ByteTokenizer(),
+        cache_dir=tmp_path / "killed",
+        piece_bytes=2000,
+        say=said.append,
+    )
+    assert any("prepared before; continuing" in line for line in said)
+    fresh = prepare(
+        source, ByteTokenizer(), cache_dir=tmp_path / "fresh", piece_bytes=2000
+    )
+    assert resumed.num_parts > committed
+    assert _files(resumed.directory) == _files(fresh.directory)
+    assert not list(resumed.directory.glob("parts/*.tmp*"))
+
+
+def _damage(path: Path, at: int = 10) -> None:
+    data = bytearray(path.read_bytes())
+    data[at] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def test_a_damaged_part_is_rebuilt_never_read(tmp_path):
+    docs = _docs(200)
+    source = _jsonl(tmp_path / "c.jsonl", docs)
+    tok = ByteTokenizer()
+    store = prepare(source, tok, cache_dir=tmp_path / "cache", piece_bytes=3000)
+    want = _all_rows(store.lm_rows(16))
+    tokens = _store.part_paths(store.directory, 1)["tokens"]
+    _damage(tokens)
+    # opened without the tokenizer: the damaged part is refused, naming it
+    bare = _store.Store(store.directory)
+    with pytest.raises(DataError, match="part 1 .* damaged"):
+        _all_rows(bare.lm_rows(16))
+    # opened by prepare: rebuilt from its piece when first read, then read
+    said = []
+    again = prepare(
+        source, tok, cache_dir=tmp_path / "cache", say=said.append, piece_bytes=3000
+    )
+    _assert_rows_equal(_all_rows(again.lm_rows(16)), want)
+    assert any("part 1" in line and "rebuilding" in line for line in said)
+    # `verify=True` (eqtrain data prepare) checks every part up front
+    _damage(_store.part_paths(store.directory, 2)["ends"])
+    said.clear()
+    prepare(
+        source,
+        tok,
+        cache_dir=tmp_path / "cache",
+        verify=True,
+        say=said.append,
+        piece_bytes=3000,
+    )
+    assert any("part 2" in line for line in said)
+    assert _store.verify_part(
+        store.directory,
+        json.loads(_store.part_paths(store.directory, 2)["ledger"].read_text()),
+    )
+
+
+def test_a_full_disk_keeps_the_committed_parts(tmp_path, monkeypatch):
+    source = _jsonl(tmp_path / "c.jsonl", _docs(200))
+    real = os.fsync
+    calls = {"n": 0}
+
+    def fsync(fd):
+        calls["n"] += 1
+        if calls["n"] > 6:  # the first parts commit, then the disk is full
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(fd)
+
+    monkeypatch.setattr(_store.os, "fsync", fsync)
+    with pytest.raises(DataError, match="disk is full.*committed so far are kept"):
+        prepare(
+            source,
+            ByteTokenizer(),
+            cache_dir=tmp_path / "cache",
+            piece_bytes=2000,
+            executor="inline",
+        )
+    (directory,) = (tmp_path / "cache").iterdir()
+    assert len(list(directory.glob("parts/*.json"))) >= 1
+    assert not list(directory.glob("parts/*.tmp*"))
+    monkeypatch.setattr(_store.os, "fsync", real)
+    done = prepare(
+        source, ByteTokenizer(), cache_dir=tmp_path / "cache", piece_bytes=2000
+    )
+    assert done.num_documents == 200
+
+
+def test_one_and_two_processes_see_the_same_global_batches(tmp_path):
+    store = prepare(_docs(300), ByteTokenizer(), cache_dir=tmp_path, piece_bytes=3000)
+    rows = store.lm_rows(16)
+    one = Loader(rows, 8, seed=4, prefetch=0, process_index=0, process_count=1)
+    two = [
+        Loader(rows, 8, seed=4, prefetch=0, process_index=p, process_count=2)
+        for p in (0, 1)
+    ]
+    for batch, a, b, _ in zip(one, *two, range(2 * len(one)), strict=False):
+        for k in batch:
+            np.testing.assert_array_equal(batch[k], np.concatenate([a[k], b[k]]))
+
+
+def _mixture(tmp_path) -> Mixture:
+    tok = ByteTokenizer()
+    big = prepare(_docs(400, seed=1), tok, cache_dir=tmp_path, key="big").lm_rows(16)
+    small = prepare(_docs(30, seed=2), tok, cache_dir=tmp_path, key="small").lm_rows(16)
+    return Mixture([big, small], [0.75, 0.25], names=["big", "small"])
+
+
+def test_a_mixtures_batches_follow_the_weights(tmp_path):
+    mixture = _mixture(tmp_path)
+    assert mixture.sizes[1] < mixture.sizes[0] / 10  # the small source repeats
+    order = np.concatenate(
+        [mixture.epoch_order(e, seed=0, shuffle=True) for e in (0, 1)]
+    )
+    small = order >= mixture.offsets[1]
+    per_batch = small[: len(small) // 16 * 16].reshape(-1, 16).sum(axis=1)
+    assert set(per_batch.tolist()) <= {3, 4, 5}  # 16 * 0.25 = 4, give or take one
+    assert abs(small.mean() - 0.25) < 1e-3
+    # the counts per source are those of the schedule, at any point
+    for rows in (0, 16, 16 * 37, len(order)):
+        counts = mixture.rows_per_source(rows)
+        assert counts["small"] == small[:rows].sum() and sum(counts.values()) == rows
+    # each source's rows are its own epochs: every small row used before any twice
+    first = order[small][: mixture.sizes[1]] - mixture.offsets[1]
+    assert sorted(first.tolist()) == list(range(mixture.sizes[1]))
+
+
+def test_a_mixture_resumes_exactly(tmp_path):
+    mixture = _mixture(tmp_path)
+    loader = Loader(mixture, 16, seed=3, prefetch=0)
+    it = iter(loader)
+    for _ in range(7):
+        next(it)
+    position = loader.position
+    following = [next(it) for _ in range(3)]
+    resumed = Loader(mixture, 16, seed=3, prefetch=0, position=position)
+    for want, got in zip(following, resumed, strict=False):
+        _assert_rows_equal(got, want)
+    with pytest.raises(Exception, match="weight"):
+        Mixture([mixture.sources[0]], [0.0])
