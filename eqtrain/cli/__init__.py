@@ -467,6 +467,12 @@ def _format_info(data: dict[str, Any]) -> str:
             f"task:         {task['kind']}"
             + (f" (reference: {reference})" if with_ref else ""),
         )
+    for i, source in enumerate(data.get("sources") or []):
+        lines.append(
+            ("data:         " if i == 0 else "              ")
+            + f"{source['name']} ({source['path']}, weight {source['weight']:g}): "
+            f"{source['tokens']:,} tokens trained"
+        )
     last = data["last_metrics"]
     if last:
         names = ("step", "loss", "eval/loss", "eval/accuracy")

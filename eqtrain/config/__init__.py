@@ -43,6 +43,7 @@ from ._validate import (
     ARCH_KEYS as ARCH_KEYS,
     data_format as data_format,
     eval_metrics as eval_metrics,
+    eval_source as eval_source,
     lora_on as lora_on,
     reference_mode as reference_mode,
     validate as validate,

@@ -196,6 +196,11 @@ class Loader:
                 raise ConfigError("an eval loader always starts at the beginning.")
             self.seek(position)
 
+    @property
+    def source(self) -> Any:
+        """What the loader reads (as given, or its arrays)."""
+        return self._table.data
+
     # -- positions -------------------------------------------------------------
     @property
     def position(self) -> Position:

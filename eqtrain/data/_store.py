@@ -645,8 +645,9 @@ def prepare(
     key: str | None = None,
     executor: str = "auto",
     verify: bool = False,
+    build: bool = True,
     say: Callable[[str], None] | None = None,
-) -> Store:
+) -> Store | None:
     """The tokenized store of `source`, built if it is missing or incomplete.
 
     The store lives in `cache_dir` (default `default_cache()`) under a key made of
@@ -671,6 +672,7 @@ def prepare(
             connected cluster).
         verify: check every committed part's sha256 now (rebuild those that do
             not match); otherwise each part is checked when it is first read.
+        build: False: only open a complete store, None when there is none.
         say: progress lines (default: standard error).
 
     Raises:
@@ -715,6 +717,8 @@ def prepare(
             directory = cache / digest[:20]
     if (directory / "store.json").is_file() and not verify:
         return Store(directory, spec=spec, say=say)
+    if not build:
+        return None
     _make_dir(directory)
     with _BuildLock(directory):
         if (directory / "store.json").is_file() and not verify:

@@ -30,6 +30,7 @@ from ..config import (
     LOSS_CHUNK_MIN_VOCAB,
     PREFERENCE_TASKS,
     Config,
+    eval_source,
     explicit,
     lora_on,
     parse_sources,
@@ -548,6 +549,27 @@ def store(job: Job, source: str, split: str, key: str) -> data_lib.Store:
         )
     except data_lib.DataError as e:
         raise ConfigError(f"`{key}` ({source}): {e}") from None
+
+
+def check_sources(config: Config) -> None:
+    """Every data source the run will read exists (`ConfigError` naming the key
+    otherwise), said before any of them is read or tokenized."""
+    lm = config.task.kind == "lm"
+    keys = [(key, path) for _, path, _, key in text_sources(config)]
+    source = eval_source(config)
+    if source != "none" and (config.loop.eval_every or config.loop.eval_at_end):
+        keys.append(("data.eval", source))
+    wanted = (
+        "'stdlib', a directory of text files or a .txt/.json/.jsonl/.parquet/.csv "
+        "file (also .gz or .zst)"
+        if lm
+        else f"a {'/'.join(_RECORD_FILES)} file of records"
+    )
+    for key, path in keys:
+        if path != "stdlib" and not Path(path).exists():
+            raise ConfigError(
+                f"`{key}` names {path!r}, which does not exist. Pass {wanted}."
+            )
 
 
 def text_sources(config: Config) -> list[tuple[str, str, float, str]]:

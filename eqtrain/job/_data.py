@@ -1,7 +1,7 @@
 """`eqtrain data prepare`: the tokenized stores of a config's text sources, built
 (or checked) before any run, and the per-source counts a run reports."""
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -91,15 +91,84 @@ def _eval_source(config: Config) -> str | None:
     return source
 
 
-def tokens_per_source(
-    rows: Any, position: Mapping[str, int], batch_size: int
-) -> dict[str, int]:
-    """Training tokens each source of a mixture has given up to the loader
-    `position` (`{}` for one source): rows by the mixture's schedule times the
-    row width."""
-    mixture = getattr(rows, "source", rows)
-    if not isinstance(mixture, data_lib.Mixture):
+def mixture_of(rows: Any) -> data_lib.Mixture | None:
+    """The `Mixture` under a run's training rows, or None (one source)."""
+    while rows is not None and not isinstance(rows, data_lib.Mixture):
+        rows = getattr(rows, "__dict__", {}).get("source")
+    return rows
+
+
+def tokens_per_source(rows: Any, steps: int, batch_size: int) -> dict[str, int]:
+    """Training tokens each source of a mixture gave to the first `steps` steps
+    (`{}` for one source): the rows of the batches the loader yielded (each
+    epoch's last, partial batch is dropped) times the row width."""
+    mixture = mixture_of(rows)
+    if mixture is None or steps <= 0:
         return {}
-    consumed = position["epoch"] * mixture.num_rows + position["index"] * batch_size
+    per_epoch = mixture.num_rows // batch_size  # batches, drop_last
+    epochs, index = divmod(steps, per_epoch)
+    counts = dict.fromkeys(mixture.names, 0)
+
+    def add(start: int, stop: int) -> None:
+        high, low = mixture.rows_per_source(stop), mixture.rows_per_source(start)
+        for name in counts:
+            counts[name] += high[name] - low[name]
+
+    for epoch in range(epochs):
+        add(epoch * mixture.num_rows, epoch * mixture.num_rows + per_epoch * batch_size)
+    add(epochs * mixture.num_rows, epochs * mixture.num_rows + index * batch_size)
     width = mixture.sources[0].seq_len
-    return {k: v * width for k, v in mixture.rows_per_source(consumed).items()}
+    return {name: count * width for name, count in counts.items()}
+
+
+class SourceTokens:
+    """A hook that adds `data/tokens/<source>` (training tokens from each source of
+    a mixture so far) to the step's metrics, for the writers that follow it."""
+
+    uses_state = False
+
+    def __init__(self, rows: Any, batch_size: int):
+        self.rows, self.batch_size = rows, batch_size
+
+    def __call__(self, info: Any) -> None:
+        if info.stop_reason is not None:
+            return
+        for name, count in tokens_per_source(
+            self.rows, info.step, self.batch_size
+        ).items():
+            info.metrics[f"data/tokens/{name}"] = count
+
+
+def source_tokens(config: Config, steps: int) -> list[dict[str, Any]] | None:
+    """For a run with `data.sources`: each source's name, path, weight and the
+    training tokens it gave to the first `steps` steps (None without a mixture,
+    or when a source's store is gone: nothing is tokenized to answer)."""
+    if not config.data.sources or config.task.kind != "lm":
+        return None
+    job = _build.build(config)
+    cache = config.data.cache
+    sources = _build.text_sources(config)
+    parts = []
+    for _, path, _, _ in sources:
+        try:
+            store = data_lib.prepare(
+                path if path == "stdlib" else str(Path(path).absolute()),
+                job.tokenizer,
+                cache_dir=None if cache == "auto" else cache,
+                text_column=config.data.text_column,
+                pattern=config.data.pattern,
+                build=False,
+            )
+        except (data_lib.DataError, ConfigError, OSError):
+            return None
+        if store is None:
+            return None
+        parts.append(store.lm_rows(config.data.seq_len))
+    mixture = data_lib.Mixture(
+        parts, [w for _, _, w, _ in sources], names=[n for n, *_ in sources]
+    )
+    tokens = tokens_per_source(mixture, steps, config.data.batch_size)
+    return [
+        {"name": name, "path": path, "weight": weight, "tokens": tokens.get(name, 0)}
+        for name, path, weight, _ in sources
+    ]

@@ -22,7 +22,7 @@ from ..config import (
     validate,
 )
 from ..plot import read_metrics
-from . import _build, _place, _reference
+from . import _build, _data, _place, _reference
 from ._run import check_writable, evaluation, write_config
 
 
@@ -274,10 +274,13 @@ def run_info(path: str | os.PathLike[str]) -> dict[str, Any]:
     export = None
     if config.export.hf is not None and (run_dir / config.export.hf).exists():
         export = str(run_dir / config.export.hf)
+    trained = readable[-1] if readable else 0
     return {
         "run_dir": str(run_dir),
         # the newest step a resume would start from (damaged ones do not count)
-        "steps_trained": readable[-1] if readable else 0,
+        "steps_trained": trained,
+        # a mixture's training tokens per source up to that step
+        "sources": _data.source_tokens(config, trained),
         "damaged": checkpoint.damaged_steps(directory),
         "target_steps": config.loop.steps,
         "checkpoints": checkpoints,

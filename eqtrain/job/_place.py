@@ -48,6 +48,7 @@ def plan(config: Any, *, recorded: Any = None) -> Plan:
     job = _build.build(config, recorded=recorded)
     check_sequence(job)
     placed = placement(job)  # the mesh and the batch split: before any data
+    _build.check_sources(job.config)  # every source exists: before reading any
     rows = sequence_rows(job, _build.train_rows(job))
     eval_rows = _build.eval_rows(job)
     if eval_rows is not None:

@@ -29,7 +29,7 @@ from ..config import (
 )
 from ..data import Loader
 from ..step import eval_step
-from . import _build, _place, _preflight, _reference
+from . import _build, _data, _place, _preflight, _reference
 
 
 @dataclasses.dataclass
@@ -90,7 +90,11 @@ def _progress_hooks(config: Config) -> list[Any]:
 
 
 def _hooks(
-    job: _build.Job, run_dir: Path, exports: bool = True, start: int = 0
+    job: _build.Job,
+    run_dir: Path,
+    exports: bool = True,
+    start: int = 0,
+    rows: Any = None,
 ) -> list[Any]:
     """Progress, logs and exports; the logs start at step `start` (the resumed
     one: the redone steps' earlier lines and events are replaced)."""
@@ -113,6 +117,8 @@ def _hooks(
                 config=to_dict(config),
             )
         )
+    if _data.mixture_of(rows) is not None:  # per-source tokens, before the writers
+        out.append(every(log.every, _data.SourceTokens(rows, config.data.batch_size)))
     for writer in writers:
         out += [every(log.every, writer), at_end(writer)]
     export = config.export
@@ -456,7 +462,7 @@ def _assemble(
     )
     fit_kwargs = dict(
         num_steps=loop.steps,
-        hooks=_hooks(job, run_dir, export, start=resumed or 0),
+        hooks=_hooks(job, run_dir, export, start=resumed or 0, rows=loader.source),
         eval_step=evaluator,
         eval_data=eval_loader,
         # No eval data (data.eval = none, or `auto` off the stdlib corpus): the
