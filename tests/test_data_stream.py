@@ -274,6 +274,10 @@ def test_source_errors(tmp_path):
         ConfigError, match=r"d.xml has a suffix .*known: .*\.txt\.zst, \.jsonl,"
     ):
         plan(write(tmp_path / "d.xml", "<a/>"))
+    with pytest.raises(ConfigError, match="`piece_bytes` must be at least 1; got 0"):
+        plan(write(tmp_path / "p.jsonl", JSONL), piece_bytes=0)
+    with pytest.raises(ConfigError, match="`piece_bytes` must be at least 1; got 0"):
+        plan(write(tmp_path / "p.jsonl", JSONL), piece_bytes=0)
     with pytest.raises(DataError, match=r"e.jsonl is empty \(0 bytes\)"):
         plan(write(tmp_path / "e.jsonl", b""))
     with pytest.raises(DataError, match="b.jsonl holds only blank lines"):

@@ -9,11 +9,12 @@ time; the exception is a `.json` file that is one JSON document (an array of
 records, not JSON Lines), which the `json` module reads whole.
 
 `fingerprint(source)` is the content key of a source, for a cache of its tokens:
-the kind of source, and for each file (a directory's files matching `pattern`,
-by path relative to it; a single file by its name) its relative name, size,
-`mtime_ns` and the sha256 of its first and last MiB (of the whole file when it is
-under 2 MiB). Renaming the source's directory keeps the key; touching, growing or
-editing a file changes it (an edit in the middle through its mtime).
+the kind of source (and a directory's `pattern`), and for each file (a
+directory's files matching `pattern`, by path relative to it; a single file by
+its name) its relative name, size, `mtime_ns` and the sha256 of its first and
+last MiB (of the whole file when it is under 2 MiB). Renaming the source's
+directory keeps the key; touching, growing or editing a file changes it (an edit
+in the middle through its mtime).
 """
 
 import codecs
@@ -24,7 +25,6 @@ import hashlib
 import io
 import json
 import os
-import sys
 import warnings
 import zlib
 from collections.abc import Iterator, Sequence
@@ -32,13 +32,14 @@ from pathlib import Path
 from typing import Any
 
 from .._errors import ConfigError
-from ._errors import DataError, DataFileNotFoundError, DataWarning, check_exists
+from ._errors import DataError, DataWarning, check_exists
 
 
 PIECE_BYTES = 16 * 2**20
 """The default target size of a piece, in bytes of source file."""
 _BLOCK = 2**20  # bytes read at a time
 _EDGE = 2**20  # a fingerprint hashes a file's first and last MiB
+_NOTHING = "Point the config (data.train, data.eval) at a file that holds data."
 _KINDS = {".txt": "text_files", ".jsonl": "jsonl", ".json": "json", ".csv": "csv"}
 _COMPRESSIONS = {".gz": "gz", ".zst": "zst"}
 SUFFIXES = (".parquet", *(k + c for k in _KINDS for c in ("", *_COMPRESSIONS)))
@@ -89,9 +90,11 @@ def plan(
 
     Raises:
         DataFileNotFoundError: `source` does not exist.
-        ConfigError: its suffix is not one of `SUFFIXES`.
+        ConfigError: its suffix is not one of `SUFFIXES`, or `piece_bytes` < 1.
         DataError: it is empty, unreadable, or holds no records.
     """
+    if piece_bytes < 1:
+        raise ConfigError(f"`piece_bytes` must be at least 1; got {piece_bytes}.")
     check_exists(source, "data source")
     path = Path(os.path.abspath(source))
     if path.is_dir():
@@ -99,7 +102,7 @@ def plan(
     kind, compression = _format(path)
     size = _stat(path).st_size
     if size == 0:
-        raise DataError(f"{path} is empty (0 bytes). Point data.train at data.")
+        raise DataError(f"{path} is empty (0 bytes). {_NOTHING}")
     if kind == "parquet":
         return _plan_parquet(path, text_column, piece_bytes)
     if kind == "text_files":
@@ -173,14 +176,13 @@ def fingerprint(source: str | os.PathLike, *, pattern: str = "**/*.txt") -> dict
     check_exists(source, "data source")
     path = Path(os.path.abspath(source))
     if path.is_dir():
-        files = [(f, f.relative_to(path).as_posix()) for f in _text_dir(path, pattern)]
-        return {"kind": "text_files", "pattern": pattern, "files": _keys(files)}
+        files = [
+            _key(f, f.relative_to(path).as_posix()) for f in _text_dir(path, pattern)
+        ]
+        return {"kind": "text_files", "pattern": pattern, "files": files}
     kind, compression = _format(path)
-    return {
-        "kind": kind,
-        "compression": compression,
-        "files": _keys([(path, path.name)]),
-    }
+    files = [_key(path, path.name)]
+    return {"kind": kind, "compression": compression, "files": files}
 
 
 def fingerprint_files(files: Sequence[str | os.PathLike]) -> dict:
@@ -190,8 +192,8 @@ def fingerprint_files(files: Sequence[str | os.PathLike]) -> dict:
     if not paths:
         raise DataError("no text files to read. Pass at least one file.")
     root = os.path.commonpath([os.path.dirname(p) for p in paths])
-    named = [(p, Path(os.path.relpath(p, root)).as_posix()) for p in paths]
-    return {"kind": "text_files", "files": _keys(named)}
+    files = [_key(Path(p), Path(os.path.relpath(p, root)).as_posix()) for p in paths]
+    return {"kind": "text_files", "files": files}
 
 
 # -- planning ---------------------------------------------------------------------
@@ -224,9 +226,7 @@ def _runs(sizes: list[int], piece_bytes: int) -> list[tuple[int, int, int]]:
 
 
 def _text_dir(root: Path, pattern: str) -> list[Path]:
-    """`load_text_dir`'s files, with its errors."""
-    if not root.is_dir():
-        raise DataFileNotFoundError(f"{root} is not a directory.")
+    """`load_text_dir`'s files (of the directory `root`), with its error."""
     files = sorted(
         (p for p in root.glob(pattern) if p.is_file()),
         key=lambda p: p.relative_to(root).as_posix(),
@@ -253,7 +253,7 @@ def _plan_jsonl(path: Path, size: int, piece_bytes: int) -> list[Piece]:
         f.seek(0)
         lines, text = _line_numbers(f, starts)
     if not text:
-        raise DataError(f"{path} holds only blank lines. Point data.train at data.")
+        raise DataError(f"{path} holds only blank lines. {_NOTHING}")
     stops = [*starts[1:], size]
     return [
         Piece("jsonl", str(path), a, b, n, b - a)
@@ -275,8 +275,8 @@ def _line_numbers(f: io.BufferedReader, starts: list[int]) -> tuple[list[int], b
 
 
 def _json_kind(path: Path, compression: str | None) -> str:
-    """ "jsonl" when the first non-blank line is a JSON object, else "json" (a
-    JSON array, or one document over several lines), as `datasets` decides."""
+    """Whether a `.json` file is JSON Lines ("jsonl": its first non-blank line is
+    an object) or one document ("json"), as `datasets` decides."""
     with _opened(path, compression) as f:
         for line in f:
             line = line.strip().removeprefix(codecs.BOM_UTF8)
@@ -285,13 +285,13 @@ def _json_kind(path: Path, compression: str | None) -> str:
                     return "jsonl" if isinstance(json.loads(line), dict) else "json"
                 except ValueError:
                     return "json"
-    raise DataError(f"{path} holds only blank lines. Point data.train at data.")
+    raise DataError(f"{path} holds only blank lines. {_NOTHING}")
 
 
 def _plan_parquet(path: Path, column: str, piece_bytes: int) -> list[Piece]:
     meta = _parquet(path, column).metadata
     if meta.num_rows == 0:
-        raise DataError(f"{path} holds no rows. Point data.train at data.")
+        raise DataError(f"{path} holds no rows. {_NOTHING}")
     groups = [meta.row_group(g) for g in range(meta.num_row_groups)]
     sizes = [
         sum(g.column(c).total_compressed_size for c in range(g.num_columns))
@@ -479,11 +479,14 @@ _READERS = {
 def _stat(path: str | os.PathLike) -> os.stat_result:
     try:
         return os.stat(path)
-    except FileNotFoundError:
-        check_exists(path, "data file")
-        raise
     except OSError as e:
-        raise DataError(f"cannot read {path}: {e}. Check its permissions.") from None
+        raise _unreadable(path, e) from None
+
+
+def _unreadable(path: str | os.PathLike, error: OSError) -> Exception:
+    if isinstance(error, FileNotFoundError):  # gone since it was planned
+        check_exists(path, "data file")
+    return DataError(f"cannot read {path}: {error}. Check its permissions.")
 
 
 @contextlib.contextmanager
@@ -492,11 +495,8 @@ def _opened(path: Path, compression: str | None = None) -> Iterator[Any]:
     DataError naming it."""
     try:
         raw = open(path, "rb")
-    except FileNotFoundError:
-        check_exists(path, "data file")
-        raise
     except OSError as e:
-        raise DataError(f"cannot read {path}: {e}. Check its permissions.") from None
+        raise _unreadable(path, e) from None
     f = raw
     if compression == "gz":
         import gzip
@@ -504,11 +504,10 @@ def _opened(path: Path, compression: str | None = None) -> Iterator[Any]:
         f = gzip.GzipFile(fileobj=raw, mode="rb")
     elif compression == "zst":
         f = io.BufferedReader(_Zstd(raw, _zstd(path)), _BLOCK)
-    errors = (OSError, EOFError, zlib.error, *_zstd_errors())
     try:
         with raw, f:
             yield f
-    except errors as e:
+    except (OSError, EOFError, zlib.error) as e:
         what = f"a valid {compression} stream" if compression else "readable"
         raise DataError(
             f"cannot read {path}: {e}. It is not {what} (corrupt, truncated or "
@@ -527,17 +526,14 @@ def _zstd(path: Path) -> Any:
     return zstandard
 
 
-def _zstd_errors() -> tuple[type[Exception], ...]:
-    zstandard = sys.modules.get("zstandard")
-    return (zstandard.ZstdError,) if zstandard else ()
-
-
 class _Zstd(io.RawIOBase):
     """A zstd stream of any number of frames that raises `EOFError` when it ends
-    inside a frame (zstandard's `stream_reader` returns the truncated data)."""
+    inside a frame (zstandard's `stream_reader` returns the truncated data), and
+    `OSError` for corrupt data."""
 
     def __init__(self, raw: io.BufferedReader, zstandard: Any):
         self._raw, self._new = raw, zstandard.ZstdDecompressor().decompressobj
+        self._error = zstandard.ZstdError
         self._obj, self._open, self._out, self._at = self._new(), False, b"", 0
 
     def readable(self) -> bool:
@@ -554,7 +550,10 @@ class _Zstd(io.RawIOBase):
                 if self._open:
                     raise EOFError("the stream ends inside a zstd frame (truncated)")
                 return 0
-            self._out, self._at = self._decompress(data), 0
+            try:
+                self._out, self._at = self._decompress(data), 0
+            except self._error as e:
+                raise OSError(str(e)) from None
         n = min(len(buffer), len(self._out) - self._at)
         buffer[:n] = memoryview(self._out)[self._at : self._at + n]
         self._at += n
@@ -569,10 +568,6 @@ class _Zstd(io.RawIOBase):
             self._open = not self._obj.eof
             data = self._obj.unused_data if self._obj.eof else b""
         return b"".join(out)
-
-
-def _keys(files: list[tuple[Path | str, str]]) -> list[dict]:
-    return [_key(Path(path), name) for path, name in files]
 
 
 def _key(path: Path, name: str) -> dict:
