@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+import eqtrain
 from eqtrain.data import (
     ByteTokenizer,
     DataError,
@@ -316,3 +317,84 @@ def test_a_mixture_resumes_exactly(tmp_path):
         _assert_rows_equal(got, want)
     with pytest.raises(Exception, match="weight"):
         Mixture([mixture.sources[0]], [0.0])
+
+
+# -- through the job: eqtrain fit on stores and mixtures ------------------------------
+def _fit_args(tmp_path, run: str, *extra: str) -> list[str]:
+    return [
+        f"run_dir={tmp_path / run}",
+        f"data.cache={tmp_path / 'cache'}",
+        "model.hidden_size=32",
+        "model.num_layers=1",
+        "data.seq_len=16",
+        "data.batch_size=8",
+        "data.eval=none",
+        "loop.eval_every=0",
+        "log.progress=none",
+        "log.every=1",
+        "export.hf=",
+        "optim.warmup_steps=1",
+        *extra,
+    ]
+
+
+def _metrics(run_dir: Path) -> list[dict]:
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [json.loads(line) for line in lines]
+
+
+def test_fit_on_a_mixture_logs_each_source_and_resumes_exactly(tmp_path):
+    from eqtrain import config as config_lib, job
+
+    a = _jsonl(tmp_path / "web.jsonl", _docs(300, seed=1))
+    b = _jsonl(tmp_path / "code.jsonl", _docs(40, seed=2))
+    mix = f"data.sources=web:{a}=0.75,{b}=0.25"
+    whole = config_lib.load(overrides=_fit_args(tmp_path, "whole", mix, "loop.steps=6"))
+    job.run(whole)
+    stores = sorted(p.name for p in (tmp_path / "cache").iterdir())
+    assert len(stores) == 2  # one store per source, in data.cache
+    split = config_lib.load(overrides=_fit_args(tmp_path, "split", mix, "loop.steps=6"))
+    p = job.prepare(split)  # the first 3 of the 6 steps, then a resumed run
+    try:
+        eqtrain.fit(p.state, p.step, p.loader, **{**p.fit_kwargs, "num_steps": 3})
+    finally:
+        p.close()
+    job.run(split, resume="auto")
+    want, got = _metrics(tmp_path / "whole"), _metrics(tmp_path / "split")
+    assert [m["loss"] for m in got] == [m["loss"] for m in want]
+    last = want[-1]
+    assert last["data/tokens/web"] + last["data/tokens/code"] == 6 * 8 * 16
+    assert last["data/tokens/code"] == pytest.approx(0.25 * 6 * 8 * 16, abs=2 * 16)
+    info = job.run_info(tmp_path / "whole")
+    assert {s["name"]: s["tokens"] for s in info["sources"]} == {
+        "web": last["data/tokens/web"],
+        "code": last["data/tokens/code"],
+    }
+
+
+def test_data_prepare_uses_data_workers_and_the_cache(tmp_path, monkeypatch):
+    from eqtrain import config as config_lib, job
+
+    source = _jsonl(tmp_path / "c.jsonl", _docs(300))
+    started = []
+    real = _store._WorkerPool.__init__
+
+    def init(self, workers, spec):
+        started.append(workers)
+        real(self, workers, spec)
+
+    monkeypatch.setattr(_store._WorkerPool, "__init__", init)
+    monkeypatch.setattr(_store, "PIECE_BYTES", 3000)
+    overrides = _fit_args(tmp_path, "run", f"data.train={source}", "data.workers=2")
+    stores = job.prepare_data(config_lib.load(overrides=overrides), say=lambda _: None)
+    assert started == [2]
+    (entry,) = stores
+    assert entry["documents"] == 300 and entry["parts"] > 1
+    assert Path(entry["store"]).parent == tmp_path / "cache"
+    # a second prepare opens it (verify: every part's sha256 is checked)
+    again = job.prepare_data(config_lib.load(overrides=overrides), say=lambda _: None)
+    assert again == stores and started == [2]
+    # a missing source is named before anything is read
+    missing = _fit_args(tmp_path, "run", f"data.sources={tmp_path / 'nope.jsonl'}=1")
+    with pytest.raises(Exception, match=r"data.sources\[0\].*does not exist"):
+        job.prepare_data(config_lib.load(overrides=missing))

@@ -959,24 +959,17 @@ class _Builder:
         return [entries[i] for i in range(len(entries))]
 
     def _finish(self, entries: list[dict[str, Any]]) -> None:
+        from ._stream import check_counts
+
         documents = sum(e["documents"] for e in entries)
-        if documents == 0:
-            raise DataError(
-                f"{self.label} holds no documents; point at data with text."
-            )
         skipped = sum(e.get("skipped", 0) for e in entries)
-        if skipped:
-            first = next(e["first_skipped"] for e in entries if e.get("first_skipped"))
-            import warnings
-
-            from ._errors import DataWarning
-
-            warnings.warn(
-                f"{self.label}: skipped {skipped} of {documents + skipped} records "
-                f"whose {self.text_column!r} is not a string (the first: {first}).",
-                DataWarning,
-                stacklevel=4,
-            )
+        firsts = [e["first_skipped"] for e in entries if e.get("first_skipped")]
+        counts = {
+            "documents": documents,
+            "skipped": skipped,
+            "first_skipped": firsts[0] if firsts else None,
+        }
+        check_counts(self.label, counts, text_column=self.text_column)
         meta = {
             "format": FORMAT,
             "dtype": self.dtype,

@@ -62,7 +62,7 @@ class StepMemory:
 
 
 def abstract_batch(
-    job: _build.Job, rows: _build.Rows, rows_seq_len: int | None = None
+    job: _build.Job, rows: Any, rows_seq_len: int | None = None
 ) -> dict[str, jax.ShapeDtypeStruct]:
     """The shapes and dtypes of one global batch of `rows`' columns (with the
     precomputed reference's columns when the run adds them). `rows_seq_len`:
@@ -137,7 +137,7 @@ def _position_limit(job: _build.Job) -> int | None:
 def longest_seq_len(
     config: Config,
     budget: int,
-    rows: _build.Rows,
+    rows: Any,
     *,
     say: Callable[[str], None] = lambda _: None,
     max_compiles: int = 10,

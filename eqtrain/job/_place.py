@@ -35,7 +35,7 @@ class Plan:
     the built job, its rows and where its arrays go."""
 
     job: _build.Job
-    rows: _build.Rows
+    rows: Any  # a dict of arrays, or a row source (LM stores)
     eval_rows: _build.Rows | None
     placement: Placement
 
@@ -88,7 +88,7 @@ def _heads(model_config: Any) -> int | None:
     )
 
 
-def sequence_rows(job: _build.Job, rows: _build.Rows) -> _build.Rows:
+def sequence_rows(job: _build.Job, rows: Any) -> Any:
     """LM rows with the global `positions` a sequence-parallel model reads, in the
     configured layout (`eqtrain.models.sequence_rows`); other rows unchanged."""
     m = job.config.model
