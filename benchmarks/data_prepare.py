@@ -1,54 +1,45 @@
-"""The tokenized store at scale: `eqtrain.data.prepare` throughput, memory and
-start-up time against corpus size, and a `Loader` over a store against one in memory.
+"""The tokenized store at scale: `eqtrain.data.prepare`'s throughput, memory and
+start-up time against corpus size, and a `Loader` over a store against memory.
 
-Everything is made here, in a work directory (`--dir`, default a temporary one,
-deleted at the end unless `--keep`), with no downloads:
+It makes its inputs in a work directory (`--dir`; default a temporary one, deleted
+at the end unless `--keep`), with no download: JSON Lines corpora of `{"text"}`
+documents, the standard library's `*.py` files as they are and then over and over
+with seeded variations (identifiers renamed, blocks of lines shuffled, numbers
+changed), written streaming up to each of `--sizes` (the smaller a prefix of the
+larger); and a byte-level BPE of 8192 ids with `<|endoftext|>`, trained with
+`tokenizers` on ~20 MB of the sources. One JSON line per measure on stdout:
 
-- corpora: JSON Lines of `{"text": ...}`, the standard library's `*.py` files
-  (recursively, without site-packages), first as they are and then over and over
-  with seeded variations (identifiers renamed, blocks of lines shuffled, numbers
-  changed) until each size of `--sizes` (the smaller is a prefix of the larger);
-  written streaming;
-- a byte-level BPE tokenizer of 8192 ids with `<|endoftext|>`, trained with
-  `tokenizers` on ~20 MB of the sources.
+1. `prepare_throughput` (smallest corpus): MB/s of document text of `prepare(path,
+   HFTokenizer.from_file(tok), cache_dir=fresh, workers=os.cpu_count())` against
+   `tokenizers`' `encode_batch_fast` on all cores (Rayon) over the same texts read
+   beforehand in ~1 MB batches (reading and parsing excluded: favours the
+   baseline); ABAB, 2 rounds; `ratio` is the median per-round ratio. Target >= 0.8.
+2. `peak_rss_prepare`, `peak_rss_train`: `eqtrain data prepare`, then `eqtrain fit`
+   (default model, 20 steps, seq_len 256, no eval, no export) per size, in fresh
+   cache and run directories. `peak_rss_mb`: `ru_maxrss` from `os.wait4`, the max
+   of the command's process and the workers it reaped, each alone (not summed);
+   `tree_rss_mb`: the peak summed RSS of the process tree, sampled from /proc
+   every 0.2 s (shared and mapped file pages count once per process). Target:
+   within 20% across sizes, under 1.5 GB.
+3. `time_to_first_step`: with the stores prepared, wall time of `eqtrain fit ...
+   loop.steps=1` per size and on the built-in corpus (`data.train=stdlib`, same
+   tokenizer); median of 3 interleaved rounds after one untimed run. Target: flat
+   in corpus size, within 2 s of the built-in corpus.
+4. `loader_vs_memory` (smallest corpus): batches/s of a `Loader` over
+   `store.lm_rows(256)` cut to its first 200k rows against one over those rows
+   taken into memory; numpy batches of 16, default prefetch, nothing consuming
+   them (harsher than training: `fit` gives the training rate and the share of
+   step time spent waiting for data when measure 2 ran); 5 alternating rounds.
+   Target >= 0.98.
 
-One JSON line per measure on stdout (progress on stderr):
+Usage (~30 min on 2 cores with the default sizes; `--quick`: 50MB,200MB):
 
-1. `prepare_throughput`: MB/s of text (UTF-8 bytes of the documents) of
-   `prepare(corpus, HFTokenizer.from_file(tok), cache_dir=fresh,
-   workers=os.cpu_count())` on the smallest corpus, against `tokenizers`'
-   `encode_batch_fast` on all cores (its Rayon pool) over the same texts, read
-   beforehand in ~1 MB batches (reading and JSON parsing excluded: favours the
-   baseline). ABAB over 2 rounds; `ratio` is the median per-round ratio.
-   Target >= 0.8.
-2. `peak_rss_prepare`, `peak_rss_train`: `eqtrain data prepare` then `eqtrain fit`
-   (default model, 20 steps, seq_len 256, no eval, no export) at each size with a
-   fresh cache and run directory, as subprocesses. `peak_rss_mb` is `ru_maxrss` from
-   `os.wait4` on the command: the max over the command's process and the worker
-   processes it waited for (each alone, not their sum); `tree_rss_mb` is the peak
-   of the summed RSS of the process tree, sampled from /proc every 0.2 s (it counts
-   shared and memory-mapped file pages once per process). Target: equal within 20%
-   across sizes, under 1.5 GB.
-3. `time_to_first_step`: with the stores prepared, the wall time of `eqtrain fit
-   ... loop.steps=1` per size and on the built-in corpus (`data.train=stdlib`,
-   same tokenizer); the median of 3 rounds (after one untimed run). Target: flat in
-   corpus size, and within 2 s of the built-in corpus.
-4. `loader_vs_memory`: batches/s of a `Loader` over `store.lm_rows(256)` (limited
-   to its first 200k rows) against a `Loader` over those rows taken into memory;
-   numpy batches of 16, default prefetch, iteration only (nothing consumes the
-   batches: harsher than training), ABAB; with the training rate of measure 2
-   when it ran. Target >= 0.98.
+    .venv/bin/python benchmarks/data_prepare.py [--sizes 0.5GB,2GB] [--quick]
+        [--dir DIR] [--keep] [--only MEASURE ...]
 
-Usage:
-
-    .venv/bin/python benchmarks/data_prepare.py [--sizes 0.5GB,2GB] [--dir D --keep]
-        [--only prepare_throughput --only loader_vs_memory] [--quick]
-
-`--quick` uses 50MB,200MB. The default sizes take ~30 min on 2 cores. The machine
-should be quiet: the ratios are measured in one run, the absolute times are not
-comparable across machines. TOKENIZERS_PARALLELISM and RAYON_NUM_THREADS are
-removed from the environment (the baseline uses every core; prepare's workers set
-their own).
+TOKENIZERS_PARALLELISM and RAYON_NUM_THREADS are removed from the environment
+(the baseline uses every core; prepare's workers set their own). The machine
+should be quiet: ratios are measured in one run, absolute rates are machine's.
 """
 
 import argparse
@@ -64,6 +55,7 @@ import sysconfig
 import tempfile
 import threading
 import time
+import types
 from pathlib import Path
 from typing import Any
 
@@ -72,6 +64,7 @@ import numpy as np
 
 MEASURES = ("prepare_throughput", "peak_rss", "time_to_first_step", "loader_vs_memory")
 SEQ_LEN, BATCH = 256, 16
+BASE, EOS = "encode_batch_fast", "<|endoftext|>"
 IDENT = re.compile(r"\b[A-Za-z_][A-Za-z0-9_]{2,}\b")
 NUMBER = re.compile(r"\b\d+\b")
 SYLLABLES = "ka lo mi ne ru ta vex zor pi qu el an is sto dr_ _".split()
@@ -109,11 +102,11 @@ def variant(text: str, names: list[str], rng: random.Random) -> str:
         alternatives = "|".join(map(re.escape, chosen))
         text = re.sub(rf"\b(?:{alternatives})\b", lambda m: new[m.group()], text)
     if rng.random() < 0.5:  # shuffle blocks of 1-12 lines
-        lines, blocks = text.split("\n"), []
-        while lines:
+        lines, blocks, i = text.split("\n"), [], 0
+        while i < len(lines):
             k = rng.randint(1, 12)
-            blocks.append("\n".join(lines[:k]))
-            lines = lines[k:]
+            blocks.append("\n".join(lines[i : i + k]))
+            i += k
         rng.shuffle(blocks)
         text = "\n".join(blocks)
     if rng.random() < 0.5:
@@ -126,8 +119,6 @@ def write_corpora(sources: list, targets: dict[Path, int], seed: int) -> None:
     they are, then seeded variants, each file stopping at the first document that
     reaches its size (so a smaller corpus is a prefix of a larger one)."""
     todo = {p: t for p, t in targets.items() if not _done(p, t, seed)}
-    if not todo:
-        return
     files = {p: open(p, "wb") for p in todo}  # noqa: SIM115
     sizes = dict.fromkeys(todo, 0)
     docs, rng, start = 0, random.Random(seed), time.perf_counter()
@@ -149,7 +140,7 @@ def write_corpora(sources: list, targets: dict[Path, int], seed: int) -> None:
                     Path(f"{path}.done").write_text(json.dumps(info | {"docs": docs}))
                     rate = sizes[path] / 1e6 / (time.perf_counter() - start)
                     say(f"wrote {path.name}: {docs:,} documents, {rate:.0f} MB/s")
-            if not files:
+            if not files:  # (also when every corpus was written before)
                 return
 
 
@@ -176,10 +167,11 @@ def train_tokenizer(sources: list, path: Path, seed: int) -> None:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
     trainer = trainers.BpeTrainer(
         vocab_size=8192,
-        special_tokens=["<|endoftext|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        special_tokens=[EOS],
+        initial_alphabet=alphabet,
         show_progress=False,
     )
     start = time.perf_counter()
@@ -209,16 +201,12 @@ def prepare_throughput(args: argparse.Namespace, corpus: Path, tok: Path) -> dic
     batches += [batch] if batch else []
     docs = sum(map(len, batches))
     fast = tokenizers.Tokenizer.from_file(str(tok))
-    rates: dict[str, list[float]] = {"prepare": [], "encode_batch_fast": []}
+    rates: dict[str, list[float]] = {"prepare": [], BASE: []}
     for r in range(2):  # ABAB
         cache = args.dir / f"cache-throughput-{r}"
         start = time.perf_counter()
-        store = prepare(
-            str(corpus),
-            HFTokenizer.from_file(tok),
-            cache_dir=cache,
-            workers=os.cpu_count(),
-        )
+        tokenizer, workers = HFTokenizer.from_file(tok), os.cpu_count()
+        store = prepare(str(corpus), tokenizer, cache_dir=cache, workers=workers)
         rates["prepare"].append(nbytes / 1e6 / (time.perf_counter() - start))
         tokens, parts = store.num_tokens, store.num_parts
         shutil.rmtree(cache)
@@ -228,7 +216,7 @@ def prepare_throughput(args: argparse.Namespace, corpus: Path, tok: Path) -> dic
             encodings = fast.encode_batch_fast(batch, add_special_tokens=False)
             elapsed += time.perf_counter() - start
             counted += sum(map(len, encodings))
-        rates["encode_batch_fast"].append(nbytes / 1e6 / elapsed)
+        rates[BASE].append(nbytes / 1e6 / elapsed)
         say(f"round {r}: MB/s { {k: round(v[-1], 1) for k, v in rates.items()} }")
     ratios = [a / b for a, b in zip(*rates.values(), strict=True)]
     return {
@@ -241,9 +229,7 @@ def prepare_throughput(args: argparse.Namespace, corpus: Path, tok: Path) -> dic
         "tokens_match": tokens == counted + docs,  # one EOS per document
         "workers": os.cpu_count(),
         "prepare_mb_per_s": round(statistics.median(rates["prepare"]), 2),
-        "encode_batch_fast_mb_per_s": round(
-            statistics.median(rates["encode_batch_fast"]), 2
-        ),
+        "encode_batch_fast_mb_per_s": round(statistics.median(rates[BASE]), 2),
         "rounds": {k: [round(x, 2) for x in v] for k, v in rates.items()},
         "ratio": round(statistics.median(ratios), 3),
         "target": ">= 0.8",
@@ -393,16 +379,6 @@ def time_to_first_step(args: argparse.Namespace, corpora: dict[str, Path]) -> di
 
 
 # -- 4. a Loader over the store against one over the same rows in memory ---------------
-class Head:
-    """The first `n` rows of a row source."""
-
-    def __init__(self, rows: Any, n: int):
-        self.rows, self.num_rows = rows, n
-
-    def take(self, indices: np.ndarray) -> dict[str, np.ndarray]:
-        return self.rows.take(indices)
-
-
 def loader_vs_memory(args: argparse.Namespace, label: str, corpus: Path) -> dict:
     from eqtrain.data import HFTokenizer, Loader, prepare
 
@@ -411,11 +387,14 @@ def loader_vs_memory(args: argparse.Namespace, label: str, corpus: Path) -> dict
     rows = store.lm_rows(SEQ_LEN)
     n = min(200_000, rows.num_rows)
     memory = rows.take(np.arange(n))  # also opens (and checks) the parts it reads
-    sources = {"store": Head(rows, n), "memory": memory}
-    batches = 300 if args.quick else 3000
+    head = types.SimpleNamespace(num_rows=n, take=rows.take)  # the first n rows
+    sources = {"store": head, "memory": memory}
+    batches = 2000 if args.quick else 20000
 
     def rate(name: str, r: int) -> float:
-        loader = Loader(sources[name], BATCH, seed=r, process_index=0, process_count=1)
+        loader = Loader(
+            sources[name], BATCH, seed=r + 1, process_index=0, process_count=1
+        )
         it = iter(loader)
         start = time.perf_counter()
         for _ in range(batches):
@@ -469,10 +448,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--dir", type=Path, default=None, help="work directory")
     parser.add_argument("--keep", action="store_true", help="keep the work directory")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--only", action="append", choices=MEASURES, default=None)
+    names = (*MEASURES, "peak_rss_prepare", "peak_rss_train")
+    parser.add_argument("--only", action="append", choices=names, help="repeatable")
     args = parser.parse_args(argv)
     args.sizes = args.sizes or ("50MB,200MB" if args.quick else "0.5GB,2GB")
-    args.only = args.only or list(MEASURES)
+    only = args.only or MEASURES  # peak_rss_prepare and _train run together
+    args.only = {"peak_rss" if m.startswith("peak_rss") else m for m in only}
     return args
 
 
@@ -485,14 +466,12 @@ def main(argv: list[str] | None = None) -> None:
     args.dir.mkdir(parents=True, exist_ok=True)
     args.tok = args.dir / "tokenizer" / "tokenizer.json"
     args.train_rate = {}
-    bin_dir = Path(sys.executable).parent
-    args.eqtrain = (
-        str(bin_dir / "eqtrain") if (bin_dir / "eqtrain").exists() else "eqtrain"
-    )
+    script = Path(sys.executable).parent / "eqtrain"  # the venv's CLI
+    args.eqtrain = str(script) if script.exists() else "eqtrain"
     sizes = sorted((parse_size(s), s.strip()) for s in args.sizes.split(","))
     corpora = {label: args.dir / f"corpus-{label}.jsonl" for _, label in sizes}
-    needed = corpora if {"peak_rss", "time_to_first_step"} & set(args.only) else {}
-    smallest = next(iter(corpora.items()))
+    smallest = next(iter(corpora.items()))  # measures 1 and 4 need only this one
+    needed = corpora if {"peak_rss", "time_to_first_step"} & args.only else {}
     needed = needed or dict([smallest])
     say(f"work directory {args.dir}")
     try:

@@ -404,12 +404,12 @@ def test_jsonl_rows_whose_text_is_null_are_skipped_with_a_warning(tmp_path):
 def test_jsonl_null_rows_never_reach_training(tmp_path):
     path = tmp_path / "d.jsonl"
     path.write_text('{"text": "abc"}\n{"text": null}\n')
-    cfg = eqtrain.config.load(None, [f"data.train={path}", "data.eval=none"])
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        docs = eqtrain.job._build._documents(str(path), cfg, "train", "data.train")
-    assert docs == ["abc"]
-    assert any("skipped 1 of 2 rows" in str(w.message) for w in caught)
+    for attempt in ("built", "reused"):  # said again when the store is reused
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            store = eqtrain.data.prepare(path, eqtrain.data.ByteTokenizer())
+        assert store.num_documents == 1 and store.num_tokens == 4, attempt  # abc EOS
+        assert any("skipped 1 of 2 rows" in str(w.message) for w in caught), attempt
 
 
 def test_hf_model_with_a_large_vocab_and_no_tokenizer_json_is_refused(tmp_path):

@@ -333,7 +333,8 @@ def test_dry_run_reports_the_compiled_step(tmp_path):
     planned = _place.plan(config)
     rows, size = planned.rows, config.data.batch_size
     batch = {
-        k: jax.ShapeDtypeStruct((size, *v.shape[1:]), v.dtype) for k, v in rows.items()
+        k: jax.ShapeDtypeStruct((size, *v.shape[1:]), v.dtype)
+        for k, v in rows.take(np.arange(1)).items()
     }
 
     def analysis(built):

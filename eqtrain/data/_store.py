@@ -716,13 +716,13 @@ def prepare(
             ).hexdigest()
             directory = cache / digest[:20]
     if (directory / "store.json").is_file() and not verify:
-        return Store(directory, spec=spec, say=say)
+        return _opened(Store(directory, spec=spec, say=say), label, text_column)
     if not build:
         return None
     _make_dir(directory)
     with _BuildLock(directory):
         if (directory / "store.json").is_file() and not verify:
-            return Store(directory, spec=spec, say=say)
+            return _opened(Store(directory, spec=spec, say=say), label, text_column)
         builder = _Builder(
             directory,
             spec,
@@ -734,7 +734,21 @@ def prepare(
             say=say,
         )
         builder.build(pieces, texts, text_column, verify=verify)
-    return Store(directory, spec=spec, say=say)
+    return _opened(Store(directory, spec=spec, say=say), label, text_column)
+
+
+def _opened(store: Store, label: str, text_column: str) -> Store:
+    """`store`, after warning (each time it is used, as reading the source would)
+    about the records its source skipped."""
+    from ._stream import check_counts
+
+    counts = {
+        "documents": store.num_documents,
+        "skipped": store.meta.get("skipped", 0),
+        "first_skipped": store.meta.get("first_skipped"),
+    }
+    check_counts(label, counts, text_column=text_column)
+    return store
 
 
 def _python_key(source: Any, key: str | None) -> dict[str, Any] | None:
@@ -969,7 +983,9 @@ class _Builder:
             "skipped": skipped,
             "first_skipped": firsts[0] if firsts else None,
         }
-        check_counts(self.label, counts, text_column=self.text_column)
+        check_counts(
+            self.label, {**counts, "skipped": 0}, text_column=self.text_column
+        )  # no documents is an error; skipped rows are said by `prepare`
         meta = {
             "format": FORMAT,
             "dtype": self.dtype,
@@ -981,6 +997,7 @@ class _Builder:
             "documents": documents,
             "tokens": sum(e["tokens"] for e in entries),
             "skipped": skipped,
+            "first_skipped": counts["first_skipped"],
             "parts": [
                 {
                     "tokens": e["tokens"],

@@ -164,8 +164,8 @@ def check_counts(source: str, counts: dict, *, text_column: str = "text") -> Non
         )
     if skipped:
         warnings.warn(
-            f"{source}: skipped {skipped} records whose {text_column!r} is not a "
-            f"string (the first: {first}).",
+            f"{source}: skipped {skipped} of {counts['documents'] + skipped} rows "
+            f"whose {text_column!r} is not a string (the first: {first}).",
             DataWarning,
             stacklevel=2,
         )
