@@ -611,26 +611,36 @@ def default_cache() -> Path:
     return (Path(xdg) if xdg else Path.home() / ".cache") / "eqtrain" / "data"
 
 
-def _plan(
-    source: Any, text_column: str, pattern: str, piece_bytes: int
-) -> tuple[dict[str, Any], list[dict[str, Any]] | None]:
-    """(fingerprint, pieces) of a path source; pieces None for a Python source."""
+def _fingerprint(source: PathLike, pattern: str) -> dict[str, Any]:
+    """The content key of a path source (see `_stream.fingerprint`): stat calls
+    and 2 MiB read per file, never the whole file."""
     from . import _stream
     from ._corpus import stdlib_files
 
-    if isinstance(source, (str, os.PathLike)):
-        name = os.fspath(source)
-        if name in ("stdlib", "stdlib:train", "stdlib:eval"):
-            files = stdlib_files("eval" if name.endswith(":eval") else "train")
-            key = {"stdlib": name, "files": _stream.fingerprint_files(files)}
-            pieces = _stream.plan_files(files, piece_bytes=piece_bytes)
-        else:
-            key = _stream.fingerprint(name, pattern=pattern)
-            pieces = _stream.plan(
-                name, text_column=text_column, pattern=pattern, piece_bytes=piece_bytes
-            )
-        return key, [p.to_json() for p in pieces]
-    raise TypeError(type(source).__name__)
+    name = os.fspath(source)
+    if name in ("stdlib", "stdlib:train", "stdlib:eval"):
+        files = stdlib_files("eval" if name.endswith(":eval") else "train")
+        return {"stdlib": name, "files": _stream.fingerprint_files(files)}
+    return _stream.fingerprint(name, pattern=pattern)
+
+
+def _pieces(
+    source: PathLike, text_column: str, pattern: str, piece_bytes: int
+) -> list[dict[str, Any]]:
+    """The pieces of a path source, as JSON (planned only when a store is built:
+    planning JSON Lines counts its lines)."""
+    from . import _stream
+    from ._corpus import stdlib_files
+
+    name = os.fspath(source)
+    if name in ("stdlib", "stdlib:train", "stdlib:eval"):
+        files = stdlib_files("eval" if name.endswith(":eval") else "train")
+        pieces = _stream.plan_files(files, piece_bytes=piece_bytes)
+    else:
+        pieces = _stream.plan(
+            name, text_column=text_column, pattern=pattern, piece_bytes=piece_bytes
+        )
+    return [p.to_json() for p in pieces]
 
 
 def prepare(
@@ -688,7 +698,7 @@ def prepare(
         "piece_bytes": piece_bytes,
     }
     if isinstance(source, (str, os.PathLike)):
-        fingerprint, pieces = _plan(source, text_column, pattern, piece_bytes)
+        fingerprint, pieces = _fingerprint(source, pattern), None
         texts = None
         label = os.fspath(source)
     else:
@@ -733,6 +743,8 @@ def prepare(
             executor=executor,
             say=say,
         )
+        if texts is None:
+            pieces = _pieces(source, text_column, pattern, piece_bytes)
         builder.build(pieces, texts, text_column, verify=verify)
     return _opened(Store(directory, spec=spec, say=say), label, text_column)
 
