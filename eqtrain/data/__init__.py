@@ -39,6 +39,10 @@ from ._post import (
     preference_rows as preference_rows,
     sft_rows as sft_rows,
 )
+from ._rows_cache import (
+    cached_rows as cached_rows,
+    tokenizer_identity as tokenizer_identity,
+)
 from ._sources import (
     column as column,
     from_files as from_files,
@@ -53,6 +57,7 @@ from ._store import (
     default_cache as default_cache,
     prepare as prepare,
 )
+from ._stream import fingerprint as fingerprint
 from ._text import (
     chat_examples as chat_examples,
     chunk_documents as chunk_documents,

@@ -659,6 +659,66 @@ def post_rows(job: Job, source: str, key: str) -> Rows:
             f"{config.task.kind!r} reads records from a "
             f"{'/'.join(_RECORD_FILES)} file."
         )
+
+    def build() -> tuple[Rows, dict[str, Any]]:
+        rows, report = _post_rows(job, path, key, source)
+        return rows, dataclasses.asdict(report)
+
+    cache = config.data.cache
+    template = job.template
+    identity = {
+        "kind": "post",
+        "source": data_lib.fingerprint(path),
+        "tokenizer": data_lib.tokenizer_identity(job.tokenizer),
+        "template": [
+            type(template).__name__,
+            getattr(template, "source", None),
+            getattr(template, "special_tokens", None),
+        ],
+        "eqtrain": _version(),  # the rows follow eqtrain's pipelines
+        "settings": [
+            config.task.kind,
+            config.data.format,
+            config.data.seq_len,
+            config.data.max_prompt_len,
+            config.data.pack,
+        ],
+    }
+    try:
+        rows, fields = data_lib.cached_rows(
+            identity, build, cache_dir=None if cache == "auto" else cache
+        )
+    except data_lib.DataError as e:
+        raise ConfigError(f"`{key}` ({source}): {e}") from None
+    report = data_lib.SkipReport(**fields)
+    if report.skipped:
+        note = f"{key} ({path.name}): {report}"
+        if report.skipped * 5 > report.total:  # e.g. a seq_len too short for the data
+            top = max(report.reasons, key=report.reasons.__getitem__)
+            check = (
+                "the data against data.chat_template"
+                if "chat template" in top
+                else "data.seq_len and data.max_prompt_len"
+            )
+            note += (
+                f". That is {report.skipped / report.total:.0%} of the data: check "
+                f"{check}."
+            )
+        job.notes.append(note)
+    return rows
+
+
+def _version() -> str:
+    import eqtrain
+
+    return eqtrain.__version__
+
+
+def _post_rows(
+    job: Job, path: Path, key: str, source: str
+) -> tuple[Rows, data_lib.SkipReport]:
+    """The rows and skip report of the record file `path` (made in memory)."""
+    config = job.config
     try:
         records = data_lib.from_files(path)
         fmt = config.data.format
@@ -687,21 +747,7 @@ def post_rows(job: Job, source: str, key: str) -> Rows:
             )
     except data_lib.DataError as e:
         raise ConfigError(f"`{key}` ({source}): {e}") from None
-    if report.skipped:
-        note = f"{key} ({path.name}): {report}"
-        if report.skipped * 5 > report.total:  # e.g. a seq_len too short for the data
-            top = max(report.reasons, key=report.reasons.__getitem__)
-            check = (
-                "the data against data.chat_template"
-                if "chat template" in top
-                else "data.seq_len and data.max_prompt_len"
-            )
-            note += (
-                f". That is {report.skipped / report.total:.0%} of the data: check "
-                f"{check}."
-            )
-        job.notes.append(note)
-    return rows
+    return rows, report
 
 
 _RECORD_FILES = (".jsonl", ".json", ".parquet", ".csv")

@@ -1,0 +1,96 @@
+"""Finished rows kept on disk: post-training rows (SFT, preference pairs) are made
+once from their records, written as `.npy` files (no pickle) under the data cache,
+and memory-mapped by later runs, so a second start reads no records and tokenizes
+nothing, and the process holds only the pages its batches touch.
+
+    <cache>/rows-<key>/rows.json     written last: columns, shapes, sha256s, report
+    <cache>/rows-<key>/<column>.npy  one array per column, rows along axis 0
+"""
+
+import hashlib
+import json
+import os
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ._errors import DataError
+from ._store import _BuildLock, _make_dir, _write_json, default_cache, file_sha256
+
+
+FORMAT = 1
+
+
+def tokenizer_identity(tokenizer: Any) -> dict[str, Any]:
+    """What makes a tokenizer's ids: its whole definition and special ids."""
+    special = {k: getattr(tokenizer, f"{k}_id", None) for k in ("bos", "eos", "pad")}
+    inner = getattr(tokenizer, "_tok", None)
+    if inner is not None and hasattr(inner, "to_str"):
+        body = hashlib.sha256(inner.to_str().encode("utf-8")).hexdigest()
+        return {"kind": "hf", "sha256": body, **special}
+    return {"kind": type(tokenizer).__name__, **special}
+
+
+def cached_rows(
+    identity: Mapping[str, Any],
+    build: Callable[[], tuple[Mapping[str, np.ndarray], dict[str, Any]]],
+    *,
+    cache_dir: str | os.PathLike[str] | None = None,
+) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+    """`build()`'s rows and report, memory-mapped from the cache when an earlier
+    call with the same `identity` (JSON-able: the source's fingerprint, the
+    tokenizer, the template and the settings) wrote them; else built, written
+    (atomically: `rows.json` last) and mapped.
+
+    Every file is checked against its sha256 when opened; a mismatch rebuilds.
+
+    Raises:
+        DataError: the cache directory cannot be written.
+    """
+    body = json.dumps({"format": FORMAT, **identity}, sort_keys=True).encode()
+    key = hashlib.sha256(body).hexdigest()[:20]
+    cache = Path(cache_dir) if cache_dir is not None else default_cache()
+    directory = cache / f"rows-{key}"
+    opened = _open(directory)
+    if opened is not None:
+        return opened
+    _make_dir(directory)
+    with _BuildLock(directory):
+        opened = _open(directory)
+        if opened is not None:
+            return opened
+        rows, report = build()
+        columns = {}
+        for name, array in rows.items():
+            array = np.ascontiguousarray(array)
+            path = directory / f"{name}.npy"
+            tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
+            with open(tmp, "wb") as f:
+                np.save(f, array, allow_pickle=False)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+            columns[name] = {"sha256": file_sha256(path), "shape": list(array.shape)}
+        _write_json(directory / "rows.json", {"columns": columns, "report": report})
+    opened = _open(directory)
+    if opened is None:
+        raise DataError(f"the rows written to {directory} do not read back.")
+    return opened
+
+
+def _open(directory: Path) -> tuple[dict[str, np.ndarray], dict[str, Any]] | None:
+    """The mapped rows and report in `directory`, or None when missing, torn or
+    damaged (then they are built again)."""
+    try:
+        meta = json.loads((directory / "rows.json").read_text(encoding="utf-8"))
+        rows = {}
+        for name, entry in meta["columns"].items():
+            path = directory / f"{name}.npy"
+            if file_sha256(path) != entry["sha256"]:
+                return None
+            rows[name] = np.load(path, mmap_mode="r", allow_pickle=False)
+        return rows, meta["report"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
