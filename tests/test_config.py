@@ -611,7 +611,15 @@ def test_reference_names_every_key_and_command():
     group = typer.main.get_command(app)
     commands = getattr(group, "commands", {})
     assert commands
+    leaves = []
     for name, command in commands.items():
+        subcommands = getattr(command, "commands", None)  # a group: `eqtrain data`
+        if subcommands:
+            leaves += [(f"{name} {sub}", c) for sub, c in subcommands.items()]
+        else:
+            leaves.append((name, command))
+    assert any(" " in name for name, _ in leaves)  # `eqtrain data prepare`
+    for name, command in leaves:
         assert f"### `eqtrain {name}`" in text, name
         for param in command.params:
             if param.param_type_name == "option" and not param.hidden:

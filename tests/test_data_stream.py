@@ -104,7 +104,7 @@ def test_non_strings_are_skipped_and_counted(tmp_path):
     docs, counts, _ = streamed(path, 20)
     assert docs == in_memory(path, tmp_path) == ["a", "z"]
     assert counts["skipped"] == 3 and counts["first_skipped"] == f"{path}:2"
-    with pytest.warns(DataWarning, match=r"skipped 3 records .*m.jsonl:2\)"):
+    with pytest.warns(DataWarning, match=r"skipped 3 of \d+ rows .*m.jsonl:2\)"):
         check_counts(str(path), counts)
     nulls = write(tmp_path / "n.jsonl", b'{"text": null}\n{"text": 1}\n')
     _, counts, _ = streamed(nulls)

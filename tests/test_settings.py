@@ -58,6 +58,8 @@ ARCH_KEYS = [f"model.{k}" for k in config_lib.ARCH_KEYS]
 # Path and free-text keys: the word forms their help documents, and a sample.
 FORMS = {
     "data.train": ["stdlib"],
+    "data.sources": ["{root}/train=0.7,stdlib=0.3"],
+    "data.cache": ["auto", "{run}/cache"],
     "data.eval": ["auto", "none"],
     "data.tokenizer": ["auto", "byte"],
     "data.chat_template": ["auto", "builtin"],

@@ -27,7 +27,11 @@ class _Table:
     """Rows of a source, fetched by index arrays."""
 
     def __init__(self, source: Any):
-        if hasattr(source, "num_rows") and hasattr(source, "take"):
+        if (
+            hasattr(source, "num_rows")
+            and hasattr(source, "take")
+            and not hasattr(source, "column_names")  # a datasets.Dataset has both
+        ):
             self.kind = "rows"  # a row source: a store's rows, a mixture
             self.data = source
             self.num_rows = int(source.num_rows)
