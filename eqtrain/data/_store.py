@@ -329,8 +329,8 @@ def build_part(task: Task, encoder: _Encoder) -> dict[str, Any]:
             raise DataError(
                 f"the disk is full: part {task.index} of the store in "
                 f"{task.directory} could not be written ({error.strerror}). The "
-                "parts committed so far are kept; free space (see the estimate "
-                "above) and prepare again to continue."
+                "parts committed so far are kept; free space and prepare again "
+                "to continue."
             ) from None
         raise
     except BaseException:
@@ -883,11 +883,36 @@ class _Builder:
             Task(i, str(self.directory), self.dtype, self.text_column, piece=pieces[i])
             for i in todo
         ]
-        for entry, task in self._run(tasks):
-            done[task.index] = entry
-            progress.add(pieces[task.index]["nbytes"], entry)
+        try:
+            for entry, task in self._run(tasks):
+                done[task.index] = entry
+                progress.add(pieces[task.index]["nbytes"], entry)
+        except DataError as error:
+            if "disk is full" not in str(error):
+                raise
+            raise DataError(f"{error} {self._space_needed(pieces, done)}") from None
         progress.finish()
         return [done[i] for i in range(len(pieces))]
+
+    def _space_needed(
+        self, pieces: list[dict[str, Any]], done: Mapping[int, Mapping[str, Any]]
+    ) -> str:
+        """How much more disk the store needs, estimated from the parts built."""
+        left = sum(p["nbytes"] for i, p in enumerate(pieces) if i not in done)
+        read = sum(pieces[i]["nbytes"] for i in done)
+        itemsize = np.dtype(self.dtype).itemsize
+        if read:
+            tokens = sum(e["tokens"] for e in done.values())
+            docs = sum(e["documents"] for e in done.values())
+            per_byte = (tokens * itemsize + docs * 8) / read
+            basis = f"at the {per_byte:.2f} bytes per source byte of the parts built"
+        else:  # nothing built yet: a token per ~3 bytes of text, at most
+            per_byte, basis = itemsize / 3 + 0.01, "assuming ~3 source bytes per token"
+        need, parts = left * per_byte, len(pieces) - len(done)
+        return (
+            f"About {need / 1e6:,.0f} MB more are needed for the {parts} parts left "
+            f"({basis}) in {self.directory}."
+        )
 
     def _run(self, tasks: Iterable[Task]) -> Iterator[tuple[dict[str, Any], Task]]:
         """Build `tasks`, yielding `(entry, task)` as each finishes."""
