@@ -17,7 +17,7 @@ work). Compilation is excluded (both warm up first); the two alternate (ABBA) ov
 different position. Two sizes (`--size`): a ~14 ms and a ~5-7 ms step on two
 cores. It prints one JSON line per size:
 
-    {"size", "steps", "batch", "seq_len", "rows", "step_ms",
+    {"size", "source", "steps", "batch", "seq_len", "rows", "step_ms",
      "loader_tokens_per_s", "list_tokens_per_s", "ratio", "ratio_of_medians"}
 
 `ratio` is the median over rounds of the per-round loader / list throughput: 1.0
@@ -26,7 +26,11 @@ means the loader costs nothing. Per-round rates go to stderr.
 Usage (CPU):
 
     JAX_PLATFORMS=cpu .venv/bin/python benchmarks/data.py [--size both]
-        [--steps N] [--rounds 9] [--prefetch 2] [--quick]
+        [--steps N] [--rounds 9] [--prefetch 2] [--source memory|store] [--quick]
+
+`--source store` reads the rows from the tokenized store of the same corpus
+(`eqtrain.data.prepare("stdlib", ...)`, memory-mapped) instead of numpy arrays:
+the ratio is then the store-fed loader against the same batches in memory.
 """
 
 import argparse
@@ -46,7 +50,13 @@ import jax.tree_util as jtu
 import optax
 
 import eqtrain
-from eqtrain.data import ByteTokenizer, Loader, chunk_documents, stdlib_corpus
+from eqtrain.data import (
+    ByteTokenizer,
+    Loader,
+    chunk_documents,
+    prepare,
+    stdlib_corpus,
+)
 
 
 class TinyLM(eqx.Module):
@@ -102,7 +112,11 @@ def run_fit(
 
 def benchmark(args: argparse.Namespace) -> dict[str, Any]:
     tokenizer = ByteTokenizer()
-    rows = chunk_documents(stdlib_corpus("train"), tokenizer, seq_len=args.seq_len)
+    if args.source == "store":  # the tokenized store, memory-mapped (built once)
+        store = prepare("stdlib", tokenizer, say=lambda _: None)
+        rows = store.lm_rows(args.seq_len)
+    else:
+        rows = chunk_documents(stdlib_corpus("train"), tokenizer, seq_len=args.seq_len)
     sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     optimizer = optax.adamw(1e-3, weight_decay=0.1)
     step = eqtrain.jit(eqtrain.train_step(lm_loss, optimizer))
@@ -146,10 +160,11 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any]:
     loader_rate, list_rate = (statistics.median(rates[k]) for k in ("loader", "list"))
     return {
         "size": args.size,
+        "source": args.source,
         "steps": args.steps,
         "batch": args.batch,
         "seq_len": args.seq_len,
-        "rows": len(rows["tokens"]),
+        "rows": rows.num_rows if hasattr(rows, "num_rows") else len(rows["tokens"]),
         "step_ms": round(1000 * args.batch * args.seq_len / list_rate, 1),
         "loader_tokens_per_s": round(loader_rate, 1),
         "list_tokens_per_s": round(list_rate, 1),
@@ -189,6 +204,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="model and batch sizes: a ~14 ms step, a ~5 ms one, or each in turn",
     )
     parser.add_argument("--prefetch", type=int, default=2, help="the loader's prefetch")
+    parser.add_argument(
+        "--source",
+        choices=("memory", "store"),
+        default="memory",
+        help="the loader's rows: numpy arrays in memory, or the tokenized store on "
+        "disk (memory-mapped, read per batch in the prefetch thread)",
+    )
     parser.add_argument("--quick", action="store_true", help="tiny sizes (smoke test)")
     args = parser.parse_args(argv)
     args.sizes = (

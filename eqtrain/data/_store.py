@@ -522,6 +522,22 @@ class Store:
             part += 1
         return out
 
+    def windows(self, starts: np.ndarray, width: int) -> np.ndarray:
+        """`[len(starts), width]` int32: stream positions `[start, start + width)`
+        for each start; one gather per part for the windows inside it."""
+        starts = np.asarray(starts, np.int64)
+        out = np.empty((len(starts), width), np.int32)
+        part = np.searchsorted(self._starts, starts, side="right") - 1
+        inside = starts + width <= self._starts[part + 1]
+        offsets = np.arange(width)
+        for p in np.unique(part[inside]):
+            rows = np.flatnonzero(inside & (part == p))
+            local = starts[rows] - self._starts[p]
+            out[rows] = self._part(int(p))[local[:, None] + offsets]
+        for r in np.flatnonzero(~inside):  # windows across a part boundary
+            out[r] = self.read(int(starts[r]), int(starts[r]) + width)
+        return out
+
     def lm_rows(self, seq_len: int) -> "LMRows":
         """Pre-training rows of `seq_len` (see `LMRows`)."""
         return LMRows(self, seq_len)
@@ -566,11 +582,10 @@ class LMRows:
         """Rows `indices` as `tokens`, `targets` (int32) and `loss_mask`."""
         indices = np.asarray(indices, np.int64).reshape(-1)
         s = self.seq_len
-        window = np.empty((len(indices), s + 1), np.int32)
-        for r, i in enumerate(indices):
-            if not 0 <= i < self.num_rows:
-                raise IndexError(f"row {i} is outside the {self.num_rows} rows")
-            window[r] = self.store.read(int(i) * s, int(i) * s + s + 1)
+        if len(indices) and not (0 <= indices.min() and indices.max() < self.num_rows):
+            bad = indices[(indices < 0) | (indices >= self.num_rows)][0]
+            raise IndexError(f"row {bad} is outside the {self.num_rows} rows")
+        window = self.store.windows(indices * s, s + 1)
         return {
             "tokens": window[:, :-1],
             "targets": window[:, 1:],
