@@ -16,8 +16,9 @@ larger); and a byte-level BPE of 8192 ids with `<|endoftext|>`, trained with
    baseline); ABAB, 2 rounds; `ratio` is the median per-round ratio. Target >= 0.8.
 2. `peak_rss_prepare`, `peak_rss_train`: `eqtrain data prepare`, then `eqtrain fit`
    (default model, 20 steps, seq_len 256, no eval, no export) per size, in fresh
-   cache and run directories. `peak_rss_mb`: `ru_maxrss` from `os.wait4`, the max
-   of the command's process and the workers it reaped, each alone (not summed);
+   cache and run directories. `peak_rss_mb`: `ru_maxrss` from `os.wait4` (in a
+   small launcher process, see `LAUNCH`), the max of the command's process and the
+   workers it reaped, each alone (not summed);
    `tree_rss_mb`: the peak summed RSS of the process tree, sampled from /proc
    every 0.2 s (shared and mapped file pages count once per process). Target:
    within 20% across sizes, under 1.5 GB.
@@ -238,7 +239,7 @@ def prepare_throughput(args: argparse.Namespace, corpus: Path, tok: Path) -> dic
 
 # -- running the CLI, with its memory -----------------------------------------------
 def tree_rss(root: int) -> int:
-    """Summed RSS (bytes) of `root` and its descendants, from /proc."""
+    """Summed RSS (bytes) of the descendants of `root`, from /proc."""
     children: dict[int, list[int]] = {}
     for entry in os.scandir("/proc"):
         if entry.name.isdigit():
@@ -248,7 +249,7 @@ def tree_rss(root: int) -> int:
             except (OSError, IndexError, ValueError):
                 continue
             children.setdefault(ppid, []).append(int(entry.name))
-    total, todo = 0, [root]
+    total, todo = 0, list(children.get(root, []))
     while todo:
         pid = todo.pop()
         todo += children.get(pid, [])
@@ -260,15 +261,27 @@ def tree_rss(root: int) -> int:
     return total
 
 
+# A child's ru_maxrss starts from the RSS of the process it was forked from (the
+# kernel records the old memory's peak at exec), and this script holds ~1 GB after
+# measure 1: so each command is started by a small launcher process, and reads
+# ru_maxrss from it.
+LAUNCH = """import os, sys
+pid = os.posix_spawn(sys.argv[2], sys.argv[2:], os.environ)
+_, status, usage = os.wait4(pid, 0)
+open(sys.argv[1], "w").write(str(usage.ru_maxrss))
+sys.exit(os.waitstatus_to_exitcode(status))"""
+
+
 def run_cli(args: argparse.Namespace, argv: list[str], cache: Path, name: str) -> dict:
     """Run `eqtrain *argv` with `cache` as the data cache; its wall time, peak RSS
     (`ru_maxrss` of it and the children it reaped) and sampled tree RSS."""
     env = dict(os.environ, EQTRAIN_DATA_CACHE=str(cache))
     log = args.dir / "logs" / f"{name}.log"
     log.parent.mkdir(exist_ok=True)
+    launch = [sys.executable, "-I", "-S", "-c", LAUNCH, f"{log}.rss", args.eqtrain]
     with open(log, "wb") as out:
         start = time.perf_counter()
-        proc = subprocess.Popen([args.eqtrain, *argv], env=env, stdout=out, stderr=out)
+        proc = subprocess.Popen([*launch, *argv], env=env, stdout=out, stderr=out)
     peak, stop = [0], threading.Event()
 
     def sample() -> None:
@@ -277,15 +290,15 @@ def run_cli(args: argparse.Namespace, argv: list[str], cache: Path, name: str) -
 
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
-    _, status, usage = os.wait4(proc.pid, 0)
+    proc.wait()
     seconds = time.perf_counter() - start
-    proc.returncode = os.waitstatus_to_exitcode(status)
     stop.set()
     sampler.join()
     if proc.returncode != 0:
         tail = log.read_text(errors="replace")[-3000:]
         raise RuntimeError(f"eqtrain {' '.join(argv)} failed:\n{tail}")
-    return {"seconds": seconds, "rss": usage.ru_maxrss * 1024, "tree": peak[0]}
+    rss = int(Path(f"{log}.rss").read_text()) * 1024
+    return {"seconds": seconds, "rss": rss, "tree": peak[0]}
 
 
 def cli_args(args: argparse.Namespace, train: str, run: str, *more: str) -> list[str]:
@@ -467,7 +480,7 @@ def main(argv: list[str] | None = None) -> None:
     args.tok = args.dir / "tokenizer" / "tokenizer.json"
     args.train_rate = {}
     script = Path(sys.executable).parent / "eqtrain"  # the venv's CLI
-    args.eqtrain = str(script) if script.exists() else "eqtrain"
+    args.eqtrain = str(script) if script.exists() else shutil.which("eqtrain")
     sizes = sorted((parse_size(s), s.strip()) for s in args.sizes.split(","))
     corpora = {label: args.dir / f"corpus-{label}.jsonl" for _, label in sizes}
     smallest = next(iter(corpora.items()))  # measures 1 and 4 need only this one
