@@ -25,6 +25,7 @@ import os
 import sys
 import threading
 import time
+import zlib
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -35,8 +36,10 @@ from .._errors import ConfigError
 from ._errors import DataError
 
 
-FORMAT = 1
+FORMAT = 2
 """The store's on-disk format; part of the content key."""
+BLOCK = 1 << 16
+"""Bytes per checked block of a part's tokens (a CRC-32 each, in the ledger)."""
 BATCH_BYTES = 1 << 20
 """Text handed to the tokenizer at once (bounds a worker's memory)."""
 HASH_BLOCK = 1 << 22
@@ -319,6 +322,7 @@ def build_part(task: Task, encoder: _Encoder) -> dict[str, Any]:
             "first_skipped": counts.get("first_skipped"),
             "sha256": {k: d.hexdigest() for k, d in digests.items()},
         }
+        entry["blocks"] = block_crcs(tmp["tokens"])
         os.replace(tmp["tokens"], paths["tokens"])
         os.replace(tmp["ends"], paths["ends"])
         _write_json(paths["ledger"], entry, tmp["ledger"])
@@ -338,6 +342,15 @@ def build_part(task: Task, encoder: _Encoder) -> dict[str, Any]:
             p.unlink(missing_ok=True)
         raise
     return entry
+
+
+def block_crcs(path: Path) -> list[int]:
+    """The CRC-32 of each `BLOCK` bytes of `path` (the last block may be short)."""
+    out = []
+    with open(path, "rb") as f:
+        while block := f.read(BLOCK):
+            out.append(zlib.crc32(block))
+    return out
 
 
 def _texts_key(texts: Iterable[str]) -> str:
@@ -400,9 +413,12 @@ class Store:
     """A complete tokenized store, memory-mapped: the token stream of its
     documents (each followed by EOS), read by position.
 
-    Parts are mapped and verified (sha256) the first time they are read; a part
+    Parts are mapped when first read, and each block of `BLOCK` bytes is checked
+    against its CRC-32 the first time a read touches it (so the check costs at
+    most the blocks a batch reads, whatever the corpus size); a part with a block
     that does not match is rebuilt from its piece (when the store was opened by
-    `prepare`, which knows the tokenizer) or refused, never read.
+    `prepare`, which knows the tokenizer) or refused, never read. `verify=False`
+    skips the checks.
     """
 
     def __init__(
@@ -438,6 +454,7 @@ class Store:
         self._verify = verify
         self._say = say
         self._maps: dict[int, np.ndarray] = {}
+        self._checked: dict[int, np.ndarray] = {}  # per part: blocks checked
         self._lock = threading.Lock()
 
     @property
@@ -450,25 +467,55 @@ class Store:
             f"tokens={self.num_tokens:,}, parts={self.num_parts})"
         )
 
-    def _part(self, index: int) -> np.ndarray:
-        array = self._maps.get(index)
-        if array is not None:
-            return array
-        with self._lock:
-            if index not in self._maps:
-                self._maps[index] = self._open(index)
-            return self._maps[index]
+    def _part(self, index: int, first: int = 0, stop: int | None = None) -> np.ndarray:
+        """Part `index`, mapped, with its tokens `[first, stop)` checked."""
+        array = self._mapped(index)
+        if self._verify and len(array):
+            stop = len(array) if stop is None else stop
+            size = self.dtype.itemsize
+            blocks = np.arange(first * size // BLOCK, (stop * size - 1) // BLOCK + 1)
+            if not self._checked[index][blocks].all():
+                array = self._check(index, blocks)
+        return array
 
-    def _open(self, index: int) -> np.ndarray:
+    def _mapped(self, index: int) -> np.ndarray:
+        """Part `index`, mapped (its size checked), no block checked yet."""
+        array = self._maps.get(index)
+        if array is None:
+            with self._lock:
+                if index not in self._maps:
+                    self._maps[index] = self._open(index)
+                array = self._maps[index]
+        return array
+
+    def _check(self, index: int, blocks: np.ndarray) -> np.ndarray:
+        """Check `blocks` of part `index` (rebuilding the part if one does not
+        match); returns the part's mapping, current after any rebuild."""
+        with self._lock:
+            array = self._maps[index]
+            checked = self._checked[index]
+            crcs = self.meta["parts"][index]["blocks"]
+            raw = array.view(np.uint8)
+            for b in blocks[~checked[blocks]]:
+                block = raw[int(b) * BLOCK : (int(b) + 1) * BLOCK]
+                if zlib.crc32(memoryview(block)) != crcs[b]:
+                    self._rebuild(index, self.meta["parts"][index])
+                    self._maps[index] = array = self._open(index, rebuilt=True)
+                    return array  # rebuilt and checked whole against its sha256
+                checked[b] = True
+            return array
+
+    def _open(self, index: int, *, rebuilt: bool = False) -> np.ndarray:
         entry = self.meta["parts"][index]
         paths = part_paths(self.directory, index)
         ok = paths["tokens"].is_file() and paths["tokens"].stat().st_size == (
             entry["tokens"] * self.dtype.itemsize
         )
-        if ok and self._verify:
-            ok = file_sha256(paths["tokens"]) == entry["sha256"]["tokens"]
         if not ok:
             self._rebuild(index, entry)
+            rebuilt = True
+        blocks = len(entry["blocks"])
+        self._checked[index] = np.full(blocks, rebuilt, bool)
         if entry["tokens"] == 0:
             return np.zeros(0, self.dtype)
         return np.memmap(paths["tokens"], self.dtype, "r", shape=(entry["tokens"],))
@@ -478,9 +525,9 @@ class Store:
         if self._spec is None or entry.get("piece") is None:
             raise DataError(
                 f"part {index} of the store {self.directory} is damaged (its "
-                f"{paths['tokens'].name} does not match the sha256 in the ledger). It "
-                "is not read. Run `eqtrain data prepare CONFIG` (or fit again) to "
-                "rebuild it."
+                f"{paths['tokens'].name} does not match the checksums in the "
+                "ledger). It is not read. Run `eqtrain data prepare CONFIG` (or fit "
+                "again) to rebuild it."
             )
         if self._say is not None:
             self._say(
@@ -515,9 +562,8 @@ class Store:
             base = int(self._starts[part])
             end = min(stop, int(self._starts[part + 1]))
             if end > pos:
-                out[pos - start : end - start] = self._part(part)[
-                    pos - base : end - base
-                ]
+                array = self._part(part, pos - base, end - base)
+                out[pos - start : end - start] = array[pos - base : end - base]
             pos = end
             part += 1
         return out
@@ -533,7 +579,19 @@ class Store:
         for p in np.unique(part[inside]):
             rows = np.flatnonzero(inside & (part == p))
             local = starts[rows] - self._starts[p]
-            out[rows] = self._part(int(p))[local[:, None] + offsets]
+            array = self._mapped(int(p))  # then the blocks these rows touch
+            if self._verify and len(array):
+                size = self.dtype.itemsize
+                low = local * size // BLOCK
+                high = ((local + width) * size - 1) // BLOCK
+                touched = np.unique(
+                    np.concatenate(
+                        [np.arange(a, b + 1) for a, b in zip(low, high, strict=True)]
+                    )
+                )
+                if not self._checked[int(p)][touched].all():
+                    array = self._check(int(p), touched)
+            out[rows] = array[local[:, None] + offsets]
         for r in np.flatnonzero(~inside):  # windows across a part boundary
             out[r] = self.read(int(starts[r]), int(starts[r]) + width)
         return out
@@ -1056,6 +1114,7 @@ class _Builder:
                     "documents": e["documents"],
                     "piece": e["piece"],
                     "sha256": e["sha256"],
+                    "blocks": e["blocks"],
                 }
                 for e in entries
             ],
