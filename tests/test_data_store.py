@@ -405,7 +405,17 @@ def test_data_prepare_uses_data_workers_and_the_cache(tmp_path, monkeypatch):
 EXAMPLES = Path(__file__).parent.parent / "examples" / "data"
 
 
-def test_post_training_rows_are_made_once_then_mapped(tmp_path, monkeypatch):
+@pytest.mark.parametrize(
+    ("task", "name"),
+    [
+        ("sft", "sft.jsonl"),
+        # default-suite time: the same cache for pairs, under `nox -s slow`
+        pytest.param("dpo", "preference.jsonl", marks=pytest.mark.slow),
+    ],
+)
+def test_post_training_rows_are_made_once_then_mapped(
+    tmp_path, monkeypatch, task, name
+):
     """SFT and preference rows are written to the cache as .npy files and memory-
     mapped by later runs (no records read, nothing tokenized); a changed setting
     or a damaged file makes them again."""
@@ -422,25 +432,23 @@ def test_post_training_rows_are_made_once_then_mapped(tmp_path, monkeypatch):
         return real(*args)
 
     monkeypatch.setattr(_build, "_post_rows", counted)
-    for task, name in (("sft", "sft.jsonl"), ("dpo", "preference.jsonl")):
-        calls.clear()
-        data = tmp_path / name
-        shutil.copy(EXAMPLES / name, data)
-        overrides = [
-            *_fit_args(tmp_path, task, f"task.kind={task}", f"data.train={data}"),
-            "data.seq_len=128",
-        ]
-        job = _build.build(config_lib.load(overrides=overrides))
-        first = _build.post_rows(job, str(data), "data.train")
-        again = _build.post_rows(job, str(data), "data.train")
-        assert len(calls) == 1  # the second is mapped from the cache
-        assert all(isinstance(v, np.memmap) for v in again.values())
-        _assert_rows_equal({k: np.asarray(v) for k, v in again.items()}, first)
-        longer = config_lib.load(overrides=[*overrides, "data.seq_len=160"])
-        _build.post_rows(_build.build(longer), str(data), "data.train")
-        assert len(calls) == 2  # another seq_len: other rows
-        # a damaged column file is found (sha256) and the rows are made again
-        for path in (tmp_path / "cache").glob("rows-*/*.npy"):
-            _damage(path, at=path.stat().st_size - 1)
-        _build.post_rows(job, str(data), "data.train")
-        assert len(calls) == 3
+    data = tmp_path / name
+    shutil.copy(EXAMPLES / name, data)
+    overrides = [
+        *_fit_args(tmp_path, task, f"task.kind={task}", f"data.train={data}"),
+        "data.seq_len=128",
+    ]
+    job = _build.build(config_lib.load(overrides=overrides))
+    first = _build.post_rows(job, str(data), "data.train")
+    again = _build.post_rows(job, str(data), "data.train")
+    assert len(calls) == 1  # the second is mapped from the cache
+    assert all(isinstance(v, np.memmap) for v in again.values())
+    _assert_rows_equal({k: np.asarray(v) for k, v in again.items()}, first)
+    longer = config_lib.load(overrides=[*overrides, "data.seq_len=160"])
+    _build.post_rows(_build.build(longer), str(data), "data.train")
+    assert len(calls) == 2  # another seq_len: other rows
+    # a damaged column file is found (sha256) and the rows are made again
+    for path in (tmp_path / "cache").glob("rows-*/*.npy"):
+        _damage(path, at=path.stat().st_size - 1)
+    _build.post_rows(job, str(data), "data.train")
+    assert len(calls) == 3
