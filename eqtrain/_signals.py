@@ -67,7 +67,7 @@ class SignalGuard:
     def uninstall(self) -> None:
         # The previous handlers first, then the wakeup fd: the other order left a
         # moment in which a signal ran `_ignore` with no fd to wake the watchdog,
-        # and a second signal was lost (exit 0; seen once in 20 offsets x 14 runs).
+        # and a second signal was lost (exit 0: once, in the slow twenty-offsets test).
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         self._previous.clear()
