@@ -452,3 +452,11 @@ def test_post_training_rows_are_made_once_then_mapped(
         _damage(path, at=path.stat().st_size - 1)
     _build.post_rows(job, str(data), "data.train")
     assert len(calls) == 3
+
+
+def test_a_bad_python_source_fails_with_workers_instead_of_hanging(tmp_path):
+    """An error raised while reading the source in the workers' feeding threads
+    ends `prepare` with that error (it once left the pool waiting forever)."""
+    docs = [*_docs(100), 7, *_docs(100, seed=1)]  # item 100 is not a document
+    with pytest.raises(DataError, match="item 100 of the source is a int"):
+        prepare(docs, ByteTokenizer(), cache_dir=tmp_path, piece_bytes=1000, workers=2)

@@ -155,6 +155,16 @@ def load_text_dir(directory: PathLike, *, pattern: str = "**/*.txt") -> list[str
             f"{root} is a file, not a directory. Pass the directory holding the text "
             "files, or read single files with `from_files(path, 'text')`."
         )
+    return [read_text(p) for p in text_files(root, pattern)]
+
+
+def text_files(root: Path, pattern: str) -> list[Path]:
+    """The files under the directory `root` matching `pattern`, ordered by their
+    relative POSIX path (as `load_text_dir` reads them).
+
+    Raises:
+        DataError: no file matches.
+    """
     files = sorted(
         (p for p in root.glob(pattern) if p.is_file()),
         key=lambda p: p.relative_to(root).as_posix(),
@@ -165,7 +175,7 @@ def load_text_dir(directory: PathLike, *, pattern: str = "**/*.txt") -> list[str
             "'**/*.md': data.pattern in the config, `pattern=` in Python) or "
             "another directory."
         )
-    return [read_text(p) for p in files]
+    return files
 
 
 def read_text(path: Path) -> str:

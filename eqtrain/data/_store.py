@@ -201,6 +201,14 @@ class _WorkerPool:
         stop = threading.Event()
 
         def serve(process: Any) -> None:
+            try:
+                work(process)
+            except BaseException as error:  # e.g. the source failed: re-raised below
+                answers.put(error)
+            finally:
+                answers.put(None)
+
+        def work(process: Any) -> None:
             while not stop.is_set():
                 with lock:
                     task = next(tasks, None)
@@ -223,7 +231,6 @@ class _WorkerPool:
                         }
                     )
                 answers.put((json.loads(line), task))
-            answers.put(None)
 
         threads = [
             threading.Thread(target=serve, args=(p,), daemon=True)
@@ -238,6 +245,8 @@ class _WorkerPool:
                 if item is None:
                     running -= 1
                     continue
+                if isinstance(item, BaseException):
+                    raise item
                 answer, task = item
                 if "entry" not in answer:
                     raise DataError(answer["message"])
@@ -599,15 +608,6 @@ class Store:
     def lm_rows(self, seq_len: int) -> "LMRows":
         """Pre-training rows of `seq_len` (see `LMRows`)."""
         return LMRows(self, seq_len)
-
-    def documents_ends(self) -> np.ndarray:
-        """Where each document ends in the stream (int64; reads every `.ends`)."""
-        out = []
-        for index, entry in enumerate(self.meta["parts"]):
-            ends = np.fromfile(part_paths(self.directory, index)["ends"], np.int64)
-            out.append(ends + self._starts[index])
-            del entry
-        return np.concatenate(out) if out else np.zeros(0, np.int64)
 
 
 class LMRows:
@@ -1033,30 +1033,26 @@ class _Builder:
         """Parts of a Python source's documents, grouped up to `piece_bytes`."""
         piece_bytes = self.settings["piece_bytes"]
 
+        def new_task(index: int, batch: list[str]) -> Task:
+            return Task(
+                index,
+                str(self.directory),
+                self.dtype,
+                self.text_column,
+                texts=tuple(batch),
+            )
+
         def groups() -> Iterator[Task]:
             batch: list[str] = []
-            size = 0
-            index = 0
+            size = index = 0
             for doc in _python_documents(source, self.text_column):
                 batch.append(doc)
                 size += len(doc)
                 if size >= piece_bytes:
-                    yield Task(
-                        index,
-                        str(self.directory),
-                        self.dtype,
-                        self.text_column,
-                        texts=tuple(batch),
-                    )
+                    yield new_task(index, batch)
                     batch, size, index = [], 0, index + 1
             if batch:
-                yield Task(
-                    index,
-                    str(self.directory),
-                    self.dtype,
-                    self.text_column,
-                    texts=tuple(batch),
-                )
+                yield new_task(index, batch)
 
         progress = _Progress(self.label, None, None, self.say)
         entries: dict[int, dict[str, Any]] = {}

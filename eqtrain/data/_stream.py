@@ -33,6 +33,7 @@ from typing import Any
 
 from .._errors import ConfigError
 from ._errors import DataError, DataWarning, check_exists
+from ._sources import text_files
 
 
 PIECE_BYTES = 16 * 2**20
@@ -98,7 +99,7 @@ def plan(
     check_exists(source, "data source")
     path = Path(os.path.abspath(source))
     if path.is_dir():
-        return plan_files(_text_dir(path, pattern), piece_bytes=piece_bytes)
+        return plan_files(text_files(path, pattern), piece_bytes=piece_bytes)
     kind, compression = _format(path)
     size = _stat(path).st_size
     if size == 0:
@@ -177,7 +178,7 @@ def fingerprint(source: str | os.PathLike, *, pattern: str = "**/*.txt") -> dict
     path = Path(os.path.abspath(source))
     if path.is_dir():
         files = [
-            _key(f, f.relative_to(path).as_posix()) for f in _text_dir(path, pattern)
+            _key(f, f.relative_to(path).as_posix()) for f in text_files(path, pattern)
         ]
         return {"kind": "text_files", "pattern": pattern, "files": files}
     kind, compression = _format(path)
@@ -223,21 +224,6 @@ def _runs(sizes: list[int], piece_bytes: int) -> list[tuple[int, int, int]]:
             start, nbytes = i, 0
         nbytes += size
     return [*runs, (start, len(sizes), nbytes)]
-
-
-def _text_dir(root: Path, pattern: str) -> list[Path]:
-    """`load_text_dir`'s files (of the directory `root`), with its error."""
-    files = sorted(
-        (p for p in root.glob(pattern) if p.is_file()),
-        key=lambda p: p.relative_to(root).as_posix(),
-    )
-    if not files:
-        raise DataError(
-            f"no file under {root} matches {pattern!r}. Pass another glob (such as "
-            "'**/*.md': data.pattern in the config, `pattern=` in Python) or "
-            "another directory."
-        )
-    return files
 
 
 def _plan_jsonl(path: Path, size: int, piece_bytes: int) -> list[Piece]:
