@@ -3,7 +3,8 @@
 
 - `eqtrain.models.decoder`: `Decoder`, `DecoderConfig`, one decoder for every
   Llama-like Hugging Face family (Llama, Mistral, Qwen2, Qwen3, SmolLM3, Gemma 1/2/3,
-  Phi-3, OLMo 2, Granite, StarCoder2), told apart by the config's switches;
+  Phi-3, OLMo 2, Granite, StarCoder2; with experts Mixtral, Qwen2-MoE and
+  Qwen3-MoE: `SparseMoE`), told apart by the config's switches;
   `eqtrain.models.archs` maps each `model_type` to them (`ARCHS`);
   `eqtrain.models.llama`: the same classes as `Llama`, `LlamaConfig`;
 - `eqtrain.models.gpt2`: `GPT2`, `GPT2Config`;
@@ -34,6 +35,14 @@ from ._layers import (
     num_params as num_params,
     remat_policy as remat_policy,
 )
+from ._moe import (
+    AUX_KEYS as AUX_KEYS,
+    MOE_IMPLS as MOE_IMPLS,
+    Experts as Experts,
+    SparseMoE as SparseMoE,
+    load_balancing_loss as load_balancing_loss,
+    router_z_loss as router_z_loss,
+)
 from ._registry import (
     FAMILIES as FAMILIES,
     Family as Family,
@@ -53,6 +62,7 @@ from ._sequence import (
     zigzag_order as zigzag_order,
 )
 from ._vocab import resize_vocab as resize_vocab
+from .decoder import Decoder as Decoder, DecoderConfig as DecoderConfig
 from .gpt2 import GPT2 as GPT2, GPT2Config as GPT2Config
 from .llama import Llama as Llama, LlamaConfig as LlamaConfig
 from .mlp import MLPClassifier as MLPClassifier, MLPConfig as MLPConfig

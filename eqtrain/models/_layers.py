@@ -920,6 +920,7 @@ class RuntimeOptions:
     sequence_parallel: str | None
     sequence_layout: str
     mlp_chunks: int
+    moe: Any = None
 
     @classmethod
     def of(cls, config: Any, seq: int, hidden: int) -> "RuntimeOptions":
@@ -931,6 +932,7 @@ class RuntimeOptions:
             sequence_parallel=config.sequence_parallel,
             sequence_layout=config.sequence_layout,
             mlp_chunks=mlp_chunk_count(config.mlp_chunks, seq, hidden),
+            moe=getattr(config, "moe_options", None),
         )
 
 
@@ -963,8 +965,8 @@ def stack_layers(
 
 def run_layers(
     layers: LayerT,
-    x: Array,
-    call: Callable[..., Array],
+    x: Any,
+    call: Callable[..., Any],
     *,
     scan: bool,
     remat: str,
@@ -972,7 +974,7 @@ def run_layers(
     remat_save: Sequence[str] = (),
     remat_offload: Sequence[str] = (),
     kinds: Sequence[Any] | None = None,
-) -> Array:
+) -> Any:
     """`x = call(layer_i, x, key_i)` for each layer of a stack, in order.
 
     With `scan=True` the layer body is traced and compiled once (`lax.scan`), so
@@ -1001,7 +1003,10 @@ def run_layers(
     def body(h: Array, xs: Any, kind: Any = None) -> Array:
         params, k = xs
         layer = eqx.combine(params, static)
-        h = name_activation(h, "layer_input")
+        if isinstance(h, tuple):  # (activations, statistics carried along)
+            h = (name_activation(h[0], "layer_input"), *h[1:])
+        else:
+            h = name_activation(h, "layer_input")
         return call(layer, h, k) if kinds is None else call(layer, h, k, kind)
 
     unrolled = scanned = body

@@ -12,6 +12,7 @@ mappings live in `eqtrain.models.archs`.
 """
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 import equinox as eqx
@@ -22,6 +23,7 @@ from jax.sharding import PartitionSpec
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from .._errors import ConfigError
+from .._rows import vmap_rows
 from ._layers import (
     ACTIVATIONS,
     RUNTIME_OPTIONS,
@@ -43,6 +45,16 @@ from ._layers import (
     stack_layers,
     tiled,
     with_config_options,
+)
+from ._moe import (
+    AUX_KEYS,
+    MOE_IMPLS as MOE_IMPLS,
+    MoEOptions,
+    SparseMoE,
+    check_moe_options,
+    empty_aux,
+    load_balancing_loss,
+    router_z_loss,
 )
 from ._rope import Rope, apply_rope, rope_cos_sin
 from ._sequence import attend
@@ -112,10 +124,26 @@ class DecoderConfig(RuntimeFields):
         partial_rotary_factor: the fraction of each head that rotates (Phi-4-mini).
         no_rope_layers: per layer, 1 if it uses rotary embeddings, 0 if not
             (SmolLM3); `None`: all do.
+        num_experts: experts of each sparse MLP (0: every MLP dense). With
+            experts, every layer's MLP is a `SparseMoE` (Mixtral, Qwen-MoE).
+        num_experts_per_tok: experts each token is routed to (top-k).
+        moe_intermediate_size: width of one expert (`None`: `intermediate_size`,
+            as Mixtral).
+        norm_topk_prob: the top-k routing weights renormalised to sum to 1
+            (Mixtral: always; Qwen-MoE: its config's `norm_topk_prob`).
+        shared_expert_intermediate_size: width of Qwen2-MoE's shared expert
+            (`None`: none).
+        router_aux_loss_coef: coefficient of the load-balancing loss the LM
+            losses add (`eqtrain.models.load_balancing_loss`; 0: off).
         remat, remat_save, remat_offload, mlp_chunks, attention_chunk,
             scan_layers, attention_impl, sequence_parallel, sequence_layout:
             runtime options, which `Decoder.with_options` may change (see
             `RuntimeOptions`).
+        moe_impl, capacity_factor, router_z_loss_coef: the sparse MLPs' runtime
+            options (`Decoder.with_options` may change them too): the dispatch
+            (`eqtrain.models.MOE_IMPLS`), a capacity per expert for the
+            dropping variant (`None`: dropless), and the router z-loss's
+            coefficient (0: off).
     """
 
     vocab_size: int = 32000
@@ -153,6 +181,15 @@ class DecoderConfig(RuntimeFields):
     local_rope: Rope | None = None
     partial_rotary_factor: float = 1.0
     no_rope_layers: tuple[int, ...] | None = None
+    num_experts: int = 0
+    num_experts_per_tok: int = 2
+    moe_intermediate_size: int | None = None
+    norm_topk_prob: bool = True
+    shared_expert_intermediate_size: int | None = None
+    router_aux_loss_coef: float | int = 0.001
+    moe_impl: str = "auto"
+    capacity_factor: float | int | None = None
+    router_z_loss_coef: float | int = 0.0
 
     def __post_init__(self) -> None:
         check_runtime(self)
@@ -198,11 +235,45 @@ class DecoderConfig(RuntimeFields):
                     f"`{field}` has {len(value)} entries for {layers} layers; give "
                     "one per layer."
                 )
+        self._check_experts()
         bad = sorted(set(self.layer_types or ()) - set(LAYER_TYPES))
         if bad:
             raise ConfigError(
                 f"`layer_types` holds {bad}; each entry must be one of {LAYER_TYPES}."
             )
+
+    def _check_experts(self) -> None:
+        check_moe_options(self.moe_impl, self.capacity_factor)
+        for name in ("router_aux_loss_coef", "router_z_loss_coef"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"`{name}` must be >= 0; got {getattr(self, name)}.")
+        if not self.num_experts:
+            return
+        if not 1 <= self.num_experts_per_tok <= self.num_experts:
+            raise ConfigError(
+                f"`num_experts_per_tok` must be between 1 and num_experts "
+                f"({self.num_experts}); got {self.num_experts_per_tok}."
+            )
+        if self.mlp != "gated":
+            raise ConfigError(
+                f"experts are gated MLPs; `mlp` must be 'gated' with num_experts "
+                f"> 0, got {self.mlp!r}."
+            )
+        if self.sequence_parallel is not None:
+            raise ConfigError(
+                "sequence parallelism is not supported with mixture-of-experts "
+                "layers yet; unset model.sequence_parallel (use mesh.expert, "
+                "data or fsdp instead)."
+            )
+
+    @property
+    def expert_size(self) -> int:
+        """One expert's width (`moe_intermediate_size`, resolved)."""
+        return self.moe_intermediate_size or self.intermediate_size
+
+    @property
+    def moe_options(self) -> MoEOptions:
+        return MoEOptions(self.moe_impl, self.capacity_factor)
 
     @property
     def kv_heads(self) -> int:
@@ -250,6 +321,9 @@ class DecoderConfig(RuntimeFields):
 
 
 LlamaConfig = DecoderConfig
+MOE_OPTIONS = frozenset({"moe_impl", "capacity_factor", "router_z_loss_coef"})
+"""`DecoderConfig` fields that `Decoder.with_options` may change besides
+`RUNTIME_OPTIONS`."""
 
 
 def _norm(config: DecoderConfig, dim: int) -> RMSNorm | LayerNorm:
@@ -432,6 +506,26 @@ _MLPS = {"gated": GatedMLP, "fused_gated": FusedGatedMLP, "plain": PlainMLP}
 AnyNorm = RMSNorm | LayerNorm
 
 
+def _sparse_mlp(config: DecoderConfig, key: PRNGKeyArray) -> SparseMoE:
+    shared = None
+    if config.shared_expert_intermediate_size is not None:
+        size = config.shared_expert_intermediate_size
+        shared_config = dataclasses.replace(config, intermediate_size=size)
+        shared = lambda k: GatedMLP(shared_config, k)
+    return SparseMoE(
+        hidden=config.hidden_size,
+        num_experts=config.num_experts,
+        top_k=config.num_experts_per_tok,
+        ff=config.expert_size,
+        norm_topk_prob=config.norm_topk_prob,
+        act=config.hidden_act,
+        std=config.initializer_range,
+        dtype=config.param_dtype,
+        shared=shared,
+        key=key,
+    )
+
+
 class DecoderLayer(eqx.Module):
     """One block; which norms it has depends on `DecoderConfig.block`."""
 
@@ -440,7 +534,7 @@ class DecoderLayer(eqx.Module):
     post_attention_layernorm: AnyNorm | None
     pre_feedforward_layernorm: AnyNorm | None
     post_feedforward_layernorm: AnyNorm | None
-    mlp: GatedMLP | FusedGatedMLP | PlainMLP
+    mlp: GatedMLP | FusedGatedMLP | PlainMLP | SparseMoE
     block: str = eqx.field(static=True)
     residual_multiplier: float | None = eqx.field(static=True)
 
@@ -455,12 +549,37 @@ class DecoderLayer(eqx.Module):
         self.post_feedforward_layernorm = None
         if config.block != "pre":
             self.post_feedforward_layernorm = norm()
-        self.mlp = _MLPS[config.mlp](config, km)
+        if config.num_experts:
+            self.mlp = _sparse_mlp(config, km)
+        else:
+            self.mlp = _MLPS[config.mlp](config, km)
 
     def _add(self, x: Array, h: Array) -> Array:
         if self.residual_multiplier is not None:
             h = h * self.residual_multiplier
         return x + h
+
+    def _forward(
+        self, x: Array, attn: Callable[[Array], Array], mlp: Callable[[Array], Any]
+    ) -> tuple[Array, Any]:
+        """The block around its two sublayers: `attn` and `mlp` (which returns
+        its output and its router statistics, or None)."""
+        attn_in = x if self.input_layernorm is None else self.input_layernorm(x)
+        h = attn(attn_in)
+        if self.block != "pre":
+            h = self.post_attention_layernorm(h)  # pyright: ignore
+        x = self._add(x, h)
+        if self.block == "pre":
+            h = self.post_attention_layernorm(x)  # pyright: ignore
+        elif self.block == "sandwich":
+            h = self.pre_feedforward_layernorm(x)  # pyright: ignore
+        else:
+            h = x
+        h = name_activation(h, "mlp_in")
+        h, aux = mlp(h)
+        if self.post_feedforward_layernorm is not None:
+            h = self.post_feedforward_layernorm(h)
+        return self._add(x, name_activation(h, "mlp_out")), aux
 
     def __call__(
         self,
@@ -474,9 +593,8 @@ class DecoderLayer(eqx.Module):
         key: PRNGKeyArray | None = None,
     ) -> Array:
         ka, km = split_key(key, 2)
-        attn_in = x if self.input_layernorm is None else self.input_layernorm(x)
-        h = self.self_attn(
-            attn_in,
+        attn = lambda a: self.self_attn(
+            a,
             rope,
             window=window,
             options=options,
@@ -484,20 +602,56 @@ class DecoderLayer(eqx.Module):
             positions=positions,
             key=ka,
         )
-        if self.block != "pre":
-            h = self.post_attention_layernorm(h)  # pyright: ignore
-        x = self._add(x, h)
-        if self.block == "pre":
-            h = self.post_attention_layernorm(x)  # pyright: ignore
-        elif self.block == "sandwich":
-            h = self.pre_feedforward_layernorm(x)  # pyright: ignore
-        else:
-            h = x
-        h = name_activation(h, "mlp_in")
-        h = tiled(lambda c, k: self.mlp(c, key=k), h, options.mlp_chunks, km)
-        if self.post_feedforward_layernorm is not None:
-            h = self.post_feedforward_layernorm(h)
-        return self._add(x, name_activation(h, "mlp_out"))
+
+        def mlp(h: Array) -> tuple[Array, None]:
+            if isinstance(self.mlp, SparseMoE):
+                return self.mlp(h, options=options.moe, key=km)[0], None
+            return tiled(
+                lambda c, k: self.mlp(c, key=k), h, options.mlp_chunks, km
+            ), None
+
+        return self._forward(x, attn, mlp)[0]
+
+    def batched(
+        self,
+        x: Float[Array, "rows seq hidden"],
+        rope: tuple[Array, Array] | None,
+        *,
+        window: int | None,
+        options: RuntimeOptions,
+        segment_ids: Int[Array, "rows seq"] | None,
+        positions: Int[Array, "rows seq"],
+        key: PRNGKeyArray | None = None,
+    ) -> tuple[Array, dict[str, Array] | None]:
+        """The block over a batch of rows (`rope`: per-row tables): attention
+        row by row, the MLP over every token of the batch at once (a
+        `SparseMoE` routes the whole batch). Returns the output and the
+        layer's router statistics (None for a dense MLP)."""
+        rows, seq, _ = x.shape
+        ka, km = split_key(key, 2)
+        row_keys = None if ka is None else jr.split(ka, rows)
+
+        def attn(a: Array) -> Array:
+            one = lambda xi, ri, si, pi, ki: self.self_attn(
+                xi,
+                ri,
+                window=window,
+                options=options,
+                segment_ids=si,
+                positions=pi,
+                key=ki,
+            )
+            return vmap_rows(one)(a, rope, segment_ids, positions, row_keys)
+
+        def mlp(h: Array) -> tuple[Array, Any]:
+            flat = h.reshape(rows * seq, -1)
+            if isinstance(self.mlp, SparseMoE):
+                valid = None if segment_ids is None else segment_ids.reshape(-1) > 0
+                y, aux = self.mlp(flat, valid=valid, options=options.moe, key=km)
+                return y.reshape(h.shape), aux
+            return self.mlp(flat, key=km).reshape(h.shape), None
+
+        return self._forward(x, attn, mlp)
 
 
 class Decoder(eqx.Module):
@@ -579,8 +733,19 @@ class Decoder(eqx.Module):
     ) -> Float[Array, "seq hidden"]:
         """The final-normed hidden states that `__call__` feeds its head (arguments
         as for `__call__`). With `head_weight()` and `logit_options()`, what
-        `losses.chunked_causal_lm_loss_fn` needs to skip the full logits."""
+        `losses.chunked_causal_lm_loss_fn` needs to skip the full logits.
+
+        A model with experts runs `batch_features` on this one row."""
         config = self.config
+        if config.num_experts:
+            add_row = lambda a: None if a is None else a[None]
+            hidden, _ = self.batch_features(
+                tokens[None],
+                segment_ids=add_row(segment_ids),
+                positions=add_row(positions),
+                key=key,
+            )
+            return hidden[0]
         positions = default_positions(tokens.shape[0], segment_ids, positions)
         tables = rope_tables(config, positions)
         options = RuntimeOptions.of(config, tokens.shape[0], config.hidden_size)
@@ -613,6 +778,75 @@ class Decoder(eqx.Module):
         )
         return self.norm(x)
 
+    def batch_features(
+        self,
+        tokens: Int[Array, "rows seq"],
+        *,
+        segment_ids: Int[Array, "rows seq"] | None = None,
+        positions: Int[Array, "rows seq"] | None = None,
+        key: PRNGKeyArray | None = None,
+    ) -> tuple[Float[Array, "rows seq hidden"], dict[str, Array]]:
+        """`features` of a batch of rows at once, and the router statistics of
+        its sparse layers (`eqtrain.models.AUX_KEYS`, summed over the layers;
+        `{}` without experts). The losses call this for a model with experts
+        (`routes_batch`): the experts see every token of the batch together.
+        Attention stays per row (`segment_ids`, `positions` as for `features`);
+        padding (segment id 0) does not count in the statistics."""
+        config = self.config
+        rows, seq = tokens.shape
+        positions = _batch_positions(rows, seq, segment_ids, positions)
+        tables = jax.vmap(lambda p: rope_tables(config, p))(positions)
+        options = RuntimeOptions.of(config, seq, config.hidden_size)
+        x = jax.vmap(self.embed_tokens)(tokens)
+        if config.embedding_multiplier is not None:
+            x = x * config.embedding_multiplier
+        start = empty_aux(config.num_experts) if config.num_experts else {}
+
+        def call(layer: DecoderLayer, carry: Any, k: Any, kind: Any) -> Any:
+            h, acc = carry
+            window, table = kind
+            h, aux = layer.batched(
+                h,
+                tables[table],
+                window=window,
+                options=options,
+                segment_ids=segment_ids,
+                positions=positions,
+                key=k,
+            )
+            if aux is not None:
+                acc = {name: acc[name] + aux[name] for name in AUX_KEYS}
+            return h, acc
+
+        x, aux = run_layers(
+            self.layers,
+            (x, start),
+            call,
+            scan=config.scan_layers,
+            remat=config.remat,
+            key=key,
+            remat_save=config.remat_save,
+            remat_offload=config.remat_offload,
+            kinds=config.layer_kinds(),
+        )
+        return self.norm(x), aux
+
+    @property
+    def routes_batch(self) -> bool:
+        """Whether the losses should call `batch_features` (a model with
+        experts) rather than `features` row by row."""
+        return bool(self.config.num_experts)
+
+    def router_losses(self, aux: dict[str, Array]) -> dict[str, Array]:
+        """The router's auxiliary losses from `batch_features`' statistics:
+        `{"moe/aux_loss", "moe/z_loss"}` (unscaled), `{}` without experts."""
+        if not aux:
+            return {}
+        return {
+            "moe/aux_loss": load_balancing_loss(aux),
+            "moe/z_loss": router_z_loss(aux),
+        }
+
     def head_weight(
         self, *, key: PRNGKeyArray | None = None
     ) -> Float[Array, "vocab hidden"]:
@@ -630,9 +864,10 @@ class Decoder(eqx.Module):
     def with_options(self, **changes: Any) -> "Decoder":
         """The same parameters with other runtime options (`remat`, `remat_save`,
         `remat_offload`, `mlp_chunks`, `attention_chunk`, `scan_layers`,
-        `attention_impl`, `sequence_parallel`, `sequence_layout`), e.g.
+        `attention_impl`, `sequence_parallel`, `sequence_layout`; with experts
+        also `moe_impl`, `capacity_factor`, `router_z_loss_coef`), e.g.
         `model.with_options(remat="full")`."""
-        return with_config_options(self, RUNTIME_OPTIONS, **changes)
+        return with_config_options(self, RUNTIME_OPTIONS | MOE_OPTIONS, **changes)
 
 
 Llama = Decoder
@@ -649,6 +884,15 @@ def transform_logits(
         z = logits.astype(jnp.float32) / softcap
         logits = (jnp.tanh(z) * softcap).astype(logits.dtype)
     return logits
+
+
+def _batch_positions(
+    rows: int, seq: int, segment_ids: Array | None, positions: Array | None
+) -> Int[Array, "rows seq"]:
+    """Each row's positions, as `default_positions` gives them."""
+    if segment_ids is None and positions is None:
+        return jnp.broadcast_to(jnp.arange(seq, dtype=jnp.int32), (rows, seq))
+    return jax.vmap(lambda s, p: default_positions(seq, s, p))(segment_ids, positions)
 
 
 def rope_tables(
