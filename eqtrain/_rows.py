@@ -8,7 +8,7 @@ from typing import Any
 import jax
 
 
-BATCH_AXES = ("data", "fsdp")  # = eqtrain.sharding.BATCH_AXES (a layer above)
+BATCH_AXES = ("data", "fsdp", "expert")  # = eqtrain.sharding.BATCH_AXES (a layer above)
 
 
 def row_axes() -> tuple[str, ...] | None:

@@ -102,9 +102,14 @@ def causal_lm_loss_fn(
             mask = jnp.asarray(batch["loss_mask"]).astype(jnp.float32)
         else:
             mask = jnp.ones(targets.shape, jnp.float32)
-        keys = _row_keys(key, tokens.shape[0])
-        call = lambda t, rows, k: model(t, key=k, **rows)
-        logits = vmap_rows(call)(tokens, _row_extras(batch), keys)
+        if getattr(model, "routes_batch", False):
+            hidden, router = model.batch_features(tokens, key=key, **_row_extras(batch))
+            logits = _head(model, hidden, key)
+        else:
+            keys = _row_keys(key, tokens.shape[0])
+            call = lambda t, rows, k: model(t, key=k, **rows)
+            logits = vmap_rows(call)(tokens, _row_extras(batch), keys)
+            router = {}
         logits = vocab_mask(logits, vocab_size)
         # Masked targets may hold anything (e.g. -100): point them at a valid id.
         targets = jnp.where(mask > 0, targets, 0)
@@ -116,9 +121,30 @@ def causal_lm_loss_fn(
             z = _weighted_mean(jnp.square(log_z), mask, count)
             loss = loss + z_loss * z
             aux["z_loss"] = z
-        return loss, aux
+        return _with_router(model, router, loss, aux)
 
     return loss_fn
+
+
+def _head(model: Any, hidden: Array, key: PRNGKeyArray | None) -> Array:
+    """A model's logits from its final hidden states (`head_weight` and
+    `logit_options`), as its `__call__` computes them."""
+    from .models.decoder import transform_logits
+
+    weight = model.head_weight(key=key)
+    logits = lax.dot_general(hidden, weight, (((hidden.ndim - 1,), (1,)), ((), ())))
+    return transform_logits(logits, **_logit_options(model))
+
+
+def _with_router(
+    model: Any, router: dict[str, Array], loss: Array, aux: Aux
+) -> tuple[Array, Aux]:
+    """The loss with a mixture-of-experts model's router penalty added and its
+    metrics (`eqtrain.models.router_terms`) in `aux`; unchanged without."""
+    if not router:
+        return loss, aux
+    penalty, metrics = model.router_terms(router)
+    return loss + penalty, {**aux, **metrics}
 
 
 def _lm_inputs(
@@ -148,13 +174,17 @@ def _batch_features(
     segs: Array | None,
     key: PRNGKeyArray | None,
     positions: Array | None = None,
-) -> Array:
-    """`model.features` per row (`jax.vmap`), keys split as `causal_lm_loss` does."""
-    keys = _row_keys(key, tokens.shape[0])
+) -> tuple[Array, dict[str, Array]]:
+    """`(model.features per row, router statistics)`: row by row (`jax.vmap`, keys
+    split as `causal_lm_loss` does, no statistics), or for a model with experts
+    (`routes_batch`) `model.batch_features` over the whole batch."""
     extras = {"segment_ids": segs, "positions": positions}
     extras = {k: v for k, v in extras.items() if v is not None}
+    if getattr(model, "routes_batch", False):
+        return model.batch_features(tokens, key=key, **extras)
+    keys = _row_keys(key, tokens.shape[0])
     call = lambda t, rows, k: model.features(t, key=k, **rows)
-    return vmap_rows(call)(tokens, extras, keys)
+    return vmap_rows(call)(tokens, extras, keys), {}
 
 
 def _logit_options(model: Any) -> dict[str, Any]:
@@ -208,7 +238,7 @@ def chunked_causal_lm_loss_fn(
     ) -> tuple[Float[Array, ""], Aux]:
         tokens, targets, mask, segs = _lm_inputs(batch)
         positions = _row_extras(batch).get("positions")
-        hidden = _batch_features(model, tokens, segs, key, positions)
+        hidden, router = _batch_features(model, tokens, segs, key, positions)
         ce = chunked_cross_entropy(
             hidden.reshape(-1, hidden.shape[-1]),
             model.head_weight(key=key),
@@ -224,7 +254,7 @@ def chunked_causal_lm_loss_fn(
         aux = {"accuracy": ce.correct / denom, "weight": count}
         if z_loss:
             aux["z_loss"] = ce.z / denom
-        return ce.total / denom, aux
+        return _with_router(model, router, ce.total / denom, aux)
 
     return loss_fn
 

@@ -114,6 +114,55 @@ class ModelConfig:
     sliding_window: int | None = setting(
         None, "Sliding-window attention span (Mistral style).", min=1
     )
+    num_experts: int = setting(
+        0,
+        "Experts of each mixture-of-experts MLP (Llama family; 0: dense MLPs). "
+        "Every layer's MLP is then sparse, as in Mixtral and Qwen-MoE.",
+        min=0,
+    )
+    experts_per_token: int = setting(
+        2, "Experts each token is routed to (top-k; with model.num_experts).", min=1
+    )
+    expert_size: int | None = setting(
+        None,
+        "Width of one expert's MLP; unset: model.intermediate_size (Mixtral).",
+        min=1,
+    )
+    shared_expert_size: int | None = setting(
+        None,
+        "Width of a shared expert every token also goes through, gated by a "
+        "sigmoid (Qwen2-MoE); unset: none.",
+        min=1,
+    )
+    norm_topk_prob: bool = setting(
+        True,
+        "Renormalise each token's top-k routing weights to sum to 1 (Mixtral: "
+        "always; Qwen-MoE: its config's).",
+    )
+    router_aux_loss_coef: float | None = setting(
+        None,
+        "Coefficient of the load-balancing loss added to the LM loss (Switch/"
+        "Mixtral form, as transformers computes it; 0: off); unset: the "
+        "checkpoint's (model.init_from), else 0.001.",
+        min=0,
+    )
+    router_z_loss_coef: float = setting(
+        0.0, "Coefficient of the router z-loss (ST-MoE; 0: off).", min=0
+    )
+    capacity_factor: float | None = setting(
+        None,
+        "Each expert takes at most capacity_factor x its even share of a batch's "
+        "assignments; the rest are dropped (counted in moe/dropped). Unset: "
+        "dropless.",
+        min=0,
+    )
+    moe_impl: str = setting(
+        "auto",
+        "How tokens reach their experts: `sorted` (grouped by expert, blocked "
+        "products), `ragged` (jax.lax.ragged_dot), `dense` (every expert on "
+        "every token: the reference); `auto`: sorted on CPU, ragged elsewhere.",
+        choices=("auto", "sorted", "ragged", "dense"),
+    )
     init_std: float = setting(0.02, "Standard deviation of the initial weights.", min=0)
     param_dtype: str = setting(
         "float32",
@@ -449,6 +498,13 @@ class MeshConfig:
         1, "Devices parameters and optimizer state are sharded over (FSDP).", min=-1
     )
     tensor: int = setting(1, "Tensor-parallel devices.", min=-1)
+    expert: int = setting(
+        1,
+        "Devices a mixture-of-experts model's experts are split over (expert "
+        "parallelism; the batch is split over them too); must divide "
+        "model.num_experts.",
+        min=1,
+    )
     sequence: int = setting(
         1,
         "Devices each row's tokens are split over (sequence parallelism; needs "

@@ -26,6 +26,11 @@ ARCH_KEYS = (
     "attention_bias",
     "mlp_bias",
     "sliding_window",
+    "num_experts",
+    "experts_per_token",
+    "expert_size",
+    "shared_expert_size",
+    "norm_topk_prob",
 )
 
 

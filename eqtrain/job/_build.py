@@ -110,7 +110,8 @@ class Job:
             if mesh is not None and self.vocab_size is None:
                 shardings = _model_shardings(mesh)
             model, _ = hf.load(m.init_from, dtype=m.param_dtype, shardings=shardings)
-            model = model.with_options(**models.runtime_options(m))
+            options = models.runtime_options(m)
+            model = model.with_options(**options, **models.moe_options(m, model.config))
         else:
             config = self.model_config
             if self.vocab_size is not None:
@@ -463,7 +464,11 @@ def _model_config(
     if m.init_from is not None:
         model_config, hf_type = hf.load_config(source, dtype=m.param_dtype)
         # the [model] runtime options, as `base_model` applies them to the weights
-        model_config = dataclasses.replace(model_config, **models.runtime_options(m))
+        model_config = dataclasses.replace(
+            model_config,
+            **models.runtime_options(m),
+            **models.moe_options(m, model_config),
+        )
         model_type = hf.infer_model_type(model_config, hf_type)
         config = dataclasses.replace(
             config, model=model_section(model_config, model_type, base=m)

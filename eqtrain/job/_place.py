@@ -119,8 +119,25 @@ def check_eval_batch(config: Any, parallel: int) -> None:
         raise ConfigError(
             f"an eval batch ({rows} rows: the smaller of data.batch_size and "
             f"data.eval_rows) must split evenly over the {parallel} devices of "
-            "mesh.data x mesh.fsdp; raise data.eval_rows to a multiple of "
+            "mesh.data x mesh.fsdp x mesh.expert; raise data.eval_rows to a "
+            "multiple of "
             f'{parallel}, or set data.eval = "none".'
+        )
+
+
+def check_experts(ways: int, model_config: Any) -> None:
+    """`mesh.expert` must split a mixture-of-experts model's experts evenly."""
+    experts = getattr(model_config, "num_experts", 0)
+    if ways > 1 and not experts:
+        raise ConfigError(
+            f"mesh.expert = {ways} splits a mixture-of-experts model's experts, and "
+            "this model has none (model.num_experts = 0); use mesh.data for data "
+            "parallelism instead."
+        )
+    if ways > 1 and experts % ways:
+        raise ConfigError(
+            f"mesh.expert = {ways} must divide the model's {experts} experts; use a "
+            f"divisor of {experts}."
         )
 
 
@@ -129,16 +146,18 @@ def placement(job: _build.Job) -> Placement:
     against the data axes and every parameter against its rule."""
     m = job.config.mesh
     sizes = {"data": m.data, "fsdp": m.fsdp, "tensor": m.tensor}
-    mesh = sharding.make_mesh(sizes | {"sequence": m.sequence})
+    mesh = sharding.make_mesh(sizes | {"sequence": m.sequence, "expert": m.expert})
     batch = job.config.data.batch_size // job.config.optim.accumulate
-    parallel = mesh.shape["data"] * mesh.shape["fsdp"]
+    parallel = sharding.batch_divisor(mesh)
     if batch % parallel:
         raise ConfigError(
             f"each micro-batch ({batch} rows: data.batch_size / optim.accumulate) "
-            f"must split evenly over the {parallel} devices of mesh.data x mesh.fsdp; "
-            "change data.batch_size, optim.accumulate or the mesh."
+            f"must split evenly over the {parallel} devices of mesh.data x "
+            "mesh.fsdp x mesh.expert; change data.batch_size, optim.accumulate or "
+            "the mesh."
         )
     check_eval_batch(job.config, parallel)
+    check_experts(m.expert, job.model_config)
     abstract = job.abstract_state()
     rules = sharding.rules_for(abstract.model, mesh)
     state_sh = sharding.state_shardings(abstract, mesh, rules, optimizer=job.optimizer)

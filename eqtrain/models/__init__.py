@@ -41,6 +41,7 @@ from ._moe import (
     Experts as Experts,
     SparseMoE as SparseMoE,
     load_balancing_loss as load_balancing_loss,
+    router_terms as router_terms,
     router_z_loss as router_z_loss,
 )
 from ._registry import (
@@ -48,6 +49,7 @@ from ._registry import (
     Family as Family,
     HFNames as HFNames,
     family as family,
+    moe_options as moe_options,
     runtime_options as runtime_options,
 )
 from ._sequence import (

@@ -1000,7 +1000,7 @@ def run_layers(
     if kinds is not None and len(kinds) != num:
         raise ConfigError(f"{len(kinds)} layer kinds for {num} layers.")
 
-    def body(h: Array, xs: Any, kind: Any = None) -> Array:
+    def body(h: Any, xs: Any, kind: Any = None) -> Any:
         params, k = xs
         layer = eqx.combine(params, static)
         if isinstance(h, tuple):  # (activations, statistics carried along)

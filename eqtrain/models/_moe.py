@@ -252,6 +252,28 @@ def router_z_loss(aux: dict[str, Array]) -> Array:
     return aux["z"] / jnp.maximum(aux["rows"], 1.0)
 
 
+def router_terms(config: Any, aux: dict[str, Array]) -> tuple[Array, dict[str, Array]]:
+    """`(penalty, metrics)` of a batch's router statistics: the penalty the LM
+    losses add (`router_aux_loss_coef * aux_loss + router_z_loss_coef *
+    z_loss`) and the metrics `moe/aux_loss`, `moe/z_loss` (unscaled),
+    `moe/dropped` (the fraction of assignments dropped by a capacity),
+    `moe/expert_load/{i}` (expert `i`'s share of the assignments times the
+    number of experts: 1 everywhere is a perfect balance) and its max and min."""
+    balance, z = load_balancing_loss(aux), router_z_loss(aux)
+    penalty = config.router_aux_loss_coef * balance + config.router_z_loss_coef * z
+    picks = jnp.maximum(jnp.sum(aux["counts"]), 1.0)
+    load = aux["counts"] * aux["counts"].shape[-1] / picks
+    metrics = {
+        "moe/aux_loss": balance,
+        "moe/z_loss": z,
+        "moe/dropped": aux["dropped"] / picks,
+        "moe/expert_load_max": jnp.max(load),
+        "moe/expert_load_min": jnp.min(load),
+    }
+    metrics.update({f"moe/expert_load/{i}": load[i] for i in range(load.shape[-1])})
+    return penalty, metrics
+
+
 # -- dispatch ----------------------------------------------------------------------
 def dispatch(
     experts: Experts,

@@ -97,6 +97,44 @@ def scan_layers(value: bool | str) -> bool:
     return bool(value)
 
 
+MOE_RUNTIME = ("moe_impl", "capacity_factor", "router_z_loss_coef")
+"""The `[model]` keys of a mixture-of-experts model's runtime options (the
+same names as `DecoderConfig`'s fields)."""
+
+
+def moe_options(m: Any, config: Any) -> dict[str, Any]:
+    """The `[model]` section's mixture-of-experts training options for a model
+    config that has experts (`{}` for one without): the runtime options and a
+    set `router_aux_loss_coef` (unset: the config's own)."""
+    if not getattr(config, "num_experts", 0):
+        check_dense(m)
+        return {}
+    out = {k: getattr(m, k) for k in MOE_RUNTIME}
+    if m.router_aux_loss_coef is not None:
+        out["router_aux_loss_coef"] = m.router_aux_loss_coef
+    return out
+
+
+_MOE_DEFAULTS = {
+    "moe_impl": "auto",
+    "capacity_factor": None,
+    "router_z_loss_coef": 0.0,
+    "router_aux_loss_coef": None,
+}
+
+
+def check_dense(m: Any) -> None:
+    """Refuse the `[model]` section's mixture-of-experts options for a model
+    without experts (they would do nothing)."""
+    for key, default in _MOE_DEFAULTS.items():
+        if getattr(m, key, default) != default:
+            raise ConfigError(
+                f"`model.{key}` applies to mixture-of-experts models only, and this "
+                "model has no experts (model.num_experts = 0, or a dense "
+                "model.init_from); remove it, or set model.num_experts."
+            )
+
+
 def runtime_options(m: Any) -> dict[str, Any]:
     """The `[model]` section's runtime options (`remat`, `remat_save`,
     `remat_offload`, `mlp_chunks`, `attention_chunk`, `scan_layers`,
@@ -128,6 +166,8 @@ def _decoder_from_section(
     architecture to the keys: with a sliding window it is Mistral's)."""
     arch = arch or m.arch
     spec = DECODER_ARCHS.get(arch)
+    if not m.num_experts:
+        check_dense(m)
     fields: dict[str, Any] = dict(
         vocab_size=vocab_size,
         hidden_size=m.hidden_size,
@@ -145,6 +185,15 @@ def _decoder_from_section(
         max_position_embeddings=max_seq_len,
         initializer_range=m.init_std,
         param_dtype=m.param_dtype,
+        num_experts=m.num_experts,
+        num_experts_per_tok=m.experts_per_token,
+        moe_intermediate_size=m.expert_size,
+        shared_expert_intermediate_size=m.shared_expert_size,
+        norm_topk_prob=m.norm_topk_prob,
+        router_aux_loss_coef=(
+            0.001 if m.router_aux_loss_coef is None else m.router_aux_loss_coef
+        ),
+        **{k: getattr(m, k) for k in MOE_RUNTIME},
         **runtime_options(m),
     )
     if spec is not None and arch != "llama":
@@ -183,6 +232,11 @@ def _decoder_to_section(c: decoder.DecoderConfig) -> dict[str, Any]:
         mlp_bias=c.mlp_bias,
         sliding_window=c.sliding_window,
         init_std=float(c.initializer_range),
+        num_experts=c.num_experts,
+        experts_per_token=c.num_experts_per_tok,
+        expert_size=c.moe_intermediate_size,
+        shared_expert_size=c.shared_expert_intermediate_size,
+        norm_topk_prob=c.norm_topk_prob,
     )
 
 
@@ -207,6 +261,7 @@ def _gpt2_from_section(
     arch: str | None = None,
 ) -> gpt2.GPT2Config:
     del given, arch  # one architecture, no defaults that depend on the section
+    check_dense(m)
     return gpt2.GPT2Config(
         vocab_size=vocab_size,
         n_positions=max_seq_len,

@@ -53,8 +53,7 @@ from ._moe import (
     SparseMoE,
     check_moe_options,
     empty_aux,
-    load_balancing_loss,
-    router_z_loss,
+    router_terms,
 )
 from ._rope import Rope, apply_rope, rope_cos_sin
 from ._sequence import attend
@@ -321,7 +320,9 @@ class DecoderConfig(RuntimeFields):
 
 
 LlamaConfig = DecoderConfig
-MOE_OPTIONS = frozenset({"moe_impl", "capacity_factor", "router_z_loss_coef"})
+MOE_OPTIONS = frozenset(
+    {"moe_impl", "capacity_factor", "router_z_loss_coef", "router_aux_loss_coef"}
+)
 """`DecoderConfig` fields that `Decoder.with_options` may change besides
 `RUNTIME_OPTIONS`."""
 
@@ -837,15 +838,12 @@ class Decoder(eqx.Module):
         experts) rather than `features` row by row."""
         return bool(self.config.num_experts)
 
-    def router_losses(self, aux: dict[str, Array]) -> dict[str, Array]:
-        """The router's auxiliary losses from `batch_features`' statistics:
-        `{"moe/aux_loss", "moe/z_loss"}` (unscaled), `{}` without experts."""
+    def router_terms(self, aux: dict[str, Array]) -> tuple[Array, dict[str, Array]]:
+        """`(penalty, metrics)` of `batch_features`' router statistics (see
+        `eqtrain.models.router_terms`); `(0, {})` without experts."""
         if not aux:
-            return {}
-        return {
-            "moe/aux_loss": load_balancing_loss(aux),
-            "moe/z_loss": router_z_loss(aux),
-        }
+            return jnp.zeros((), jnp.float32), {}
+        return router_terms(self.config, aux)
 
     def head_weight(
         self, *, key: PRNGKeyArray | None = None
@@ -865,7 +863,8 @@ class Decoder(eqx.Module):
         """The same parameters with other runtime options (`remat`, `remat_save`,
         `remat_offload`, `mlp_chunks`, `attention_chunk`, `scan_layers`,
         `attention_impl`, `sequence_parallel`, `sequence_layout`; with experts
-        also `moe_impl`, `capacity_factor`, `router_z_loss_coef`), e.g.
+        also `moe_impl`, `capacity_factor`, `router_z_loss_coef`,
+        `router_aux_loss_coef`), e.g.
         `model.with_options(remat="full")`."""
         return with_config_options(self, RUNTIME_OPTIONS | MOE_OPTIONS, **changes)
 
@@ -917,11 +916,20 @@ def flops_per_token(config: DecoderConfig, seq_len: int) -> float:
     each costing 2 FLOPs per token forward and 4 backward. The attention term
     counts `q @ k.T` and `probs @ v` over `T_l = min(seq_len, window_l)` keys of
     each layer, without halving for causality, as MFU is usually reported.
+
+    A mixture-of-experts MLP counts its active weights only: the router, the
+    `num_experts_per_tok` experts a token goes through and the shared expert
+    (so MFU stays honest for sparse models).
     """
     d, f = config.hidden_size, config.intermediate_size
     q = config.num_attention_heads * config.head_size
     kv = config.kv_heads * config.head_size
     mlp = 2 * d * f if config.mlp == "plain" else 3 * d * f
+    if config.num_experts:
+        mlp = d * config.num_experts
+        mlp += 3 * d * config.expert_size * config.num_experts_per_tok
+        if config.shared_expert_intermediate_size is not None:
+            mlp += 3 * d * config.shared_expert_intermediate_size + d
     per_layer = d * q + 2 * d * kv + q * d + mlp
     n = config.num_hidden_layers * per_layer + config.vocab_size * d
     spans = 0
@@ -941,7 +949,10 @@ def tensor_parallel_rules() -> list[tuple[str, PartitionSpec]]:
     after attention and one after the MLP. Phi-3's fused `qkv_proj` and
     `gate_up_proj` are split over `fsdp` only (a `tensor` split would cut across
     q/k/v and gate/up). The embedding and the head split the vocab. Every other
-    leaf under `layers` (norms, q/k norms) is only marked as stacked.
+    leaf under `layers` (norms, q/k norms) is only marked as stacked. A
+    mixture-of-experts layer's experts (`[layers, experts, ...]`) split their
+    expert axis over `expert` (the FSDP pass may split another dimension);
+    Qwen2-MoE's shared expert splits as the MLP does; the router is replicated.
 
     `fsdp` marks where FSDP goes when it applies (see `eqtrain.sharding.Rules`):
     the other dimension of each matrix, and for the embedding and the head the
@@ -963,6 +974,9 @@ def tensor_parallel_rules() -> list[tuple[str, PartitionSpec]]:
         (layer + r"mlp\.c_fc\.weight$", col),
         (layer + r"mlp\.c_fc\.bias$", PartitionSpec("layers", "tensor")),
         (layer + r"mlp\.c_proj\.weight$", row),
+        (layer + r"mlp\.shared_expert\.(gate|up)_proj\.weight$", col),
+        (layer + r"mlp\.shared_expert\.down_proj\.weight$", row),
+        (layer + r"mlp\.experts\.", PartitionSpec("layers", "expert")),
         (
             layer + r"(self_attn\.qkv_proj|mlp\.gate_up_proj)\.weight$",
             PartitionSpec("layers", None, "fsdp"),

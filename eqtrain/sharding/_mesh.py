@@ -1,8 +1,8 @@
-"""Named device meshes with eqtrain's four axes, and how batches lie on them.
+"""Named device meshes with eqtrain's five axes, and how batches lie on them.
 
-Every mesh has the axes `data`, `fsdp`, `sequence` and `tensor` (unused ones have
-size 1), so any `PartitionSpec` may name any of them; all are `AxisType.Auto`, so
-XLA propagates shardings through the step on its own.
+Every mesh has the axes `data`, `fsdp`, `expert`, `sequence` and `tensor` (unused
+ones have size 1), so any `PartitionSpec` may name any of them; all are
+`AxisType.Auto`, so XLA propagates shardings through the step on its own.
 """
 
 import math
@@ -16,12 +16,13 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 from .._errors import ConfigError
 
 
-AXES = ("data", "fsdp", "sequence", "tensor")
+AXES = ("data", "fsdp", "expert", "sequence", "tensor")
 """Mesh axis names, outermost first. `tensor` is innermost: its collectives run
 inside every layer, so its devices should be the closest together (consecutive
-devices are neighbours on a host)."""
+devices are neighbours on a host). `expert` splits a mixture-of-experts model's
+experts (and, like `data`, the batch)."""
 
-BATCH_AXES = ("data", "fsdp")
+BATCH_AXES = ("data", "fsdp", "expert")
 """The mesh axes a batch's leading dimension is split over."""
 
 
@@ -84,7 +85,8 @@ def make_mesh(
     *,
     devices: Sequence[Any] | None = None,
 ) -> Mesh:
-    """A device mesh with the named axes `data`, `fsdp`, `sequence`, `tensor`.
+    """A device mesh with the named axes `data`, `fsdp`, `expert`, `sequence`,
+    `tensor`.
 
     Args:
         axes: size of each axis, e.g. `{"data": -1, "tensor": 2}`. Missing axes
@@ -94,7 +96,7 @@ def make_mesh(
         devices: the devices to lay out (default: `jax.devices()`).
 
     Returns:
-        A `jax.sharding.Mesh` with all four axes, of type `AxisType.Auto` (XLA
+        A `jax.sharding.Mesh` with all five axes, of type `AxisType.Auto` (XLA
         propagates shardings automatically inside `jit`).
 
     Raises:
@@ -103,7 +105,7 @@ def make_mesh(
     Example:
         >>> mesh = make_mesh({"data": -1})
         >>> mesh.axis_names
-        ('data', 'fsdp', 'sequence', 'tensor')
+        ('data', 'fsdp', 'expert', 'sequence', 'tensor')
     """
     devices = list(jax.devices() if devices is None else devices)
     sizes = _sizes({"data": -1} if axes is None else axes, len(devices))
@@ -129,7 +131,8 @@ def _batch_axes(mesh: Mesh) -> tuple[str, ...]:
 
 
 def batch_sharding(mesh: Mesh, *, sequence: bool = False) -> NamedSharding:
-    """The sharding of `[batch, ...]` arrays: the batch over `data` and `fsdp`.
+    """The sharding of `[batch, ...]` arrays: the batch over `data`, `fsdp` and
+    `expert`.
 
     Args:
         mesh: from `make_mesh`.
@@ -138,8 +141,8 @@ def batch_sharding(mesh: Mesh, *, sequence: bool = False) -> NamedSharding:
             the loader a dict of shardings if some entries are `[batch]`.
 
     Returns:
-        `NamedSharding(mesh, P(("data", "fsdp")))`, or
-        `P(("data", "fsdp"), "sequence")` with `sequence=True`.
+        `NamedSharding(mesh, P(("data", "fsdp", "expert")))`, or
+        `P(("data", "fsdp", "expert"), "sequence")` with `sequence=True`.
     """
     if sequence:
         if "sequence" not in mesh.shape:
@@ -152,7 +155,8 @@ def batch_sharding(mesh: Mesh, *, sequence: bool = False) -> NamedSharding:
 
 
 def batch_divisor(mesh: Mesh) -> int:
-    """How many ways a batch is split: the product of the `data` and `fsdp` sizes."""
+    """How many ways a batch is split: the product of the `data`, `fsdp` and
+    `expert` sizes."""
     return math.prod(int(mesh.shape[name]) for name in _batch_axes(mesh))
 
 
@@ -180,9 +184,9 @@ def check_batch(
         )
         raise ConfigError(
             f"the batch of {batch_size}{micro} does not split over the mesh's "
-            f"data x fsdp = {ways} devices (mesh {axis_sizes(mesh)}). Use a batch "
-            f"size that is a multiple of {ways * accumulate}, or fewer data/fsdp "
-            "devices."
+            f"data x fsdp x expert = {ways} devices (mesh {axis_sizes(mesh)}). Use "
+            f"a batch size that is a multiple of {ways * accumulate}, or fewer "
+            "data/fsdp/expert devices."
         )
     seq_ways = int(mesh.shape.get("sequence", 1))
     if seq_len is not None and seq_len % seq_ways:

@@ -202,7 +202,7 @@ def _check_fits(
             raise ConfigError(
                 f"`{path}` gets {resolved}, but the mesh has no axis {name!r} (it "
                 f"has {list(mesh.shape)}). Build the mesh with "
-                "`eqtrain.sharding.make_mesh`, which always has all four axes."
+                "`eqtrain.sharding.make_mesh`, which always has all five axes."
             )
     for dim, (entry, n) in enumerate(zip(entries, shape, strict=True)):
         ways = math.prod(sizes[name] for name in _names(entry) if name != LAYERS)
