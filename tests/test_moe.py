@@ -63,7 +63,7 @@ def qwen_like():
     return _randomised(Decoder(config, jax.random.key(0)))
 
 
-# -- dispatch -------------------------------------------------------------------------
+# -- dispatch ------------------------------------------------------------------------
 def test_blocked_matmul_equals_per_row_products():
     rng = np.random.default_rng(0)
     sizes = np.array([5, 0, 17, 3], np.int32)
@@ -87,7 +87,9 @@ def test_grouped_dispatch_equals_dense_reference_with_gradients(qwen_like, impl)
     value, grads = eqx.filter_value_and_grad(loss)(qwen_like, impl)
     ref_value, ref_grads = eqx.filter_value_and_grad(loss)(qwen_like, "dense")
     np.testing.assert_allclose(value, ref_value, rtol=1e-5)
-    for got, want in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads)):
+    for got, want in zip(
+        jax.tree.leaves(grads), jax.tree.leaves(ref_grads), strict=True
+    ):
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
     router = grads.layers.mlp.gate.weight
     assert float(jnp.abs(router).max()) > 0  # the router learns through the weights
@@ -137,7 +139,7 @@ def test_capacity_keeps_first_choices_before_second_ones():
     assert float(aux["dropped"]) == 8
 
 
-# -- routing rules and the load-balancing loss, against transformers ----------------
+# -- routing rules and the load-balancing loss, against transformers -----------------
 def _copy_from_torch(model, sd, layers):
     """An eqtrain MoE decoder with the weights of a transformers one."""
 
@@ -236,7 +238,7 @@ def test_routing_and_aux_loss_equal_transformers(family):
     np.testing.assert_allclose(load_balancing_loss(aux), float(out.aux_loss), rtol=1e-5)
 
 
-# -- the losses -------------------------------------------------------------------------
+# -- the losses ----------------------------------------------------------------------
 def test_lm_losses_add_the_router_penalty_and_report_it(qwen_like):
     tokens = _tokens(4, 13)
     batch = {"tokens": tokens[:, :-1], "targets": tokens[:, 1:]}
@@ -275,7 +277,7 @@ def test_config_refusals():
         _config(sequence_parallel="ring")
 
 
-# -- expert parallelism ----------------------------------------------------------------
+# -- expert parallelism --------------------------------------------------------------
 OPT = optax.sgd(0.05, momentum=0.9)
 
 
@@ -314,6 +316,7 @@ def test_expert_parallel_mesh_training_equals_one_device(qwen_like, impl):
     for a, b in zip(
         jax.tree.leaves(jax.device_get(state.model)),
         jax.tree.leaves(jax.device_get(ref_state.model)),
+        strict=True,
     ):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
     experts = state.model.layers.mlp.experts
