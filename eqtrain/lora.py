@@ -185,6 +185,7 @@ def apply(model: PyTree, spec: LoRA, *, key: PRNGKeyArray) -> PyTree:
             "`lora.unwrap` it first."
         )
     pattern = _compile(spec.targets, "targets")
+    _refuse_experts(model, spec, pattern)
     chosen = [(p, x) for p, x in found if pattern.search(p)]
     if not chosen:
         shown = ", ".join(p for p, _ in found[:8])
@@ -220,6 +221,25 @@ def apply(model: PyTree, spec: LoRA, *, key: PRNGKeyArray) -> PyTree:
         )
 
     return map_linears(model, wrap)
+
+
+def _refuse_experts(model: Any, spec: LoRA, pattern: re.Pattern[str]) -> None:
+    """Explicit `targets` that select a mixture-of-experts model's experts are
+    refused: their stacked `[layers, experts, out, in]` weights take no
+    adapters. (The default targets adapt the linear layers such a model has:
+    attention, the shared expert.)"""
+    if spec.targets == DEFAULT_TARGETS:
+        return
+    experts = [p for p in _leaf_paths(model) if ".experts." in f".{p}"]
+    hit = [p for p in experts if pattern.search(p)]
+    if hit:
+        raise ConfigError(
+            f"LoRA `targets` {spec.targets!r} selects the experts' weights "
+            f"({', '.join(hit[:3])}), and LoRA on a mixture-of-experts model's "
+            "experts is not supported. Target the attention projections "
+            "(`self_attn\\.(q|k|v|o)_proj$`), the router (`mlp\\.gate$`) or a "
+            "shared expert (`shared_expert\\.`) instead."
+        )
 
 
 def _leaf_paths(model: Any) -> list[str]:

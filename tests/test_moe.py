@@ -279,6 +279,7 @@ def test_config_refusals():
 
 # -- expert parallelism --------------------------------------------------------------
 OPT = optax.sgd(0.05, momentum=0.9)
+KEY = jax.random.key(0)
 
 
 def _train(model, axes=None, steps=3):
@@ -352,3 +353,41 @@ def test_with_options_keeps_the_arrays(qwen_like):
     assert dataclasses.replace(other.config, moe_impl="auto", capacity_factor=None) == (
         qwen_like.config
     )
+
+
+# -- LoRA and remat ---------------------------------------------------------------------
+def test_lora_adapts_attention_and_the_shared_expert_and_refuses_experts(qwen_like):
+    from eqtrain import lora
+
+    adapted = lora.apply(qwen_like, lora.LoRA(rank=2), key=jax.random.key(0))
+    paths = lora.adapter_paths(adapted)
+    assert any("self_attn.q_proj" in p for p in paths)
+    assert any("shared_expert.down_proj" in p for p in paths)
+    assert not any(".experts." in p for p in paths)
+    router = lora.apply(qwen_like, lora.LoRA(2, targets=r"mlp\.gate$"), key=KEY)
+    assert lora.adapter_paths(router) == ["layers.mlp.gate"]
+    with pytest.raises(ConfigError, match="experts is not supported"):
+        lora.apply(qwen_like, lora.LoRA(2, targets="experts"), key=jax.random.key(0))
+    with pytest.raises(ConfigError, match="the router"):
+        lora.apply(qwen_like, lora.LoRA(2, targets="(gate|up)_proj$"), key=KEY)
+    # the adapted model trains: the router's adapter gets gradients
+    tokens = _tokens(4, 13)
+    batch = {"tokens": tokens[:, :-1], "targets": tokens[:, 1:]}
+    router = jax.tree.map(
+        lambda x: x + 0.1 if eqx.is_array(x) and x.ndim == 4 else x, router
+    )
+    grads = eqx.filter_grad(lambda m: losses.causal_lm_loss(m, batch)[0])(router)
+    assert float(jnp.abs(grads.layers.mlp.gate.lora_b).max()) > 0
+
+
+@pytest.mark.parametrize("remat", ["full", "dots"])
+def test_remat_and_scanned_layers_equal_the_plain_model(qwen_like, remat):
+    tokens = _tokens(4, 13)
+    batch = {"tokens": tokens[:, :-1], "targets": tokens[:, 1:]}
+    grad = eqx.filter_value_and_grad(lambda m: losses.causal_lm_loss(m, batch)[0])
+    value, grads = grad(qwen_like)
+    other = qwen_like.with_options(remat=remat, scan_layers=True)
+    o_value, o_grads = grad(other)
+    np.testing.assert_allclose(o_value, value, rtol=1e-6)
+    for a, b in zip(jax.tree.leaves(o_grads), jax.tree.leaves(grads), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
