@@ -355,7 +355,7 @@ def test_with_options_keeps_the_arrays(qwen_like):
     )
 
 
-# -- LoRA and remat ---------------------------------------------------------------------
+# -- LoRA and remat ----------------------------------------------------------------
 def test_lora_adapts_attention_and_the_shared_expert_and_refuses_experts(qwen_like):
     from eqtrain import lora
 
