@@ -97,7 +97,7 @@ def report(config: Config) -> str:
     lines = [
         f"run_dir      {config.run_dir} (nothing written: dry run)",
         f"model        {job.model_type}, {num:,} parameters "
-        f"({config.model.param_dtype})",
+        f"({config.model.param_dtype}){_experts(abstract.model)}",
         *_lora_lines(job, abstract),
         *_task_lines(job),
         f"data         {_build.num_rows(rows):,} train {_unit(rows)} x "
@@ -134,6 +134,18 @@ def _options_line(job: _build.Job) -> str:
     if remat == "custom":
         remat += f" (save {m.remat_save or '-'}; offload {m.remat_offload or '-'})"
     return f"memory opts  loss {loss}; MLP {mlp}; remat {remat}"
+
+
+def _experts(model: Any) -> str:
+    """`; E experts, top-k: N active per token` for a mixture-of-experts model."""
+    c = getattr(model, "config", None)
+    if not getattr(c, "num_experts", 0):
+        return ""
+    active = models.active_params(model)
+    return (
+        f"; {c.num_experts} experts, top-{c.num_experts_per_tok}: {active:,} "
+        "active per token"
+    )
 
 
 def _grad_bytes(abstract: Any, params: list[Any]) -> int:

@@ -40,6 +40,7 @@ from ._moe import (
     MOE_IMPLS as MOE_IMPLS,
     Experts as Experts,
     SparseMoE as SparseMoE,
+    active_params as active_params,
     load_balancing_loss as load_balancing_loss,
     router_terms as router_terms,
     router_z_loss as router_z_loss,

@@ -112,7 +112,8 @@ class Experts(eqx.Module):
 
     @property
     def num(self) -> int:
-        return self.gate_proj.shape[0]
+        """The number of experts (of one layer: not under a stacked axis)."""
+        return self.gate_proj.shape[-3]
 
     def ffn(self, x: Array, matmul: Callable[[Array, Array], Array]) -> Array:
         """`down(act(gate(x)) * up(x))` with `matmul(rows, weights)` doing each
@@ -227,6 +228,19 @@ def _stats(
         "z": jnp.sum(jnp.square(jax.nn.logsumexp(logits, axis=-1)) * mask),
         "dropped": jnp.zeros((), jnp.float32) if dropped is None else dropped,
     }
+
+
+def active_params(model: Any) -> int:
+    """A model's parameters a token goes through: all of them, but of each
+    sparse MLP's experts only `top_k` (for a model without experts, all)."""
+    from ._layers import num_params
+
+    total = num_params(model)
+    layer = getattr(getattr(model, "layers", None), "mlp", None)
+    if not isinstance(layer, SparseMoE):
+        return total
+    experts = num_params(layer.experts)
+    return total - experts + experts * layer.top_k // model.config.num_experts
 
 
 def empty_aux(num_experts: int) -> dict[str, Array]:
