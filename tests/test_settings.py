@@ -81,6 +81,10 @@ SAMPLES = {
     "model.norm_eps": "1e-3",
     "model.sliding_window": "8",
     "model.sequence_parallel": "ring",
+    "model.expert_size": "16",
+    "model.shared_expert_size": "16",
+    "model.router_aux_loss_coef": "0.01",
+    "model.capacity_factor": "1.25",
     "data.max_prompt_len": "8",
     "optim.warmup_steps": "1",
     "optim.final_lr": "1e-4",
@@ -108,6 +112,8 @@ SAMPLES = {
 MORE = {
     "lora.rank": ["4"],
     "mesh.sequence": ["2"],
+    "mesh.expert": ["2"],
+    "model.num_experts": ["4"],
     "model.mlp_chunks": ["2"],
     "model.loss_chunk": ["8"],
     "model.attention_chunk": ["8"],
@@ -227,6 +233,8 @@ def companions(key, value):
         return ["log.wandb_project=eqtrain-test", "log.wandb_mode=disabled"]
     if key == "log.wandb_mode":
         return ["log.wandb_project=eqtrain-test"] if value != "online" else []
+    if key in MOE_KEYS or (key == "mesh.expert" and value != "1"):
+        return ["model.num_experts=4"]
     if key == "model.num_heads" and value == "1":
         return ["model.num_kv_heads=1"]
     if key == "model.hidden_size" and value == "1":  # heads of 2 (RoPE: even)
@@ -238,6 +246,20 @@ def companions(key, value):
     if key == "optim.accumulate" and value != "1":  # micro-batches of 8 devices
         return ["data.batch_size=16"]
     return []
+
+
+# the mixture-of-experts keys: they need experts (each alone on a dense model is
+# refused, by test_moe_keys_on_a_dense_model_are_refused)
+MOE_KEYS = {
+    "model.experts_per_token",
+    "model.expert_size",
+    "model.shared_expert_size",
+    "model.norm_topk_prob",
+    "model.router_aux_loss_coef",
+    "model.router_z_loss_coef",
+    "model.capacity_factor",
+    "model.moe_impl",
+}
 
 
 # -- refusals: (key, value) -> a fragment of the one-paragraph error -------------
@@ -514,3 +536,15 @@ def test_lora_on_an_imported_run_asks_for_init_from(root, tmp_path, monkeypatch)
     got = outcome(result, reads, train=True)
     assert "mismatched" not in got
     assert "set model.init_from to the model's Hugging Face directory" in got
+
+
+@pytest.mark.usefixtures("no_network")
+def test_moe_keys_on_a_dense_model_are_refused(root, tmp_path, monkeypatch):
+    # without model.num_experts, a router option would do nothing: refused by name
+    sets = ["model.capacity_factor=1.25"]
+    result, reads = fit(root, tmp_path / "run", sets, monkeypatch, train=False)
+    got = outcome(result, reads, train=False)
+    assert "`model.capacity_factor` applies to mixture-of-experts models" in got
+    sets = ["mesh.expert=2"]
+    result, reads = fit(root, tmp_path / "run2", sets, monkeypatch, train=False)
+    assert "mesh.expert = 2 splits" in outcome(result, reads, train=False)

@@ -154,7 +154,7 @@ class ModelConfig:
         "Each expert takes at most capacity_factor x its even share of a batch's "
         "assignments; the rest are dropped (counted in moe/dropped). Unset: "
         "dropless.",
-        min=0,
+        above=0,
     )
     moe_impl: str = setting(
         "auto",
