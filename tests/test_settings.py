@@ -235,6 +235,10 @@ def companions(key, value):
         return ["log.wandb_project=eqtrain-test"] if value != "online" else []
     if key in MOE_KEYS or (key == "mesh.expert" and value != "1"):
         return ["model.num_experts=4"]
+    if key == "model.arch" and value in ("mixtral", "qwen2_moe", "qwen3_moe"):
+        # a mixture of experts has experts (and Qwen2-MoE a shared one)
+        shared = ["model.shared_expert_size=16"] if value == "qwen2_moe" else []
+        return ["model.num_experts=4", *shared]
     if key == "model.num_heads" and value == "1":
         return ["model.num_kv_heads=1"]
     if key == "model.hidden_size" and value == "1":  # heads of 2 (RoPE: even)

@@ -107,19 +107,16 @@ def hf_tensors(
 ) -> dict[str, np.ndarray]:
     """The model's arrays under Hugging Face names and layouts (host NumPy)."""
     target = None if dtype is None else as_dtype(dtype, field="dtype")
-    num_layers = _num_layers(model.config)
     out: dict[str, np.ndarray] = {}
     for path, leaf in _maps.leaves(model):
         value = np.asarray(jax.device_get(leaf))
         if target is not None and value.dtype != target:
             value = value.astype(target)
-        names = _maps.hf_names(arch, path, num_layers)
-        if len(names) == 1 and not path.startswith(arch.layers + "."):
-            out[names[0]] = np.ascontiguousarray(value)
-            continue
-        for i, name in enumerate(names):
-            layer = value[i].T if _maps.is_conv1d(arch, path) else value[i]
-            out[name] = np.ascontiguousarray(layer)
+        conv1d = _maps.is_conv1d(arch, path)
+        # one tensor per layer (and expert) of a stacked leaf
+        for name, at in _maps.indexed_names(arch, path, value.shape):
+            part = value[(*at, ...)]
+            out[name] = np.ascontiguousarray(part.T if conv1d else part)
     return out
 
 

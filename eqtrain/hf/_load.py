@@ -19,7 +19,7 @@ import numpy as np
 from jax.sharding import Sharding
 
 from .._errors import StructureError
-from ..models import as_dtype, family
+from ..models import as_dtype
 from . import _maps, _safetensors
 from ._errors import HFFileNotFoundError, HFFormatError
 from ._export import INDEX_NAME, SAFE_NAME
@@ -287,23 +287,29 @@ def _stored_dtype(entries: dict[str, _Entry], hf_config: dict[str, Any]) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class _Leaf:
-    """One parameter of the model and the stored tensors it is made of (one per
-    layer when the layers are stacked; GPT-2's Conv1D weights stored transposed)."""
+    """One parameter of the model and the stored tensors it is made of: one per
+    index over its leading `stack` axes (`()`: one tensor; `(layers,)` when the
+    layers are stacked; `(layers, experts)` for experts' weights), row-major;
+    GPT-2's Conv1D weights stored transposed."""
 
     entries: tuple[_Entry, ...]
-    stacked: bool
+    stack: tuple[int, ...]
     conv1d: bool
     shape: tuple[int, ...]
     dtype: Any
 
     def block(self, index: _safetensors.Index) -> np.ndarray:
-        """The values at `index` (slices over the parameter), read from the files."""
+        """The values at `index` (slices over the parameter), read from the files:
+        each stored tensor the block covers once, and only its part."""
         out = np.empty(_block_shape(self.shape, index), self.dtype)
-        if self.stacked:
-            for j, entry in enumerate(self.entries[index[0]]):
-                self._read_into(entry, index[1:], out[j])
-        else:
-            self._read_into(self.entries[0], index, out)
+        k = len(self.stack)
+        outer = [
+            range(*s.indices(n)) for s, n in zip(index[:k], self.stack, strict=True)
+        ]
+        for at in np.ndindex(*map(len, outer)):
+            which = tuple(r[j] for r, j in zip(outer, at, strict=True))
+            flat = int(np.ravel_multi_index(which, self.stack)) if k else 0
+            self._read_into(self.entries[flat], index[k:], out[(*at, ...)])
         return out
 
     def _read_into(
@@ -340,17 +346,16 @@ def _plan(
     """The template's leaves with a `_Leaf` for each parameter, after checking
     every name and shape (from the headers alone)."""
     entries = _normalise_names(dict(entries), arch, config)
-    num_layers = family(config).num_layers(config)
     out, used, missing, wrong = [], set(), [], []
     for key_path, struct in jtu.tree_flatten_with_path(template)[0]:
         if not _maps.is_struct(struct):
             out.append(struct)
             continue
         leaf_path = jtu.keystr(key_path, simple=True, separator=".")
-        names = _maps.hf_names(arch, leaf_path, num_layers)
-        stacked = leaf_path.startswith(arch.layers + ".")
+        stack = _maps.stack_shape(arch, leaf_path, struct.shape)
+        names = [n for n, _ in _maps.indexed_names(arch, leaf_path, struct.shape)]
         conv1d = _maps.is_conv1d(arch, leaf_path)
-        shape = tuple(struct.shape[1:] if stacked else struct.shape)
+        shape = tuple(struct.shape[len(stack) :])
         shape = shape[::-1] if conv1d else shape
         for name in names:
             if name not in entries:
@@ -361,7 +366,7 @@ def _plan(
                 file_shape = list(entries[name].shape)
                 wrong.append(f"{name}: file {file_shape}, model {list(shape)}")
         parts = tuple(entries[n] for n in names if n in entries)
-        out.append(_Leaf(parts, stacked, conv1d, tuple(struct.shape), struct.dtype))
+        out.append(_Leaf(parts, stack, conv1d, tuple(struct.shape), struct.dtype))
     unexpected = sorted(set(entries) - used)
     _report(path, config, missing, unexpected, wrong)
     return out

@@ -234,14 +234,52 @@ def leaves(model: Any) -> Iterator[tuple[str, Any]]:
             yield jtu.keystr(path, simple=True, separator="."), leaf
 
 
-def hf_names(arch: Arch, path: str, num_layers: int) -> list[str]:
-    """The Hugging Face tensor names of one eqtrain leaf (one per layer if stacked)."""
+EXPERT = "{expert}"  # in a renamed layer tensor: one tensor per expert
+
+
+def _layer_name(arch: Arch, rest: str) -> str:
+    """A layer leaf's name in Hugging Face's files (`HFNames.renames`)."""
+    return dict(arch.renames).get(rest, rest)
+
+
+def stack_shape(arch: Arch, path: str, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The leading axes of a leaf of `shape` that index its Hugging Face tensors:
+    `()` (one tensor), `(layers,)` (one per layer) or `(layers, experts)` (one
+    per layer and expert)."""
+    head, _, rest = path.partition(".")
+    if head != arch.layers:
+        return ()
+    return tuple(shape[: 2 if EXPERT in _layer_name(arch, rest) else 1])
+
+
+def hf_names(
+    arch: Arch, path: str, num_layers: int, num_experts: int | None = None
+) -> list[str]:
+    """The Hugging Face tensor names of one eqtrain leaf: one per layer if
+    stacked; for a per-expert leaf (`HFNames.renames`), one per layer and expert
+    in row-major order (layer 0's experts first), which needs `num_experts`."""
     head, _, rest = path.partition(".")
     if head == arch.layers:
-        return [f"{arch.prefix}{head}.{i}.{rest}" for i in range(num_layers)]
+        name = _layer_name(arch, rest)
+        names = [f"{arch.prefix}{head}.{i}.{name}" for i in range(num_layers)]
+        if EXPERT not in name:
+            return names
+        if num_experts is None:
+            raise ValueError(f"`{path}` is one tensor per expert: pass num_experts")
+        return [n.replace(EXPERT, str(e)) for n in names for e in range(num_experts)]
     if head == "lm_head":
         return [path]
     return [arch.prefix + path]
+
+
+def indexed_names(
+    arch: Arch, path: str, shape: tuple[int, ...]
+) -> list[tuple[str, tuple[int, ...]]]:
+    """`(Hugging Face name, index)` of each tensor of a leaf of `shape`: the index
+    over its `stack_shape` axes (`()` for an unstacked leaf), row-major."""
+    stack = stack_shape(arch, path, shape)
+    names = hf_names(arch, path, *stack) if stack else hf_names(arch, path, 0)
+    return list(zip(names, np.ndindex(*stack), strict=True))
 
 
 def is_conv1d(arch: Arch, path: str) -> bool:

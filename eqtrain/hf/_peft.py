@@ -132,7 +132,7 @@ def export_adapter(
                 tensors[f"{PREFIX}{name}.lora_{which}.weight"] = np.ascontiguousarray(
                     part
                 )
-    modules = _trained_modules(model, trained, arch, num_layers)
+    modules = _trained_modules(model, trained, arch)
     if modules:
         whole = hf_tensors(lora.unwrap(model), arch, None)
         for name, value in whole.items():
@@ -167,9 +167,7 @@ def export_adapter(
     return out_dir
 
 
-def _trained_modules(
-    model: Any, trained: Any, arch: _maps.Arch, num_layers: int
-) -> set[str]:
+def _trained_modules(model: Any, trained: Any, arch: _maps.Arch) -> set[str]:
     """The HF module names holding trained leaves other than the adapters."""
     if trained is None:
         return set()
@@ -181,7 +179,7 @@ def _trained_modules(
             "structure does not match the model's."
         )
     out: set[str] = set()
-    for (keys, _), flag in zip(flat, flat_mask, strict=True):
+    for (keys, leaf), flag in zip(flat, flat_mask, strict=True):
         path = jtu.keystr(keys, simple=True, separator=".")
         if not flag or lora.is_adapter_path(path):
             continue
@@ -191,7 +189,7 @@ def _trained_modules(
                 "trained base weight of an adapted layer. Leave it frozen, or "
                 "export the merged model instead."
             )
-        for name in _maps.hf_names(arch, path, num_layers):
+        for name, _ in _maps.indexed_names(arch, path, np.shape(leaf)):
             out.add(name.rsplit(".", 1)[0])
     return out
 
@@ -394,27 +392,25 @@ def load_adapter(
         )
 
     adapted = lora.map_linears(adapted, fill)
-    return _with_saved_modules(adapted, saved, arch, num_layers, path)
+    return _with_saved_modules(adapted, saved, arch, path)
 
 
 def _with_saved_modules(
     model: Any,
     saved: dict[str, np.ndarray],
     arch: _maps.Arch,
-    num_layers: int,
     path: str,
 ) -> Any:
     """`model` with the weights of PEFT's `modules_to_save` (HF names) put in."""
     if not saved:
         return model
     file = os.path.join(path, ADAPTER_WEIGHTS)
-    targets: dict[str, tuple[str, int | None]] = {}
-    for p, _ in _maps.leaves(lora.unwrap(model)):
-        names = _maps.hf_names(arch, p, num_layers)
-        stacked = p.startswith(arch.layers + ".")
-        for i, name in enumerate(names):
-            targets[name] = (p, i if stacked else None)
-    updates: dict[str, dict[int | None, np.ndarray]] = {}
+    # HF name -> (eqtrain path, index over the stacked axes, None: unstacked)
+    targets: dict[str, tuple[str, tuple[int, ...] | None]] = {}
+    for p, leaf in _maps.leaves(lora.unwrap(model)):
+        for name, at in _maps.indexed_names(arch, p, leaf.shape):
+            targets[name] = (p, at or None)
+    updates: dict[str, dict[tuple[int, ...] | None, np.ndarray]] = {}
     for name, value in saved.items():
         if name not in targets:
             raise HFFormatError(
@@ -432,7 +428,7 @@ def _with_saved_modules(
             return leaf
         out = np.array(leaf, np.float32)
         for index, value in updates[p].items():
-            want = out.shape if index is None else out.shape[1:]
+            want = out.shape if index is None else out.shape[len(index) :]
             if tuple(value.shape) != tuple(want):
                 raise HFFormatError(
                     f"the saved module weight for `{p}` in {file} has shape "

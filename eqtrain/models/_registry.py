@@ -31,6 +31,12 @@ class HFNames:
     stores `[out, in]`. `embedding` is the input embedding's path (a tied head's
     duplicate in a file is recognised by it); `unprefixed`: files without the
     prefix are accepted too (OpenAI's original GPT-2 upload).
+
+    `renames` are the layers' leaves named otherwise there, as `(X, name)`
+    pairs: `layers.X[i]` is `{prefix}{layers}.{i}.{name}`. An `{expert}` in
+    `name` makes the leaf one tensor per layer and expert (its axes `[layers,
+    experts, ...]`; `mlp.experts.gate_proj` is
+    `mlp.experts.{expert}.gate_proj.weight` in Qwen-MoE's files).
     """
 
     model_type: str
@@ -40,6 +46,7 @@ class HFNames:
     conv1d: tuple[str, ...] = ()
     embedding: str = "embed_tokens.weight"
     unprefixed: bool = False
+    renames: tuple[tuple[str, str], ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -298,7 +305,7 @@ FAMILIES: dict[str, Family] = {
         model=decoder.Decoder,
         config=decoder.DecoderConfig,
         hf={
-            t: HFNames(t, a.architecture, "model.", "layers")
+            t: HFNames(t, a.architecture, "model.", "layers", renames=a.renames)
             for t, a in DECODER_ARCHS.items()
         },
         from_section=_decoder_from_section,

@@ -14,7 +14,7 @@ from typing import Any
 from ..._errors import ConfigError
 from .._layers import RUNTIME_OPTIONS
 from .._rope import Rope, rope_from_hf
-from ..decoder import DecoderConfig
+from ..decoder import MOE_OPTIONS, DecoderConfig
 
 
 class HFConfigError(ConfigError):
@@ -22,13 +22,15 @@ class HFConfigError(ConfigError):
     its `HFFormatError`)."""
 
 
-# Fields any architecture can hold: sizes, rotary embeddings, runtime options.
+# Fields any architecture can hold: sizes, rotary embeddings, runtime options
+# (the sparse MLPs' too: a dense model ignores them).
 COMMON_FREE = frozenset(
     {"vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers"}
     | {"num_attention_heads", "num_key_value_heads", "head_dim", "rms_norm_eps"}
     | {"rope_theta", "rope", "tie_word_embeddings", "max_position_embeddings"}
     | {"initializer_range", "param_dtype", "model_type", "hidden_act"}
     | RUNTIME_OPTIONS
+    | MOE_OPTIONS
 )
 _DEFAULTS = {f.name: f.default for f in dataclasses.fields(DecoderConfig)}
 
@@ -85,7 +87,13 @@ class Arch:
         rope_aliases: rope types its config class renames (Phi-3 reads the
             legacy `su` and `yarn` as `longrope`).
         defaults: transformers' defaults of common keys where they are not
-            Llama's (`tie_word_embeddings`, `head_dim`, `rms_norm_eps`).
+            Llama's (`tie_word_embeddings`, `head_dim`, `rms_norm_eps`,
+            `max_position_embeddings`).
+        renames: the layers' tensors whose Hugging Face names differ from
+            eqtrain's paths, as `(path under the layers, Hugging Face name)`
+            pairs (Mixtral's `mlp.gate.weight` is `block_sparse_moe.gate.weight`);
+            `{expert}` in a name marks a tensor per expert (the leaf's axis
+            after the layers'). See `eqtrain.models.HFNames`.
     """
 
     model_type: str
@@ -100,6 +108,7 @@ class Arch:
     original_default: int | None = None
     defaults: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     rope_aliases: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    renames: tuple[tuple[str, str], ...] = ()
 
     def fixed(self, config: DecoderConfig) -> dict[str, Any]:
         """The switches' values for (the sizes of) `config`."""
@@ -186,7 +195,9 @@ def read_common(r: Reader, arch: Arch) -> dict[str, Any]:
         tie_word_embeddings=bool(
             r.get("tie_word_embeddings", default("tie_word_embeddings", False))
         ),
-        max_position_embeddings=int(r.get("max_position_embeddings", 2048)),
+        max_position_embeddings=int(
+            r.get("max_position_embeddings", default("max_position_embeddings", 2048))
+        ),
         initializer_range=float(r.get("initializer_range", 0.02)),
         model_type=arch.model_type,
     )
@@ -229,10 +240,13 @@ def read_rope(
     original = None
     if arch.original_default is not None:
         original = int(r.get("original_max_position_embeddings", arch.original_default))
+    longest = r.get(
+        "max_position_embeddings", arch.defaults.get("max_position_embeddings", 2048)
+    )
     rope = rope_from_hf(
         params,
         head_dim=head_dim,
-        max_position_embeddings=int(r.get("max_position_embeddings", 2048)),
+        max_position_embeddings=int(longest),
         partial_rotary_factor=partial,
         original_max_position_embeddings=original,
         where=r.path,
