@@ -391,3 +391,65 @@ def test_remat_and_scanned_layers_equal_the_plain_model(qwen_like, remat):
     np.testing.assert_allclose(o_value, value, rtol=1e-6)
     for a, b in zip(jax.tree.leaves(o_grads), jax.tree.leaves(grads), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+# -- a whole run -----------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def text_dirs(tmp_path_factory):
+    from tests.test_job import TEXT
+
+    root = tmp_path_factory.mktemp("text")
+    (root / "train").mkdir()
+    (root / "eval").mkdir()
+    for i in range(3):
+        (root / "train" / f"{i}.txt").write_text(TEXT * (i + 1))
+    (root / "eval" / "0.txt").write_text(TEXT[::-1])
+    return root
+
+
+def _fit(text_dirs, run, *extra):
+    from eqtrain import config as config_lib, job
+    from tests.test_job import tiny
+
+    sets = [
+        *tiny(text_dirs, run.parent),
+        f"run_dir={run}",
+        "model.num_experts=4",
+        "model.expert_size=16",
+        "model.num_layers=2",
+        "model.router_aux_loss_coef=0.01",
+        "mesh.expert=2",
+        *extra,
+    ]
+    return job.run(config_lib.load(overrides=sets), echo=lambda s: None)
+
+
+def _final(run):
+    from eqtrain import hf
+
+    model, _ = hf.load(run / "hf")
+    return model
+
+
+def test_a_run_on_the_expert_axis_resumes_exactly_and_exports_mixtral(
+    text_dirs, tmp_path
+):
+    import json
+
+    _fit(text_dirs, tmp_path / "straight")
+    _fit(text_dirs, tmp_path / "resumed", "loop.steps=2")
+    _fit(text_dirs, tmp_path / "resumed")  # resume=auto: steps 3 and 4
+    for a, b in zip(
+        jax.tree.leaves(_final(tmp_path / "straight")),
+        jax.tree.leaves(_final(tmp_path / "resumed")),
+        strict=True,
+    ):
+        np.testing.assert_array_equal(a, b)
+    lines = (tmp_path / "straight" / "metrics.jsonl").read_text().splitlines()
+    last = json.loads(lines[-1])
+    assert last["step"] == 4
+    logged = [json.loads(x) for x in lines if '"moe/aux_loss"' in x]
+    assert logged and all(m["moe/aux_loss"] >= 1.0 for m in logged)
+    config = json.loads((tmp_path / "straight" / "hf" / "config.json").read_text())
+    assert config["model_type"] == "mixtral" and config["num_local_experts"] == 4
+    assert config["intermediate_size"] == 16

@@ -443,12 +443,20 @@ def info(
     typer.echo(_format_info(data))
 
 
+def _experts(model: dict[str, Any]) -> str:
+    """`, 8 experts (top-2)` for a mixture-of-experts `[model]` section."""
+    if not model.get("num_experts"):
+        return ""
+    return f", {model['num_experts']} experts (top-{model['experts_per_token']})"
+
+
 def _format_info(data: dict[str, Any]) -> str:
     model = data["config"]["model"]
     lines = [
         f"run:          {data['run_dir']}",
         f"model:        {model['arch']} ({model['num_layers']} layers, hidden "
-        f"{model['hidden_size']}, vocab {model['vocab_size'] or 'tokenizer'})",
+        f"{model['hidden_size']}, vocab {model['vocab_size'] or 'tokenizer'}"
+        f"{_experts(model)})",
         f"trained:      {data['steps_trained']} / {data['target_steps']} steps",
     ]
     adapters = data["config"].get("lora") or {}

@@ -203,6 +203,9 @@ def _decoder_from_section(
         **{k: getattr(m, k) for k in MOE_RUNTIME},
         **runtime_options(m),
     )
+    if m.num_experts and arch in ("llama", "mixtral") and m.expert_size is not None:
+        # Every MLP is sparse, so the experts' width is Mixtral's intermediate_size.
+        fields.update(intermediate_size=m.expert_size, moe_intermediate_size=None)
     if spec is not None and arch != "llama":
         # the architecture's switches, unless the section set that key itself
         section_keys = {_SECTION_KEYS.get(k, k) for k in given}
