@@ -1,6 +1,8 @@
 """The `eqtrain` command, run as a real subprocess: every command, resume after
 an interruption, the dry run, and every class of bad input (exit 2, one
-paragraph, no traceback)."""
+paragraph, no traceback). (Where one test runs many commands, the ones after
+its first `fit` run in-process, `inproc`: each subprocess costs an interpreter
+and JAX's start.)"""
 
 import json
 import os
@@ -32,6 +34,27 @@ def cli(*args, cwd=None, timeout=240, check_rc=None):
         cwd=cwd,
         env={**os.environ, "COLUMNS": "200"},
     )
+    if check_rc is not None:
+        assert done.returncode == check_rc, done.stdout + done.stderr
+    return done
+
+
+class _Done:
+    """`subprocess.CompletedProcess`'s face on a typer `Result`."""
+
+    def __init__(self, result):
+        self.returncode = result.exit_code
+        self.stdout = result.stdout
+        self.stderr = result.stderr
+
+
+def inproc(*args, check_rc=None):
+    """`cli(*args)` in this process (typer's `CliRunner`)."""
+    from typer.testing import CliRunner
+
+    from eqtrain.cli import app
+
+    done = _Done(CliRunner().invoke(app, list(map(str, args))))
     if check_rc is not None:
         assert done.returncode == check_rc, done.stdout + done.stderr
     return done
@@ -121,30 +144,30 @@ def test_fit_eval_info_export_import_plot(tiny_config, tmp_path):
     assert eqtrain.checkpoint.list_steps(run_dir) == [3, 6]
     last = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[-1])
 
-    evaluated = json.loads(cli("eval", run_dir, check_rc=0).stdout)
+    evaluated = json.loads(inproc("eval", run_dir, check_rc=0).stdout)
     assert evaluated["step"] == 6
     assert evaluated["eval/loss"] == pytest.approx(last["eval/loss"], rel=1e-6)
-    at3 = json.loads(cli("eval", run_dir / "checkpoints" / "3", check_rc=0).stdout)
+    at3 = json.loads(inproc("eval", run_dir / "checkpoints" / "3", check_rc=0).stdout)
     assert at3["step"] == 3
 
-    info = cli("info", run_dir, check_rc=0).stdout
+    info = inproc("info", run_dir, check_rc=0).stdout
     assert "6 / 6 steps" in info and "step        3" in info
-    data = json.loads(cli("info", run_dir, "--json", check_rc=0).stdout)
+    data = json.loads(inproc("info", run_dir, "--json", check_rc=0).stdout)
     assert [c["step"] for c in data["checkpoints"]] == [3, 6]
 
     out = tmp_path / "exported"
-    cli("export", run_dir, out, "--dtype", "bfloat16", check_rc=0)
+    inproc("export", run_dir, out, "--dtype", "bfloat16", check_rc=0)
     model, _ = eqtrain.hf.load(out)
     assert str(model.embed_tokens.weight.dtype) == "bfloat16"
-    again = cli("export", run_dir, out)
+    again = inproc("export", run_dir, out)
     assert_clean_error(again, "already exists")
 
     # HF -> a new run -> HF again is bit-exact (f32).
     imported = tmp_path / "imported"
-    cli("import", run_dir / "hf", imported, check_rc=0)
+    inproc("import", run_dir / "hf", imported, check_rc=0)
     assert eqtrain.checkpoint.list_steps(imported) == [0]
     back = tmp_path / "back"
-    cli("export", imported, back, check_rc=0)
+    inproc("export", imported, back, check_rc=0)
     original, _ = eqtrain.hf.load(run_dir / "hf")
     roundtrip, _ = eqtrain.hf.load(back)
     for a, b in zip(
@@ -154,7 +177,7 @@ def test_fit_eval_info_export_import_plot(tiny_config, tmp_path):
     ):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     # ... and the imported run fine-tunes from its step-0 checkpoint.
-    cli(
+    inproc(
         "fit",
         imported / "config.toml",
         "--set",
@@ -167,7 +190,7 @@ def test_fit_eval_info_export_import_plot(tiny_config, tmp_path):
     )
     assert eqtrain.checkpoint.list_steps(imported)[-1] == 2
 
-    plotted = cli("plot", run_dir, "-o", tmp_path / "p.png", check_rc=0)
+    plotted = inproc("plot", run_dir, "-o", tmp_path / "p.png", check_rc=0)
     assert "p.png" in plotted.stdout
     assert (tmp_path / "p.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 

@@ -332,6 +332,21 @@ ELSEWHERE = {
     "model.sequence_parallel": "test_sequence.py: test_sequence_keys_reach_the_run",
     "model.sequence_layout": "test_sequence.py: test_sequence_keys_reach_the_run",
     "model.adapter_from": "test_lora_job.py: test_adapter_from_continues_a_peft...",
+    **{
+        f"model.{name}": "test_moe.py: test_moe_keys_reach_the_run"
+        for name in (
+            "num_experts",
+            "experts_per_token",
+            "expert_size",
+            "shared_expert_size",
+            "norm_topk_prob",
+            "router_aux_loss_coef",
+            "router_z_loss_coef",
+            "capacity_factor",
+            "moe_impl",
+        )
+    },
+    "mesh.expert": "test_moe.py: test_moe_keys_reach_the_run",
     "lora.rank": "test_lora_job.py: test_lora_keys_reach_the_run",
     "lora.alpha": "test_lora_job.py: test_lora_keys_reach_the_run",
     "lora.dropout": "test_lora_job.py: test_lora_keys_reach_the_run",

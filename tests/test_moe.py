@@ -453,3 +453,36 @@ def test_a_run_on_the_expert_axis_resumes_exactly_and_exports_mixtral(
     config = json.loads((tmp_path / "straight" / "hf" / "config.json").read_text())
     assert config["model_type"] == "mixtral" and config["num_local_experts"] == 4
     assert config["intermediate_size"] == 16
+
+
+def test_moe_keys_reach_the_run(text_dirs, tmp_path):
+    from eqtrain import config as config_lib, job
+    from tests.test_job import tiny
+
+    sets = [
+        *tiny(text_dirs, tmp_path),
+        "model.arch=qwen2_moe",
+        "model.num_experts=4",
+        "model.experts_per_token=3",
+        "model.expert_size=8",
+        "model.shared_expert_size=12",
+        "model.norm_topk_prob=false",
+        "model.router_aux_loss_coef=0.05",
+        "model.router_z_loss_coef=0.001",
+        "model.capacity_factor=1.5",
+        "model.moe_impl=dense",
+        "mesh.expert=2",
+    ]
+    p = job.prepare(config_lib.load(overrides=sets))
+    p.close()
+    p.fit_kwargs["checkpointer"].close()
+    model = p.state.model
+    c = model.config
+    assert (c.num_experts, c.num_experts_per_tok, c.norm_topk_prob) == (4, 3, False)
+    assert (c.router_aux_loss_coef, c.router_z_loss_coef) == (0.05, 0.001)
+    assert (c.capacity_factor, c.moe_impl) == (1.5, "dense")
+    assert model.layers.mlp.experts.gate_proj.shape[1:3] == (4, 8)
+    assert model.layers.mlp.shared_expert.up_proj.weight.shape[1] == 12
+    assert dict(p.placement.mesh.shape)["expert"] == 2
+    spec = model.layers.mlp.experts.down_proj.sharding.spec
+    assert tuple(spec)[:2] == (None, "expert")

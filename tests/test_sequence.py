@@ -299,7 +299,7 @@ def test_sequence_keys_reach_the_run(text_dir, tmp_path):
     p.close()
     p.fit_kwargs["checkpointer"].close()
     assert p.placement.mesh.shape["sequence"] == 4
-    assert p.placement.batch_sharding.spec == P(("data", "fsdp"), "sequence")
+    assert p.placement.batch_sharding.spec == P(("data", "fsdp", "expert"), "sequence")
     config = p.state.model.config
     assert (config.sequence_parallel, config.sequence_layout) == ("ring", "zigzag")
     batch = next(iter(p.loader))

@@ -233,6 +233,10 @@ def companions(key, value):
         return ["log.wandb_project=eqtrain-test", "log.wandb_mode=disabled"]
     if key == "log.wandb_mode":
         return ["log.wandb_project=eqtrain-test"] if value != "online" else []
+    if key == "model.shared_expert_size" and value != "none":
+        return ["model.arch=qwen2_moe", "model.num_experts=4"]
+    if key == "model.norm_topk_prob" and value == "false":  # not Mixtral's rule
+        return ["model.arch=qwen3_moe", "model.num_experts=4"]
     if key in MOE_KEYS or (key == "mesh.expert" and value != "1"):
         return ["model.num_experts=4"]
     if key == "model.arch" and value in ("mixtral", "qwen2_moe", "qwen3_moe"):

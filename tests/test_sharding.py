@@ -121,7 +121,13 @@ def assert_placed(state, state_sh):
 # -- meshes ------------------------------------------------------------------------
 def test_make_mesh_axes_and_sizes():
     mesh = sharding.make_mesh({"data": -1, "tensor": 2})
-    assert dict(mesh.shape) == {"data": 4, "fsdp": 1, "sequence": 1, "tensor": 2}
+    assert dict(mesh.shape) == {
+        "data": 4,
+        "fsdp": 1,
+        "expert": 1,
+        "sequence": 1,
+        "tensor": 2,
+    }
     assert mesh.axis_names == sharding.AXES
     assert all(t == AxisType.Auto for t in mesh.axis_types)
     assert dict(sharding.make_mesh().shape)["data"] == 8
@@ -161,12 +167,14 @@ def test_mesh_advice_fits_the_axes_given():
 
 def test_batch_sharding_and_check():
     mesh = sharding.make_mesh({"data": 2, "fsdp": 2, "sequence": 2})
-    assert sharding.batch_sharding(mesh).spec == P(("data", "fsdp"))
+    assert sharding.batch_sharding(mesh).spec == P(("data", "fsdp", "expert"))
     assert sharding.batch_sharding(mesh, sequence=True).spec == P(
-        ("data", "fsdp"), "sequence"
+        ("data", "fsdp", "expert"), "sequence"
     )
     sharding.check_batch(8, mesh, seq_len=16)
-    with pytest.raises(ConfigError, match=r"batch of 6 .* data x fsdp = 4 devices"):
+    with pytest.raises(
+        ConfigError, match=r"batch of 6 .* data x fsdp x expert = 4 devices"
+    ):
         sharding.check_batch(6, mesh)
     with pytest.raises(ConfigError, match="in 4 micro-batches of 2 does not split"):
         sharding.check_batch(8, mesh, accumulate=4)
@@ -423,7 +431,7 @@ def test_sequence_axis_matches_single_device():
     reference, _ = trajectory(None)
     losses, state = trajectory((2, 2, 1, 2))
     np.testing.assert_allclose(losses, reference, rtol=0, atol=1e-5)
-    assert setup((2, 2, 1, 2))[2].spec == P(("data", "fsdp"), "sequence")
+    assert setup((2, 2, 1, 2))[2].spec == P(("data", "fsdp", "expert"), "sequence")
 
 
 @pytest.mark.slow  # default-suite time (docs/testing.md)

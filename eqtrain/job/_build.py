@@ -491,6 +491,13 @@ def _model_config(
             model_config, None if m.arch == family.name else m.arch
         )
     except ConfigError as e:
+        if m.arch == family.name and "cannot express" in str(e):
+            what = str(e).split(" has ", 1)[-1].split(", which")[0]
+            raise ConfigError(
+                f"no Hugging Face architecture expresses this [model] section (it "
+                f"has {what}); set model.arch to the architecture you mean (the "
+                "model types of docs/models.md, 'Decoder families')."
+            ) from None
         raise ConfigError(f"the [model] section is inconsistent: {e}") from None
     return config, model_config, model_type
 
