@@ -534,3 +534,54 @@ def test_sharded_load_splits_the_experts(saved):
         assert flat[name].sharding.spec == specs.get(name, P()), name
     experts = flat["layers.mlp.experts.gate_proj"]
     assert {s.data.shape for s in experts.addressable_shards} == {(1, 1, 16, 32)}
+
+
+# -- a run from a Hugging Face mixture of experts --------------------------------------
+@pytest.mark.slow  # ~10 s: an `eqtrain fit` process
+def test_fit_from_hf_exports_what_transformers_loads(tmp_path):
+    """`model.init_from` a Qwen2-MoE directory, 3 steps, the export at the end:
+    transformers loads it strictly with eqtrain's logits, the architecture keys
+    as they were, and the router's metrics are logged."""
+    from .test_families_training import TEXT, _cli
+
+    base = tmp_path / "base"
+    with _quiet():
+        hf_model("qwen2_moe", vocab_size=384).save_pretrained(base)
+    (tmp_path / "text").mkdir()
+    (tmp_path / "text" / "a.txt").write_text(TEXT)
+    config = tmp_path / "fit.toml"
+    config.write_text(
+        f"""
+run_dir = "{tmp_path / "run"}"
+[model]
+init_from = "{base}"
+[data]
+train = "{tmp_path / "text"}"
+eval = "none"
+tokenizer = "byte"
+seq_len = 32
+batch_size = 8
+[optim]
+warmup_steps = 0
+[loop]
+steps = 3
+eval_every = 0
+[log]
+progress = "none"
+"""
+    )
+    assert "HF export" in _cli("fit", config)
+    export = tmp_path / "run" / "hf"
+    written = json.loads((export / "config.json").read_text())
+    original = json.loads((base / "config.json").read_text())
+    for key in ("num_experts", "moe_intermediate_size", "norm_topk_prob"):
+        assert written[key] == original[key], key
+    for key in ("shared_expert_intermediate_size", "qkv_bias", "layer_types"):
+        assert written[key] == original[key], key
+    tokens = _tokens(LONG, vocab=384)
+    trained, _ = hf.load(export)
+    assert _rel_err(_ours(trained, tokens), _theirs(str(export), tokens)) <= 1e-4
+    start, _ = hf.load(base)
+    assert np.max(np.abs(_ours(start, tokens) - _ours(trained, tokens))) > 1e-3
+    metrics = (tmp_path / "run" / "metrics.jsonl").read_text()
+    assert '"moe/aux_loss"' in metrics
