@@ -30,10 +30,11 @@ import jax.tree_util as jtu  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 
-from eqtrain import hf  # noqa: E402
+from eqtrain import hf, sharding  # noqa: E402
 from eqtrain._errors import ConfigError  # noqa: E402
 from eqtrain.hf import _maps  # noqa: E402
 from eqtrain.models import Decoder, archs  # noqa: E402
+from eqtrain.models.archs.moe import EXPERT_PROJS  # noqa: E402
 from eqtrain.models.decoder import DecoderConfig  # noqa: E402
 
 from . import _hf_families as F  # noqa: E402
@@ -458,6 +459,36 @@ def test_a_model_type_that_cannot_express_it_is_refused(changes, model_type, fie
     assert field in str(error.value)
 
 
+@pytest.mark.parametrize(
+    "changes",
+    [
+        dict(),
+        dict(sliding_window=8, num_experts_per_tok=3, router_aux_loss_coef=0.0),
+        dict(
+            shared_expert_intermediate_size=24, attention_bias=True, o_proj_bias=False
+        ),
+        dict(shared_expert_intermediate_size=24, norm_topk_prob=False),
+        dict(
+            shared_expert_intermediate_size=24,
+            sliding_window=8,
+            layer_types=("sliding_attention", "full_attention"),
+        ),
+        dict(qk_norm="head", moe_intermediate_size=16, attention_bias=True),
+        dict(qk_norm="head", sliding_window=8),  # experts as wide as the MLP
+    ],
+)
+def test_config_json_round_trip(changes):
+    """config.json written for a config reads back as that config."""
+    config = _moe_config(**changes)
+    model_type = hf.infer_model_type(config, None)
+    written = _maps.hf_config(config, model_type, "float32", None, None)
+    assert written["model_type"] == model_type
+    assert _maps.eqtrain_config(written, "config.json", "float32") == (
+        model_type,
+        config,
+    )
+
+
 def test_dense_configs_never_export_as_experts():
     dense = dataclasses.replace(_moe_config(), num_experts=0)
     assert hf.infer_model_type(dense, None) == "llama"
@@ -534,6 +565,27 @@ def test_sharded_load_splits_the_experts(saved):
         assert flat[name].sharding.spec == specs.get(name, P()), name
     experts = flat["layers.mlp.experts.gate_proj"]
     assert {s.data.shape for s in experts.addressable_shards} == {(1, 1, 16, 32)}
+
+
+def test_load_onto_an_expert_mesh_by_the_rules(saved):
+    """eqtrain's own rules on a mesh with an `expert` axis (expert parallelism):
+    every device holds its experts, read from their files."""
+    mesh = sharding.make_mesh({"expert": 4, "fsdp": 2})
+    path = saved("qwen2_moe")
+    whole, _ = hf.load(path)
+    split, _ = hf.load(
+        path,
+        shardings=lambda m: sharding.state_shardings(
+            m, mesh, sharding.rules_for(m, mesh)
+        ),
+    )
+    flat = dict(_maps.leaves(split))
+    for name, leaf in _maps.leaves(whole):
+        np.testing.assert_array_equal(np.asarray(flat[name]), np.asarray(leaf))
+    for proj in EXPERT_PROJS:
+        experts = flat[f"layers.mlp.experts.{proj}"]
+        assert experts.sharding.spec[:2] == (None, "expert")
+        assert {s.data.shape[1] for s in experts.addressable_shards} == {1}
 
 
 # -- a run from a Hugging Face mixture of experts --------------------------------------

@@ -47,10 +47,11 @@ def load(
     `phi3`, `olmo2`, `granite`, `starcoder2`, `mixtral`, `qwen2_moe`, `qwen3_moe`;
     rope types `default`, `linear`, `dynamic`, `yarn`, `longrope`, `llama3`) and
     `gpt2`, a single `model.safetensors` or shards with
-    `model.safetensors.index.json`, stored in float32, bfloat16 or float16. What the model cannot reproduce exactly is
-    refused by name (another model type or rope type, multimodal RoPE, Gemma's
-    bidirectional attention, ...; docs/hf.md). Pickle checkpoints
-    (`pytorch_model.bin`) are refused: reading them runs arbitrary code.
+    `model.safetensors.index.json`, stored in float32, bfloat16 or float16. What
+    the model cannot reproduce exactly is refused by name (another model type or
+    rope type, multimodal RoPE, Gemma's bidirectional attention, ...;
+    docs/hf.md). Pickle checkpoints (`pytorch_model.bin`) are refused: reading
+    them runs arbitrary code.
 
     Nothing is read before every tensor's name and shape has been checked against
     the model (from the files' headers). Then each parameter is read lazily and
