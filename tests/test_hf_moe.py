@@ -30,10 +30,11 @@ import jax.tree_util as jtu  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 
-from eqtrain import hf  # noqa: E402
+from eqtrain import hf, sharding  # noqa: E402
 from eqtrain._errors import ConfigError  # noqa: E402
 from eqtrain.hf import _maps  # noqa: E402
 from eqtrain.models import Decoder, archs  # noqa: E402
+from eqtrain.models.archs.moe import EXPERT_PROJS  # noqa: E402
 from eqtrain.models.decoder import DecoderConfig  # noqa: E402
 
 from . import _hf_families as F  # noqa: E402
@@ -458,6 +459,36 @@ def test_a_model_type_that_cannot_express_it_is_refused(changes, model_type, fie
     assert field in str(error.value)
 
 
+@pytest.mark.parametrize(
+    "changes",
+    [
+        dict(),
+        dict(sliding_window=8, num_experts_per_tok=3, router_aux_loss_coef=0.0),
+        dict(
+            shared_expert_intermediate_size=24, attention_bias=True, o_proj_bias=False
+        ),
+        dict(shared_expert_intermediate_size=24, norm_topk_prob=False),
+        dict(
+            shared_expert_intermediate_size=24,
+            sliding_window=8,
+            layer_types=("sliding_attention", "full_attention"),
+        ),
+        dict(qk_norm="head", moe_intermediate_size=16, attention_bias=True),
+        dict(qk_norm="head", sliding_window=8),  # experts as wide as the MLP
+    ],
+)
+def test_config_json_round_trip(changes):
+    """config.json written for a config reads back as that config."""
+    config = _moe_config(**changes)
+    model_type = hf.infer_model_type(config, None)
+    written = _maps.hf_config(config, model_type, "float32", None, None)
+    assert written["model_type"] == model_type
+    assert _maps.eqtrain_config(written, "config.json", "float32") == (
+        model_type,
+        config,
+    )
+
+
 def test_dense_configs_never_export_as_experts():
     dense = dataclasses.replace(_moe_config(), num_experts=0)
     assert hf.infer_model_type(dense, None) == "llama"
@@ -534,3 +565,75 @@ def test_sharded_load_splits_the_experts(saved):
         assert flat[name].sharding.spec == specs.get(name, P()), name
     experts = flat["layers.mlp.experts.gate_proj"]
     assert {s.data.shape for s in experts.addressable_shards} == {(1, 1, 16, 32)}
+
+
+def test_load_onto_an_expert_mesh_by_the_rules(saved):
+    """eqtrain's own rules on a mesh with an `expert` axis (expert parallelism):
+    every device holds its experts, read from their files."""
+    mesh = sharding.make_mesh({"expert": 4, "fsdp": 2})
+    path = saved("qwen2_moe")
+    whole, _ = hf.load(path)
+    split, _ = hf.load(
+        path,
+        shardings=lambda m: sharding.state_shardings(
+            m, mesh, sharding.rules_for(m, mesh)
+        ),
+    )
+    flat = dict(_maps.leaves(split))
+    for name, leaf in _maps.leaves(whole):
+        np.testing.assert_array_equal(np.asarray(flat[name]), np.asarray(leaf))
+    for proj in EXPERT_PROJS:
+        experts = flat[f"layers.mlp.experts.{proj}"]
+        assert experts.sharding.spec[:2] == (None, "expert")
+        assert {s.data.shape[1] for s in experts.addressable_shards} == {1}
+
+
+# -- a run from a Hugging Face mixture of experts --------------------------------------
+@pytest.mark.slow  # ~10 s: an `eqtrain fit` process
+def test_fit_from_hf_exports_what_transformers_loads(tmp_path):
+    """`model.init_from` a Qwen2-MoE directory, 3 steps, the export at the end:
+    transformers loads it strictly with eqtrain's logits, the architecture keys
+    as they were, and the router's metrics are logged."""
+    from .test_families_training import TEXT, _cli
+
+    base = tmp_path / "base"
+    with _quiet():
+        hf_model("qwen2_moe", vocab_size=384).save_pretrained(base)
+    (tmp_path / "text").mkdir()
+    (tmp_path / "text" / "a.txt").write_text(TEXT)
+    config = tmp_path / "fit.toml"
+    config.write_text(
+        f"""
+run_dir = "{tmp_path / "run"}"
+[model]
+init_from = "{base}"
+[data]
+train = "{tmp_path / "text"}"
+eval = "none"
+tokenizer = "byte"
+seq_len = 32
+batch_size = 8
+[optim]
+warmup_steps = 0
+[loop]
+steps = 3
+eval_every = 0
+[log]
+progress = "none"
+"""
+    )
+    assert "HF export" in _cli("fit", config)
+    export = tmp_path / "run" / "hf"
+    written = json.loads((export / "config.json").read_text())
+    original = json.loads((base / "config.json").read_text())
+    for key in ("num_experts", "moe_intermediate_size", "norm_topk_prob"):
+        assert written[key] == original[key], key
+    for key in ("shared_expert_intermediate_size", "qkv_bias", "layer_types"):
+        assert written[key] == original[key], key
+    tokens = _tokens(LONG, vocab=384)
+    trained, _ = hf.load(export)
+    assert _rel_err(_ours(trained, tokens), _theirs(str(export), tokens)) <= 1e-4
+    start, _ = hf.load(base)
+    assert np.max(np.abs(_ours(start, tokens) - _ours(trained, tokens))) > 1e-3
+    metrics = (tmp_path / "run" / "metrics.jsonl").read_text()
+    assert '"moe/aux_loss"' in metrics

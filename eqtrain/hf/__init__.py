@@ -3,7 +3,8 @@
 generation_config.json, tokenizer files); `load` reads such a directory back
 (safetensors only, strictly). Architectures: the decoder families of
 `eqtrain.models.archs` (`llama`, `mistral`, `qwen2`, `qwen3`, `smollm3`, `gemma`,
-`gemma2`, `gemma3_text`, `phi3`, `olmo2`, `granite`, `starcoder2`) and `gpt2`.
+`gemma2`, `gemma3_text`, `phi3`, `olmo2`, `granite`, `starcoder2`, and the mixtures
+of experts `mixtral`, `qwen2_moe`, `qwen3_moe`) and `gpt2`.
 LoRA adapters go both ways in PEFT's format: `export_adapter`, `load_adapter`.
 """
 

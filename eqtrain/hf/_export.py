@@ -57,8 +57,9 @@ def export(
         model_type: a `model_type` of `eqtrain.models.archs.ARCHS` (`"llama"`,
             `"mistral"`, `"qwen2"`, `"qwen3"`, `"smollm3"`, `"gemma"`,
             `"gemma2"`, `"gemma3_text"`, `"phi3"`, `"olmo2"`, `"granite"`,
-            `"starcoder2"`) or `"gpt2"`; `None` infers it: a `GPT2Config` is
-            `gpt2`; a `DecoderConfig` exports as its own `model_type` when set,
+            `"starcoder2"`, `"mixtral"`, `"qwen2_moe"`, `"qwen3_moe"`) or
+            `"gpt2"`; `None` infers it: a `GPT2Config` is `gpt2`; a
+            `DecoderConfig` exports as its own `model_type` when set,
             else as the first architecture of that list (`ARCHS`' order) that
             expresses it (the defaults: `llama`; with a `sliding_window`:
             `mistral`; q/k/v biases without an o_proj bias: `qwen2`). A type that

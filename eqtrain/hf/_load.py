@@ -44,18 +44,20 @@ def load(
 
     Supports the decoder `model_type`s of `eqtrain.models.archs.ARCHS` (`llama`,
     `mistral`, `qwen2`, `qwen3`, `smollm3`, `gemma`, `gemma2`, `gemma3_text`,
-    `phi3`, `olmo2`, `granite`, `starcoder2`; rope types `default`, `linear`,
-    `dynamic`, `yarn`, `longrope`, `llama3`) and `gpt2`, a single
-    `model.safetensors` or shards with `model.safetensors.index.json`, stored in
-    float32, bfloat16 or float16. What the model cannot reproduce exactly is
-    refused by name (another model type or rope type, multimodal RoPE, Gemma's
-    bidirectional attention, ...; docs/hf.md). Pickle checkpoints
-    (`pytorch_model.bin`) are refused: reading them runs arbitrary code.
+    `phi3`, `olmo2`, `granite`, `starcoder2`, `mixtral`, `qwen2_moe`, `qwen3_moe`;
+    rope types `default`, `linear`, `dynamic`, `yarn`, `longrope`, `llama3`) and
+    `gpt2`, a single `model.safetensors` or shards with
+    `model.safetensors.index.json`, stored in float32, bfloat16 or float16. What
+    the model cannot reproduce exactly is refused by name (another model type or
+    rope type, multimodal RoPE, Gemma's bidirectional attention, ...;
+    docs/hf.md). Pickle checkpoints (`pytorch_model.bin`) are refused: reading
+    them runs arbitrary code.
 
     Nothing is read before every tensor's name and shape has been checked against
     the model (from the files' headers). Then each parameter is read lazily and
-    placed before the next: a stacked layer parameter from its per-layer tensors,
-    and with `shardings` only the block each local device holds. Host memory
+    placed before the next: a stacked layer parameter from its per-layer tensors
+    (experts' weights from their per-layer-and-expert ones), and with `shardings`
+    only the block each local device holds. Host memory
     beyond the placed model stays about one parameter (one device's block of it
     with `shardings`), not the checkpoint.
 

@@ -64,11 +64,15 @@ def _all_sparse(r: Reader) -> None:
     )
 
 
-def _qwen_moe(r: Reader, experts: int, top_k: int, ff: int) -> dict[str, Any]:
+def _qwen_moe(
+    r: Reader, common: dict[str, Any], experts: int, top_k: int, ff: int
+) -> dict[str, Any]:
     _all_sparse(r)
+    width = int(r.get("moe_intermediate_size", ff))
     return dict(
         **_routing(r, experts, top_k),
-        moe_intermediate_size=int(r.get("moe_intermediate_size", ff)),
+        # as wide as `intermediate_size`: None, as a config without it says
+        moe_intermediate_size=None if width == common["intermediate_size"] else width,
         norm_topk_prob=bool(r.get("norm_topk_prob", False)),
     )
 
@@ -123,7 +127,7 @@ def _read_qwen2_moe(r: Reader, common: dict[str, Any]) -> dict[str, Any]:
     # transformers 5's default windows: the even layers below max_window_layers
     first = int(r.get("max_window_layers", 28))
     return dict(
-        **_qwen_moe(r, int(r.get("num_experts", 60)), 4, 1408),
+        **_qwen_moe(r, common, int(r.get("num_experts", 60)), 4, 1408),
         shared_expert_intermediate_size=int(
             r.get("shared_expert_intermediate_size", 5632)
         ),
@@ -160,7 +164,7 @@ def _read_qwen3_moe(r: Reader, common: dict[str, Any]) -> dict[str, Any]:
     window = r.get("sliding_window") if r.get("use_sliding_window", False) else None
     experts = _num_experts(r, "num_local_experts", "num_experts", 128)
     return dict(
-        **_qwen_moe(r, experts, 8, 768),
+        **_qwen_moe(r, common, experts, 8, 768),
         attention_bias=bool(r.get("attention_bias", False)),
         sliding_window=None if window is None else int(window),
     )
