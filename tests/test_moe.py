@@ -39,14 +39,19 @@ def _config(**changes):
 
 
 def _randomised(model, std=0.3, seed=1):
-    """Every parameter drawn anew (routing far from uniform)."""
+    """Every parameter drawn anew (routing far from uniform; NumPy's generator:
+    one eager JAX op per shape would compile each)."""
+    rng = np.random.default_rng(seed)
     leaves, tree = jax.tree.flatten(model, is_leaf=eqx.is_array)
-    keys = jax.random.split(jax.random.key(seed), len(leaves))
     new = [
-        jax.random.normal(k, x.shape, x.dtype) * std if eqx.is_array(x) else x
-        for k, x in zip(keys, leaves, strict=True)
+        jnp.asarray(rng.normal(0, std, x.shape), x.dtype) if eqx.is_array(x) else x
+        for x in leaves
     ]
     return jax.tree.unflatten(tree, new)
+
+
+FEATURES = eqx.filter_jit(lambda m, t, **kw: m.batch_features(t, **kw))
+"""`model.batch_features`, compiled once per model (eager, each op compiles)."""
 
 
 def _tokens(rows=4, seq=12, vocab=64, seed=0):
@@ -84,8 +89,9 @@ def test_grouped_dispatch_equals_dense_reference_with_gradients(qwen_like, impl)
         hidden, aux = model.with_options(moe_impl=which).batch_features(tokens)
         return jnp.mean(hidden**2) + load_balancing_loss(aux)
 
-    value, grads = eqx.filter_value_and_grad(loss)(qwen_like, impl)
-    ref_value, ref_grads = eqx.filter_value_and_grad(loss)(qwen_like, "dense")
+    both = eqx.filter_jit(eqx.filter_value_and_grad(loss))
+    value, grads = both(qwen_like, impl)
+    ref_value, ref_grads = both(qwen_like, "dense")
     np.testing.assert_allclose(value, ref_value, rtol=1e-5)
     for got, want in zip(
         jax.tree.leaves(grads), jax.tree.leaves(ref_grads), strict=True
@@ -98,8 +104,8 @@ def test_grouped_dispatch_equals_dense_reference_with_gradients(qwen_like, impl)
 def test_rows_routed_alone_equal_the_batch(qwen_like):
     """Dropless routing is per token: a row's logits do not depend on the batch."""
     tokens = _tokens()
-    hidden, aux = qwen_like.batch_features(tokens)
-    alone = jax.vmap(qwen_like.features)(tokens)
+    hidden, aux = eqx.filter_jit(lambda m, t: m.batch_features(t))(qwen_like, tokens)
+    alone = eqx.filter_jit(lambda m, t: jax.vmap(m.features)(t))(qwen_like, tokens)
     np.testing.assert_allclose(alone, hidden, rtol=1e-5, atol=1e-6)
     assert float(aux["rows"]) == 2 * tokens.size  # two sparse layers
     assert float(aux["counts"].sum()) == 2 * 2 * tokens.size  # top-2
@@ -108,18 +114,18 @@ def test_rows_routed_alone_equal_the_batch(qwen_like):
 def test_padding_does_not_count_in_the_router_statistics(qwen_like):
     tokens = _tokens()
     segs = jnp.ones_like(tokens).at[:, -4:].set(0)
-    _, aux = qwen_like.batch_features(tokens, segment_ids=segs)
+    _, aux = FEATURES(qwen_like, tokens, segment_ids=segs)
     assert float(aux["rows"]) == 2 * 4 * 8
 
 
 def test_capacity_drops_the_assignments_past_it(qwen_like):
     tokens = _tokens()
     plenty = qwen_like.with_options(capacity_factor=100.0)
-    hidden, aux = plenty.batch_features(tokens)
-    np.testing.assert_allclose(hidden, qwen_like.batch_features(tokens)[0], atol=1e-5)
+    hidden, aux = FEATURES(plenty, tokens)
+    np.testing.assert_allclose(hidden, FEATURES(qwen_like, tokens)[0], atol=1e-5)
     assert float(aux["dropped"]) == 0
     tight = qwen_like.with_options(capacity_factor=0.5)
-    hidden, aux = tight.batch_features(tokens)
+    hidden, aux = FEATURES(tight, tokens)
     # per layer and expert at most ceil(0.5 * 48 * 2 / 4) = 12 of the 96 kept
     kept = 2 * 96 - float(aux["dropped"])
     assert 0 < kept <= 2 * 4 * 12
@@ -134,7 +140,8 @@ def test_capacity_keeps_first_choices_before_second_ones():
     gate = jnp.zeros((4, 32)).at[0, 0].set(4.0).at[1, 0].set(2.0)
     layer = eqx.tree_at(lambda m: m.gate.weight, layer, gate)
     x = jnp.zeros((8, 32)).at[:, 0].set(1.0)
-    _, aux = layer(x, options=MoEOptions(capacity_factor=1.0))  # capacity 4
+    call = eqx.filter_jit(lambda m, x: m(x, options=MoEOptions(capacity_factor=1.0)))
+    _, aux = call(layer, x)  # capacity 4
     # 8 first choices for a capacity of 4: 4 dropped; 8 second ones: 4 dropped.
     assert float(aux["dropped"]) == 8
 
@@ -232,7 +239,7 @@ def test_routing_and_aux_loss_equal_transformers(family):
     tokens = np.asarray(_tokens(3, 12))
     with torch.no_grad():
         out = reference(torch.tensor(tokens), output_router_logits=True)
-    hidden, aux = model.batch_features(jnp.asarray(tokens))
+    hidden, aux = FEATURES(model, jnp.asarray(tokens))
     logits = hidden @ model.head_weight().T
     np.testing.assert_allclose(logits, out.logits.numpy(), atol=1e-4, rtol=1e-4)
     np.testing.assert_allclose(load_balancing_loss(aux), float(out.aux_loss), rtol=1e-5)
@@ -243,9 +250,10 @@ def test_lm_losses_add_the_router_penalty_and_report_it(qwen_like):
     tokens = _tokens(4, 13)
     batch = {"tokens": tokens[:, :-1], "targets": tokens[:, 1:]}
     model = qwen_like.with_options(router_aux_loss_coef=0.5, router_z_loss_coef=0.01)
-    loss, aux = losses.causal_lm_loss(model, batch)
+    lm_loss = eqx.filter_jit(losses.causal_lm_loss)
+    loss, aux = lm_loss(model, batch)
     off = model.with_options(router_aux_loss_coef=0.0, router_z_loss_coef=0.0)
-    base, _ = losses.causal_lm_loss(off, batch)
+    base, _ = lm_loss(off, batch)
     want = base + 0.5 * aux["moe/aux_loss"] + 0.01 * aux["moe/z_loss"]
     np.testing.assert_allclose(loss, want, rtol=1e-6)
     assert float(aux["moe/aux_loss"]) >= 1.0  # E * sum f P >= 1, equality if even
@@ -308,7 +316,9 @@ def _train(model, axes=None, steps=3):
     return np.asarray(jax.device_get(out)), state
 
 
-@pytest.mark.parametrize("impl", ["sorted", "ragged"])
+@pytest.mark.parametrize(
+    "impl", ["sorted", pytest.param("ragged", marks=pytest.mark.slow)]
+)
 def test_expert_parallel_mesh_training_equals_one_device(qwen_like, impl):
     model = qwen_like.with_options(moe_impl=impl)
     reference, ref_state = _train(model)
@@ -376,15 +386,21 @@ def test_lora_adapts_attention_and_the_shared_expert_and_refuses_experts(qwen_li
     router = jax.tree.map(
         lambda x: x + 0.1 if eqx.is_array(x) and x.ndim == 4 else x, router
     )
-    grads = eqx.filter_grad(lambda m: losses.causal_lm_loss(m, batch)[0])(router)
+    grads = eqx.filter_jit(
+        eqx.filter_grad(lambda m: losses.causal_lm_loss(m, batch)[0])
+    )(router)
     assert float(jnp.abs(grads.layers.mlp.gate.lora_b).max()) > 0
 
 
-@pytest.mark.parametrize("remat", ["full", "dots"])
+@pytest.mark.parametrize(
+    "remat", ["full", pytest.param("dots", marks=pytest.mark.slow)]
+)
 def test_remat_and_scanned_layers_equal_the_plain_model(qwen_like, remat):
     tokens = _tokens(4, 13)
     batch = {"tokens": tokens[:, :-1], "targets": tokens[:, 1:]}
-    grad = eqx.filter_value_and_grad(lambda m: losses.causal_lm_loss(m, batch)[0])
+    grad = eqx.filter_jit(
+        eqx.filter_value_and_grad(lambda m: losses.causal_lm_loss(m, batch)[0])
+    )
     value, grads = grad(qwen_like)
     other = qwen_like.with_options(remat=remat, scan_layers=True)
     o_value, o_grads = grad(other)
@@ -431,26 +447,36 @@ def _final(run):
     return model
 
 
-def test_a_run_on_the_expert_axis_resumes_exactly_and_exports_mixtral(
-    text_dirs, tmp_path
-):
-    import json
+@pytest.fixture(scope="module")
+def straight_run(text_dirs, tmp_path_factory):
+    run = tmp_path_factory.mktemp("moe") / "straight"
+    _fit(text_dirs, run)
+    return run
 
-    _fit(text_dirs, tmp_path / "straight")
+
+@pytest.mark.slow  # the default suite's time: the resume machinery is the dense one
+def test_a_run_on_the_expert_axis_resumes_bit_for_bit(
+    text_dirs, straight_run, tmp_path
+):
     _fit(text_dirs, tmp_path / "resumed", "loop.steps=2")
     _fit(text_dirs, tmp_path / "resumed")  # resume=auto: steps 3 and 4
     for a, b in zip(
-        jax.tree.leaves(_final(tmp_path / "straight")),
+        jax.tree.leaves(_final(straight_run)),
         jax.tree.leaves(_final(tmp_path / "resumed")),
         strict=True,
     ):
         np.testing.assert_array_equal(a, b)
-    lines = (tmp_path / "straight" / "metrics.jsonl").read_text().splitlines()
+
+
+def test_a_run_on_the_expert_axis_logs_the_router_and_exports_mixtral(straight_run):
+    import json
+
+    lines = (straight_run / "metrics.jsonl").read_text().splitlines()
     last = json.loads(lines[-1])
     assert last["step"] == 4
     logged = [json.loads(x) for x in lines if '"moe/aux_loss"' in x]
     assert logged and all(m["moe/aux_loss"] >= 1.0 for m in logged)
-    config = json.loads((tmp_path / "straight" / "hf" / "config.json").read_text())
+    config = json.loads((straight_run / "hf" / "config.json").read_text())
     assert config["model_type"] == "mixtral" and config["num_local_experts"] == 4
     assert config["intermediate_size"] == 16
 
