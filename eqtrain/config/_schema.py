@@ -160,7 +160,7 @@ class ModelConfig:
         "auto",
         "How tokens reach their experts: `sorted` (grouped by expert, blocked "
         "products), `ragged` (jax.lax.ragged_dot), `dense` (every expert on "
-        "every token: the reference); `auto`: sorted on CPU, ragged elsewhere.",
+        "every token: the reference); `auto`: ragged on TPU, else sorted.",
         choices=("auto", "sorted", "ragged", "dense"),
     )
     init_std: float = setting(0.02, "Standard deviation of the initial weights.", min=0)
