@@ -590,15 +590,18 @@ def test_load_onto_an_expert_mesh_by_the_rules(saved):
 
 # -- a run from a Hugging Face mixture of experts --------------------------------------
 @pytest.mark.slow  # ~10 s: an `eqtrain fit` process
-def test_fit_from_hf_exports_what_transformers_loads(tmp_path):
-    """`model.init_from` a Qwen2-MoE directory, 3 steps, the export at the end:
-    transformers loads it strictly with eqtrain's logits, the architecture keys
-    as they were, and the router's metrics are logged."""
+@pytest.mark.parametrize("model_type", MODEL_TYPES)
+def test_fit_from_hf_exports_what_transformers_loads(model_type, tmp_path):
+    """`model.init_from` each family's directory, 3 steps (Mixtral's on
+    mesh.expert = 2 of 8 devices), the export at the end: transformers loads it
+    strictly with eqtrain's logits, the architecture keys as they were, and the
+    router's metrics are logged."""
     from .test_families_training import TEXT, _cli
 
     base = tmp_path / "base"
     with _quiet():
-        hf_model("qwen2_moe", vocab_size=384).save_pretrained(base)
+        hf_model(model_type, vocab_size=384).save_pretrained(base)
+    mesh = "[mesh]\nexpert = 2\n" if model_type == "mixtral" else ""
     (tmp_path / "text").mkdir()
     (tmp_path / "text" / "a.txt").write_text(TEXT)
     config = tmp_path / "fit.toml"
@@ -621,14 +624,25 @@ eval_every = 0
 [log]
 progress = "none"
 """
+        + mesh
     )
-    assert "HF export" in _cli("fit", config)
+    assert "HF export" in _cli("fit", config, devices=8 if mesh else 1)
     export = tmp_path / "run" / "hf"
     written = json.loads((export / "config.json").read_text())
     original = json.loads((base / "config.json").read_text())
-    for key in ("num_experts", "moe_intermediate_size", "norm_topk_prob"):
-        assert written[key] == original[key], key
-    for key in ("shared_expert_intermediate_size", "qkv_bias", "layer_types"):
+    keys = {
+        "mixtral": ("num_local_experts", "intermediate_size", "num_experts_per_tok"),
+        "qwen3_moe": ("num_local_experts", "moe_intermediate_size", "head_dim"),
+        "qwen2_moe": (
+            "num_experts",
+            "moe_intermediate_size",
+            "norm_topk_prob",
+            "shared_expert_intermediate_size",
+            "qkv_bias",
+            "layer_types",
+        ),
+    }[model_type]
+    for key in keys:
         assert written[key] == original[key], key
     tokens = _tokens(LONG, vocab=384)
     trained, _ = hf.load(export)
