@@ -65,8 +65,10 @@ SLOW_CONFIGS = ("dpo.toml", "lora.toml")
 # sharded_simulated.toml: slow only; the default suite's whole runs on 8 devices
 # (test_job's mesh keys, test_sequence's fit, test_lora's 2x2x2 mesh) cover it.
 # pretrain_stdlib.toml is the built-in default run (test_cli runs that), and
-# finetune_hf.toml / sft.toml are covered by test_interop / test_post_training.
+# finetune_hf.toml / sft.toml are covered by test_interop / test_post_training;
+# moe_stdlib.toml by test_moe's run on mesh.expert = 2.
 SLOW_ONLY = (
+    "moe_stdlib.toml",
     "sharded_simulated.toml",
     "pretrain_stdlib.toml",
     "finetune_hf.toml",
