@@ -651,3 +651,55 @@ progress = "none"
     assert np.max(np.abs(_ours(start, tokens) - _ours(trained, tokens))) > 1e-3
     metrics = (tmp_path / "run" / "metrics.jsonl").read_text()
     assert '"moe/aux_loss"' in metrics
+
+
+@pytest.mark.slow  # ~12 s: an `eqtrain fit` process and PEFT
+def test_lora_fit_on_qwen3_moe_writes_an_adapter_peft_applies(tmp_path):
+    """LoRA (the default targets: attention) on a Qwen3-MoE base through `eqtrain
+    fit`: the adapter directory, applied by PEFT to transformers' model, gives
+    eqtrain's adapted logits."""
+    peft = pytest.importorskip("peft")
+
+    from .test_families_training import TEXT, _cli
+
+    base = tmp_path / "base"
+    with _quiet():
+        hf_model("qwen3_moe", vocab_size=384).save_pretrained(base)
+    (tmp_path / "text").mkdir()
+    (tmp_path / "text" / "a.txt").write_text(TEXT)
+    config = tmp_path / "fit.toml"
+    config.write_text(
+        f"""
+run_dir = "{tmp_path / "run"}"
+[model]
+init_from = "{base}"
+[data]
+train = "{tmp_path / "text"}"
+eval = "none"
+tokenizer = "byte"
+seq_len = 32
+batch_size = 8
+[optim]
+warmup_steps = 0
+[loop]
+steps = 3
+eval_every = 0
+[lora]
+rank = 4
+[log]
+progress = "none"
+"""
+    )
+    _cli("fit", config)
+    adapter = tmp_path / "run" / "hf"
+    written = json.loads((adapter / "adapter_config.json").read_text())
+    assert sorted(written["target_modules"]) == ["k_proj", "o_proj", "q_proj", "v_proj"]
+    tokens = _tokens(LONG, vocab=384)
+    with _quiet():
+        theirs = peft.PeftModel.from_pretrained(
+            transformers.AutoModelForCausalLM.from_pretrained(base), adapter
+        ).eval()
+        with torch.no_grad():
+            want = theirs(torch.tensor(np.asarray(tokens))).logits.numpy()
+    ours = hf.load_adapter(hf.load(base)[0], adapter)
+    assert _rel_err(_ours(ours, tokens), want) <= 1e-4
