@@ -334,13 +334,23 @@ def _train(model, axes=None, steps=3):
 
 
 @pytest.mark.parametrize(
-    "impl", ["sorted", pytest.param("ragged", marks=pytest.mark.slow)]
+    "impl, axes",
+    [
+        ("sorted", {"data": 2, "expert": 2, "tensor": 2}),
+        pytest.param(
+            "ragged", {"data": 2, "expert": 2, "tensor": 2}, marks=pytest.mark.slow
+        ),
+        pytest.param(
+            "sorted", {"fsdp": 2, "expert": 2, "tensor": 2}, marks=pytest.mark.slow
+        ),
+    ],
+    ids=["sorted", "ragged", "fsdp"],
 )
-def test_expert_parallel_mesh_training_equals_one_device(qwen_like, impl):
+def test_expert_parallel_mesh_training_equals_one_device(qwen_like, impl, axes):
     # scanned layers and full remat: the router statistics ride the scan's carry
     model = qwen_like.with_options(moe_impl=impl, scan_layers=True, remat="full")
     reference, ref_state = _train(model)
-    got, state = _train(model, {"data": 2, "expert": 2, "tensor": 2})
+    got, state = _train(model, axes)
     np.testing.assert_allclose(got, reference, rtol=1e-5)
     for a, b in zip(
         jax.tree.leaves(jax.device_get(state.model)),
