@@ -14,17 +14,16 @@ if "EQTRAIN_DATA_CACHE" not in os.environ:
 # subprocesses the tests start (they inherit the environment): many tests compile
 # the same small steps (the CLI's tiny runs above all). Every compilation is kept
 # (no minimum time or size). It cut tests/test_cli.py + test_resume_workflows.py
-# from 114 s to 90 s, starting empty (docs/testing.md). A maximum size turns on
-# JAX's file lock around each entry's read and write: processes that compile the
-# same program at once (the two-process and Ray tests) never read a half-written
-# entry.
+# from 114 s to 90 s, starting empty (docs/testing.md). No maximum size: with one,
+# JAX locks the directory and scans every entry at each write (the suite then ran
+# slower than without the cache). Two processes that compile the same program at
+# once may race on an entry; the loser reads a short file, warns and compiles.
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     import tempfile
 
     os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="eqtrain-jax-")
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
-    os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(4 * 2**30))
 
 import equinox as eqx  # noqa: E402
 import jax  # noqa: E402
