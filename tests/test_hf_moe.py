@@ -589,19 +589,14 @@ def test_load_onto_an_expert_mesh_by_the_rules(saved):
 
 
 # -- a run from a Hugging Face mixture of experts --------------------------------------
-@pytest.mark.slow  # ~10 s: an `eqtrain fit` process
-@pytest.mark.parametrize("model_type", MODEL_TYPES)
-def test_fit_from_hf_exports_what_transformers_loads(model_type, tmp_path):
-    """`model.init_from` each family's directory, 3 steps (Mixtral's on
-    mesh.expert = 2 of 8 devices), the export at the end: transformers loads it
-    strictly with eqtrain's logits, the architecture keys as they were, and the
-    router's metrics are logged."""
-    from .test_families_training import TEXT, _cli
+def _fit_config(tmp_path, model_type, extra=""):
+    """A tiny model of `model_type` saved as the base and a 3-step `eqtrain fit`
+    config from it on a text file (`extra`: more TOML); `(base, config path)`."""
+    from .test_families_training import TEXT
 
     base = tmp_path / "base"
     with _quiet():
         hf_model(model_type, vocab_size=384).save_pretrained(base)
-    mesh = "[mesh]\nexpert = 2\n" if model_type == "mixtral" else ""
     (tmp_path / "text").mkdir()
     (tmp_path / "text" / "a.txt").write_text(TEXT)
     config = tmp_path / "fit.toml"
@@ -624,8 +619,22 @@ eval_every = 0
 [log]
 progress = "none"
 """
-        + mesh
+        + extra
     )
+    return base, config
+
+
+@pytest.mark.slow  # ~10 s: an `eqtrain fit` process
+@pytest.mark.parametrize("model_type", MODEL_TYPES)
+def test_fit_from_hf_exports_what_transformers_loads(model_type, tmp_path):
+    """`model.init_from` each family's directory, 3 steps (Mixtral's on
+    mesh.expert = 2 of 8 devices), the export at the end: transformers loads it
+    strictly with eqtrain's logits, the architecture keys as they were, and the
+    router's metrics are logged."""
+    from .test_families_training import _cli
+
+    mesh = "[mesh]\nexpert = 2\n" if model_type == "mixtral" else ""
+    base, config = _fit_config(tmp_path, model_type, mesh)
     assert "HF export" in _cli("fit", config, devices=8 if mesh else 1)
     export = tmp_path / "run" / "hf"
     written = json.loads((export / "config.json").read_text())
@@ -660,36 +669,9 @@ def test_lora_fit_on_qwen3_moe_writes_an_adapter_peft_applies(tmp_path):
     eqtrain's adapted logits."""
     peft = pytest.importorskip("peft")
 
-    from .test_families_training import TEXT, _cli
+    from .test_families_training import _cli
 
-    base = tmp_path / "base"
-    with _quiet():
-        hf_model("qwen3_moe", vocab_size=384).save_pretrained(base)
-    (tmp_path / "text").mkdir()
-    (tmp_path / "text" / "a.txt").write_text(TEXT)
-    config = tmp_path / "fit.toml"
-    config.write_text(
-        f"""
-run_dir = "{tmp_path / "run"}"
-[model]
-init_from = "{base}"
-[data]
-train = "{tmp_path / "text"}"
-eval = "none"
-tokenizer = "byte"
-seq_len = 32
-batch_size = 8
-[optim]
-warmup_steps = 0
-[loop]
-steps = 3
-eval_every = 0
-[lora]
-rank = 4
-[log]
-progress = "none"
-"""
-    )
+    base, config = _fit_config(tmp_path, "qwen3_moe", "[lora]\nrank = 4\n")
     _cli("fit", config)
     adapter = tmp_path / "run" / "hf"
     written = json.loads((adapter / "adapter_config.json").read_text())
