@@ -750,9 +750,7 @@ class Decoder(eqx.Module):
         positions = default_positions(tokens.shape[0], segment_ids, positions)
         tables = rope_tables(config, positions)
         options = RuntimeOptions.of(config, tokens.shape[0], config.hidden_size)
-        x = self.embed_tokens(tokens)
-        if config.embedding_multiplier is not None:
-            x = x * config.embedding_multiplier
+        x = self._embed(self.embed_tokens(tokens))
 
         def call(layer: DecoderLayer, h: Array, k: Any, kind: Any) -> Array:
             window, table = kind
@@ -766,18 +764,7 @@ class Decoder(eqx.Module):
                 key=k,
             )
 
-        x = run_layers(
-            self.layers,
-            x,
-            call,
-            scan=config.scan_layers,
-            remat=config.remat,
-            key=key,
-            remat_save=config.remat_save,
-            remat_offload=config.remat_offload,
-            kinds=config.layer_kinds(),
-        )
-        return self.norm(x)
+        return self.norm(self._run_layers(x, call, key))
 
     def batch_features(
         self,
@@ -798,9 +785,7 @@ class Decoder(eqx.Module):
         positions = _batch_positions(rows, seq, segment_ids, positions)
         tables = jax.vmap(lambda p: rope_tables(config, p))(positions)
         options = RuntimeOptions.of(config, seq, config.hidden_size)
-        x = jax.vmap(self.embed_tokens)(tokens)
-        if config.embedding_multiplier is not None:
-            x = x * config.embedding_multiplier
+        x = self._embed(jax.vmap(self.embed_tokens)(tokens))
         start = empty_aux(config.num_experts) if config.num_experts else {}
 
         def call(layer: DecoderLayer, carry: Any, k: Any, kind: Any) -> Any:
@@ -819,18 +804,29 @@ class Decoder(eqx.Module):
                 acc = {name: acc[name] + aux[name] for name in AUX_KEYS}
             return h, acc
 
-        x, aux = run_layers(
-            self.layers,
-            (x, start),
-            call,
-            scan=config.scan_layers,
-            remat=config.remat,
-            key=key,
-            remat_save=config.remat_save,
-            remat_offload=config.remat_offload,
-            kinds=config.layer_kinds(),
-        )
+        x, aux = self._run_layers((x, start), call, key)
         return self.norm(x), aux
+
+    def _embed(self, x: Array) -> Array:
+        """Looked-up embeddings, scaled by `embedding_multiplier` if set."""
+        m = self.config.embedding_multiplier
+        return x if m is None else x * m
+
+    def _run_layers(self, x: Any, call: Any, key: PRNGKeyArray | None) -> Any:
+        """`run_layers` over the stack with the config's scan, remat and layer
+        kinds (`x`: the activations, or a tuple carrying statistics along)."""
+        c = self.config
+        return run_layers(
+            self.layers,
+            x,
+            call,
+            scan=c.scan_layers,
+            remat=c.remat,
+            key=key,
+            remat_save=c.remat_save,
+            remat_offload=c.remat_offload,
+            kinds=c.layer_kinds(),
+        )
 
     @property
     def routes_batch(self) -> bool:
