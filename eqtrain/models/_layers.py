@@ -1041,6 +1041,14 @@ def run_layers(
     return x
 
 
+class Numbered(eqx.Module):
+    """A stack of layers with each one's index (`index: [layers]`), for
+    `run_layers`: under `lax.scan` the index is a scanned input like the weights."""
+
+    block: Any
+    index: Int[Array, " layers"]
+
+
 def _period(kinds: tuple[Any, ...]) -> int:
     """The smallest `p` with `kinds[i] == kinds[i % p]` for every `i`."""
     for p in range(1, len(kinds) + 1):

@@ -24,6 +24,14 @@ from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from .._errors import ConfigError
 from .._rows import vmap_rows
+from ._cache import (
+    KVCache,
+    cache_attention,
+    empty_cache,
+    layer_of,
+    slot_positions,
+    write,
+)
 from ._layers import (
     ACTIVATIONS,
     RUNTIME_OPTIONS,
@@ -31,6 +39,7 @@ from ._layers import (
     Embedding,
     LayerNorm,
     Linear,
+    Numbered,
     RMSNorm,
     RuntimeFields,
     RuntimeOptions,
@@ -397,6 +406,34 @@ class Attention(eqx.Module):
         q, k, v = fused_linears(projections, x, keys)
         return q, k, v
 
+    def project(
+        self,
+        x: Float[Array, "seq hidden"],
+        rope: tuple[Array, Array] | None,
+        keys: list[Any],
+    ) -> tuple[Array, Array, Array]:
+        """`(q [seq, heads, head_dim], k, v [seq, kv_heads, head_dim])`: the
+        projections with their norms and rotary embedding applied."""
+        seq = x.shape[0]
+        q, k, v = self._qkv(x, keys)
+        if self.qk_norm == "full":
+            q, k = self.q_norm(q), self.k_norm(k)  # pyright: ignore
+        q = q.reshape(seq, self.num_heads, self.head_dim)
+        k = k.reshape(seq, self.num_kv_heads, self.head_dim)
+        v = v.reshape(seq, self.num_kv_heads, self.head_dim)
+        if self.qk_norm == "head":
+            q, k = self.q_norm(q), self.k_norm(k)  # pyright: ignore
+        if rope is not None:
+            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        return q, k, v
+
+    def output(
+        self, out: Float[Array, "seq heads head_dim"], key: PRNGKeyArray | None = None
+    ) -> Float[Array, "seq hidden"]:
+        """`o_proj` over the heads' outputs."""
+        out = self.o_proj(out.reshape(out.shape[0], -1), key=key)
+        return name_activation(out, "attn_out")
+
     @jax.named_scope("attention")
     def __call__(
         self,
@@ -410,18 +447,8 @@ class Attention(eqx.Module):
         key: PRNGKeyArray | None = None,
     ) -> Float[Array, "seq hidden"]:
         """`rope`: the `(cos, sin)` tables of this layer (`None`: no rotation)."""
-        seq = x.shape[0]
         kq, kk, kv, ko = split_key(key, 4)
-        q, k, v = self._qkv(x, [kq, kk, kv])
-        if self.qk_norm == "full":
-            q, k = self.q_norm(q), self.k_norm(k)  # pyright: ignore
-        q = q.reshape(seq, self.num_heads, self.head_dim)
-        k = k.reshape(seq, self.num_kv_heads, self.head_dim)
-        v = v.reshape(seq, self.num_kv_heads, self.head_dim)
-        if self.qk_norm == "head":
-            q, k = self.q_norm(q), self.k_norm(k)  # pyright: ignore
-        if rope is not None:
-            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        q, k, v = self.project(x, rope, [kq, kk, kv])
         q, k = name_activation(q, "query"), name_activation(k, "key")
         v = name_activation(v, "value")
         out = attend(
@@ -435,8 +462,7 @@ class Attention(eqx.Module):
             scale=self.scale,
             softcap=self.softcap,
         )
-        out = self.o_proj(out.reshape(seq, self.num_heads * self.head_dim), key=ko)
-        return name_activation(out, "attn_out")
+        return self.output(out, ko)
 
 
 class GatedMLP(eqx.Module):
@@ -561,12 +587,16 @@ class DecoderLayer(eqx.Module):
         return x + h
 
     def _forward(
-        self, x: Array, attn: Callable[[Array], Array], mlp: Callable[[Array], Any]
-    ) -> tuple[Array, Any]:
-        """The block around its two sublayers: `attn` and `mlp` (which returns
-        its output and its router statistics, or None)."""
+        self,
+        x: Array,
+        attn: Callable[[Array], tuple[Array, Any]],
+        mlp: Callable[[Array], tuple[Array, Any]],
+    ) -> tuple[Array, Any, Any]:
+        """The block around its two sublayers: `attn` (which returns its output
+        and anything else, e.g. an updated cache) and `mlp` (its output and its
+        router statistics, or None). Returns `(x, mlp's extra, attn's extra)`."""
         attn_in = x if self.input_layernorm is None else self.input_layernorm(x)
-        h = attn(attn_in)
+        h, attn_extra = attn(attn_in)
         if self.block != "pre":
             h = self.post_attention_layernorm(h)  # pyright: ignore
         x = self._add(x, h)
@@ -580,7 +610,7 @@ class DecoderLayer(eqx.Module):
         h, aux = mlp(h)
         if self.post_feedforward_layernorm is not None:
             h = self.post_feedforward_layernorm(h)
-        return self._add(x, name_activation(h, "mlp_out")), aux
+        return self._add(x, name_activation(h, "mlp_out")), aux, attn_extra
 
     def __call__(
         self,
@@ -594,14 +624,17 @@ class DecoderLayer(eqx.Module):
         key: PRNGKeyArray | None = None,
     ) -> Array:
         ka, km = split_key(key, 2)
-        attn = lambda a: self.self_attn(
-            a,
-            rope,
-            window=window,
-            options=options,
-            segment_ids=segment_ids,
-            positions=positions,
-            key=ka,
+        attn = lambda a: (
+            self.self_attn(
+                a,
+                rope,
+                window=window,
+                options=options,
+                segment_ids=segment_ids,
+                positions=positions,
+                key=ka,
+            ),
+            None,
         )
 
         def mlp(h: Array) -> tuple[Array, None]:
@@ -642,17 +675,66 @@ class DecoderLayer(eqx.Module):
                 positions=pi,
                 key=ki,
             )
-            return vmap_rows(one)(a, rope, segment_ids, positions, row_keys)
+            return vmap_rows(one)(a, rope, segment_ids, positions, row_keys), None
+
+        x, aux, _ = self._forward(x, attn, self._flat_mlp(options, segment_ids, km))
+        return x, aux
+
+    def _flat_mlp(
+        self, options: RuntimeOptions, segment_ids: Array | None, key: Any
+    ) -> Callable[[Array], tuple[Array, Any]]:
+        """The MLP over every token of `[rows, seq, hidden]` at once; with
+        experts it also returns the router statistics (padding left out)."""
 
         def mlp(h: Array) -> tuple[Array, Any]:
-            flat = h.reshape(rows * seq, -1)
+            flat = h.reshape(-1, h.shape[-1])
             if isinstance(self.mlp, SparseMoE):
                 valid = None if segment_ids is None else segment_ids.reshape(-1) > 0
-                y, aux = self.mlp(flat, valid=valid, options=options.moe, key=km)
+                y, aux = self.mlp(flat, valid=valid, options=options.moe, key=key)
                 return y.reshape(h.shape), aux
-            return self.mlp(flat, key=km).reshape(h.shape), None
+            return self.mlp(flat, key=key).reshape(h.shape), None
 
-        return self._forward(x, attn, mlp)
+        return mlp
+
+    def cached(
+        self,
+        x: Float[Array, "rows t hidden"],
+        rope: tuple[Array, Array] | None,
+        cache: tuple[Array, Array],
+        *,
+        layer: Int[Array, ""],
+        slot: Int[Array, ""] | int,
+        pads: Int[Array, " rows"],
+        segment_ids: Int[Array, "rows t"],
+        window: int | None,
+        options: RuntimeOptions,
+        prefill: bool,
+    ) -> tuple[Array, tuple[Array, Array]]:
+        """The block on `t` new tokens per row that writes their keys and values
+        into `cache` (every layer's, this one is `layer`) at `slot` (see
+        `eqtrain.models.KVCache`). `prefill`: the tokens are the whole prompt
+        and attend among themselves; else they attend to the cache."""
+        attn = self.self_attn
+
+        def attend_cached(a: Array) -> tuple[Array, tuple[Array, Array]]:
+            q, k, v = jax.vmap(lambda xi, ri: attn.project(xi, ri, [None] * 3))(a, rope)
+            new = write(cache, layer, slot, k, v)
+            if prefill:
+                one = lambda qi, ki, vi, si: attend(
+                    qi, ki, vi, options, segment_ids=si, positions=None,
+                    sliding_window=window, scale=attn.scale, softcap=attn.softcap,
+                )  # fmt: skip
+                out = jax.vmap(one)(q, k, v, segment_ids)
+            else:
+                keys, values = layer_of(new, layer)
+                out = cache_attention(
+                    q, keys, values, pads=pads, slot=slot, window=window,
+                    scale=attn.scale, softcap=attn.softcap,
+                )  # fmt: skip
+            return jax.vmap(attn.output)(out), new
+
+        x, _, new = self._forward(x, attend_cached, self._flat_mlp(options, None, None))
+        return x, new
 
 
 class Decoder(eqx.Module):
@@ -806,6 +888,70 @@ class Decoder(eqx.Module):
 
         x, aux = self._run_layers((x, start), call, key)
         return self.norm(x), aux
+
+    def init_cache(self, rows: int, length: int, pads: Int[Array, " rows"]) -> KVCache:
+        """An empty `KVCache` of `length` slots for `rows` rows left-padded by
+        `pads` tokens, in the parameters' dtype."""
+        c = self.config
+        return empty_cache(
+            layers=c.num_hidden_layers,
+            rows=rows,
+            length=length,
+            kv_heads=c.kv_heads,
+            head_dim=c.head_size,
+            dtype=self.embed_tokens.weight.dtype,
+            pads=pads,
+        )
+
+    def cached_features(
+        self,
+        tokens: Int[Array, "rows t"],
+        cache: KVCache,
+        slot: Int[Array, ""] | int,
+        *,
+        prefill: bool = False,
+    ) -> tuple[Float[Array, "rows t hidden"], KVCache]:
+        """`features` of `t` new tokens per row written at `slot` of `cache`,
+        attending to what the cache holds (`prefill`: the whole left-padded
+        prompt at slot 0, attending among itself with the training attention).
+        Returns the final-normed hidden states and the filled cache. No
+        dropout; router statistics are dropped."""
+        config = self.config
+        rows, t = tokens.shape
+        positions, segments = slot_positions(cache.pads, slot, t)
+        tables = jax.vmap(lambda p: rope_tables(config, p))(positions)
+        options = RuntimeOptions.of(config, t, config.hidden_size)
+        options = dataclasses.replace(options, sequence_parallel=None)
+        x = self._embed(jax.vmap(self.embed_tokens)(tokens))
+
+        def call(layer: Numbered, carry: Any, k: Any, kind: Any) -> Any:
+            h, kv = carry
+            window, table = kind
+            return layer.block.cached(
+                h, tables[table], kv, layer=layer.index, slot=slot,
+                pads=cache.pads, segment_ids=segments, window=window,
+                options=options, prefill=prefill,
+            )  # fmt: skip
+
+        layers = Numbered(self.layers, jnp.arange(config.num_hidden_layers))
+        x, (k, v) = run_layers(
+            layers,
+            (x, (cache.k, cache.v)),
+            call,
+            scan=config.scan_layers,
+            remat="none",
+            kinds=config.layer_kinds(),
+        )
+        return self.norm(x), KVCache(k=k, v=v, pads=cache.pads)
+
+    def head(self, x: Float[Array, "*batch hidden"]) -> Float[Array, "*batch vocab"]:
+        """Logits of final-normed hidden states (the head and its transforms)."""
+        if self.lm_head is None:
+            w = self.embed_tokens.weight
+            logits = jnp.einsum("...d,vd->...v", x, w)
+        else:
+            logits = self.lm_head(x)
+        return transform_logits(logits, **self.logit_options())
 
     def _embed(self, x: Array) -> Array:
         """Looked-up embeddings, scaled by `embedding_multiplier` if set."""

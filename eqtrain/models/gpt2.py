@@ -10,12 +10,21 @@ import math
 from typing import Any
 
 import equinox as eqx
+import jax
 import jax.numpy as jnp
 import jax.random as jr
 from jax.sharding import PartitionSpec
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from .._errors import ConfigError
+from ._cache import (
+    KVCache,
+    cache_attention,
+    empty_cache,
+    layer_of,
+    slot_positions,
+    write,
+)
 from ._layers import (
     ACTIVATIONS,
     RUNTIME_OPTIONS,
@@ -23,6 +32,7 @@ from ._layers import (
     Embedding,
     LayerNorm,
     Linear,
+    Numbered,
     RuntimeFields,
     RuntimeOptions,
     as_dtype,
@@ -137,16 +147,32 @@ class GPT2Attention(eqx.Module):
     ) -> Float[Array, "seq embd"]:
         """`query_scale` multiplies q, and so the scores, on top of attention's
         `1 / sqrt(head_dim)` (see `query_scale`)."""
-        seq, d = x.shape
         ka, kp = split_key(key, 2)
-        qkv = self.c_attn(x, key=ka).reshape(seq, 3, self.n_head, d // self.n_head)
+        q, k, v = self.project(x, query_scale, ka)
+        q = name_activation(q, "query")
+        k, v = name_activation(k, "key"), name_activation(v, "value")
+        out = attend(q, k, v, options, segment_ids=segment_ids, positions=positions)
+        return self.output(out, kp)
+
+    def project(
+        self,
+        x: Float[Array, "seq embd"],
+        query_scale: Array | float | None = None,
+        key: PRNGKeyArray | None = None,
+    ) -> tuple[Array, Array, Array]:
+        """`(q, k, v)`, each `[seq, heads, head_dim]` (q scaled)."""
+        seq, d = x.shape
+        qkv = self.c_attn(x, key=key).reshape(seq, 3, self.n_head, d // self.n_head)
         q = qkv[:, 0]
         if query_scale is not None:
             q = q * jnp.asarray(query_scale).astype(q.dtype)
-        q = name_activation(q, "query")
-        k, v = name_activation(qkv[:, 1], "key"), name_activation(qkv[:, 2], "value")
-        out = attend(q, k, v, options, segment_ids=segment_ids, positions=positions)
-        return name_activation(self.c_proj(out.reshape(seq, d), key=kp), "attn_out")
+        return q, qkv[:, 1], qkv[:, 2]
+
+    def output(
+        self, out: Float[Array, "seq heads head_dim"], key: PRNGKeyArray | None = None
+    ) -> Float[Array, "seq embd"]:
+        out = self.c_proj(out.reshape(out.shape[0], -1), key=key)
+        return name_activation(out, "attn_out")
 
 
 class GPT2MLP(eqx.Module):
@@ -207,6 +233,38 @@ class GPT2Block(eqx.Module):
         h = name_activation(self.ln_2(x), "mlp_in")
         h = tiled(lambda c, k: self.mlp(c, key=k), h, options.mlp_chunks, km)
         return x + name_activation(h, "mlp_out")
+
+    def cached(
+        self,
+        x: Float[Array, "rows t embd"],
+        cache: tuple[Array, Array],
+        *,
+        layer: Int[Array, ""],
+        slot: Int[Array, ""] | int,
+        pads: Int[Array, " rows"],
+        segment_ids: Int[Array, "rows t"],
+        options: RuntimeOptions,
+        prefill: bool,
+        query_scale: Array | float | None,
+    ) -> tuple[Array, tuple[Array, Array]]:
+        """The block on `t` new tokens per row, writing their keys and values
+        into `cache` (as `DecoderLayer.cached`)."""
+        attn = self.attn
+        q, k, v = jax.vmap(lambda a: attn.project(a, query_scale))(
+            jax.vmap(self.ln_1)(x)
+        )
+        new = write(cache, layer, slot, k, v)
+        if prefill:
+            one = lambda qi, ki, vi, si: attend(
+                qi, ki, vi, options, segment_ids=si, positions=None
+            )
+            out = jax.vmap(one)(q, k, v, segment_ids)
+        else:
+            keys, values = layer_of(new, layer)
+            out = cache_attention(q, keys, values, pads=pads, slot=slot, window=None)
+        x = x + jax.vmap(attn.output)(out)
+        h = self.mlp(self.ln_2(x).reshape(-1, x.shape[-1])).reshape(x.shape)
+        return x + h, new
 
 
 class GPT2(eqx.Module):
@@ -291,7 +349,7 @@ class GPT2(eqx.Module):
         attn = dict(options=options, segment_ids=segment_ids, positions=positions)
         if config.scale_attn_by_inverse_layer_idx:
             # The layer index travels with the layers, so `lax.scan` slices it too.
-            layers: Any = _Numbered(self.h, jnp.arange(config.n_layer))
+            layers: Any = Numbered(self.h, jnp.arange(config.n_layer))
             call = lambda layer, h, k: layer.block(
                 h, key=k, query_scale=query_scale(config, layer.index), **attn
             )
@@ -310,6 +368,62 @@ class GPT2(eqx.Module):
         )
         return self.ln_f(x)
 
+    def init_cache(self, rows: int, length: int, pads: Int[Array, " rows"]) -> KVCache:
+        """An empty `KVCache` (see `Decoder.init_cache`)."""
+        c = self.config
+        if length > c.n_positions:
+            raise ConfigError(
+                f"generating up to {length} tokens (prompt and new ones) is more "
+                f"than GPT-2's {c.n_positions} learned positions (`n_positions`); "
+                "shorten the prompt or `max_new_tokens`."
+            )
+        return empty_cache(
+            layers=c.n_layer,
+            rows=rows,
+            length=length,
+            kv_heads=c.n_head,
+            head_dim=c.n_embd // c.n_head,
+            dtype=self.wte.weight.dtype,
+            pads=pads,
+        )
+
+    def cached_features(
+        self,
+        tokens: Int[Array, "rows t"],
+        cache: KVCache,
+        slot: Int[Array, ""] | int,
+        *,
+        prefill: bool = False,
+    ) -> tuple[Float[Array, "rows t hidden"], KVCache]:
+        """`features` of `t` new tokens per row through `cache` (see
+        `Decoder.cached_features`)."""
+        config = self.config
+        positions, segments = slot_positions(cache.pads, slot, tokens.shape[1])
+        x = jax.vmap(self.wte)(tokens) + jax.vmap(self.wpe)(positions)
+        options = RuntimeOptions.of(config, tokens.shape[1], config.n_embd)
+        options = dataclasses.replace(options, sequence_parallel=None)
+        index = config.scale_attn_by_inverse_layer_idx
+
+        def call(layer: Numbered, carry: Any, k: Any) -> Any:
+            h, kv = carry
+            return layer.block.cached(
+                h, kv, layer=layer.index, slot=slot, pads=cache.pads,
+                segment_ids=segments, options=options, prefill=prefill,
+                query_scale=query_scale(config, layer.index if index else None),
+            )  # fmt: skip
+
+        layers = Numbered(self.h, jnp.arange(config.n_layer))
+        x, (k, v) = run_layers(
+            layers, (x, (cache.k, cache.v)), call, scan=config.scan_layers, remat="none"
+        )
+        return self.ln_f(x), KVCache(k=k, v=v, pads=cache.pads)
+
+    def head(self, x: Float[Array, "*batch hidden"]) -> Float[Array, "*batch vocab"]:
+        """Logits of final-normed hidden states."""
+        if self.lm_head is None:
+            return jnp.einsum("...d,vd->...v", x, self.wte.weight)
+        return self.lm_head(x)
+
     def head_weight(
         self, *, key: PRNGKeyArray | None = None
     ) -> Float[Array, "vocab hidden"]:
@@ -322,14 +436,6 @@ class GPT2(eqx.Module):
         `remat_offload`, `mlp_chunks`, `attention_chunk`, `scan_layers`,
         `attention_impl`, `sequence_parallel`, `sequence_layout`)."""
         return with_config_options(self, RUNTIME_OPTIONS, **changes)
-
-
-class _Numbered(eqx.Module):
-    """A stack of blocks with each one's index (`index: [n_layer]`), for
-    `run_layers`: under `lax.scan` the index is a scanned input like the weights."""
-
-    block: GPT2Block
-    index: Int[Array, " layers"]
 
 
 def query_scale(config: GPT2Config, layer: Array | None) -> Array | float | None:

@@ -1,0 +1,307 @@
+"""Batched autoregressive sampling with a key/value cache, as a pure function of
+the model pytree.
+
+    prompts, lengths = left_pad([tokenizer.encode(t) for t in texts], pad_id=0)
+    out = generate(model, prompts, lengths, max_new_tokens=64, key=jr.key(0),
+                   sampling=Sampling(temperature=0.7, top_p=0.9),
+                   stop_ids=(tokenizer.eos_id,))
+    out.tokens   # [rows, 64]: the new tokens, `pad_id` after each row's end
+    out.lengths  # [rows]: new tokens per row, its stop token included
+    out.logprobs # [rows, 64]: log-probability of each sampled token (0 after the end)
+
+The prompt runs through the model once (prefill, writing the cache); then a
+`lax.while_loop` feeds one token per row at a time until every row has produced
+a stop id or `max_new_tokens` tokens. Shapes are static: the cache holds
+`prompt + max_new_tokens` slots, so a call compiles once per (batch, prompt
+length, `max_new_tokens`) and `left_pad` rounds prompt lengths up to a multiple
+of 16 to keep those few. Any model with `init_cache`, `cached_features` and
+`head` generates (the decoder families and GPT-2; see `eqtrain.models.KVCache`).
+
+Sampling follows transformers' order: logits / temperature, then top-k, top-p
+and min-p filters, then a draw from an explicit key. `temperature = 0` is
+greedy decoding. The log-probabilities are of the sampled token under
+`softmax(logits / temperature)` before the filters (`temperature = 0`: under
+`softmax(logits)`), which is what a policy-gradient loss compares its policy to.
+"""
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import jax.random as jr
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+from jaxtyping import Array, Float, Int, PRNGKeyArray
+
+from ._errors import ConfigError
+
+
+@dataclasses.dataclass(frozen=True)
+class Sampling:
+    """How the next token is drawn from the logits.
+
+    Args:
+        temperature: logits are divided by it; 0 is greedy (argmax).
+        top_k: keep only the `top_k` most likely tokens (0: all).
+        top_p: keep the smallest set of most likely tokens whose probabilities
+            add up to at least `top_p` (1: all).
+        min_p: keep tokens at least `min_p` times as likely as the most likely
+            one (0: all).
+    """
+
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+
+    def __post_init__(self) -> None:
+        checks = {
+            "temperature": self.temperature >= 0,
+            "top_k": self.top_k >= 0 and int(self.top_k) == self.top_k,
+            "top_p": 0 < self.top_p <= 1,
+            "min_p": 0 <= self.min_p < 1,
+        }
+        wanted = {
+            "temperature": ">= 0 (0: greedy)",
+            "top_k": "an integer >= 0 (0: off)",
+            "top_p": "in (0, 1] (1: off)",
+            "min_p": "in [0, 1) (0: off)",
+        }
+        for name, ok in checks.items():
+            if not ok:
+                value = getattr(self, name)
+                raise ConfigError(
+                    f"sampling `{name}` must be {wanted[name]}; got {value!r}."
+                )
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+GREEDY = Sampling(temperature=0.0)
+
+
+class Generation(NamedTuple):
+    """What `generate` returns (see the module's docstring)."""
+
+    tokens: Int[Array, "rows new"]
+    lengths: Int[Array, " rows"]
+    logprobs: Float[Array, "rows new"]
+
+
+def left_pad(
+    prompts: Sequence[Sequence[int] | np.ndarray], *, pad_id: int, multiple: int = 16
+) -> tuple[np.ndarray, np.ndarray]:
+    """`(tokens [rows, length], lengths [rows])`: the prompts right-aligned in
+    one int32 array, `pad_id` before them, `length` the longest prompt rounded
+    up to a multiple of `multiple` (so that calls compile for few lengths)."""
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise ConfigError("every prompt needs at least one token (got an empty one).")
+    lengths = np.array([len(p) for p in prompts], np.int32)
+    width = -(-int(lengths.max()) // multiple) * multiple
+    tokens = np.full((len(prompts), width), pad_id, np.int32)
+    for r, p in enumerate(prompts):
+        tokens[r, width - len(p) :] = np.asarray(p, np.int32)
+    return tokens, lengths
+
+
+def filter_logits(
+    logits: Float[Array, "rows vocab"], sampling: Sampling
+) -> Float[Array, "rows vocab"]:
+    """`logits / temperature` with the tokens that top-k, top-p and min-p drop
+    set to -inf (f32)."""
+    x = logits.astype(jnp.float32) / jnp.float32(sampling.temperature)
+    if sampling.top_k and sampling.top_k < x.shape[-1]:
+        kth = jax.lax.top_k(x, sampling.top_k)[0][..., -1:]
+        x = jnp.where(x < kth, -jnp.inf, x)
+    if sampling.top_p < 1:
+        order = jnp.argsort(-x, axis=-1)
+        sorted_x = jnp.take_along_axis(x, order, axis=-1)
+        probs = jax.nn.softmax(sorted_x, axis=-1)
+        before = jnp.cumsum(probs, axis=-1) - probs  # mass of the likelier tokens
+        drop_sorted = before >= sampling.top_p
+        drop = jnp.zeros_like(drop_sorted).at[
+            jnp.arange(x.shape[0])[:, None], order
+        ].set(drop_sorted)
+        x = jnp.where(drop, -jnp.inf, x)
+    if sampling.min_p > 0:
+        probs = jax.nn.softmax(x, axis=-1)
+        floor = sampling.min_p * jnp.max(probs, axis=-1, keepdims=True)
+        x = jnp.where(probs < floor, -jnp.inf, x)
+    return x
+
+
+def sample(
+    logits: Float[Array, "rows vocab"], key: PRNGKeyArray, sampling: Sampling
+) -> tuple[Int[Array, " rows"], Float[Array, " rows"]]:
+    """One token per row and its log-probability (see the module docstring)."""
+    logits = logits.astype(jnp.float32)
+    if sampling.greedy:
+        token = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        scaled = logits
+    else:
+        scaled = logits / jnp.float32(sampling.temperature)
+        filtered = filter_logits(logits, sampling)
+        token = jr.categorical(key, filtered, axis=-1).astype(jnp.int32)
+    logp = jax.nn.log_softmax(scaled, axis=-1)
+    return token, jnp.take_along_axis(logp, token[:, None], axis=-1)[:, 0]
+
+
+def _mask_vocab(logits: Array, vocab_size: int | None) -> Array:
+    if vocab_size is None or vocab_size >= logits.shape[-1]:
+        return logits
+    keep = jnp.arange(logits.shape[-1]) < vocab_size
+    return jnp.where(keep, logits, -jnp.inf)
+
+
+class _Loop(NamedTuple):
+    step: Int[Array, ""]
+    token: Int[Array, " rows"]
+    cache: Any
+    done: Any
+    tokens: Int[Array, "rows new"]
+    logprobs: Float[Array, "rows new"]
+    lengths: Int[Array, " rows"]
+
+
+def _cache_spec(mesh: Any, cache: Any) -> Any:
+    """The cache's sharding on `mesh`: rows over the batch axes, key/value
+    heads over `tensor` (like the attention heads), where they divide."""
+    from .sharding import BATCH_AXES
+
+    sizes = dict(zip(mesh.axis_names, mesh.devices.shape, strict=True))
+    rows_axes = tuple(a for a in BATCH_AXES if sizes.get(a, 1) > 1)
+    ways = int(np.prod([sizes[a] for a in rows_axes])) if rows_axes else 1
+    rows = rows_axes if rows_axes and cache.k.shape[1] % ways == 0 else None
+    heads = "tensor" if cache.k.shape[3] % sizes.get("tensor", 1) == 0 else None
+    return NamedSharding(mesh, P(None, rows, None, heads, None))
+
+
+@eqx.filter_jit
+def _generate(
+    model: Any,
+    prompts: Int[Array, "rows prompt"],
+    lengths: Int[Array, " rows"],
+    key: PRNGKeyArray,
+    max_new_tokens: int,
+    sampling: Sampling,
+    stop_ids: tuple[int, ...],
+    pad_id: int,
+    vocab_size: int | None,
+    mesh: Any,
+) -> Generation:
+    rows, width = prompts.shape
+    cache = model.init_cache(rows, width + max_new_tokens, width - lengths)
+    if mesh is not None:
+        spec = _cache_spec(mesh, cache)
+        constrain = lambda c: eqx.tree_at(
+            lambda c: (c.k, c.v),
+            c,
+            (
+                jax.lax.with_sharding_constraint(c.k, spec),
+                jax.lax.with_sharding_constraint(c.v, spec),
+            ),
+        )
+    else:
+        constrain = lambda c: c
+    hidden, cache = model.cached_features(prompts, constrain(cache), 0, prefill=True)
+    stops = jnp.asarray(stop_ids, jnp.int32).reshape(-1)
+
+    def pick(h: Array, step: Array) -> tuple[Array, Array]:
+        logits = _mask_vocab(model.head(h), vocab_size)
+        return sample(logits, jr.fold_in(key, step), sampling)
+
+    token, logp = pick(hidden[:, -1], jnp.int32(0))
+    state = _Loop(
+        step=jnp.int32(1),
+        token=token,
+        cache=constrain(cache),
+        done=jnp.isin(token, stops),
+        tokens=jnp.full((rows, max_new_tokens), pad_id, jnp.int32).at[:, 0].set(token),
+        logprobs=jnp.zeros((rows, max_new_tokens), jnp.float32).at[:, 0].set(logp),
+        lengths=jnp.ones((rows,), jnp.int32),
+    )
+
+    def more(s: _Loop) -> Array:
+        return (s.step < max_new_tokens) & ~jnp.all(s.done)
+
+    def next_token(s: _Loop) -> _Loop:
+        slot = width + s.step - 1
+        h, cache = model.cached_features(s.token[:, None], s.cache, slot)
+        token, logp = pick(h[:, 0], s.step)
+        live = ~s.done
+        token = jnp.where(live, token, pad_id)
+        at = lambda a, v: jax.lax.dynamic_update_index_in_dim(a, v, s.step, 1)
+        return _Loop(
+            step=s.step + 1,
+            token=token,
+            cache=constrain(cache),
+            done=s.done | jnp.isin(token, stops),
+            tokens=at(s.tokens, token),
+            logprobs=at(s.logprobs, jnp.where(live, logp, 0.0)),
+            lengths=s.lengths + live.astype(jnp.int32),
+        )
+
+    s = jax.lax.while_loop(more, next_token, state)
+    return Generation(tokens=s.tokens, lengths=s.lengths, logprobs=s.logprobs)
+
+
+def generate(
+    model: Any,
+    prompts: Int[Array, "rows prompt"] | np.ndarray,
+    lengths: Int[Array, " rows"] | np.ndarray,
+    *,
+    max_new_tokens: int,
+    key: PRNGKeyArray,
+    sampling: Sampling = GREEDY,
+    stop_ids: Sequence[int] = (),
+    pad_id: int = 0,
+    vocab_size: int | None = None,
+    mesh: Any = None,
+) -> Generation:
+    """Sample up to `max_new_tokens` tokens after each prompt (see the module
+    docstring).
+
+    Args:
+        model: a language model with a cache (`eqtrain.models.Decoder`, `GPT2`,
+            either with LoRA adapters); no dropout is applied.
+        prompts: `[rows, length]` token ids, each prompt right-aligned with
+            padding before it (`left_pad` makes them).
+        lengths: each prompt's real length (`<= length`, at least 1).
+        max_new_tokens: the most tokens generated per row.
+        key: the randomness of sampling (unused when greedy). The same key,
+            prompts and model give the same tokens.
+        sampling: temperature and filters (`GREEDY` by default).
+        stop_ids: a row ends after producing one of these (e.g. EOS and
+            end-of-turn ids); it is included in the row's tokens and length.
+        pad_id: fills the tokens after a row's end.
+        vocab_size: the real vocabulary of a model with a padded head
+            (`models.resize_vocab`): padded ids are never produced.
+        mesh: the device mesh the model lies on: the cache is sharded over it
+            (rows over the batch axes, key/value heads over `tensor`).
+    """
+    if max_new_tokens < 1:
+        raise ConfigError(f"`max_new_tokens` must be >= 1; got {max_new_tokens}.")
+    prompts = jnp.asarray(prompts, jnp.int32)
+    lengths = jnp.asarray(lengths, jnp.int32)
+    if prompts.ndim != 2 or lengths.shape != (prompts.shape[0],):
+        raise ConfigError(
+            f"`prompts` must be [rows, length] and `lengths` [rows]; got shapes "
+            f"{prompts.shape} and {lengths.shape}."
+        )
+    return _generate(
+        model,
+        prompts,
+        lengths,
+        key,
+        int(max_new_tokens),
+        sampling,
+        tuple(int(i) for i in stop_ids),
+        int(pad_id),
+        vocab_size,
+        mesh,
+    )
