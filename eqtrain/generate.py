@@ -124,9 +124,11 @@ def filter_logits(
         probs = jax.nn.softmax(sorted_x, axis=-1)
         before = jnp.cumsum(probs, axis=-1) - probs  # mass of the likelier tokens
         drop_sorted = before >= sampling.top_p
-        drop = jnp.zeros_like(drop_sorted).at[
-            jnp.arange(x.shape[0])[:, None], order
-        ].set(drop_sorted)
+        drop = (
+            jnp.zeros_like(drop_sorted)
+            .at[jnp.arange(x.shape[0])[:, None], order]
+            .set(drop_sorted)
+        )
         x = jnp.where(drop, -jnp.inf, x)
     if sampling.min_p > 0:
         probs = jax.nn.softmax(x, axis=-1)
@@ -229,10 +231,29 @@ def _generate(
     def more(s: _Loop) -> Array:
         return (s.step < max_new_tokens) & ~jnp.all(s.done)
 
+    switch = getattr(model, "rope_switch", None)
+    if switch is not None and not switch < width + max_new_tokens - 1:
+        switch = None  # no row reaches it
+
+    def decode(s: _Loop, slot: Array) -> tuple[Array, Any]:
+        h, cache = model.cached_features(s.token[:, None], s.cache, slot)
+        return h[:, 0], cache
+
+    def redo(s: _Loop, slot: Array) -> tuple[Array, Any]:
+        """The whole text so far through an empty cache (the rope switch)."""
+        text = jnp.concatenate([prompts, s.tokens], axis=1)[:, : width + max_new_tokens]
+        empty = eqx.tree_at(lambda c: (c.k, c.v), s.cache, replace_fn=jnp.zeros_like)
+        h, cache = model.cached_features(text, empty, 0, prefill=True, last=slot)
+        return jax.lax.dynamic_index_in_dim(h, slot, 1, keepdims=False), cache
+
     def next_token(s: _Loop) -> _Loop:
         slot = width + s.step - 1
-        h, cache = model.cached_features(s.token[:, None], s.cache, slot)
-        token, logp = pick(h[:, 0], s.step)
+        if switch is None:
+            h, cache = decode(s, slot)
+        else:
+            crossing = jnp.any(slot - s.cache.pads == switch)
+            h, cache = jax.lax.cond(crossing, redo, decode, s, slot)
+        token, logp = pick(h, s.step)
         live = ~s.done
         token = jnp.where(live, token, pad_id)
         at = lambda a, v: jax.lax.dynamic_update_index_in_dim(a, v, s.step, 1)

@@ -1028,7 +1028,7 @@ def run_layers(
     if groups > 1:
         cut = lambda a: a[: groups * period].reshape(groups, period, *a.shape[1:])
 
-        def group(h: Array, xs: Any) -> tuple[Array, None]:
+        def group(h: Any, xs: Any) -> tuple[Any, None]:
             for j in range(period):
                 h = scanned(h, jtu.tree_map(lambda a, j=j: a[j], xs), kinds[j])
             return h, None

@@ -910,15 +910,20 @@ class Decoder(eqx.Module):
         slot: Int[Array, ""] | int,
         *,
         prefill: bool = False,
+        last: Int[Array, ""] | None = None,
     ) -> tuple[Float[Array, "rows t hidden"], KVCache]:
         """`features` of `t` new tokens per row written at `slot` of `cache`,
         attending to what the cache holds (`prefill`: the whole left-padded
         prompt at slot 0, attending among itself with the training attention).
         Returns the final-normed hidden states and the filled cache. No
-        dropout; router statistics are dropped."""
+        dropout; router statistics are dropped. `last`: with `prefill`, the
+        last real slot (tokens after it are placeholders, whose positions are
+        capped at it, so that length-dependent ropes see the real length)."""
         config = self.config
         rows, t = tokens.shape
         positions, segments = slot_positions(cache.pads, slot, t)
+        if last is not None:
+            positions = jnp.minimum(positions, (last - cache.pads)[:, None])
         tables = jax.vmap(lambda p: rope_tables(config, p))(positions)
         options = RuntimeOptions.of(config, t, config.hidden_size)
         options = dataclasses.replace(options, sequence_parallel=None)
@@ -943,6 +948,17 @@ class Decoder(eqx.Module):
             kinds=config.layer_kinds(),
         )
         return self.norm(x), KVCache(k=k, v=v, pads=cache.pads)
+
+    @property
+    def rope_switch(self) -> int | None:
+        """The position from which a longrope model's rotary embedding switches to
+        its long factors for every position (`None`: no such switch). At that
+        position generation recomputes the cache, as transformers' Phi-3 does,
+        so that the tokens equal those of a full forward."""
+        rope = self.config.global_rope
+        if rope.rope_type != "longrope":
+            return None
+        return rope.original_max_position_embeddings
 
     def head(self, x: Float[Array, "*batch hidden"]) -> Float[Array, "*batch vocab"]:
         """Logits of final-normed hidden states (the head and its transforms)."""
