@@ -172,6 +172,22 @@ def test_grpo_token_loss_matches_numpy(loss_type, level):
         assert 0 < want_metrics["clip_ratio/high_mean"] < 1
 
 
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+def test_weight_makes_accumulation_equal_one_batch(loss_type):
+    """Micro-batch losses averaged by `weight` (as `eqtrain.step` accumulates
+    them) equal the loss of the whole batch; the gradient is combined the same
+    way, so it does too."""
+    logps, old, ref, adv, mask = random_inputs(seed=2)
+    options = dict(beta=0.04, loss_type=loss_type)
+    whole, _ = ours(logps, old, adv, mask, ref, **options)
+    parts = [
+        ours(logps[i], old[i], adv[i], mask[i], ref[i], **options)
+        for i in (slice(0, 2), slice(2, ROWS))
+    ]
+    total = sum(float(loss) * float(m["weight"]) for loss, m in parts)
+    close(total / sum(float(m["weight"]) for _, m in parts), float(whole), tol=1e-6)
+
+
 def test_grpo_token_loss_errors():
     logps, old, ref, adv, mask = random_inputs()
     with pytest.raises(ConfigError, match="`loss_type` must be one of"):
