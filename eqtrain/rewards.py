@@ -1,0 +1,262 @@
+"""Rewards for online RL (`eqtrain.grpo`): plain Python callables, run on the host
+after sampling.
+
+A reward is `reward(prompts, completions, **columns) -> list[float | None]`, one
+value per row (None: this function cannot score that completion). It is called
+with keyword arguments, so TRL's reward functions (`def f(completions,
+**kwargs)`) work too; `columns` are the dataset's other columns, each a list
+aligned with the rows (e.g. `answer`).
+
+    funcs = [("correct", rewards.load_reward("exact_answer"), 1.0),
+             ("format", rewards.format_regex(r"<think>.*</think>.*"), 0.2)]
+    total, per_function = rewards.score(funcs, prompts, completions,
+                                        {"answer": answers})
+"""
+
+import importlib
+import math
+import re
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from ._errors import ConfigError
+
+
+Reward = Callable[..., Sequence[float | None]]
+
+_NUMBER = re.compile(r"-?\$?\d[\d,]*(?:\.\d+)?|-?\.\d+")
+_MARKERS = ("####", "answer:")
+
+
+def _last_boxed(text: str) -> str | None:
+    """The contents of the last `\\boxed{...}` (braces balanced), or None."""
+    start = text.rfind("\\boxed{")
+    if start < 0:
+        return None
+    depth, i = 1, start + len("\\boxed{")
+    for j in range(i, len(text)):
+        depth += {"{": 1, "}": -1}.get(text[j], 0)
+        if depth == 0:
+            return text[i:j]
+    return text[i:]
+
+
+def _first_line(text: str) -> str:
+    lines = text.strip().splitlines()
+    return lines[0] if lines else ""
+
+
+def final_answer(text: str) -> str:
+    """The final answer of a completion, by the first rule that applies:
+
+    1. the contents of the last `\\boxed{...}`;
+    2. the rest of the line after the last `####` (GSM8K's marker);
+    3. the rest of the line after the last `answer:` (any case);
+    4. the last number (`-1,234.5`, `$12`, `.5`);
+    5. the last non-empty line ("" if none).
+    """
+    boxed = _last_boxed(text)
+    if boxed is not None:
+        return boxed
+    lower = text.lower()
+    for marker in _MARKERS:
+        at = lower.rfind(marker)
+        if at >= 0:
+            return _first_line(text[at + len(marker) :])
+    numbers = _NUMBER.findall(text)
+    if numbers:
+        return numbers[-1]
+    lines = [line for line in text.splitlines() if line.strip()]
+    return lines[-1] if lines else ""
+
+
+def _normalise(text: str) -> str | float:
+    """Whitespace collapsed, lower case, a trailing period dropped; a number
+    (after removing `,` and `$`) as a float, so that `1,000` equals `1000.0`."""
+    text = " ".join(text.split()).lower().rstrip(".").strip()
+    try:
+        return float(text.replace(",", "").replace("$", ""))
+    except ValueError:
+        return text
+
+
+def _reference_answer(answer: Any) -> str:
+    """The `answer` column's value; a GSM8K solution ("... #### 72") gives the
+    text after its last `####`."""
+    text = str(answer)
+    return text.rsplit("####", 1)[1] if "####" in text else text
+
+
+def exact_answer(
+    prompts: Sequence[Any],
+    completions: Sequence[str],
+    answer: Sequence[Any] | None = None,
+    **columns: Any,
+) -> list[float]:
+    """1.0 where the completion's `final_answer` equals the row's `answer` after
+    normalising both (whitespace, case, a trailing period; numbers compared as
+    numbers: `1,000` = `1000.0`), else 0.0. Needs an `answer` column."""
+    if answer is None:
+        raise ConfigError(
+            "the `exact_answer` reward compares with the `answer` column, which "
+            f"the data lacks (columns: {sorted(columns)}); add it, or use "
+            "another reward."
+        )
+    return [
+        float(_normalise(final_answer(c)) == _normalise(_reference_answer(a)))
+        for c, a in zip(completions, answer, strict=True)
+    ]
+
+
+def format_regex(pattern: str) -> Reward:
+    """A reward: 1.0 where the whole completion matches `pattern`
+    (`re.fullmatch` with `re.DOTALL`: `.` matches newlines too), else 0.0."""
+    try:
+        compiled = re.compile(pattern, re.DOTALL)
+    except re.error as e:
+        raise ConfigError(f"format_regex: bad pattern {pattern!r}: {e}.") from None
+
+    def format_reward(
+        prompts: Sequence[Any], completions: Sequence[str], **columns: Any
+    ) -> list[float]:
+        return [float(compiled.fullmatch(c) is not None) for c in completions]
+
+    format_reward.__name__ = f"format_regex({pattern!r})"
+    return format_reward
+
+
+BUILTINS: dict[str, Reward] = {"exact_answer": exact_answer}
+"""Rewards `load_reward` finds by name alone."""
+
+
+def _import(spec: str, module_name: str) -> Any:
+    try:
+        return importlib.import_module(module_name)
+    except ModuleNotFoundError as e:
+        # Only the module named, not one it imports itself, is "not found" here.
+        if e.name is None or not (module_name + ".").startswith(e.name + "."):
+            raise
+        raise ConfigError(
+            f"reward {spec!r}: no module {module_name!r} (is it installed, or on "
+            "PYTHONPATH?)."
+        ) from None
+
+
+def load_reward(spec: str) -> Reward:
+    """A reward function by name: a built-in (`"exact_answer"`) or
+    `"package.module:function"` (the attribute may be dotted, `"mod:Class.f"`).
+
+    Raises:
+        ConfigError: the name is neither, the module or attribute is missing, or
+            the object is not callable.
+    """
+    if spec in BUILTINS:
+        return BUILTINS[spec]
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not module_name or not attr:
+        raise ConfigError(
+            f"reward {spec!r} is neither a built-in ({sorted(BUILTINS)}) nor "
+            "'package.module:function'."
+        )
+    obj = _import(spec, module_name)
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise ConfigError(f"reward {spec!r}: {module_name!r} has no {attr!r}.")
+        obj = getattr(obj, part)
+    if not callable(obj):
+        raise ConfigError(
+            f"reward {spec!r} is a {type(obj).__name__}, not a callable "
+            "`reward(prompts, completions, **columns) -> list[float]`."
+        )
+    return obj
+
+
+def _value(name: str, row: int, v: Any) -> float:
+    if v is None:
+        return math.nan
+    if isinstance(v, str | bytes) or not hasattr(v, "__float__"):
+        raise ConfigError(
+            f"reward {name!r} returned {v!r} for row {row}; expected a float or None."
+        )
+    x = float(v)
+    if not math.isfinite(x):
+        raise ConfigError(
+            f"reward {name!r} returned {x} for row {row}; rewards must be finite "
+            "(return None for a completion it cannot score)."
+        )
+    return x
+
+
+def _call(
+    name: str,
+    fn: Reward,
+    prompts: list[Any],
+    completions: list[str],
+    columns: Mapping[str, list[Any]],
+) -> np.ndarray:
+    out = fn(prompts=prompts, completions=completions, **columns)
+    if isinstance(out, str | bytes | Mapping) or not hasattr(out, "__len__"):
+        raise ConfigError(
+            f"reward {name!r} returned a {type(out).__name__}; expected a list "
+            "with one float (or None) per completion."
+        )
+    if len(out) != len(completions):
+        raise ConfigError(
+            f"reward {name!r} returned {len(out)} values for {len(completions)} "
+            "completions; it must return one per completion."
+        )
+    return np.array([_value(name, i, v) for i, v in enumerate(out)], np.float32)
+
+
+def _check_rows(
+    prompts: Sequence[Any], completions: Sequence[str], columns: Mapping[str, Any]
+) -> None:
+    rows = len(completions)
+    for label, values in (("prompts", prompts), *columns.items()):
+        if len(values) != rows:
+            raise ConfigError(
+                f"{label!r} has {len(values)} entries for {rows} completions; "
+                "every column must have one per completion."
+            )
+
+
+def score(
+    rewards: Sequence[tuple[str, Reward, float]],
+    prompts: Sequence[Any],
+    completions: Sequence[str],
+    columns: Mapping[str, Sequence[Any]] | None = None,
+) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+    """Every reward function on a batch, and their weighted sum.
+
+    Args:
+        rewards: `(name, function, weight)` triples; names must differ.
+        prompts, completions: one per row (a prompt repeated for each of its
+            completions).
+        columns: other data columns, each with one entry per row.
+
+    Returns:
+        `(total [rows] float32, {name: [rows] float32})`. A None reward is NaN
+        in its function's array and left out of the total (TRL's `nansum`); a row
+        where every function returned None is NaN in the total, which
+        `grpo.group_advantages` leaves out of its group and gives advantage 0.
+
+    Raises:
+        ConfigError: naming the function, when one returns the wrong number of
+            values, a value that is not a number or None, or a non-finite one.
+    """
+    if not rewards:
+        raise ConfigError("`score` needs at least one reward function.")
+    names = [name for name, _, _ in rewards]
+    if len(set(names)) != len(names):
+        raise ConfigError(f"reward names must differ; got {names}.")
+    columns = {k: list(v) for k, v in (columns or {}).items()}
+    _check_rows(prompts, completions, columns)
+    p, c = list(prompts), list(completions)
+    per = {name: _call(name, fn, p, c, columns) for name, fn, _ in rewards}
+    values = np.stack([per[n] for n in names], axis=1)
+    weights = np.array([w for _, _, w in rewards], np.float32)
+    total = np.nansum(values * weights, axis=1).astype(np.float32)
+    total[np.isnan(values).all(axis=1)] = np.nan
+    return total, per
