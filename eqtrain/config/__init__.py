@@ -46,5 +46,6 @@ from ._validate import (
     eval_source as eval_source,
     lora_on as lora_on,
     reference_mode as reference_mode,
+    rewards_of as rewards_of,
     validate as validate,
 )

@@ -38,10 +38,12 @@ def setting(
 
 # The Hugging Face model types of the model families, in their registry's order.
 ARCHS = tuple(t for family in FAMILIES.values() for t in family.model_types)
-TASKS = ("lm", "sft", "dpo", "ipo", "orpo", "simpo")
+TASKS = ("lm", "sft", "dpo", "ipo", "orpo", "simpo", "grpo")
 PREFERENCE_TASKS = ("dpo", "ipo", "orpo", "simpo")
 DATA_FORMATS = ("auto", "text", "chat", "prompt_completion", "preference")
 REFERENCES = ("auto", "copy", "adapters_off", "precomputed")
+GRPO_LOSSES = ("dapo", "grpo", "dr_grpo", "bnpo")  # = eqtrain.grpo.LOSS_TYPES
+REWARD_SCALES = ("group", "batch", "none")  # = eqtrain.grpo.SCALES
 OPTIMIZERS = ("adamw", "adam", "lion", "sgd", "adafactor")
 SCHEDULES = ("constant", "linear", "cosine", "wsd")
 DTYPES = ("float32", "bfloat16", "float16")
@@ -590,12 +592,16 @@ class TaskConfig:
         "What the run learns: `lm` (next-token prediction on every token), `sft` "
         "(supervised fine-tuning: the loss on completion/assistant tokens only), "
         "or preference optimisation on prompt/chosen/rejected pairs: `dpo`, "
-        "`ipo` (both against a reference model), `orpo`, `simpo` (none needed).",
+        "`ipo` (both against a reference model), `orpo`, `simpo` (none needed); "
+        "or `grpo`: online RL on prompts, with completions sampled from the "
+        "policy and scored by task.rewards.",
         choices=TASKS,
     )
     beta: float | None = setting(
         None,
-        "dpo/ipo/simpo: the beta of the loss; unset: 0.1 (dpo, ipo), 2.0 (simpo).",
+        "dpo/ipo/simpo: the beta of the loss; unset: 0.1 (dpo, ipo), 2.0 (simpo). "
+        "grpo: the weight of the KL penalty to the reference model; unset: 0 (no "
+        "penalty, no reference).",
         min=0,
     )
     label_smoothing: float = setting(
@@ -615,8 +621,86 @@ class TaskConfig:
         "in the state; `adapters_off`: the policy with its LoRA adapters off (no "
         "copy; needs [lora]); `precomputed`: its log-probs computed once before "
         "training and stored in <run_dir>/reference; `auto`: adapters_off with "
-        "LoRA, else copy.",
+        "LoRA, else copy. grpo (with task.beta > 0): copy or adapters_off.",
         choices=REFERENCES,
+    )
+    group_size: int = setting(
+        8,
+        "grpo: completions sampled per prompt; advantages compare each with the "
+        "others of its group (TRL's num_generations).",
+        min=2,
+    )
+    max_completion_len: int = setting(
+        64,
+        "grpo: the most tokens sampled per completion; prompts get the rest of "
+        "data.seq_len (longer ones are skipped).",
+        min=1,
+    )
+    temperature: float = setting(
+        1.0, "grpo: the sampling temperature; 0: greedy (no exploration).", min=0
+    )
+    top_k: int = setting(
+        0, "grpo: sample among the top_k likeliest tokens only; 0: off.", min=0
+    )
+    top_p: float = setting(
+        1.0,
+        "grpo: sample from the top_p probability mass only; 1: off.",
+        above=0,
+        max=1,
+    )
+    min_p: float = setting(
+        0.0,
+        "grpo: drop tokens less likely than min_p times the likeliest; 0: off.",
+        min=0,
+        below=1,
+    )
+    rewards: str = setting(
+        "exact_answer",
+        "grpo: the reward functions, summed (a list or comma-separated): "
+        "`exact_answer` (1 when the completion's final answer equals the data's "
+        "`answer` column), `format` (1 when the completion matches "
+        "task.format_regex), or `package.module:function`, called as "
+        "function(prompts, completions, **columns) -> list of floats (or None).",
+        kind="names",
+    )
+    reward_weights: str = setting(
+        "",
+        "grpo: a weight per reward function (a list or comma-separated, in "
+        "task.rewards' order); empty: 1 each.",
+        kind="names",
+    )
+    format_regex: str | None = setting(
+        None,
+        "grpo: the pattern of the `format` reward (the whole completion must "
+        "match it, `.` matching newlines too).",
+    )
+    scale_rewards: str = setting(
+        "group",
+        "grpo: what advantages are divided by: the group's reward std (`group`), "
+        "the batch's (`batch`), or nothing (`none`, as Dr. GRPO).",
+        choices=REWARD_SCALES,
+    )
+    loss_type: str = setting(
+        "dapo",
+        "grpo: how per-token losses are averaged: over all tokens of the batch "
+        "(`dapo`, `bnpo`), per sequence then over sequences (`grpo`), or over "
+        "rows x task.max_completion_len (`dr_grpo`).",
+        choices=GRPO_LOSSES,
+    )
+    epsilon: float = setting(
+        0.2, "grpo: the ratio's lower clip (1 - epsilon).", above=0, below=1
+    )
+    epsilon_high: float | None = setting(
+        None,
+        "grpo: the ratio's upper clip (1 + epsilon_high; DAPO uses 0.28); "
+        "unset: task.epsilon.",
+        above=0,
+    )
+    passes: int = setting(
+        1,
+        "grpo: optimizer updates on each sampled batch (TRL's num_iterations); "
+        "the learning-rate schedule counts updates.",
+        min=1,
     )
 
 

@@ -1,5 +1,7 @@
 """Checks across fields of a `Config`, run before anything is built or compiled."""
 
+from typing import Any
+
 from .. import models
 from .._errors import ConfigError
 from ..losses import CAUSAL_LM_AUX
@@ -73,7 +75,8 @@ def data_format(config: Config) -> str:
 def reference_mode(config: Config) -> str | None:
     """`task.reference` resolved: None for the tasks without a reference model,
     `auto` becomes adapters_off with LoRA, else copy."""
-    if config.task.kind not in ("dpo", "ipo"):
+    kind = config.task.kind
+    if kind not in ("dpo", "ipo") and not (kind == "grpo" and config.task.beta):
         return None
     ref = config.task.reference
     if ref == "auto":
@@ -306,16 +309,34 @@ def _export(config: Config) -> None:
 
 
 # The task keys each kind reads; setting one that the kind ignores is a mistake.
+_GRPO_KEYS = (
+    "group_size",
+    "max_completion_len",
+    "temperature",
+    "top_k",
+    "top_p",
+    "min_p",
+    "rewards",
+    "reward_weights",
+    "format_regex",
+    "scale_rewards",
+    "loss_type",
+    "epsilon",
+    "epsilon_high",
+    "passes",
+)
 _TASK_KEYS = {
-    "beta": ("dpo", "ipo", "simpo"),
+    "beta": ("dpo", "ipo", "simpo", "grpo"),
     "label_smoothing": ("dpo", "simpo"),
     "orpo_lambda": ("orpo",),
     "simpo_gamma": ("simpo",),
-    "reference": ("dpo", "ipo"),
+    "reference": ("dpo", "ipo", "grpo"),
+    **{key: ("grpo",) for key in _GRPO_KEYS},
 }
 _FORMATS = {
     "lm": ("text",),
     "sft": ("chat", "prompt_completion"),
+    "grpo": ("chat", "prompt_completion"),  # `messages` or `prompt` (+ columns)
     **{kind: ("preference",) for kind in PREFERENCE_TASKS},
 }
 
@@ -348,6 +369,8 @@ def _task(config: Config) -> None:
             "adapters switched off as the reference, but LoRA is off (lora.rank = "
             "0): set lora.rank, or task.reference = 'copy' or 'precomputed'."
         )
+    if kind == "grpo":
+        _grpo(config, given)
     if kind == "lm":
         other = sorted(k for k in given if k.startswith("data.") and k in _POST_KEYS)
         if other:
@@ -358,6 +381,74 @@ def _task(config: Config) -> None:
 
 
 _POST_KEYS = ("data.chat_template", "data.max_prompt_len", "data.pack")
+
+
+def _grpo(config: Config, given: frozenset[str]) -> None:
+    """GRPO's settings together: its rows' budget, the reference, the rewards."""
+    t, data = config.task, config.data
+    if t.max_completion_len >= data.seq_len:
+        raise ConfigError(
+            f"`task.max_completion_len` ({t.max_completion_len}) leaves no room for "
+            f"a prompt in `data.seq_len` ({data.seq_len}) tokens per row (prompt "
+            "and completion); raise data.seq_len or lower task.max_completion_len."
+        )
+    for key in ("data.max_prompt_len", "data.pack"):
+        if key in given:
+            raise ConfigError(
+                f"`{key}` does not apply to task.kind = 'grpo' (its prompts get "
+                "data.seq_len - task.max_completion_len tokens); remove it."
+            )
+    if reference_mode(config) == "precomputed":
+        raise ConfigError(
+            "task.reference = 'precomputed' cannot serve grpo: its completions are "
+            "sampled during training. Use 'copy', or 'adapters_off' with [lora]."
+        )
+    if config.data.eval not in ("auto", "none"):
+        raise ConfigError(
+            "task.kind = 'grpo' has no evaluation pass yet: set data.eval = "
+            "'none' (the rewards of every step are its measure)."
+        )
+    rewards_of(config)
+
+
+def rewards_of(config: Config) -> list[tuple[str, Any, float]]:
+    """`task.rewards` as `(name, function, weight)` triples, each function
+    imported (`eqtrain.rewards.load_reward`); a config error names the key."""
+    from .. import rewards as rewards_lib
+
+    t = config.task
+    names = [n for n in t.rewards.split(",") if n]
+    weights = [w for w in t.reward_weights.split(",") if w]
+    if not names:
+        raise ConfigError("`task.rewards` is empty: name at least one reward.")
+    if weights and len(weights) != len(names):
+        raise ConfigError(
+            f"`task.reward_weights` has {len(weights)} weights for the "
+            f"{len(names)} functions of task.rewards ({', '.join(names)}); give "
+            "one each, or none (1 each)."
+        )
+    try:
+        values = [float(w) for w in weights] or [1.0] * len(names)
+    except ValueError:
+        raise ConfigError(
+            f"`task.reward_weights` must be numbers; got {t.reward_weights!r}."
+        ) from None
+    out = []
+    for name, weight in zip(names, values, strict=True):
+        if name == "format":
+            if t.format_regex is None:
+                raise ConfigError(
+                    "task.rewards names `format`, which needs task.format_regex "
+                    "(the pattern a completion must match)."
+                )
+            fn = rewards_lib.format_regex(t.format_regex)
+        else:
+            try:
+                fn = rewards_lib.load_reward(name)
+            except ConfigError as e:
+                raise ConfigError(f"`task.rewards`: {e}") from None
+        out.append((name, fn, weight))
+    return out
 
 
 def _distributed(config: Config) -> None:

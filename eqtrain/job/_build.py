@@ -37,6 +37,7 @@ from ..config import (
     reference_mode,
 )
 from ..losses import causal_lm_loss, causal_lm_loss_fn, chunked_causal_lm_loss_fn
+from . import _grpo
 
 
 Rows = dict[str, np.ndarray]
@@ -80,6 +81,7 @@ class Job:
     vocab_size: int | None = None
     loss_chunk: int = 0
     _base_hash: dict[str, Any] | None = dataclasses.field(default=None, repr=False)
+    prompts: Any = None  # task.kind = "grpo": the prompts' host side (_grpo.Prompts)
 
     def head_dropout(self) -> bool:
         """Whether the run's LoRA puts an adapter with dropout on the output head
@@ -168,7 +170,10 @@ class Job:
     @property
     def tokens_per_row(self) -> int:
         """Tokens one training row feeds the model (a preference row is a pair)."""
-        pair = self.config.task.kind in PREFERENCE_TASKS
+        task = self.config.task
+        if task.kind == "grpo":  # each prompt row samples a group of completions
+            return self.config.data.seq_len * task.group_size
+        pair = task.kind in PREFERENCE_TASKS
         return self.config.data.seq_len * (2 if pair else 1)
 
     def _state(self, model: Any, seed: int) -> TrainState:
@@ -258,9 +263,12 @@ def build(config: Config, *, recorded: Path | None = None) -> Job:
     tokenizer = make_tokenizer(config, source)
     config, model_config, model_type = _model_config(config, tokenizer, source)
     config = _optim_defaults(config)
-    opt_fields = dataclasses.asdict(config.optim.resolved(config.loop.steps))
+    updates = config.loop.steps * (
+        config.task.passes if config.task.kind == "grpo" else 1
+    )
+    opt_fields = dataclasses.asdict(config.optim.resolved(updates))
     opt_fields.pop("accumulate")
-    optimizer = optim.build(**opt_fields, total_steps=config.loop.steps)
+    optimizer = optim.build(**opt_fields, total_steps=updates)
     padded = _padded_vocab(config, model_config.vocab_size)
     real = None
     if padded != model_config.vocab_size:
@@ -358,6 +366,8 @@ def task_loss(
     masked); `chunk`: tokens per chunk of a chunked head + loss (0: the plain
     loss over full logits)."""
     t = config.task
+    if t.kind == "grpo":
+        return _grpo.loss(config, reference, vocab_size=vocab_size, chunk=chunk)
     if t.kind in ("lm", "sft"):
         if chunk:
             return chunked_causal_lm_loss_fn(chunk=chunk, vocab_size=vocab_size)
@@ -643,6 +653,8 @@ def train_rows(job: Job) -> Any:
             rows = data_lib.Mixture(
                 parts, [w for _, _, w, _ in sources], names=[n for n, *_ in sources]
             )
+    elif config.task.kind == "grpo":
+        rows = _grpo.rows(job, config.data.train, "data.train")
     else:
         rows = post_rows(job, config.data.train, "data.train")
     n = num_rows(rows)

@@ -4,11 +4,11 @@ shardings from the partition rules, and the batch sharding."""
 import dataclasses
 from typing import Any
 
-from .. import data as data_lib, models, sharding
+from .. import data as data_lib, models, rollout, sharding
 from .._errors import ConfigError
 from .._jit import Jitted, jit
 from ..step import train_step as _train_step
-from . import _build
+from . import _build, _grpo
 
 
 @dataclasses.dataclass
@@ -179,4 +179,6 @@ def train_step(job: _build.Job, placement: Placement) -> Jitted:
         nonfinite=loop.nonfinite,
         ema=loop.ema,
     )
+    if config.task.kind == "grpo":
+        step = rollout.grpo_step(step, _grpo.make_rollout(job))
     return jit(models.under_mesh(step, placement.mesh), shardings=placement.shardings)
