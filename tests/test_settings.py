@@ -28,6 +28,7 @@ from typer.testing import CliRunner
 from eqtrain import config as config_lib, hf, lora, models
 from eqtrain.cli import app
 from eqtrain.config import schema
+from eqtrain.config._validate import _GRPO_KEYS as GRPO_KEYS
 from eqtrain.job import _build
 
 
@@ -103,6 +104,8 @@ SAMPLES = {
     "log.wandb_name": "tiny",
     "log.peak_flops": "1e12",
     "task.beta": "0.2",
+    "task.format_regex": "[0-9]+",
+    "task.epsilon_high": "0.28",
     "lora.alpha": "8",
     "lora.train_also": "norm",
     "export.dtype": "bfloat16",
@@ -118,6 +121,9 @@ MORE = {
     "model.loss_chunk": ["8"],
     "model.attention_chunk": ["8"],
     "optim.accumulate": ["2"],
+    "task.epsilon": ["0.1"],
+    "task.group_size": ["4"],
+    "task.passes": ["2"],
     "export.every": ["1"],
     "distributed.processes": ["2"],
 }
@@ -152,7 +158,7 @@ def values(key, *, bounds=True):
             out.append(_text(bound))
     out += FORMS.get(key, []) + (MORE.get(key, []) if bounds else [])
     if field.kind == "names":
-        out += ["layer_input", '["layer_input", "query"]']
+        out += NAMES.get(key, ["layer_input", '["layer_input", "query"]'])
     return list(dict.fromkeys(out))  # once each, in order
 
 
@@ -176,6 +182,20 @@ PREF = [
     "data.eval={root}/preference_eval.jsonl",
     "data.seq_len=64",
 ]
+GRPO = [
+    "task.kind=grpo",
+    "data.train={root}/grpo.jsonl",
+    "data.eval=none",
+    "loop.eval_every=-",
+    "task.max_completion_len=4",
+    "task.group_size=2",
+]
+GRPO_CHAT = [*GRPO[:1], "data.train={root}/grpo_chat.jsonl", *GRPO[2:], "data.seq_len=64"]
+# The names a `names` key documents (default: activation names, for remat)
+NAMES = {
+    "task.rewards": ["exact_answer", '["exact_answer", "format"]'],
+    "task.reward_weights": ["2", '["1", "0.5"]'],
+}
 LORA = ["lora.rank=4"]
 HF_BASE = ["model.init_from={root}/hf", *(f"{k}=-" for k in ARCH_KEYS)]
 
@@ -184,7 +204,13 @@ def companions(key, value):
     """The other settings `key = value` needs (`KEY=-`: drop KEY from the base)."""
     section, name = key.split(".", 1) if "." in key else ("", key)
     if key == "task.kind":
-        return {"lm": [], "sft": SFT}.get(value, PREF)
+        return {"lm": [], "sft": SFT, "grpo": GRPO}.get(value, PREF)
+    if key == "task.rewards" and "format" in value:
+        return [*GRPO, "task.format_regex=[0-9]+"]
+    if key == "task.reward_weights" and value.startswith("["):
+        return [*GRPO, "task.rewards=exact_answer,format", "task.format_regex=.*"]
+    if section == "task" and name in GRPO_KEYS:
+        return GRPO
     if key == "data.format":
         return {
             "chat": SFT,
@@ -317,6 +343,8 @@ SCHEMES = [None, *config_lib.schema()["model.sequence_parallel"].choices]
 def _data_for(kind, fmt):
     if kind == "lm":
         return []
+    if kind == "grpo":
+        return (GRPO_CHAT if fmt == "chat" else GRPO)[1:]
     if kind != "sft":
         return PREF
     return PC[1:] if fmt == "prompt_completion" else SFT[1:]
@@ -370,6 +398,13 @@ def root(tmp_path_factory):
         {"prompt": f"What is {i} plus 1?", "completion": f" {i + 1}."}
         for i in range(48)
     ]
+    grpo = [{"prompt": f"{i}+1=", "answer": str(i + 1)} for i in range(16)]
+    (root / "grpo.jsonl").write_text("".join(json.dumps(r) + "\n" for r in grpo))
+    chats = [
+        {"messages": [{"role": "user", "content": r["prompt"]}], "answer": r["answer"]}
+        for r in grpo
+    ]
+    (root / "grpo_chat.jsonl").write_text("".join(json.dumps(r) + "\n" for r in chats))
     (root / "pc.jsonl").write_text("".join(json.dumps(r) + "\n" for r in pc))
     cfg = models.LlamaConfig(
         vocab_size=259,
