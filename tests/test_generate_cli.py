@@ -59,22 +59,21 @@ def read_jsonl(path):
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
+NEW = ["--max-new-tokens", "6"]  # one length throughout: fewer compilations
+
+
 def test_hf_directory_prompt_file_and_out(hf_dir, tmp_path):
     m = job.open_model(hf_dir)
     assert m.stop_ids == (2, 9)  # the tokenizer's EOS and generation_config's
-    done = inproc("generate", hf_dir, "-p", "hello world", "--max-new-tokens", "5")
+    done = inproc("generate", hf_dir, "-p", "hello world", *NEW)
     assert done.returncode == 0, done.stderr
-    options = job.Options(max_new_tokens=5, stop_ids=m.stop_ids)
+    options = job.Options(max_new_tokens=6, stop_ids=m.stop_ids)
     ids = job.prompt_tokens(m, "hello world", chat=False)
     assert ids.tolist() == [1, 6, 7]  # BOS, then the words
     (want,) = job.complete(m, [ids], options)
     assert done.stdout == want.text + "\n"
-    prompts = tmp_path / "prompts.jsonl"
-    rows = [{"prompt": "the quick fox", "id": 1}, {"prompt": "lazy dog", "id": 2}]
-    prompts.write_text("".join(json.dumps(r) + "\n" for r in rows))
     out = tmp_path / "out.jsonl"
-    args = ["generate", hf_dir, "--file", prompts, "-p", "hello", "--out", out]
-    done = inproc(*args, "--max-new-tokens", "6", "--batch-size", "2")
+    done = inproc(*file_args(hf_dir, tmp_path), "--out", out)
     assert done.returncode == 0, done.stderr
     got = read_jsonl(out)
     assert [r["prompt"] for r in got] == ["hello", "the quick fox", "lazy dog"]
@@ -83,9 +82,23 @@ def test_hf_directory_prompt_file_and_out(hf_dir, tmp_path):
         assert set(r) >= {"prompt", "completion", "tokens", "stop_reason"}
         assert 1 <= r["tokens"] <= 6
         assert r["stop_reason"] == ("length" if r["tokens"] == 6 else "stop")
-    # sampling: the same seed gives the same completions
-    sample = [*args[:-2], "--temperature", "1", "--top-k", "5", "--seed", "3"]
-    assert inproc(*sample).stdout == inproc(*sample).stdout
+
+
+def file_args(hf_dir, tmp_path):
+    """`generate` of a --prompt and a two-line --file, in one batch."""
+    prompts = tmp_path / "prompts.jsonl"
+    rows = [{"prompt": "the quick fox", "id": 1}, {"prompt": "lazy dog", "id": 2}]
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return ["generate", hf_dir, "--file", prompts, "-p", "hello", *NEW]
+
+
+@pytest.mark.slow
+def test_sampling_is_repeatable_by_seed(hf_dir, tmp_path):
+    args = [*file_args(hf_dir, tmp_path), "--temperature", "1", "--top-k", "5"]
+    first = inproc(*args, "--seed", "3")
+    assert first.returncode == 0, first.stderr
+    assert inproc(*args, "--seed", "3").stdout == first.stdout
+    assert len(first.stdout.splitlines()) == 3
 
 
 def test_chat_uses_the_template_and_its_end_of_turn(hf_dir, tmp_path):
@@ -102,7 +115,7 @@ def test_chat_uses_the_template_and_its_end_of_turn(hf_dir, tmp_path):
     assert ids.tolist() == list(theirs)
     prompts = tmp_path / "chat.jsonl"
     prompts.write_text(json.dumps({"messages": messages}) + "\n")
-    done = inproc("generate", hf_dir, "--chat", "--file", prompts)
+    done = inproc("generate", hf_dir, "--chat", "--file", prompts, *NEW)
     assert done.returncode == 0, done.stderr
     (row,) = [json.loads(line) for line in done.stdout.splitlines()]
     assert row["messages"] == messages and "completion" in row
@@ -148,17 +161,30 @@ def test_a_prompt_too_long_for_gpt2_is_refused(tmp_path):
     hf.export(models.GPT2(config, jr.key(0)), config, tmp_path / "gpt2")
     done = inproc("generate", tmp_path / "gpt2", "-p", "x" * 20)
     assert_clean_error(done, "more than the model's 32", "n_positions")
-    # 20 + 12 fits (the padding is cut to fit the positions)
+
+
+@pytest.mark.slow
+def test_a_prompt_that_fits_gpt2_exactly_runs(tmp_path):
+    from eqtrain import hf
+
+    config = models.GPT2Config(
+        vocab_size=259, n_positions=32, n_embd=16, n_layer=1, n_head=2
+    )
+    hf.export(models.GPT2(config, jr.key(0)), config, tmp_path / "gpt2")
+    # BOS + 19 + 12 = 32 fits (the padding is cut to fit the positions)
     done = inproc(
         "generate", tmp_path / "gpt2", "-p", "x" * 19, "--max-new-tokens", "12"
     )
     assert done.returncode == 0, done.stderr
 
 
-@pytest.mark.parametrize("sampling", [Sampling(0.0), Sampling(1.0, top_k=20)])
+@pytest.mark.parametrize(
+    "sampling",
+    [Sampling(0.0), pytest.param(Sampling(1.0, top_k=20), marks=pytest.mark.slow)],
+)
 def test_stream_equals_generate(sampling):
     config = models.LlamaConfig(
-        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
     )  # fmt: skip
     model = models.Llama(config, jr.key(1))
@@ -180,7 +206,7 @@ def test_stream_equals_generate(sampling):
                    sampling=sampling, stop_ids=(stop,))  # fmt: skip
     pieces = stream(
         model, prompt, max_new_tokens=20, key=key, sampling=sampling,
-        stop_ids=(stop,), chunk=4,
+        stop_ids=(stop,), chunk=3,
     )  # fmt: skip
     got = np.concatenate(list(pieces))
     np.testing.assert_array_equal(got, cut.tokens[0, : int(cut.lengths[0])])
@@ -256,6 +282,12 @@ def test_generate_from_a_run_directory(sampled_run, tmp_path):
                   "--step", "3")  # fmt: skip
     assert done.returncode == 0, done.stderr
     assert done.stdout == rows[0]["completion"] + "\n"
+    # a plain-text run's --chat: eqtrain's built-in template
+    m = job.open_model(run)
+    ids = job.prompt_tokens(m, "hi", chat=True)
+    assert m.tokenizer.decode(ids) == "<|user|>\nhi\n<|assistant|>\n"
+    done = inproc("generate", run, "--chat", "-p", "hi", "--max-new-tokens", "8")
+    assert done.returncode == 0, done.stderr
     done = inproc("generate", run, "-p", "x", "--step", "4")
     assert_clean_error(done, "no checkpoint of step 4", "3, 6")
 
@@ -267,3 +299,12 @@ def test_a_bad_samples_file_is_refused_before_training(tmp_path):
     assert_clean_error(done, "`log.samples`", "must be a .txt or .jsonl")
     done = inproc("fit", config, "--set", f"log.samples={tmp_path / 'none.txt'}")
     assert_clean_error(done, "`log.samples`", "does not exist")
+
+
+@pytest.mark.slow
+def test_dry_run_lists_the_samples(tmp_path):
+    (tmp_path / "p.txt").write_text("def f(x):\n")
+    config = write_tiny_config(tmp_path, f'samples = "{tmp_path / "p.txt"}"\n')
+    done = inproc("fit", config, "--dry-run", check_rc=0)
+    assert "samples      1 prompts" in done.stdout
+    assert "every 100 steps and at the end" in done.stdout
