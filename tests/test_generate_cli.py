@@ -127,6 +127,9 @@ def test_chat_uses_the_template_and_its_end_of_turn(hf_dir, tmp_path):
     write_tokenizer(bare, template=False)
     done = inproc("generate", bare, "--chat", "-p", "hello")
     assert_clean_error(done, "--chat needs a chat template", str(bare))
+    (bare / "tokenizer.json").unlink()  # and no tokenizer: bytes do not fit
+    done = inproc("generate", bare, "-p", "hello")
+    assert_clean_error(done, "has no tokenizer.json", "vocabulary of 101")
 
 
 @pytest.mark.parametrize(

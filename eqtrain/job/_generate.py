@@ -86,10 +86,25 @@ def _hf_model(path: Path) -> Generator:
             f"cannot load the Hugging Face directory {path}: {e}"
         ) from None
     tokenizer = _tokenizer(name)
+    _check_vocab(path, tokenizer, model.config.vocab_size)
     stops = _ids(tokenizer.eos_id, *_generation_eos(path))
     text = data_lib.read_chat_template(path)
     template = None if text is None else data_lib.chat_template(path)
     return Generator(model, tokenizer, stops, path, template, _positions(model))
+
+
+def _check_vocab(path: Path, tokenizer: Any, vocab: int) -> None:
+    if tokenizer.vocab_size <= vocab:
+        return
+    which = (
+        "has no tokenizer.json, and the byte tokenizer's"
+        if isinstance(tokenizer, data_lib.ByteTokenizer)
+        else "has a tokenizer.json whose"
+    )
+    raise ConfigError(
+        f"{path} {which} {tokenizer.vocab_size} ids do not fit the model's "
+        f"vocabulary of {vocab}; add the model's tokenizer.json there."
+    )
 
 
 def _tokenizer(name: str) -> Any:
