@@ -25,7 +25,7 @@ greedy decoding. The log-probabilities are of the sampled token under
 """
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any, NamedTuple
 
 import equinox as eqx
@@ -170,6 +170,19 @@ class _Loop(NamedTuple):
     lengths: Int[Array, " rows"]
 
 
+@dataclasses.dataclass(frozen=True)
+class _Settings:
+    """What a compiled generation is specialised to (hashable: a static jit
+    argument)."""
+
+    max_new_tokens: int
+    sampling: Sampling
+    stop_ids: tuple[int, ...]
+    pad_id: int
+    vocab_size: int | None
+    mesh: Any
+
+
 def _cache_spec(mesh: Any, cache: Any) -> Any:
     """The cache's sharding on `mesh`: rows over the batch axes, key/value
     heads over `tensor` (like the attention heads), where they divide."""
@@ -183,92 +196,129 @@ def _cache_spec(mesh: Any, cache: Any) -> Any:
     return NamedSharding(mesh, P(None, rows, None, heads, None))
 
 
+def _constrain(cache: Any, mesh: Any) -> Any:
+    """`cache` with its keys and values constrained to `_cache_spec` on `mesh`."""
+    if mesh is None:
+        return cache
+    spec = _cache_spec(mesh, cache)
+    k = jax.lax.with_sharding_constraint(cache.k, spec)
+    v = jax.lax.with_sharding_constraint(cache.v, spec)
+    return eqx.tree_at(lambda c: (c.k, c.v), cache, (k, v))
+
+
+def _pick(
+    model: Any, h: Array, key: PRNGKeyArray, step: Array, s: _Settings
+) -> tuple[Array, Array]:
+    """The token (and its log-probability) drawn after hidden state `h`, with
+    the key of new token number `step`."""
+    logits = _mask_vocab(model.head(h), s.vocab_size)
+    return sample(logits, jr.fold_in(key, step), s.sampling)
+
+
+def _prefill(
+    model: Any,
+    prompts: Int[Array, "rows prompt"],
+    lengths: Int[Array, " rows"],
+    key: PRNGKeyArray,
+    s: _Settings,
+) -> _Loop:
+    """The prompts through the model into a new cache, and the first new token."""
+    rows, width = prompts.shape
+    cache = model.init_cache(rows, width + s.max_new_tokens, width - lengths)
+    cache = _constrain(cache, s.mesh)
+    hidden, cache = model.cached_features(prompts, cache, 0, prefill=True)
+    token, logp = _pick(model, hidden[:, -1], key, jnp.int32(0), s)
+    new = s.max_new_tokens
+    return _Loop(
+        step=jnp.int32(1),
+        token=token,
+        cache=_constrain(cache, s.mesh),
+        done=jnp.isin(token, _stops(s)),
+        tokens=jnp.full((rows, new), s.pad_id, jnp.int32).at[:, 0].set(token),
+        logprobs=jnp.zeros((rows, new), jnp.float32).at[:, 0].set(logp),
+        lengths=jnp.ones((rows,), jnp.int32),
+    )
+
+
+def _stops(s: _Settings) -> Array:
+    return jnp.asarray(s.stop_ids, jnp.int32).reshape(-1)
+
+
+def _rope_switch(model: Any, width: int, s: _Settings) -> int | None:
+    """The slot (position) where a longrope model recomputes its cache, when a
+    row can reach it."""
+    switch = getattr(model, "rope_switch", None)
+    if switch is not None and not switch < width + s.max_new_tokens - 1:
+        return None  # no row reaches it
+    return switch
+
+
+def _hidden(
+    model: Any, prompts: Array, st: _Loop, slot: Array, s: _Settings
+) -> tuple[Array, Any]:
+    """The hidden state of the last token fed at `slot`, and the cache after it:
+    one decode step, or at a rope switch the whole text so far through an
+    empty cache (as transformers' Phi-3 does)."""
+    switch = _rope_switch(model, prompts.shape[1], s)
+
+    def decode(st: _Loop, slot: Array) -> tuple[Array, Any]:
+        h, cache = model.cached_features(st.token[:, None], st.cache, slot)
+        return h[:, 0], cache
+
+    def redo(st: _Loop, slot: Array) -> tuple[Array, Any]:
+        text = jnp.concatenate([prompts, st.tokens], axis=1)
+        text = text[:, : prompts.shape[1] + s.max_new_tokens]
+        empty = eqx.tree_at(lambda c: (c.k, c.v), st.cache, replace_fn=jnp.zeros_like)
+        h, cache = model.cached_features(text, empty, 0, prefill=True, last=slot)
+        return jax.lax.dynamic_index_in_dim(h, slot, 1, keepdims=False), cache
+
+    if switch is None:
+        return decode(st, slot)
+    crossing = jnp.any(slot - st.cache.pads == switch)
+    return jax.lax.cond(crossing, redo, decode, st, slot)
+
+
+def _advance(
+    model: Any, prompts: Array, key: PRNGKeyArray, st: _Loop, s: _Settings
+) -> _Loop:
+    """One new token per row (`pad_id` for the rows already done)."""
+    slot = prompts.shape[1] + st.step - 1
+    h, cache = _hidden(model, prompts, st, slot, s)
+    token, logp = _pick(model, h, key, st.step, s)
+    live = ~st.done
+    token = jnp.where(live, token, s.pad_id)
+    at = lambda a, v: jax.lax.dynamic_update_index_in_dim(a, v, st.step, 1)
+    return _Loop(
+        step=st.step + 1,
+        token=token,
+        cache=_constrain(cache, s.mesh),
+        done=st.done | jnp.isin(token, _stops(s)),
+        tokens=at(st.tokens, token),
+        logprobs=at(st.logprobs, jnp.where(live, logp, 0.0)),
+        lengths=st.lengths + live.astype(jnp.int32),
+    )
+
+
+def _run_until(
+    model: Any, prompts: Array, key: PRNGKeyArray, st: _Loop, limit: Array, s: _Settings
+) -> _Loop:
+    """Advance until every row is done, or `limit` new tokens per row exist."""
+    limit = jnp.minimum(limit, s.max_new_tokens)
+    more = lambda st: (st.step < limit) & ~jnp.all(st.done)
+    return jax.lax.while_loop(more, lambda st: _advance(model, prompts, key, st, s), st)
+
+
 @eqx.filter_jit
 def _generate(
     model: Any,
     prompts: Int[Array, "rows prompt"],
     lengths: Int[Array, " rows"],
     key: PRNGKeyArray,
-    max_new_tokens: int,
-    sampling: Sampling,
-    stop_ids: tuple[int, ...],
-    pad_id: int,
-    vocab_size: int | None,
-    mesh: Any,
+    s: _Settings,
 ) -> Generation:
-    rows, width = prompts.shape
-    cache = model.init_cache(rows, width + max_new_tokens, width - lengths)
-    if mesh is not None:
-        spec = _cache_spec(mesh, cache)
-        constrain = lambda c: eqx.tree_at(
-            lambda c: (c.k, c.v),
-            c,
-            (
-                jax.lax.with_sharding_constraint(c.k, spec),
-                jax.lax.with_sharding_constraint(c.v, spec),
-            ),
-        )
-    else:
-        constrain = lambda c: c
-    hidden, cache = model.cached_features(prompts, constrain(cache), 0, prefill=True)
-    stops = jnp.asarray(stop_ids, jnp.int32).reshape(-1)
-
-    def pick(h: Array, step: Array) -> tuple[Array, Array]:
-        logits = _mask_vocab(model.head(h), vocab_size)
-        return sample(logits, jr.fold_in(key, step), sampling)
-
-    token, logp = pick(hidden[:, -1], jnp.int32(0))
-    state = _Loop(
-        step=jnp.int32(1),
-        token=token,
-        cache=constrain(cache),
-        done=jnp.isin(token, stops),
-        tokens=jnp.full((rows, max_new_tokens), pad_id, jnp.int32).at[:, 0].set(token),
-        logprobs=jnp.zeros((rows, max_new_tokens), jnp.float32).at[:, 0].set(logp),
-        lengths=jnp.ones((rows,), jnp.int32),
-    )
-
-    def more(s: _Loop) -> Array:
-        return (s.step < max_new_tokens) & ~jnp.all(s.done)
-
-    switch = getattr(model, "rope_switch", None)
-    if switch is not None and not switch < width + max_new_tokens - 1:
-        switch = None  # no row reaches it
-
-    def decode(s: _Loop, slot: Array) -> tuple[Array, Any]:
-        h, cache = model.cached_features(s.token[:, None], s.cache, slot)
-        return h[:, 0], cache
-
-    def redo(s: _Loop, slot: Array) -> tuple[Array, Any]:
-        """The whole text so far through an empty cache (the rope switch)."""
-        text = jnp.concatenate([prompts, s.tokens], axis=1)[:, : width + max_new_tokens]
-        empty = eqx.tree_at(lambda c: (c.k, c.v), s.cache, replace_fn=jnp.zeros_like)
-        h, cache = model.cached_features(text, empty, 0, prefill=True, last=slot)
-        return jax.lax.dynamic_index_in_dim(h, slot, 1, keepdims=False), cache
-
-    def next_token(s: _Loop) -> _Loop:
-        slot = width + s.step - 1
-        if switch is None:
-            h, cache = decode(s, slot)
-        else:
-            crossing = jnp.any(slot - s.cache.pads == switch)
-            h, cache = jax.lax.cond(crossing, redo, decode, s, slot)
-        token, logp = pick(h, s.step)
-        live = ~s.done
-        token = jnp.where(live, token, pad_id)
-        at = lambda a, v: jax.lax.dynamic_update_index_in_dim(a, v, s.step, 1)
-        return _Loop(
-            step=s.step + 1,
-            token=token,
-            cache=constrain(cache),
-            done=s.done | jnp.isin(token, stops),
-            tokens=at(s.tokens, token),
-            logprobs=at(s.logprobs, jnp.where(live, logp, 0.0)),
-            lengths=s.lengths + live.astype(jnp.int32),
-        )
-
-    s = jax.lax.while_loop(more, next_token, state)
-    return Generation(tokens=s.tokens, lengths=s.lengths, logprobs=s.logprobs)
+    st = _prefill(model, prompts, lengths, key, s)
+    st = _run_until(model, prompts, key, st, jnp.int32(s.max_new_tokens), s)
+    return Generation(tokens=st.tokens, lengths=st.lengths, logprobs=st.logprobs)
 
 
 def generate(
@@ -305,8 +355,30 @@ def generate(
         mesh: the device mesh the model lies on: the cache is sharded over it
             (rows over the batch axes, key/value heads over `tensor`).
     """
+    settings = _settings(max_new_tokens, sampling, stop_ids, pad_id, vocab_size, mesh)
+    prompts, lengths = _arrays(prompts, lengths)
+    return _generate(model, prompts, lengths, key, settings)
+
+
+def _settings(
+    max_new_tokens: int,
+    sampling: Sampling,
+    stop_ids: Sequence[int],
+    pad_id: int,
+    vocab_size: int | None,
+    mesh: Any,
+) -> _Settings:
     if max_new_tokens < 1:
         raise ConfigError(f"`max_new_tokens` must be >= 1; got {max_new_tokens}.")
+    stops = tuple(int(i) for i in stop_ids)
+    return _Settings(
+        int(max_new_tokens), sampling, stops, int(pad_id), vocab_size, mesh
+    )
+
+
+def _arrays(
+    prompts: Array | np.ndarray, lengths: Array | np.ndarray
+) -> tuple[Array, Array]:
     prompts = jnp.asarray(prompts, jnp.int32)
     lengths = jnp.asarray(lengths, jnp.int32)
     if prompts.ndim != 2 or lengths.shape != (prompts.shape[0],):
@@ -314,15 +386,64 @@ def generate(
             f"`prompts` must be [rows, length] and `lengths` [rows]; got shapes "
             f"{prompts.shape} and {lengths.shape}."
         )
-    return _generate(
-        model,
-        prompts,
-        lengths,
-        key,
-        int(max_new_tokens),
-        sampling,
-        tuple(int(i) for i in stop_ids),
-        int(pad_id),
-        vocab_size,
-        mesh,
-    )
+    return prompts, lengths
+
+
+@eqx.filter_jit
+def _stream_start(
+    model: Any, prompts: Array, lengths: Array, key: PRNGKeyArray, s: _Settings
+) -> _Loop:
+    return _prefill(model, prompts, lengths, key, s)
+
+
+@eqx.filter_jit
+def _stream_more(
+    model: Any, prompts: Array, key: PRNGKeyArray, st: _Loop, chunk: int, s: _Settings
+) -> _Loop:
+    return _run_until(model, prompts, key, st, st.step + chunk, s)
+
+
+def stream(
+    model: Any,
+    prompt: Sequence[int] | np.ndarray,
+    *,
+    max_new_tokens: int,
+    key: PRNGKeyArray,
+    sampling: Sampling = GREEDY,
+    stop_ids: Sequence[int] = (),
+    pad_id: int = 0,
+    vocab_size: int | None = None,
+    chunk: int = 8,
+    multiple: int = 16,
+) -> Iterator[np.ndarray]:
+    """The new tokens of one prompt, yielded as they are made: first the prompt's
+    first token (after a compiled prefill), then up to `chunk` tokens per
+    compiled call, until a stop id (included) or `max_new_tokens`.
+
+    The tokens are `generate`'s for the same prompt (padded by `left_pad`), key
+    and settings: both run the same prefill and decode step. Each piece is an
+    int32 array of token ids; together they are the row's `lengths` tokens.
+
+    Args:
+        prompt: the prompt's token ids (at least one).
+        chunk: new tokens per compiled call after the first (each call returns
+            to the host, so smaller is smoother and a little slower).
+        multiple: the padded prompt's length is a multiple of it (`left_pad`'s).
+        max_new_tokens, key, sampling, stop_ids, pad_id, vocab_size: as
+            `generate`'s.
+    """
+    if chunk < 1:
+        raise ConfigError(f"`chunk` must be >= 1; got {chunk}.")
+    s = _settings(max_new_tokens, sampling, stop_ids, pad_id, vocab_size, None)
+    prompts, lengths = _arrays(*left_pad([prompt], pad_id=pad_id, multiple=multiple))
+    st = _stream_start(model, prompts, lengths, key, s)
+    sent = 0
+    while True:
+        step, done = int(st.step), bool(st.done[0])
+        end = int(st.lengths[0])
+        if end > sent:
+            yield np.asarray(st.tokens[0, sent:end])
+            sent = end
+        if done or step >= s.max_new_tokens:
+            return
+        st = _stream_more(model, prompts, key, st, int(chunk), s)

@@ -103,6 +103,7 @@ SAMPLES = {
     "log.wandb_project": "eqtrain-test",
     "log.wandb_name": "tiny",
     "log.peak_flops": "1e12",
+    "log.samples": "{root}/samples.txt",
     "task.beta": "0.2",
     "task.format_regex": "[0-9]+",
     "task.epsilon_high": "0.28",
@@ -254,6 +255,8 @@ def companions(key, value):
         return HF_BASE
     if key == "checkpoint.best_mode":
         return ["checkpoint.best=eval/loss"]
+    if key.startswith("log.samples_"):  # they shape the samples of log.samples
+        return ["log.samples={root}/samples.txt"]
     if key in ("log.wandb_project", "log.wandb_name"):
         # never the network: wandb writes nothing (see also the env fixture)
         return ["log.wandb_project=eqtrain-test", "log.wandb_mode=disabled"]
@@ -389,6 +392,7 @@ def root(tmp_path_factory):
     for i in range(3):
         (root / "train" / f"{i}.txt").write_text(TEXT * (i + 1))
     (root / "eval" / "0.txt").write_text(TEXT[::-1])
+    (root / "samples.txt").write_text("def f(x):\nclass A:\n")  # log.samples
     for name in ("sft", "preference"):
         (root / f"{name}.jsonl").write_text(_first(EXAMPLES / f"{name}.jsonl", 48))
         (root / f"{name}_eval.jsonl").write_text(

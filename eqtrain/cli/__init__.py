@@ -589,6 +589,13 @@ def config_(
         typer.echo(config_lib.to_toml(cfg), nl=False)
 
 
+# One module per command from here on; each registers its function.
+from ._generate import generate as _generate_command  # noqa: E402
+
+
+app.command(name="generate")(_generate_command)
+
+
 def main() -> None:
     """The console entry point. It first applies eqtrain's CPU settings to its own
     process (`eqtrain.tune_cpu`: glibc's allocator thresholds and Eigen dots;

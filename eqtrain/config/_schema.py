@@ -583,6 +583,22 @@ class LogConfig:
         "accelerators (none on CPU).",
         above=0,
     )
+    samples: str | None = setting(
+        None,
+        "Generate from the model during training: a .txt file (one prompt a "
+        'line) or a .jsonl file ({"prompt": ...} or {"messages": [...]} a '
+        "line; messages get the run's chat template). The completions are "
+        "appended to <run_dir>/samples.jsonl (and TensorBoard's text tab); unset: "
+        "none.",
+        kind="path",
+    )
+    samples_every: int = setting(
+        100, "Generate the samples every this many steps (and at the end).", min=1
+    )
+    samples_max_new_tokens: int = setting(64, "The most new tokens per sample.", min=1)
+    samples_temperature: float = setting(
+        0.0, "Sampling temperature of the samples; 0: greedy.", min=0
+    )
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,10 +1,11 @@
 """Built-in hooks: a JSONL metrics writer, a progress bar, a console logger, and
-writers for TensorBoard and Weights & Biases; `peak_flops` for MFU.
+writers for TensorBoard and Weights & Biases; `SamplesWriter`, which generates
+from the model at its steps; `peak_flops` for MFU.
 
 Each is a plain callable `hook(info)`; schedule it with `eqtrain.every(n, hook)` or
-pass it as is (every step). They read only metrics (no `uses_state`), so they
-run a little late (the loop reads metrics in batches) and never make the loop wait
-for the device.
+pass it as is (every step). All but `SamplesWriter` read only metrics (no
+`uses_state`), so they run a little late (the loop reads metrics in batches) and
+never make the loop wait for the device.
 """
 
 from ._console import ConsoleLogger as ConsoleLogger, format_line as format_line
@@ -14,5 +15,6 @@ from ._devices import (
 )
 from ._jsonl import JsonlWriter as JsonlWriter
 from ._progress import ProgressBar as ProgressBar
+from ._samples import SamplesWriter as SamplesWriter
 from ._tensorboard import TensorBoardWriter as TensorBoardWriter
 from ._wandb import WandbLogger as WandbLogger

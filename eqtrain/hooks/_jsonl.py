@@ -31,6 +31,30 @@ def _step_of(line: bytes) -> int | None:
     return step if isinstance(step, int) else None
 
 
+def cut_after(path: Path, start: int) -> None:
+    """Keep the lines of `path` up to step `start` (a resumed run redoes the
+    rest), without the end keys of step `start`'s line; atomically."""
+    try:
+        lines = path.read_bytes().splitlines()
+    except FileNotFoundError:
+        return
+    kept = []
+    for line in lines:
+        step = _step_of(line)
+        if step is None or step > start:
+            continue
+        if step == start:
+            record = json.loads(line)
+            if any(k in record for k in END_KEYS):
+                line = json.dumps(
+                    {k: v for k, v in record.items() if k not in END_KEYS}
+                ).encode()
+        kept.append(line + b"\n")
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_bytes(b"".join(kept))
+    os.replace(tmp, path)
+
+
 class JsonlWriter:
     """Append one JSON line per call to `path`, flushed at once.
 
@@ -107,26 +131,7 @@ class JsonlWriter:
         return self._file
 
     def _cut(self, start: int) -> None:
-        """Keep the lines up to step `start` (a resumed run redoes the rest)."""
-        try:
-            lines = self.path.read_bytes().splitlines()
-        except FileNotFoundError:
-            return
-        kept = []
-        for line in lines:
-            step = _step_of(line)
-            if step is None or step > start:
-                continue
-            if step == start:
-                record = json.loads(line)
-                if any(k in record for k in END_KEYS):
-                    line = json.dumps(
-                        {k: v for k, v in record.items() if k not in END_KEYS}
-                    ).encode()
-            kept.append(line + b"\n")
-        tmp = self.path.with_name(f".{self.path.name}.tmp")
-        tmp.write_bytes(b"".join(kept))
-        os.replace(tmp, self.path)
+        cut_after(self.path, start)
 
     def _end(self, file: IO[bytes], record: dict[str, Any]) -> None:
         """Complete the last line when it is the same step's, else add one."""

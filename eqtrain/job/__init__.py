@@ -9,11 +9,22 @@ model, optimizer, mesh, resume, hooks, checkpoints, evaluation and export from a
 from ._build import Job as Job, build as build
 from ._data import prepare_data as prepare_data, tokens_per_source as tokens_per_source
 from ._dry import budget_report as budget_report, report as report
+from ._generate import (
+    Completion as Completion,
+    Generator as Generator,
+    Options as Options,
+    chat_stop_ids as chat_stop_ids,
+    complete as complete,
+    open_model as open_model,
+    prompt_tokens as prompt_tokens,
+    stream_text as stream_text,
+)
 from ._inspect import (
     evaluate_run as evaluate_run,
     export_run as export_run,
     import_hf as import_hf,
     open_run as open_run,
+    restore_run as restore_run,
     run_info as run_info,
 )
 from ._preflight import (

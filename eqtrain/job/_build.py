@@ -411,6 +411,12 @@ def _chat_template(config: Config, init_from: str | None) -> Any:
     return _template_from(Path(tokenizer), "data.tokenizer")
 
 
+def chat_template_of(config: Config) -> Any:
+    """The chat template `data.chat_template` names for `config` (also for a
+    run that trains on plain text: what its conversations would be made of)."""
+    return _chat_template(config, config.model.init_from)
+
+
 def _template_from(path: Path, key: str) -> Any:
     try:
         return data_lib.chat_template(path)

@@ -11,7 +11,7 @@ import jax
 from .. import lora, models, sharding
 from .._state import TrainState
 from ..config import Config
-from . import _build, _memory, _place
+from . import _build, _memory, _place, _samples
 
 
 def _bytes(tree: Any) -> int:
@@ -65,6 +65,21 @@ def _task_lines(job: _build.Job) -> list[str]:
     return [line, *(f"skipped      {note}" for note in job.notes)]
 
 
+def _samples_lines(job: _build.Job) -> list[str]:
+    """`[log] samples`: the hook that generates during training."""
+    found = _samples.prompts_of(job)
+    if found is None:
+        return []
+    log = job.config.log
+    t = log.samples_temperature
+    how = "greedy" if t == 0 else f"temperature {t:g}"
+    return [
+        f"samples      {len(found.prompts)} prompts ({log.samples}) every "
+        f"{log.samples_every} steps and at the end, up to "
+        f"{log.samples_max_new_tokens} new tokens, {how} -> samples.jsonl"
+    ]
+
+
 def _sequence_lines(config: Config, ways: int) -> list[str]:
     m = config.model
     if ways == 1 and m.sequence_parallel is None:
@@ -100,6 +115,7 @@ def report(config: Config) -> str:
         f"({config.model.param_dtype}){_experts(abstract.model)}",
         *_lora_lines(job, abstract),
         *_task_lines(job),
+        *_samples_lines(job),
         f"data         {_build.num_rows(rows):,} train {_unit(rows)} x "
         f"{config.data.seq_len} tokens; "
         f"{0 if eval_rows is None else _build.num_rows(eval_rows):,} eval "

@@ -138,8 +138,7 @@ def export_run(
             f"--merged merges LoRA adapters, but the run at {path} trains no "
             "adapters (lora.rank = 0); drop --merged."
         )
-    placement = _place.placement(job)
-    state = _restore(Path(path), job, placement).state
+    state = _restore(Path(path), job, _place.placement(job)).state
     if ema and state.ema is None:
         raise ConfigError(
             f"the run at {path} keeps no EMA weights (loop.ema was unset); drop --ema."
@@ -171,6 +170,16 @@ def export_run(
             overwrite=overwrite,
         )
     )
+
+
+def restore_run(
+    path: str | os.PathLike[str], overrides: Iterable[str] = ()
+) -> tuple[_build.Job, Any]:
+    """The job and restored `TrainState` of a run's latest checkpoint (or of a
+    step directory), placed on the run's mesh: what `export_run` exports and
+    `eqtrain generate` samples from (`job.exported(state.model)`)."""
+    job = _open_job(path, open_run(path, overrides))
+    return job, _restore(Path(path), job, _place.placement(job)).state
 
 
 def import_hf(

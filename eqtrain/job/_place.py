@@ -9,6 +9,7 @@ from .._errors import ConfigError
 from .._jit import Jitted, jit
 from ..step import train_step as _train_step
 from . import _build, _grpo
+from ._samples import prompts_of
 
 
 @dataclasses.dataclass
@@ -49,6 +50,7 @@ def plan(config: Any, *, recorded: Any = None) -> Plan:
     check_sequence(job)
     placed = placement(job)  # the mesh and the batch split: before any data
     _build.check_sources(job.config)  # every source exists: before reading any
+    prompts_of(job)  # log.samples: its prompts read and tokenized
     rows = sequence_rows(job, _build.train_rows(job))
     eval_rows = _build.eval_rows(job)
     if eval_rows is not None:

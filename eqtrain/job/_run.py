@@ -30,6 +30,7 @@ from ..config import (
 from ..data import Loader
 from ..step import eval_step
 from . import _build, _data, _place, _preflight, _reference
+from ._samples import samples_hooks
 
 
 @dataclasses.dataclass
@@ -462,7 +463,10 @@ def _assemble(
     )
     fit_kwargs = dict(
         num_steps=loop.steps,
-        hooks=_hooks(job, run_dir, export, start=resumed or 0, rows=loader.source),
+        hooks=[
+            *_hooks(job, run_dir, export, start=resumed or 0, rows=loader.source),
+            *samples_hooks(job, placement.mesh, start=resumed or 0),
+        ],
         eval_step=evaluator,
         eval_data=eval_loader,
         # No eval data (data.eval = none, or `auto` off the stdlib corpus): the

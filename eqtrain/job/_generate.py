@@ -1,0 +1,310 @@
+"""What `eqtrain generate` runs: a model, its tokenizer, chat template and stop
+ids from a run directory or a Hugging Face directory (`open_model`), prompts
+made into tokens (`prompt_tokens`), and batches of them completed
+(`complete`) by `eqtrain.generate`."""
+
+import dataclasses
+import json
+import os
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import jax.random as jr
+import numpy as np
+
+from .. import checkpoint, data as data_lib, hf
+from .._errors import ConfigError
+from ..generate import Sampling, generate, left_pad, stream
+from . import _build
+
+
+# End-of-turn tokens that chat templates write after an answer; a template that
+# spells one (and a tokenizer that has it as one id) stops generation there.
+END_OF_TURN = (
+    "<|im_end|>",
+    "<|eot_id|>",
+    "<|end|>",
+    "<end_of_turn>",
+    "<|endoftext|>",
+    "<|end_of_text|>",
+    "</s>",
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Generator:
+    """A model ready to generate, with what it needs around it.
+
+    Attributes:
+        model: the model (a run's policy at its real vocabulary, or an HF
+            directory's model).
+        tokenizer: its tokenizer (`ByteTokenizer` or `HFTokenizer`).
+        stop_ids: the tokenizer's EOS and an HF directory's
+            generation_config.json `eos_token_id`s.
+        source: the directory it came from.
+        template: the chat template (run: the run's; HF directory: its own), or
+            None when there is none.
+        positions: the longest text the model can take (GPT-2's learned
+            positions), or None: no limit.
+    """
+
+    model: Any
+    tokenizer: Any
+    stop_ids: tuple[int, ...]
+    source: Path
+    template: Any = None
+    positions: int | None = None
+
+
+def open_model(source: str | os.PathLike[str], *, step: int | None = None) -> Generator:
+    """The model in `source`: an eqtrain run directory (its latest checkpoint,
+    or checkpoint `step`) or a Hugging Face directory (config.json, safetensors
+    and a tokenizer.json, or a byte-level vocabulary)."""
+    path = Path(source)
+    if not path.is_dir():
+        raise ConfigError(
+            f"{path} is not a directory; pass an eqtrain run directory or a "
+            "Hugging Face model directory (config.json + safetensors)."
+        )
+    if (path / "config.json").is_file():
+        if step is not None:
+            raise ConfigError(
+                f"--step picks a checkpoint of a run, but {path} is a Hugging Face "
+                "directory (it has one set of weights); drop --step."
+            )
+        return _hf_model(path)
+    return _run_model(path, step)
+
+
+def _hf_model(path: Path) -> Generator:
+    try:
+        name = hf.tokenizer_for(path)
+        model, _ = hf.load(path)
+    except (hf.HFFormatError, hf.HFFileNotFoundError) as e:
+        raise ConfigError(
+            f"cannot load the Hugging Face directory {path}: {e}"
+        ) from None
+    tokenizer = _tokenizer(name)
+    _check_vocab(path, tokenizer, model.config.vocab_size)
+    stops = _ids(tokenizer.eos_id, *_generation_eos(path))
+    text = data_lib.read_chat_template(path)
+    template = None if text is None else data_lib.chat_template(path)
+    return Generator(model, tokenizer, stops, path, template, _positions(model))
+
+
+def _check_vocab(path: Path, tokenizer: Any, vocab: int) -> None:
+    if tokenizer.vocab_size <= vocab:
+        return
+    which = (
+        "has no tokenizer.json, and the byte tokenizer's"
+        if isinstance(tokenizer, data_lib.ByteTokenizer)
+        else "has a tokenizer.json whose"
+    )
+    raise ConfigError(
+        f"{path} {which} {tokenizer.vocab_size} ids do not fit the model's "
+        f"vocabulary of {vocab}; add the model's tokenizer.json there."
+    )
+
+
+def _tokenizer(name: str) -> Any:
+    if name == "byte":
+        return data_lib.ByteTokenizer()
+    return data_lib.HFTokenizer.from_file(name)
+
+
+def _generation_eos(path: Path) -> list[int]:
+    """generation_config.json's `eos_token_id` (an int or a list), if any."""
+    file = path / "generation_config.json"
+    if not file.is_file():
+        return []
+    try:
+        value = json.loads(file.read_text(encoding="utf-8")).get("eos_token_id")
+    except (ValueError, AttributeError) as e:
+        raise ConfigError(f"{file} does not parse as a JSON object: {e}") from None
+    values = value if isinstance(value, list) else [value]
+    return [int(v) for v in values if isinstance(v, int)]
+
+
+def _run_model(path: Path, step: int | None) -> Generator:
+    from ._inspect import restore_run  # _inspect builds on _run, which uses us
+
+    if step is not None:
+        path = _step_dir(path, step)
+    job, state = restore_run(path)
+    model = job.exported(state.model)  # the policy, at its real vocabulary
+    template = job.template
+    if template is None:
+        template = _build.chat_template_of(job.config)
+    stops = _ids(job.tokenizer.eos_id)
+    return Generator(model, job.tokenizer, stops, path, template, _positions(model))
+
+
+def _step_dir(run_dir: Path, step: int) -> Path:
+    steps = checkpoint.list_steps(run_dir)
+    if step not in steps:
+        have = ", ".join(map(str, steps)) or "none"
+        raise ConfigError(
+            f"the run at {run_dir} has no checkpoint of step {step} (it has: "
+            f"{have}); pick one of those with --step, or leave it out (the latest)."
+        )
+    return run_dir / "checkpoints" / str(step)
+
+
+def _positions(model: Any) -> int | None:
+    return getattr(getattr(model, "config", None), "n_positions", None)
+
+
+def _ids(*ids: int | None) -> tuple[int, ...]:
+    return tuple(dict.fromkeys(int(i) for i in ids if i is not None))
+
+
+def chat_stop_ids(m: Generator) -> tuple[int, ...]:
+    """`m.stop_ids` and the end-of-turn tokens its chat template writes (its
+    `eos_token`, and those of `END_OF_TURN` it spells) that are one token."""
+    template = m.template
+    names = [getattr(template, "special_tokens", {}).get("eos_token")]
+    source = getattr(template, "source", "") or ""
+    names += [name for name in END_OF_TURN if name in source]
+    found = [_single_id(m.tokenizer, name) for name in names if name]
+    return _ids(*m.stop_ids, *found)
+
+
+def _single_id(tokenizer: Any, text: str) -> int | None:
+    ids = tokenizer.encode(text)
+    return int(ids[0]) if len(ids) == 1 else None
+
+
+def prompt_tokens(
+    m: Generator, prompt: str | Sequence[Any], *, chat: bool
+) -> np.ndarray:
+    """A prompt's token ids: with `chat`, the chat template's render of the
+    messages (a string is one user message) with the generation prompt;
+    otherwise the tokenizer's BOS (when it has one) and the text's tokens, as
+    eqtrain's prompt/completion data starts."""
+    if chat:
+        messages = (
+            [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+        )
+        return _chat_tokens(m, list(messages))
+    if not isinstance(prompt, str):
+        raise ConfigError(
+            "a prompt of messages needs --chat (the chat template makes them text)."
+        )
+    bos = m.tokenizer.bos_id
+    ids = np.asarray(m.tokenizer.encode(prompt), np.int32)
+    return ids if bos is None else np.concatenate([np.int32([bos]), ids])
+
+
+def _chat_tokens(m: Generator, messages: list[Any]) -> np.ndarray:
+    template, tokenizer = m.template, m.tokenizer
+    if template is None:
+        raise ConfigError(
+            f"--chat needs a chat template, but {m.source} has none (no "
+            "chat_template.jinja and no chat_template in tokenizer_config.json); "
+            "drop --chat, or add the model's template there."
+        )
+    try:
+        if isinstance(template, data_lib.JinjaChatTemplate):
+            text = template.render(messages, add_generation_prompt=True)
+            return np.asarray(tokenizer.encode(text), np.int32)
+        ids, _ = template.encode(messages, tokenizer)  # eqtrain's built-in one
+    except data_lib.DataError as e:
+        raise ConfigError(f"the chat template of {m.source}: {e}") from None
+    header = np.asarray(tokenizer.encode("<|assistant|>\n"), np.int32)
+    return np.concatenate([np.asarray(ids, np.int32), header])
+
+
+@dataclasses.dataclass(frozen=True)
+class Completion:
+    """One prompt's new tokens, its text and why it ended (`stop`: a stop id;
+    `length`: `max_new_tokens`)."""
+
+    tokens: np.ndarray
+    text: str
+    stop_reason: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    """How `complete` and `stream_text` generate."""
+
+    max_new_tokens: int = 128
+    sampling: Sampling = Sampling(temperature=0.0)
+    seed: int = 0
+    stop_ids: tuple[int, ...] = ()
+    batch_size: int = 8
+
+    def __post_init__(self) -> None:
+        for name in ("max_new_tokens", "batch_size"):
+            if getattr(self, name) < 1:
+                value = getattr(self, name)
+                flag = name.replace("_", "-")
+                raise ConfigError(f"--{flag} must be >= 1; got {value}.")
+
+
+def check_fits(m: Generator, prompts: Sequence[np.ndarray], options: Options) -> int:
+    """The `left_pad` multiple that keeps GPT-2's padded prompts within its
+    positions, or `ConfigError` when a prompt and `max_new_tokens` do not fit."""
+    if m.positions is None:
+        return 16
+    longest = max(len(p) for p in prompts)
+    if longest + options.max_new_tokens > m.positions:
+        raise ConfigError(
+            f"a prompt of {longest} tokens and --max-new-tokens "
+            f"{options.max_new_tokens} need {longest + options.max_new_tokens} "
+            f"positions, more than the model's {m.positions} (GPT-2's learned "
+            "positions, n_positions); shorten the prompt or --max-new-tokens."
+        )
+    padded = -(-longest // 16) * 16
+    return 16 if padded + options.max_new_tokens <= m.positions else 1
+
+
+def complete(
+    m: Generator, prompts: Sequence[np.ndarray], options: Options
+) -> Iterator[Completion]:
+    """The completions of `prompts` (token ids), `options.batch_size` at a time,
+    in order. Batch i samples with `fold_in(key(seed), i)`."""
+    multiple = check_fits(m, prompts, options)
+    key = jr.key(options.seed)
+    size = options.batch_size
+    for i in range(0, len(prompts), size):
+        tokens, lengths = left_pad(prompts[i : i + size], pad_id=0, multiple=multiple)
+        out = generate(
+            m.model, tokens, lengths, max_new_tokens=options.max_new_tokens,
+            key=jr.fold_in(key, i // size), sampling=options.sampling,
+            stop_ids=options.stop_ids,
+        )  # fmt: skip
+        for row, n in zip(np.asarray(out.tokens), np.asarray(out.lengths), strict=True):
+            yield _completion(m, row[:n], options)
+
+
+def _completion(m: Generator, ids: np.ndarray, options: Options) -> Completion:
+    stopped = len(ids) > 0 and int(ids[-1]) in options.stop_ids
+    text = m.tokenizer.decode(ids[:-1] if stopped else ids)
+    return Completion(ids, text, "stop" if stopped else "length")
+
+
+def stream_text(
+    m: Generator, prompt: np.ndarray, options: Options
+) -> Iterator[str | Completion]:
+    """The completion of one prompt as pieces of text while it is generated,
+    then the whole `Completion`: the tokens of `complete([prompt])`."""
+    multiple = check_fits(m, [prompt], options)
+    pieces = stream(
+        m.model, prompt, max_new_tokens=options.max_new_tokens,
+        key=jr.fold_in(jr.key(options.seed), 0), sampling=options.sampling,
+        stop_ids=options.stop_ids, multiple=multiple,
+    )  # fmt: skip
+    ids = np.zeros(0, np.int32)
+    shown = ""
+    for piece in pieces:
+        ids = np.concatenate([ids, piece])
+        text = _completion(m, ids, options).text
+        if not text.endswith("\ufffd"):  # not in the middle of a character
+            yield text[len(shown) :]
+            shown = text
+    done = _completion(m, ids, options)
+    if done.text != shown:
+        yield done.text[len(shown) :]
+    yield done

@@ -1,0 +1,131 @@
+"""`[log] samples`: the prompts file read and tokenized (checked before any data
+is read), and the `SamplesWriter` hook of a run."""
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+import jax
+
+from .. import hooks as hooks_lib
+from .._errors import ConfigError
+from .._hooks import at_end, every
+from ..config import data_format
+from ..generate import Sampling
+from . import _build
+from ._generate import Generator, Options, chat_stop_ids, check_fits, prompt_tokens
+
+
+@dataclasses.dataclass(frozen=True)
+class Prompts:
+    """The prompts of `log.samples`: as written, as tokens, and how to stop."""
+
+    prompts: list[Any]
+    tokens: list[Any]
+    stop_ids: tuple[int, ...]
+    multiple: int
+
+
+def read_prompts(path: Path) -> list[Any]:
+    """A .txt file's non-empty lines, or a .jsonl file's `prompt` strings and
+    `messages` lists; `ConfigError` naming `log.samples` otherwise."""
+    where = f"`log.samples` ({path})"
+    if not path.is_file():
+        raise ConfigError(f"{where} does not exist (or is not a file).")
+    lines = path.read_text(encoding="utf-8").splitlines()
+    if path.suffix == ".txt":
+        prompts: list[Any] = [line for line in lines if line.strip()]
+    elif path.suffix == ".jsonl":
+        prompts = [_jsonl_prompt(line, n, where) for n, line in _numbered(lines)]
+    else:
+        raise ConfigError(f"{where} must be a .txt or .jsonl file of prompts.")
+    if not prompts:
+        raise ConfigError(f"{where} holds no prompt.")
+    return prompts
+
+
+def _numbered(lines: list[str]) -> list[tuple[int, str]]:
+    return [(n, line) for n, line in enumerate(lines, 1) if line.strip()]
+
+
+def _jsonl_prompt(line: str, n: int, where: str) -> Any:
+    try:
+        row = json.loads(line)
+    except ValueError:
+        row = None
+    if isinstance(row, dict) and isinstance(row.get("prompt"), str):
+        return row["prompt"]
+    if isinstance(row, dict) and isinstance(row.get("messages"), list):
+        return row["messages"]
+    raise ConfigError(
+        f'{where}, line {n}: each line must be {{"prompt": "..."}} or '
+        '{"messages": [...]}.'
+    )
+
+
+def prompts_of(job: _build.Job) -> Prompts | None:
+    """`log.samples` read and tokenized for `job` (None when unset): strings are
+    chat-templated when `data.format = "chat"`, messages always; refused in a
+    multi-process run, and when a prompt does not fit GPT-2's positions."""
+    log = job.config.log
+    if log.samples is None:
+        return None
+    if jax.process_count() > 1:
+        raise ConfigError(
+            "`log.samples` is not supported in a multi-process run yet; unset it "
+            "and run `eqtrain generate` on the run's checkpoints instead."
+        )
+    prompts = read_prompts(Path(log.samples))
+    model = _generator(job)
+    chat = data_format(job.config) == "chat"
+    try:
+        tokens = [
+            prompt_tokens(model, p, chat=chat or not isinstance(p, str))
+            for p in prompts
+        ]
+        multiple = check_fits(model, tokens, Options(log.samples_max_new_tokens))
+    except ConfigError as e:
+        raise ConfigError(f"`log.samples` ({log.samples}): {e}") from None
+    stops = chat_stop_ids(model) if model.template is not None else model.stop_ids
+    return Prompts(prompts, tokens, stops, multiple)
+
+
+def _generator(job: _build.Job) -> Generator:
+    """What tokenizing the prompts needs of a `Generator` (no model yet)."""
+    template = job.template
+    if template is None and job.config.task.kind != "lm":
+        template = _build.chat_template_of(job.config)
+    positions = getattr(job.model_config, "n_positions", None)
+    eos = job.tokenizer.eos_id
+    stops = () if eos is None else (int(eos),)
+    source = Path(job.config.run_dir)
+    return Generator(None, job.tokenizer, stops, source, template, positions)
+
+
+def samples_hooks(job: _build.Job, mesh: Any, start: int) -> list[Any]:
+    """The run's `SamplesWriter`, every `log.samples_every` steps and at the
+    end (none without `log.samples`)."""
+    found = prompts_of(job)
+    if found is None:
+        return []
+    log, run_dir = job.config.log, Path(job.config.run_dir)
+    tensorboard = run_dir / "tb" if log.tensorboard else None
+    hook = hooks_lib.SamplesWriter(
+        found.prompts,
+        found.tokens,
+        decode=job.tokenizer.decode,
+        path=run_dir / "samples.jsonl",
+        max_new_tokens=log.samples_max_new_tokens,
+        stop_ids=found.stop_ids,
+        sampling=Sampling(temperature=log.samples_temperature),
+        seed=job.config.seed,
+        pick=job.policy,
+        vocab_size=job.vocab_size,
+        mesh=mesh,
+        multiple=found.multiple,
+        tensorboard=tensorboard,
+        start=start,
+        write=jax.process_index() == 0,
+    )
+    return [every(log.samples_every, hook), at_end(hook)]
