@@ -191,7 +191,12 @@ GRPO = [
     "task.max_completion_len=4",
     "task.group_size=2",
 ]
-GRPO_CHAT = [*GRPO[:1], "data.train={root}/grpo_chat.jsonl", *GRPO[2:], "data.seq_len=64"]
+GRPO_CHAT = [
+    *GRPO[:1],
+    "data.train={root}/grpo_chat.jsonl",
+    *GRPO[2:],
+    "data.seq_len=64",
+]
 # The names a `names` key documents (default: activation names, for remat)
 NAMES = {
     "task.rewards": ["exact_answer", '["exact_answer", "format"]'],
