@@ -189,6 +189,19 @@ def _value(name: str, row: int, v: Any) -> float:
     return x
 
 
+class RewardError(ConfigError):
+    """A reward function raised: the message names it and what it raised (the
+    original exception is the `__cause__`)."""
+
+    def __init__(self, name: str, error: BaseException):
+        self.name, self.error = name, error
+        super().__init__(
+            f"reward {name!r} raised {type(error).__name__}: {error}. It is called "
+            "as reward(prompts=..., completions=..., **columns), one list entry "
+            "per completion, and must return one float (or None) per completion."
+        )
+
+
 def _call(
     name: str,
     fn: Reward,
@@ -196,7 +209,10 @@ def _call(
     completions: list[str],
     columns: Mapping[str, list[Any]],
 ) -> np.ndarray:
-    out = fn(prompts=prompts, completions=completions, **columns)
+    try:
+        out = fn(prompts=prompts, completions=completions, **columns)
+    except Exception as e:
+        raise RewardError(name, e) from e
     if isinstance(out, str | bytes | Mapping) or not hasattr(out, "__len__"):
         raise ConfigError(
             f"reward {name!r} returned a {type(out).__name__}; expected a list "

@@ -69,6 +69,8 @@ class Rollout:
         passes: updates on each sampled batch (TRL's `num_iterations`); with more
             than one, the sampling policy's log-probs are kept for the ratio.
         vocab_size: a padded model's real vocabulary (never sampled beyond).
+        failures: where an exception of `score` goes (the first one; see
+            `grpo_step`), read by the caller once `fit` has stopped.
     """
 
     group_size: int
@@ -81,6 +83,9 @@ class Rollout:
     scale: str = "group"
     passes: int = 1
     vocab_size: int | None = None
+    failures: list[Exception] = dataclasses.field(
+        default_factory=list, compare=False, repr=False
+    )
 
     def __post_init__(self) -> None:
         for name in ("group_size", "max_new_tokens", "passes"):
@@ -139,25 +144,42 @@ class _Clock:
 
 
 def _host_score(rollout: Rollout, clock: _Clock) -> Callable[..., Any]:
+    """The scoring callback. It never raises (an exception inside a compiled
+    program's callback can abort a multi-device process): a failure goes to
+    `rollout.failures`, and the step learns it from the `failed` flag."""
     names = rollout.reward_names
 
     def call(index: Any, tokens: Any, lengths: Any, after_start: Any) -> Any:
         del after_start  # orders this call after the clock's start
         t0 = time.perf_counter()
         tokens, lengths = np.asarray(tokens), np.asarray(lengths)
-        kept = _strip_stop(tokens, lengths, rollout.stop_ids)
-        total, per = rollout.score(np.asarray(index), tokens, kept)
-        total = np.asarray(total, np.float32).reshape(len(tokens))
-        per_fn = np.stack(
-            [np.asarray(per[n], np.float32) for n in names]
-            or [np.zeros(len(tokens), np.float32)]
-        )
+        rows, fns = len(tokens), max(len(names), 1)
+        total = np.full(rows, np.nan, np.float32)
+        per_fn = np.zeros((fns, rows), np.float32)
+        failed = np.ones((), np.int32)
+        if not rollout.failures:
+            try:
+                total, per_fn = _scores(rollout, index, tokens, lengths)
+                failed = np.zeros((), np.int32)
+            except Exception as e:
+                rollout.failures.append(e)
         clock_ = np.array(
             [t0 - clock.started, time.perf_counter() - t0], np.float32
         )  # generation (from the step's start), scoring
-        return total, per_fn, clock_
+        return total, per_fn, clock_, failed
 
     return call
+
+
+def _scores(rollout: Rollout, index: Any, tokens: Any, lengths: Any) -> Any:
+    kept = _strip_stop(tokens, lengths, rollout.stop_ids)
+    total, per = rollout.score(np.asarray(index), tokens, kept)
+    total = np.asarray(total, np.float32).reshape(len(tokens))
+    per_fn = np.stack(
+        [np.asarray(per[n], np.float32) for n in rollout.reward_names]
+        or [np.zeros(len(tokens), np.float32)]
+    )
+    return total, per_fn
 
 
 def _rows(
@@ -236,8 +258,9 @@ def sample_and_score(
         jax.ShapeDtypeStruct((rows,), jnp.float32),
         jax.ShapeDtypeStruct((fns, rows), jnp.float32),
         jax.ShapeDtypeStruct((2,), jnp.float32),
+        jax.ShapeDtypeStruct((), jnp.int32),
     )
-    total, per_fn, clock = io_callback(
+    total, per_fn, clock, failed = io_callback(
         _host_score(rollout, clock), shapes, index, out.tokens, out.lengths, started
     )
     advantages, metrics = grpo.group_advantages(total, g, scale=rollout.scale)
@@ -246,12 +269,18 @@ def sample_and_score(
     metrics |= _reward_metrics(per_fn, rollout.reward_names)
     metrics |= _length_metrics(out.lengths, out.tokens, rollout)
     metrics |= {"time/generate": clock[0], "time/reward": clock[1]}
+    metrics["scoring_failed"] = failed
     return data, metrics
 
 
 def grpo_step(inner: Any, rollout: Rollout) -> Callable[..., Any]:
     """The online step `step(state, batch) -> (state, metrics)` around `inner`
     (a `TrainStep` whose loss is `grpo.grpo_loss_fn`); see the module docstring.
+
+    When `rollout.score` raises, the exception goes to `rollout.failures`, the
+    step returns the state unchanged with `metrics["halted"] = 1`, and `fit`
+    stops there (as for `nonfinite="stop"`), its last checkpoint the last good
+    state; raise `rollout.failures[0]` after it.
     Metrics: `inner`'s (of the last pass) and `reward`, `reward_std`,
     `frac_reward_zero_std`, `rewards/{name}/mean|std`,
     `completions/{mean,min,max}_length`, `completions/clipped_ratio`,
@@ -275,10 +304,14 @@ def grpo_step(inner: Any, rollout: Rollout) -> Callable[..., Any]:
                 segment_ids=data["segment_ids"],
                 positions=data["positions"],
             )
-        first = state.step
+        before = state
         for _ in range(rollout.passes):
             state, metrics = inner(state, data)
-        state = dataclasses.replace(state, step=first + 1)
-        return state, {**metrics, **rollout_metrics}
+        state = dataclasses.replace(state, step=before.step + 1)
+        # scoring failed: the state stays as it was and the loop stops (`halted`)
+        failed = rollout_metrics.pop("scoring_failed") > 0
+        state = jax.tree.map(lambda a, b: jnp.where(failed, b, a), state, before)
+        halted = jnp.maximum(metrics.get("halted", 0), failed.astype(jnp.int32))
+        return state, {**metrics, **rollout_metrics, "halted": halted}
 
     return step

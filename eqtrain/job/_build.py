@@ -82,6 +82,7 @@ class Job:
     loss_chunk: int = 0
     _base_hash: dict[str, Any] | None = dataclasses.field(default=None, repr=False)
     prompts: Any = None  # task.kind = "grpo": the prompts' host side (_grpo.Prompts)
+    rollout: Any = None  # task.kind = "grpo": its `rollout.Rollout`, once built
 
     def head_dropout(self) -> bool:
         """Whether the run's LoRA puts an adapter with dropout on the output head

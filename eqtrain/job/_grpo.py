@@ -149,6 +149,21 @@ def _generation_eos(path: Path) -> list[int]:
     return [int(v) for v in values if isinstance(v, int)]
 
 
+def reward_failure(job: Any) -> ConfigError | None:
+    """The config error of a reward function's failure during training, if any
+    (`Rollout.failures`: the step stopped the run there)."""
+    rollout = getattr(job, "rollout", None)
+    if rollout is None or not rollout.failures:
+        return None
+    error = rollout.failures[0]
+    if isinstance(error, ConfigError):
+        return ConfigError(f"`task.rewards`: {error}")
+    return ConfigError(
+        f"`task.rewards`: scoring the completions failed with "
+        f"{type(error).__name__}: {error}"
+    )
+
+
 def make_rollout(job: Any) -> rollout_lib.Rollout:
     """The run's `Rollout`: sampling from `[task]`, scoring with `task.rewards` on
     the prompts `rows` read (call it after them)."""
@@ -159,7 +174,7 @@ def make_rollout(job: Any) -> rollout_lib.Rollout:
     score = rollout_lib.text_scorer(
         job.tokenizer, job.prompts.prompts, job.prompts.columns, rewards
     )
-    return rollout_lib.Rollout(
+    job.rollout = rollout_lib.Rollout(
         group_size=t.group_size,
         max_new_tokens=t.max_completion_len,
         score=score,
@@ -173,3 +188,4 @@ def make_rollout(job: Any) -> rollout_lib.Rollout:
         passes=t.passes,
         vocab_size=job.vocab_size,
     )
+    return job.rollout

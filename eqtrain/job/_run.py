@@ -29,7 +29,7 @@ from ..config import (
 )
 from ..data import Loader
 from ..step import eval_step
-from . import _build, _data, _place, _preflight, _reference
+from . import _build, _data, _grpo, _place, _preflight, _reference
 from ._samples import samples_hooks
 
 
@@ -556,6 +556,9 @@ def run(
         raise
     finally:
         prepared.close()
+    failed = _grpo.reward_failure(prepared.job)
+    if failed is not None:  # the step stopped the run, its state intact
+        raise failed
     export_dir = None
     exported = export and config.export.hf is not None
     if exported and (run_dir / config.export.hf).exists():
