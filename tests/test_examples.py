@@ -66,8 +66,11 @@ SLOW_CONFIGS = ("dpo.toml", "lora.toml")
 # (test_job's mesh keys, test_sequence's fit, test_lora's 2x2x2 mesh) cover it.
 # pretrain_stdlib.toml is the built-in default run (test_cli runs that), and
 # finetune_hf.toml / sft.toml are covered by test_interop / test_post_training;
-# moe_stdlib.toml by test_moe's run on mesh.expert = 2.
+# moe_stdlib.toml by test_moe's run on mesh.expert = 2; the GRPO example's two
+# configs by test_grpo_example_learns (slow) and test_grpo_job's runs.
 SLOW_ONLY = (
+    "arithmetic_sft.toml",
+    "grpo.toml",
     "moe_stdlib.toml",
     "sharded_simulated.toml",
     "pretrain_stdlib.toml",
@@ -148,3 +151,33 @@ def test_lora_and_dpo_configs_run_small(name, tmp_path):
     test_example_configs_run(
         CONFIGS[[p.name for p in CONFIGS].index(name)], tmp_path, small
     )
+
+
+@pytest.mark.slow
+def test_grpo_example_learns(tmp_path):
+    """docs/post-training.md's worked example as written (SFT warm-up, then GRPO):
+    the mean reward of the last 20 steps clearly beats the first 20's."""
+    import json
+
+    from eqtrain import config as config_lib, job
+
+    root = Path(__file__).parent.parent
+    sft = config_lib.load(
+        root / "examples/configs/arithmetic_sft.toml",
+        [f"run_dir={tmp_path / 'sft'}", "log.progress=none"],
+    )
+    job.run(sft, echo=lambda s: None)
+    grpo = config_lib.load(
+        root / "examples/configs/grpo.toml",
+        [
+            f"run_dir={tmp_path / 'grpo'}",
+            f"model.init_from={tmp_path / 'sft' / 'hf'}",
+            "log.every=1",
+            "log.progress=none",
+        ],
+    )
+    job.run(grpo, echo=lambda s: None)
+    lines = (tmp_path / "grpo" / "metrics.jsonl").read_text().splitlines()
+    rewards = [r["reward"] for r in map(json.loads, lines) if "reward" in r]
+    first, last = sum(rewards[:20]) / 20, sum(rewards[-20:]) / 20
+    assert last > first + 0.15, (first, last)

@@ -58,6 +58,13 @@ def _task_lines(job: _build.Job) -> list[str]:
     if task.kind == "lm":
         return []
     line = f"task         {task.kind}"
+    if task.kind == "grpo":
+        t = task
+        line += (
+            f": {t.group_size} completions of up to {t.max_completion_len} tokens "
+            f"per prompt, temperature {t.temperature:g}, rewards {t.rewards}, "
+            f"loss {t.loss_type}, {t.passes} pass(es)"
+        )
     if job.reference is not None:
         line += f", reference {job.reference}"
     if job.template is not None:
