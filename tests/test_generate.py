@@ -217,7 +217,9 @@ def test_sampled_frequencies_follow_the_filtered_distribution():
     model = _model("llama")
     rows, prompt, real = 4096, PROMPTS[0], 40
     s = Sampling(temperature=1.5, top_p=0.9, min_p=0.05)
-    logits = _reference(model, [prompt], np.zeros((1, 1), np.int32))[0, 0]
+    # the greedy test's shapes (one compile): the prompt in the first row
+    tokens = np.asarray(_run(model).tokens)
+    logits = _reference(model, PROMPTS, tokens)[0, 0]
     assert np.exp(_log_softmax(logits))[real:].sum() > 0.05  # the mask matters
     probs = np.exp(_log_softmax(_warp(logits[None, :real], s)))[0]
     kept = np.flatnonzero(probs > 0)
@@ -298,44 +300,56 @@ def test_stop_ids_end_rows_and_pad_after():
     assert (logprobs[keep] < 0).all()
 
 
-def test_the_loop_ends_when_every_row_has_stopped():
+STOPPING = {"stop_ids": (0,), "pad_id": -1}
+
+
+@pytest.fixture(scope="module")
+def dead_run() -> tuple[Any, Any, tuple[_Count, _Count]]:
     """A model whose every logit is 0 (its final norm zeroed): argmax is token 0,
-    a stop id, at once. One prefill, no decode step. The same program on the
-    real weights decodes until its last row stops."""
+    a stop id (`STOPPING`), at once. Its output, the model and its counters
+    (traces, runs), which the tests below share with one compile."""
     base = _model("llama")
     dead = eqx.tree_at(lambda m: m.norm.weight, base, jnp.zeros_like(base.norm.weight))
     counters = (_Count(), _Count())
-    out = _run(Counted(dead, *counters), stop_ids=(0,), pad_id=-1)
+    model = Counted(dead, *counters)
+    out = _run(model, **STOPPING)
+    jax.effects_barrier()
+    return out, model, counters
+
+
+def test_the_loop_ends_when_every_row_has_stopped(dead_run):
+    """One prefill and no decode step when every row stops at once; the same
+    program on the real weights decodes until its last row stops."""
+    out, model, (_, runs) = dead_run
     np.testing.assert_array_equal(np.asarray(out.lengths), 1)
     np.testing.assert_array_equal(np.asarray(out.tokens)[:, 0], 0)
     np.testing.assert_array_equal(np.asarray(out.tokens)[:, 1:], -1)
     np.testing.assert_allclose(np.asarray(out.logprobs)[:, 0], -np.log(VOCAB))
-    jax.effects_barrier()
-    runs = counters[1]
-    assert runs.n == 1
-    out = _run(Counted(base, *counters), stop_ids=(0,), pad_id=-1)
+    start = runs.n
+    assert start >= 1  # the fixture's run: 1 (later tests add theirs)
+    live = eqx.tree_at(lambda m: m.model, model, _model("llama"))
+    out = _run(live, **STOPPING)
     jax.effects_barrier()
     longest = int(np.asarray(out.lengths).max())
-    assert runs.n - 1 == 1 + (longest - 1)  # a prefill, then one step per token
-    assert counters[0].n == 2  # one trace (prefill and decode) for both models
+    assert longest > 1
+    assert runs.n - start == 1 + (longest - 1)  # a prefill, then a step per token
 
 
-def test_a_second_call_of_the_same_shapes_does_not_retrace():
+def test_a_second_call_of_the_same_shapes_does_not_retrace(dead_run):
     """Traces counted as the model's Python calls: the first call of these
-    shapes and settings traces (prefill and decode), later ones reuse it."""
-    traces = _Count()
-    model = Counted(_model("llama"), traces, _Count())
-    _run(model)
-    assert traces.n == 2  # prefill and decode
+    shapes and settings traced once (prefill and decode); later ones with other
+    prompts of the same padded width, another key, numpy or jax inputs, other
+    weights of the same shapes reuse it."""
+    _, model, (traces, _) = dead_run
+    assert traces.n == 2
     other = [[int(t) % 7 + 1 for t in p] for p in PROMPTS]
-    # other prompts of the same padded width, another key, numpy or jax inputs,
-    # other weights of the same shapes
     tokens, lengths = left_pad(other, pad_id=0)
     generate(
-        model, jnp.asarray(tokens), lengths, max_new_tokens=NEW, key=jr.key(5)
+        model, jnp.asarray(tokens), lengths, max_new_tokens=NEW, key=jr.key(5),
+        **STOPPING,
     )  # fmt: skip
-    _run(model, other, key=jr.key(1))
-    _run(eqx.tree_at(lambda m: m.model, model, Llama(LLAMA, jr.key(9))))
+    _run(model, other, key=jr.key(1), **STOPPING)
+    _run(eqx.tree_at(lambda m: m.model, model, Llama(LLAMA, jr.key(9))), **STOPPING)
     assert traces.n == 2
 
 
