@@ -192,7 +192,7 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any]:
         print(f"round {r}: {shown}", file=sys.stderr)
     keys = ("prefill_tokens_per_s", "decode_tokens_per_s", "total_s")
     med = {
-        name: {k: round(statistics.median(x[k] for x in rows), 3) for k in keys}
+        name: {k: round(statistics.median(x[k] for x in rows), 5) for k in keys}
         for name, rows in per_round.items()
     }
     best = {
@@ -230,7 +230,7 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any]:
             k: [round(min(v), 4), round(max(v), 4)] for k, v in paired.items()
         },
         # each side's fastest round: the least disturbed on a shared machine
-        "best": {name: _rounded(row, 3) for name, row in best.items()},
+        "best": {name: _rounded(row, 5) for name, row in best.items()},
         "ratio_of_best": _ratios(best["eqtrain"], best["transformers"]),
     }
 
