@@ -172,3 +172,16 @@ def test_cpu_settings_quick():
             "tune_cpu",
         }
         assert all(v > 0 for v in r["tokens_per_s"].values())
+
+
+@pytest.mark.slow  # the default suite's time: `nox -s slow`
+def test_generate_quick():
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    (record,), _ = _quick("generate.py")
+    assert record["config"] == "quick" and record["rounds"] == 1
+    assert record["machine"]["cpu"] and record["torch_threads"] >= 1
+    assert record["tokens_match"] >= 0.5  # the same weights on both sides
+    for side in ("eqtrain", "transformers"):
+        assert record[side]["prefill_tokens_per_s"] > 0 and record[side]["total_s"] > 0
+    assert set(record["ratio"]) == {"prefill", "decode", "total"}

@@ -665,7 +665,7 @@ class DecoderLayer(eqx.Module):
         ka, km = split_key(key, 2)
         row_keys = None if ka is None else jr.split(ka, rows)
 
-        def attn(a: Array) -> Array:
+        def attn(a: Array) -> tuple[Array, None]:
             one = lambda xi, ri, si, pi, ki: self.self_attn(
                 xi,
                 ri,
