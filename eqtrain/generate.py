@@ -192,8 +192,8 @@ def _cache_spec(mesh: Any, cache: Any) -> Any:
     rows_axes = tuple(a for a in BATCH_AXES if sizes.get(a, 1) > 1)
     ways = int(np.prod([sizes[a] for a in rows_axes])) if rows_axes else 1
     rows = rows_axes if rows_axes and cache.k.shape[1] % ways == 0 else None
-    heads = "tensor" if cache.k.shape[3] % sizes.get("tensor", 1) == 0 else None
-    return NamedSharding(mesh, P(None, rows, None, heads, None))
+    heads = "tensor" if cache.k.shape[2] % sizes.get("tensor", 1) == 0 else None
+    return NamedSharding(mesh, P(None, rows, heads, None, None))
 
 
 def _constrain(cache: Any, mesh: Any) -> Any:
@@ -386,6 +386,16 @@ def _arrays(
             f"`prompts` must be [rows, length] and `lengths` [rows]; got shapes "
             f"{prompts.shape} and {lengths.shape}."
         )
+    if not isinstance(lengths, jax.core.Tracer):  # known here: check the values
+        bad = np.flatnonzero(
+            (np.asarray(lengths) < 1) | (np.asarray(lengths) > prompts.shape[1])
+        )
+        if bad.size:
+            raise ConfigError(
+                f"`lengths` must be between 1 and the prompts' width "
+                f"({prompts.shape[1]}); row {int(bad[0])} has "
+                f"{int(lengths[bad[0]])}."
+            )
     return prompts, lengths
 
 

@@ -370,15 +370,16 @@ def test_a_sharded_run_equals_one_device():
     np.testing.assert_allclose(
         np.asarray(out.logprobs), np.asarray(one.logprobs), rtol=1e-4, atol=1e-5
     )
-    # the cache, [layers, rows, slots, kv_heads, head_dim] = [2, 8, 28, 2, 8], is
-    # held per device as [2, 2, 28, 1, 8]: rows over data x fsdp, heads over tensor
-    from eqtrain.generate import _generate
+    # the cache, [layers, rows, kv_heads, slots, head_dim] = [2, 8, 2, 28, 8], is
+    # held per device as [2, 2, 1, 28, 8]: rows over data x fsdp, heads over tensor
+    from eqtrain.generate import _generate, _settings
 
     tokens, lengths = left_pad(prompts, pad_id=0)
-    args = (placed, jnp.asarray(tokens), jnp.asarray(lengths), jr.key(0), NEW)
-    lowered = _generate.lower(*args, GREEDY, (), 0, None, mesh).lowered
+    settings = _settings(NEW, GREEDY, (), 0, None, mesh)
+    args = (placed, jnp.asarray(tokens), jnp.asarray(lengths), jr.key(0))
+    lowered = _generate.lower(*args, settings).lowered
     hlo = lowered.compile().as_text()
-    assert "f32[2,2,28,1,8]" in hlo and "f32[2,8,28,2,8]" not in hlo
+    assert "f32[2,2,1,28,8]" in hlo and "f32[2,8,2,28,8]" not in hlo
 
 
 def test_bf16_parameters_generate():
@@ -419,6 +420,13 @@ def test_bad_inputs_name_the_field():
         call(tokens, lengths[:2], max_new_tokens=2)
     with pytest.raises(ConfigError, match="`prompts`"):
         call(tokens[0], lengths[:1], max_new_tokens=2)
+    for wrong in (0, tokens.shape[1] + 1):  # no prompt, or more than the width
+        with pytest.raises(ConfigError, match="row 1 has"):
+            call(
+                tokens,
+                np.where(np.arange(len(lengths)) == 1, wrong, lengths),
+                max_new_tokens=2,
+            )
     with pytest.raises(ConfigError, match="prompt"):
         left_pad([[1, 2], []], pad_id=0)
     with pytest.raises(ConfigError, match="prompt"):
