@@ -67,7 +67,9 @@ def allocator_tuned(environ: MutableMapping[str, str] | None = None) -> bool:
     return _state["allocator"] or all(name in environ for name in ALLOCATOR_ENV)
 
 
-def tune_cpu(environ: MutableMapping[str, str] | None = None) -> list[str]:
+def tune_cpu(
+    environ: MutableMapping[str, str] | None = None, *, dots: bool = True
+) -> list[str]:
     """Apply eqtrain's CPU settings to this process; return what was applied.
 
     Sets glibc's mmap and trim thresholds with `mallopt` (unless
@@ -79,6 +81,9 @@ def tune_cpu(environ: MutableMapping[str, str] | None = None) -> list[str]:
     backend; on a GPU or TPU host they change nothing the device runs.
     Products computed by Eigen round differently from YNNPACK's (within f32
     tolerances), so a CPU result changes in its last bits with the flag.
+    `dots=False` leaves XLA's dots alone (the allocator only): generation's
+    one-row-per-prompt products ran 3x faster with YNNPACK than with Eigen
+    (docs/generation.md), so `eqtrain generate` does so.
 
     Example:
         >>> import eqtrain
@@ -97,7 +102,7 @@ def tune_cpu(environ: MutableMapping[str, str] | None = None) -> list[str]:
                 _state["allocator"] = True
                 applied.append("allocator")
     flags = environ.get("XLA_FLAGS", "")
-    if "ynn_fusion_type" not in flags and not _backends_started():
+    if dots and "ynn_fusion_type" not in flags and not _backends_started():
         environ["XLA_FLAGS"] = f"{flags} {XLA_CPU_FLAG}".strip()
         applied.append("xla_flags")
     return applied

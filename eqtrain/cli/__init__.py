@@ -6,6 +6,7 @@ library function; errors of ours exit with code 2 and one paragraph, no tracebac
 import contextlib
 import json
 import math
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Annotated, Any
@@ -598,11 +599,12 @@ app.command(name="generate")(_generate_command)
 
 def main() -> None:
     """The console entry point. It first applies eqtrain's CPU settings to its own
-    process (`eqtrain.tune_cpu`: glibc's allocator thresholds and Eigen dots;
+    process (`eqtrain.tune_cpu`: glibc's allocator thresholds and Eigen dots, but
+    not the dots for `eqtrain generate`, whose decode they slow down;
     `EQTRAIN_CPU_TUNING=0` opts out), before JAX starts a backend."""
     global _OWNS_PROCESS
     from .._cpu import tune_cpu
 
-    tune_cpu()
+    tune_cpu(dots=sys.argv[1:2] != ["generate"])
     _OWNS_PROCESS = True
     app(prog_name="eqtrain")
