@@ -172,3 +172,38 @@ def test_a_failing_reward_is_one_paragraph(files, capfd):
     assert "reward 'grpo_rewards_mod:boom' raised ValueError: boom inside" in err
     assert "Traceback" not in err
     assert "stopped" not in done.stdout or "nonfinite" not in done.stdout
+
+
+def test_grpo_keys_reach_the_run(files, monkeypatch):
+    """Every [task] key of GRPO reaches the rollout or the loss (no training)."""
+    from eqtrain import grpo
+    from eqtrain.job import _build, _grpo
+
+    seen = {}
+    real = grpo.grpo_loss_fn
+    monkeypatch.setattr(
+        grpo, "grpo_loss_fn", lambda **kw: seen.update(kw) or real(**kw)
+    )
+    sets = [
+        "task.group_size=4", "task.max_completion_len=5", "task.temperature=0.7",
+        "task.top_k=5", "task.top_p=0.9", "task.min_p=0.05",
+        "task.rewards=grpo_rewards_mod:short,format", "task.reward_weights=2,3",
+        "task.format_regex=[0-9]+", "task.scale_rewards=none", "task.loss_type=dr_grpo",
+        "task.epsilon=0.1", "task.epsilon_high=0.3", "task.passes=3",
+        "task.beta=0.05", "task.reference=copy",
+    ]  # fmt: skip
+    job_ = _build.build(config_lib.load(None, tiny(files, "run", *sets)))
+    rows = _grpo.rows(job_, str(files / "prompts.jsonl"), "data.train")
+    assert rows["prompt"].shape == (16, 16 - 5)  # seq_len - max_completion_len
+    r = _grpo.make_rollout(job_)
+    assert (r.group_size, r.max_new_tokens, r.passes, r.scale) == (4, 5, 3, "none")
+    assert (r.sampling.temperature, r.sampling.top_k) == (0.7, 5)
+    assert (r.sampling.top_p, r.sampling.min_p) == (0.9, 0.05)
+    assert r.reward_names == ("grpo_rewards_mod:short", "format")
+    total, per = r.score(np.arange(2), np.full((2, 5), ord("7")), np.array([1, 5]))
+    assert per["format"].tolist() == [1.0, 1.0]  # "7" and "77777" match [0-9]+
+    assert total.tolist() == pytest.approx([2 / 2 + 3, 2 / 6 + 3])
+    assert seen["loss_type"] == "dr_grpo" and seen["max_completion_length"] == 5
+    assert (seen["epsilon_low"], seen["epsilon_high"]) == (0.1, 0.3)
+    assert (seen["beta"], seen["reference"], seen["temperature"]) == (0.05, "copy", 0.7)
+    assert job_.reference == "copy"

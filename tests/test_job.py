@@ -356,6 +356,34 @@ ELSEWHERE = {
     "export.adapter": "test_lora_job.py: test_lora_keys_reach_the_run",
     "export.merged": "test_lora_job.py: test_lora_keys_reach_the_run",
     "task.kind": "test_post_training.py: test_task_kind_and_data_keys_reach_the_rows",
+    **{
+        f"task.{name}": "test_grpo_job.py: test_grpo_keys_reach_the_run"
+        for name in (
+            "group_size",
+            "max_completion_len",
+            "temperature",
+            "top_k",
+            "top_p",
+            "min_p",
+            "rewards",
+            "reward_weights",
+            "format_regex",
+            "scale_rewards",
+            "loss_type",
+            "epsilon",
+            "epsilon_high",
+            "passes",
+        )
+    },  # fmt: skip
+    **{
+        f"log.{name}": "test_generate_cli.py: test_samples_during_training"
+        for name in (
+            "samples",
+            "samples_every",
+            "samples_max_new_tokens",
+            "samples_temperature",
+        )
+    },
     "task.beta": "test_post_training.py: test_task_keys_reach_the_loss",
     "task.label_smoothing": "test_post_training.py: test_task_keys_reach_the_loss",
     "task.orpo_lambda": "test_post_training.py: test_task_keys_reach_the_loss",
