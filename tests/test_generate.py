@@ -98,7 +98,15 @@ def _run(model: Any, prompts=PROMPTS, **kw: Any) -> Any:
 
 
 # -- against the full forward --------------------------------------------------------
-@pytest.mark.parametrize("name", list(CONFIGS))
+# default-suite time: the MoE and GPT-2 cases are slow (test_generate_hf.py's
+# fast cases check both against transformers)
+@pytest.mark.parametrize(
+    "name",
+    [
+        pytest.param(n, marks=pytest.mark.slow) if n in ("moe", "gpt2") else n
+        for n in CONFIGS
+    ],
+)
 def test_greedy_equals_the_full_forward(name):
     model = _model(name)
     out = _run(model)
@@ -209,6 +217,7 @@ def test_top_p_keeps_the_token_that_crosses_p():
     assert kept(1.0).all()
 
 
+@pytest.mark.slow
 def test_sampled_frequencies_follow_the_filtered_distribution():
     """The first new token of many copies of one prompt: its counts against the
     filtered softmax of the model's logits (a chi-square bound), nothing outside

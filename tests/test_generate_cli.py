@@ -155,6 +155,7 @@ def test_bad_input_is_one_paragraph(hf_dir, tmp_path, args, fragments):
     assert_clean_error(done, *fragments)
 
 
+@pytest.mark.slow
 def test_a_prompt_too_long_for_gpt2_is_refused(tmp_path):
     from eqtrain import hf
 
@@ -216,6 +217,7 @@ def test_stream_equals_generate(sampling):
     assert got[-1] == stop and stop not in got[:-1]
 
 
+@pytest.mark.slow
 def test_terminal_output_streams(hf_dir, monkeypatch, capsys):
     from eqtrain.cli import _generate
 

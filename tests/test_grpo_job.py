@@ -109,6 +109,7 @@ def test_rewards_see_the_prompts_groups_and_columns(files):
     assert r["reward"] == pytest.approx(total, rel=1e-5)
 
 
+@pytest.mark.slow
 def test_kl_to_a_frozen_copy_and_several_passes(files):
     run(files, "task.beta=0.1", "task.reference=copy", "task.passes=2")
     rows = metrics(files)
@@ -118,6 +119,7 @@ def test_kl_to_a_frozen_copy_and_several_passes(files):
     assert 0 < rows[0]["kl"] < 0.05
 
 
+@pytest.mark.slow
 def test_resume_is_exact(files):
     # a constant schedule: with another loop.steps a cosine one would differ
     sets = ("checkpoint.every=2", "export.hf=hf", "optim.schedule=constant")
