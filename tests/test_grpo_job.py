@@ -149,6 +149,7 @@ def test_resume_is_exact(files):
         (["data.eval=/tmp/eval.jsonl"], "data.eval"),
         (["data.max_prompt_len=4"], "data.max_prompt_len"),
         (["task.group_size=1"], "task.group_size"),
+        (["distributed.processes=2"], "distributed.processes"),
     ],
 )
 def test_bad_settings_are_refused_before_training(files, extra, fragment):

@@ -403,6 +403,12 @@ def _grpo(config: Config, given: frozenset[str]) -> None:
             "task.reference = 'precomputed' cannot serve grpo: its completions are "
             "sampled during training. Use 'copy', or 'adapters_off' with [lora]."
         )
+    if config.distributed.processes > 1:
+        raise ConfigError(
+            "task.kind = 'grpo' runs in one process for now (each step scores its "
+            "completions in a host callback of that process): set "
+            "distributed.processes = 1; any number of local devices works."
+        )
     if config.data.eval not in ("auto", "none"):
         raise ConfigError(
             "task.kind = 'grpo' has no evaluation pass yet: set data.eval = "
