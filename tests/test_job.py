@@ -13,6 +13,7 @@ import pytest
 import eqtrain
 from eqtrain import config as config_lib, job
 from eqtrain.config import schema
+from eqtrain.config._validate import _GRPO_KEYS as GRPO_KEYS
 
 
 TEXT = "def f(x):\n    return x + 1\n\nclass A:\n    pass\n" * 60
@@ -358,23 +359,8 @@ ELSEWHERE = {
     "task.kind": "test_post_training.py: test_task_kind_and_data_keys_reach_the_rows",
     **{
         f"task.{name}": "test_grpo_job.py: test_grpo_keys_reach_the_run"
-        for name in (
-            "group_size",
-            "max_completion_len",
-            "temperature",
-            "top_k",
-            "top_p",
-            "min_p",
-            "rewards",
-            "reward_weights",
-            "format_regex",
-            "scale_rewards",
-            "loss_type",
-            "epsilon",
-            "epsilon_high",
-            "passes",
-        )
-    },  # fmt: skip
+        for name in GRPO_KEYS
+    },
     **{
         f"log.{name}": "test_generate_cli.py: test_samples_during_training"
         for name in (

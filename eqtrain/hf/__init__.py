@@ -19,6 +19,7 @@ from ._export import export as export
 from ._hook import export_hook as export_hook
 from ._load import (
     content_hash as content_hash,
+    generation_eos as generation_eos,
     load as load,
     load_config as load_config,
     tokenizer_for as tokenizer_for,

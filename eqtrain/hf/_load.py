@@ -114,6 +114,21 @@ def load(
     return jtu.tree_unflatten(jtu.tree_structure(template), values), config
 
 
+def generation_eos(directory: str | os.PathLike[str]) -> list[int]:
+    """The end-of-sequence ids of `directory`'s generation_config.json
+    (`eos_token_id`: an int or a list); `[]` without the file or the key."""
+    file = os.path.join(directory, "generation_config.json")
+    if not os.path.isfile(file):
+        return []
+    try:
+        with open(file, encoding="utf-8") as f:
+            value = json.load(f).get("eos_token_id")
+    except (ValueError, AttributeError) as e:
+        raise HFFormatError(f"{file} does not parse as a JSON object: {e}") from None
+    values = value if isinstance(value, list) else [value]
+    return [int(v) for v in values if isinstance(v, int)]
+
+
 def load_config(
     path: str | os.PathLike[str], *, dtype: str | None = None
 ) -> tuple[Any, str]:

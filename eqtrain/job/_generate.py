@@ -4,7 +4,6 @@ made into tokens (`prompt_tokens`), and batches of them completed
 (`complete`) by `eqtrain.generate`."""
 
 import dataclasses
-import json
 import os
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -87,7 +86,7 @@ def _hf_model(path: Path) -> Generator:
         ) from None
     tokenizer = _tokenizer(name)
     _check_vocab(path, tokenizer, model.config.vocab_size)
-    stops = _ids(tokenizer.eos_id, *_generation_eos(path))
+    stops = _ids(tokenizer.eos_id, *hf.generation_eos(path))
     text = data_lib.read_chat_template(path)
     template = None if text is None else data_lib.chat_template(path)
     return Generator(model, tokenizer, stops, path, template, _positions(model))
@@ -111,19 +110,6 @@ def _tokenizer(name: str) -> Any:
     if name == "byte":
         return data_lib.ByteTokenizer()
     return data_lib.HFTokenizer.from_file(name)
-
-
-def _generation_eos(path: Path) -> list[int]:
-    """generation_config.json's `eos_token_id` (an int or a list), if any."""
-    file = path / "generation_config.json"
-    if not file.is_file():
-        return []
-    try:
-        value = json.loads(file.read_text(encoding="utf-8")).get("eos_token_id")
-    except (ValueError, AttributeError) as e:
-        raise ConfigError(f"{file} does not parse as a JSON object: {e}") from None
-    values = value if isinstance(value, list) else [value]
-    return [int(v) for v in values if isinstance(v, int)]
 
 
 def _run_model(path: Path, step: int | None) -> Generator:

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from .. import data as data_lib, grpo, rollout as rollout_lib
+from .. import data as data_lib, grpo, hf, rollout as rollout_lib
 from .._errors import ConfigError
 from ..config import Config, rewards_of
 from ..generate import Sampling
@@ -132,21 +132,8 @@ def stop_ids(job: Any) -> tuple[int, ...]:
     ids = [] if job.tokenizer.eos_id is None else [int(job.tokenizer.eos_id)]
     init_from = job.config.model.init_from
     if init_from is not None:
-        ids += _generation_eos(Path(init_from) / "generation_config.json")
+        ids += hf.generation_eos(init_from)
     return tuple(dict.fromkeys(ids))
-
-
-def _generation_eos(path: Path) -> list[int]:
-    import json
-
-    if not path.is_file():
-        return []
-    try:
-        value = json.loads(path.read_text()).get("eos_token_id")
-    except (OSError, ValueError):
-        return []
-    values = value if isinstance(value, list) else [value]
-    return [int(v) for v in values if isinstance(v, int)]
 
 
 def reward_failure(job: Any) -> ConfigError | None:
