@@ -9,17 +9,28 @@
   The root package's private modules (`eqtrain/_*.py`) sit below every package,
   so any module may import them.
 
+- No import cycle between modules either (`eqtrain.config._parse` and
+  `eqtrain.config._validate` may not import each other, even lazily).
+- Every top-level piece sits on the floor docs/architecture.md gives it, and
+  imports only pieces on lower floors: the page is the plan, this is its check.
+- The size targets of issue 31 hold: function lengths (methods and nested
+  functions counted, docstrings not) have median <= 7 lines, 90th percentile
+  <= 22, none over 60; no file over 500 lines.
+
 Imports inside functions count too: a lazy import still ties the layers.
 """
 
 import ast
 import dataclasses
+import re
+import statistics
 from pathlib import Path
 
 import pytest
 
 
 ROOT = Path(__file__).resolve().parent.parent / "eqtrain"
+ARCHITECTURE = ROOT.parent / "docs" / "architecture.md"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -162,3 +173,98 @@ def test_no_import_of_another_packages_private_module():
         "modules import another package's private module; re-export the name "
         "from that package's facade and import it from there:\n  " + "\n  ".join(bad)
     )
+
+
+def _module_graph(imports: list[Import]) -> dict[str, set[str]]:
+    graph: dict[str, set[str]] = {}
+    for imp in imports:
+        if imp.source != imp.target:
+            graph.setdefault(imp.source, set()).add(imp.target)
+    return graph
+
+
+def test_no_cycle_between_modules():
+    imports = _all_imports()
+    cycle = _cycle(_module_graph(imports))
+    if cycle:
+        pairs = set(zip(cycle, cycle[1:], strict=False))
+        lines = sorted(
+            {
+                f"  {i.source} (line {i.line}) imports {i.target}"
+                for i in imports
+                if (i.source, i.target) in pairs
+            }
+        )
+        pytest.fail(
+            f"import cycle between modules: {' -> '.join(cycle)}\n" + "\n".join(lines)
+        )
+
+
+def _floors() -> dict[str, int]:
+    """`piece -> floor` from the architecture page's rows `| N | `a`, `b` | ...`."""
+    floors = {}
+    for line in ARCHITECTURE.read_text(encoding="utf-8").splitlines():
+        row = re.match(r"\|\s*(\d+)\s*\|([^|]*)\|", line)
+        if row:
+            for name in re.findall(r"`([\w.]+)`", row.group(2)):
+                floors[name.removeprefix("eqtrain.") or "eqtrain"] = int(row.group(1))
+    return floors
+
+
+def test_every_piece_imports_only_lower_floors():
+    floors = _floors()
+    assert len(floors) > 20, f"no floor table read from {ARCHITECTURE}"
+    graph = _graph(_all_imports())
+    pieces = set(graph) | {b for targets in graph.values() for b in targets}
+    missing = sorted(pieces - set(floors))
+    assert not missing, (
+        f"pieces with no floor in {ARCHITECTURE.name}'s table: {missing}; "
+        "add each to the floor it belongs on"
+    )
+    stale = sorted(set(floors) - pieces)
+    assert not stale, f"{ARCHITECTURE.name} names pieces that do not exist: {stale}"
+    upward = [
+        f"  {a} (floor {floors[a]}) imports {b} (floor {floors[b]})"
+        for a, targets in sorted(graph.items())
+        for b in sorted(targets)
+        if floors[b] >= floors[a]
+    ]
+    assert not upward, (
+        "imports that do not go down a floor (move the code, or the piece, "
+        f"and keep {ARCHITECTURE.name} true):\n" + "\n".join(upward)
+    )
+
+
+def _function_lengths() -> list[tuple[int, str]]:
+    """Lines of every function and method (nested ones too), docstring not counted."""
+    out = []
+    for path in sorted(ROOT.rglob("*.py")):
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                lines = node.end_lineno - node.lineno + 1
+                if ast.get_docstring(node, clean=False) is not None:
+                    doc = node.body[0]
+                    lines -= doc.end_lineno - doc.lineno + 1
+                rel = path.relative_to(ROOT.parent)
+                out.append((lines, f"{rel}:{node.lineno} {node.name}"))
+    return out
+
+
+def test_functions_and_files_stay_small():
+    found = _function_lengths()
+    lengths = sorted(n for n, _ in found)
+    assert len(lengths) > 1000
+    long = sorted((f"{where} ({n} lines)" for n, where in found if n > 60))
+    assert not long, "functions over 60 lines; split them at their seams:\n  " + (
+        "\n  ".join(long)
+    )
+    median, p90 = statistics.median(lengths), lengths[int(0.9 * len(lengths))]
+    assert median <= 7, f"median function length {median} lines (target <= 7)"
+    assert p90 <= 22, f"90th percentile function length {p90} lines (target <= 22)"
+    big = sorted(
+        f"{p.relative_to(ROOT.parent)} ({n} lines)"
+        for p in ROOT.rglob("*.py")
+        if (n := len(p.read_text(encoding="utf-8").splitlines())) > 500
+    )
+    assert not big, "files over 500 lines; split them by topic:\n  " + "\n  ".join(big)
