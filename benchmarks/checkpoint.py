@@ -33,6 +33,7 @@ import jax.numpy as jnp
 import jax.random as jr
 import numpy as np
 import optax
+from _machine import print_machine
 
 import eqtrain
 from eqtrain.checkpoint import Checkpointer
@@ -125,6 +126,7 @@ def run(width, layers, steps, every, run_dir):
 
 
 def main():
+    print_machine()  # the processor and settings: figures are per machine
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--width", type=int, default=2048)
     parser.add_argument("--layers", type=int, default=8)

@@ -71,6 +71,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from _machine import print_machine
+
 
 SHAPE = {"hidden": 256, "mlp": 1024, "layers": 4, "heads": 4, "batch": 16, "seq": 256}
 QUICK = {"hidden": 32, "mlp": 128, "layers": 2, "heads": 4, "batch": 4, "seq": 32}
@@ -434,6 +436,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> None:
+    print_machine()  # the processor and settings: figures are per machine
     args = parse_args(argv)
     # SIGTERM as an exception: the subprocesses and the temporary directory go too
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))

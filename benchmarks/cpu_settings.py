@@ -34,6 +34,8 @@ import sys
 import time
 from pathlib import Path
 
+from _machine import print_machine
+
 
 VARIANTS = ("default", "allocator", "allocator_env", "xla_flag", "tune_cpu")
 HERE = Path(__file__).resolve().parent
@@ -106,6 +108,7 @@ def measure(args: argparse.Namespace, variant: str) -> float:
 
 
 def main(argv: list[str] | None = None) -> None:
+    print_machine()  # the processor and settings: figures are per machine
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=None)
     parser.add_argument("--steps", type=int, default=None, help="timed steps per run")

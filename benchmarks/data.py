@@ -48,6 +48,7 @@ import jax.numpy as jnp
 import jax.random as jr
 import jax.tree_util as jtu
 import optax
+from _machine import print_machine
 
 import eqtrain
 from eqtrain.data import (
@@ -233,6 +234,7 @@ def sized(args: argparse.Namespace, size: str) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     eqtrain.tune_cpu()  # as the CLI does: both sides alike
+    print_machine()  # the processor and settings: figures are per machine
     for size in args.sizes:
         print(json.dumps(benchmark(sized(args, size))), flush=True)
 

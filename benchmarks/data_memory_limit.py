@@ -33,6 +33,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from _machine import print_machine
+
 
 EQTRAIN = [sys.executable, "-m", "eqtrain.cli"]
 
@@ -113,6 +115,7 @@ class MemoryGroup:
 
 
 def main() -> None:
+    print_machine()  # the processor and settings: figures are per machine
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--size", default="4GB")
     parser.add_argument("--limit", default="2GB")

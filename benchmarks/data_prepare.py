@@ -61,6 +61,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from _machine import print_machine
 
 
 MEASURES = ("prepare_throughput", "peak_rss", "time_to_first_step", "loader_vs_memory")
@@ -471,6 +472,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> None:
+    print_machine()  # the processor and settings: figures are per machine
     args = parse_args(argv)
     for name in ("TOKENIZERS_PARALLELISM", "RAYON_NUM_THREADS"):
         os.environ.pop(name, None)

@@ -42,38 +42,15 @@ Usage (CPU; needs the `hf` extra):
 
 import argparse
 import json
-import os
-import platform
 import statistics
 import sys
 import tempfile
 import time
 from typing import Any
 
+from _machine import machine, print_machine
+
 import eqtrain
-
-
-def machine(torch: Any, transformers: Any) -> dict[str, Any]:
-    import jax
-
-    name = platform.processor()
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    name = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
-    return {
-        "cpu": name,
-        "cores": os.cpu_count(),
-        "jax": jax.__version__,
-        "backend": jax.default_backend(),
-        "xla_flags": os.environ.get("XLA_FLAGS", ""),
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-    }
 
 
 def models(args: argparse.Namespace, transformers: Any, torch: Any) -> tuple:
@@ -211,7 +188,7 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any]:
         "total": [t["total_s"] / e["total_s"] for e, t in pairs],
     }
     return {
-        "machine": machine(torch, transformers),
+        "machine": machine(),
         "cpu_settings": args.cpu_settings,
         "config": "quick" if args.quick else "llama",
         "params": num_params(ours),
@@ -272,6 +249,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     args.cpu_settings = eqtrain.tune_cpu() if args.tune_cpu else []
+    print_machine()  # the processor and settings: figures are per machine
     print(json.dumps(benchmark(args)), flush=True)
 
 

@@ -39,6 +39,8 @@ import sys
 import tempfile
 import time
 
+from _machine import print_machine
+
 
 CONFIGS = {
     # 268M parameters: 1.07 GB in float32, six shards of at most 200 MB.
@@ -201,6 +203,7 @@ def write_export(name: str, path: str) -> dict:
 
 
 def main() -> None:
+    print_machine()  # the processor and settings: figures are per machine
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="a tiny model (smoke)")
     parser.add_argument("--rounds", type=int, default=2)

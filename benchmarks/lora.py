@@ -40,6 +40,7 @@ import jax
 import jax.random as jr
 import numpy as np
 import optax
+from _machine import print_machine
 
 import eqtrain
 from eqtrain import checkpoint, lora
@@ -161,6 +162,7 @@ def measure(name: str, config: LlamaConfig, batch: int, seq: int, rounds: int):
 
 
 def main() -> None:
+    print_machine()  # the processor and settings: figures are per machine
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--quick", action="store_true", help="a tiny model, 2 rounds")

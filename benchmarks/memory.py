@@ -43,6 +43,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import jax.random as jr
+from _machine import print_machine
 
 from eqtrain import config as config_lib
 from eqtrain.losses import chunked_cross_entropy
@@ -197,6 +198,7 @@ def budget_part(budget: int, quick: bool):
 
 
 def main() -> None:
+    print_machine()  # the processor and settings: figures are per machine
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--quick", action="store_true", help="smoke test")

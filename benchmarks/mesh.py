@@ -28,6 +28,8 @@ Usage:
 
 import os
 
+from _machine import print_machine
+
 
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (
@@ -155,6 +157,7 @@ def emit(group: str, model: str, record: dict[str, Any], reference: Any) -> None
 
 
 def main(argv: list[str] | None = None) -> None:
+    print_machine()  # the processor and settings: figures are per machine
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=None)
     parser.add_argument("--quick", action="store_true", help="tiny sizes (smoke test)")

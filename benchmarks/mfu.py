@@ -71,6 +71,8 @@ check of that path in seconds.
 
 import os
 
+from _machine import print_machine
+
 
 # JAX preallocates 75% of a GPU's memory by default; the 1B step wants more.
 os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.92")
@@ -403,6 +405,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> None:
+    print_machine()  # the processor and settings: figures are per machine
     args = parse_args(argv)
     if args.quick:
         # Two CPU devices, so that FSDP really splits the state; no effect on a

@@ -64,6 +64,7 @@ import jax.numpy as jnp
 import jax.random as jr
 import numpy as np
 import optax
+from _machine import print_machine
 
 import eqtrain
 from eqtrain.losses import causal_lm_loss
@@ -423,6 +424,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     args.cpu_settings = eqtrain.tune_cpu() if args.tune_cpu else []
+    print_machine()  # the processor and settings: figures are per machine
     if args.family is None:
         print(json.dumps(benchmark(args)), flush=True)
         return

@@ -29,8 +29,6 @@ Usage (CPU):
 import argparse
 import dataclasses
 import json
-import os
-import platform
 import statistics
 import sys
 import time
@@ -41,29 +39,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from _machine import machine, print_machine
 
 import eqtrain
 from eqtrain import losses
 from eqtrain.data import ByteTokenizer, chunk_documents, stdlib_corpus
 from eqtrain.models import Decoder, DecoderConfig
-
-
-def machine() -> dict[str, Any]:
-    name = platform.processor()
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    name = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
-    return {
-        "cpu": name,
-        "cores": os.cpu_count(),
-        "jax": jax.__version__,
-        "backend": jax.default_backend(),
-    }
 
 
 def configs(args: argparse.Namespace) -> dict[str, DecoderConfig]:
@@ -183,6 +164,7 @@ def balance(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def main() -> None:
+    print_machine()  # the processor and settings: figures are per machine
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=5)

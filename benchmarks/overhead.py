@@ -64,6 +64,7 @@ import jax.random as jr
 import jax.tree_util as jtu
 import numpy as np
 import optax
+from _machine import print_machine
 
 import eqtrain
 import eqtrain.hooks
@@ -411,6 +412,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     eqtrain.tune_cpu()  # as the CLI does: every loop alike
+    print_machine()  # the processor and settings: figures are per machine
     configs = QUICK_CONFIGS if args.quick else CONFIGS
     names = list(configs) if args.config == "all" else [args.config]
     for name in names:

@@ -50,6 +50,7 @@ import jax.numpy as jnp
 import jax.random as jr
 import numpy as np
 import optax
+from _machine import print_machine
 
 import eqtrain
 from eqtrain import lora, preference
@@ -198,6 +199,7 @@ def measure(name: str, config: LlamaConfig, pairs: int, seq: int, rounds: int):
 
 
 def main() -> None:
+    print_machine()  # the processor and settings: figures are per machine
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--quick", action="store_true", help="a tiny model, 2 rounds")

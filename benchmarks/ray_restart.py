@@ -15,6 +15,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from _machine import print_machine
+
 
 TEXT = "def f(x):\n    return x + 1\n\nclass A:\n    pass\n" * 60
 STEP = re.compile(r"^\[w0\] step (\d+)/")
@@ -22,6 +24,7 @@ PIDS = re.compile(r"worker (\d+): pid (\d+)")
 
 
 def main() -> None:
+    print_machine()  # the processor and settings: figures are per machine
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--kill-at", type=int, default=10)

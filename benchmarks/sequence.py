@@ -29,6 +29,8 @@ machine's load, without the times, which do.
 
 import os
 
+from _machine import print_machine
+
 
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (
@@ -124,6 +126,7 @@ def point(
 
 
 def main() -> None:
+    print_machine()  # the processor and settings: figures are per machine
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="seq_len 256, 1 step")
     parser.add_argument(

@@ -45,6 +45,7 @@ from typing import Any
 import jax
 import jax.random as jr
 import models as bench  # benchmarks/models.py: the workload
+from _machine import print_machine
 
 from eqtrain.models import Llama
 
@@ -214,6 +215,7 @@ def show(record: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    print_machine()  # the processor and settings: figures are per machine
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--side", choices=("xla", "torch", "both"), default="both")
     parser.add_argument("--batch", type=int, default=None)

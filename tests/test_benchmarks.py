@@ -25,7 +25,12 @@ def _quick(script: str, *args: str) -> tuple[list[dict], str]:
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
-    return [json.loads(line) for line in lines], proc.stderr
+    records = [json.loads(line) for line in lines]
+    # every benchmark names its machine first: figures hold per processor
+    assert records and set(records[0]) == {"machine"}, lines[:1]
+    machine = records[0]["machine"]
+    assert machine["cpu"] and machine["cores"] and "jax" in machine["versions"]
+    return records[1:], proc.stderr
 
 
 @pytest.mark.slow  # the default suite's time: `nox -s slow`

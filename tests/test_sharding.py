@@ -481,9 +481,10 @@ def test_batch_arrays_are_split():
 
 
 @pytest.mark.slow  # the default suite's time: `nox -s slow`
-def test_mesh_benchmark_quick(capsys):
+def test_mesh_benchmark_quick(capsys, monkeypatch):
     """`benchmarks/mesh.py --quick` runs (in this process: it has the 8 devices)."""
     path = Path(__file__).parent.parent / "benchmarks" / "mesh.py"
+    monkeypatch.syspath_prepend(str(path.parent))  # its `_machine` helper
     spec = importlib.util.spec_from_file_location("mesh_benchmark", path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
@@ -491,6 +492,7 @@ def test_mesh_benchmark_quick(capsys):
     module.main(["--quick"])
     out = capsys.readouterr().out
     records = [json.loads(x) for x in out.splitlines() if x.startswith("{")]
+    assert records.pop(0)["machine"]["cores"]  # the machine first
     reference = records.pop(0)  # the one-device step the ratios are relative to
     assert reference["mesh"] == "1 device" and reference["step_ms"] > 0
     assert all(r["step_time_vs_1_device"] > 0 for r in records)

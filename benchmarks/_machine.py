@@ -1,0 +1,95 @@
+"""The machine a benchmark ran on, for every benchmark's output.
+
+Figures measured on one processor do not hold on another (docs/performance.md
+keeps its tables per processor), so each benchmark prints this first, as one
+JSON line `{"machine": {...}}`: the CPU's model name, family and model, its
+cores, the instruction-set extensions that change XLA's and torch's kernels,
+the library versions, and the CPU settings in force (`XLA_FLAGS`, glibc's
+allocator thresholds, `EQTRAIN_CPU_TUNING`) and the load when it started.
+
+    from _machine import print_machine
+    print_machine()  # first thing in main(), after the CPU settings are chosen
+"""
+
+import importlib.metadata
+import json
+import os
+import platform
+from typing import Any
+
+
+ISA = (
+    "avx2",
+    "fma",
+    "avx512f",
+    "avx512bw",
+    "avx512vl",
+    "avx512_vnni",
+    "avx512_bf16",
+    "amx_tile",
+    "amx_bf16",
+    "amx_int8",
+)
+"""The CPU flags that decide which kernels XLA, oneDNN and torch pick."""
+LIBRARIES = ("jax", "jaxlib", "equinox", "torch", "transformers")
+
+
+def cpuinfo(text: str | None = None) -> dict[str, Any]:
+    """Model name, family, model and ISA flags from `/proc/cpuinfo` (or `text`)."""
+    if text is None:
+        try:
+            with open("/proc/cpuinfo", encoding="utf-8") as f:
+                text = f.read()
+        except OSError:
+            text = ""
+    fields: dict[str, str] = {}
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        fields.setdefault(key.strip(), value.strip())
+    flags = set(fields.get("flags", "").split())
+    return {
+        "cpu": fields.get("model name") or platform.processor() or "unknown",
+        "family": fields.get("cpu family"),
+        "model": fields.get("model"),
+        "isa": [name for name in ISA if name in flags],
+    }
+
+
+def versions() -> dict[str, str]:
+    """Installed versions of the libraries a benchmark may compare."""
+    found = {}
+    for name in LIBRARIES:
+        try:
+            found[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    return found
+
+
+def settings() -> dict[str, str]:
+    """The CPU settings in force: environment variables eqtrain and XLA read."""
+    names = (
+        "XLA_FLAGS",
+        "EQTRAIN_CPU_TUNING",
+        "MALLOC_MMAP_THRESHOLD_",
+        "MALLOC_TRIM_THRESHOLD_",
+    )
+    return {n: os.environ[n] for n in names if n in os.environ}
+
+
+def machine() -> dict[str, Any]:
+    """Everything above, plus the core count and the load average at the call."""
+    return {
+        **cpuinfo(),
+        "cores": os.cpu_count(),
+        "versions": versions(),
+        "settings": settings(),
+        "load": [round(x, 2) for x in os.getloadavg()],
+    }
+
+
+def print_machine() -> dict[str, Any]:
+    """Print `{"machine": machine()}` as one JSON line and return the dict."""
+    found = machine()
+    print(json.dumps({"machine": found}), flush=True)
+    return found
