@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from ._errors import DataError
-from ._store import _BuildLock, _make_dir, _write_json, default_cache, file_sha256
+from ._files import BuildLock, default_cache, file_sha256, make_dir, write_json
 
 
 FORMAT = 1
@@ -56,8 +56,8 @@ def cached_rows(
     opened = _open(directory)
     if opened is not None:
         return opened
-    _make_dir(directory)
-    with _BuildLock(directory):
+    make_dir(directory)
+    with BuildLock(directory):
         opened = _open(directory)
         if opened is not None:
             return opened
@@ -73,7 +73,7 @@ def cached_rows(
                 os.fsync(f.fileno())
             os.replace(tmp, path)
             columns[name] = {"sha256": file_sha256(path), "shape": list(array.shape)}
-        _write_json(directory / "rows.json", {"columns": columns, "report": report})
+        write_json(directory / "rows.json", {"columns": columns, "report": report})
     opened = _open(directory)
     if opened is None:
         raise DataError(f"the rows written to {directory} do not read back.")

@@ -11,13 +11,14 @@ import sys
 
 
 def main() -> None:
+    from ._encoder import Encoder
     from ._errors import DataError
-    from ._store import Task, _Encoder, build_part
+    from ._parts import Task, build_part
 
     out = sys.stdout
     sys.stdout = sys.stderr  # nothing else may write to the answer channel
     spec = json.loads(sys.stdin.readline())
-    encoder = _Encoder(spec)
+    encoder = Encoder(spec)
     for line in sys.stdin:
         task = Task(**json.loads(line))
         if task.texts is not None:
