@@ -9,13 +9,13 @@ built-in one of `encode_chat`.
 import json
 import os
 from collections.abc import Mapping, Sequence
-from datetime import datetime
 from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 from jaxtyping import Float, Int
 
-from ._errors import DataError, PathLike, check_exists
+from ._errors import ChatTemplateError, DataError, PathLike, check_exists
+from ._jinja import compile_template, plain
 from ._text import ROLES, encode_chat
 from ._tokenizers import Tokenizer
 
@@ -43,17 +43,6 @@ SPECIAL_TOKENS = (
     "mask_token",
 )
 TEMPLATE_FILE = "chat_template.jinja"
-
-
-class ChatTemplateError(DataError):
-    """One conversation that a chat template cannot encode.
-
-    `reason` is a short phrase for skip reports, e.g. "with malformed messages".
-    """
-
-    def __init__(self, message: str, *, reason: str):
-        super().__init__(message)
-        self.reason = reason
 
 
 @runtime_checkable
@@ -133,7 +122,7 @@ class JinjaChatTemplate:
     def __init__(self, source: str, special_tokens: Mapping[str, str] | None = None):
         self.source = source
         self.special_tokens = dict(special_tokens or {})
-        self._compiled = _compile(source)
+        self._compiled = compile_template(source)
 
     def render(self, messages: Messages, *, add_generation_prompt: bool = False) -> str:
         """The template's text for `messages` (as `apply_chat_template(...,
@@ -146,7 +135,7 @@ class JinjaChatTemplate:
         try:
             return self._compiled.render(
                 **self.special_tokens,
-                messages=_plain(list(messages)),
+                messages=plain(list(messages)),
                 add_generation_prompt=add_generation_prompt,
                 tools=None,
                 documents=None,
@@ -264,7 +253,12 @@ def read_chat_template(directory: PathLike) -> str | None:
     jinja = os.path.join(directory, TEMPLATE_FILE)
     if os.path.isfile(jinja):
         return _read(jinja)
-    config_path = os.path.join(directory, "tokenizer_config.json")
+    return _config_template(os.path.join(directory, "tokenizer_config.json"))
+
+
+def _config_template(config_path: str) -> str | None:
+    """`tokenizer_config.json`'s `chat_template`: a string, or the `default` of a
+    list of named ones; None without one."""
     value = _read_json(config_path).get("chat_template")
     if isinstance(value, list):  # [{"name": ..., "template": ...}, ...]
         value = {t.get("name"): t.get("template") for t in value if isinstance(t, dict)}
@@ -331,6 +325,13 @@ def _check_message(message: Any, i: int, roles: Sequence[str]) -> dict[str, Any]
             reason="with a message that is not a {role, content} mapping",
         )
     clean = {k: v for k, v in message.items() if v is not None}
+    _check_role_and_content(clean, i, roles)
+    return clean
+
+
+def _check_role_and_content(
+    clean: Mapping[str, Any], i: int, roles: Sequence[str]
+) -> None:
     if clean["role"] not in roles:
         raise ChatTemplateError(
             f"message {i} has role {clean['role']!r}; the chat template knows "
@@ -344,7 +345,6 @@ def _check_message(message: Any, i: int, roles: Sequence[str]) -> dict[str, Any]
             "string.",
             reason="with a message content that is not a string",
         )
-    return clean
 
 
 def _tokens_and_mask(
@@ -364,114 +364,6 @@ def _tokens_and_mask(
     for begin, end in spans:
         mask[(offsets[:, 1] > begin) & (offsets[:, 0] < end)] = 1.0
     return np.asarray(ids, np.int32), mask
-
-
-def _compile(source: str) -> Any:
-    """`source` compiled in transformers' sandboxed chat-template environment."""
-    import jinja2
-    from jinja2.ext import Extension, loopcontrols
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-    class Generation(Extension):
-        # transformers' AssistantTracker tag; here its body just renders
-        tags = {"generation"}
-
-        def parse(self, parser: Any) -> Any:
-            lineno = next(parser.stream).lineno
-            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
-            call = self.call_method("_body")
-            return jinja2.nodes.CallBlock(call, [], [], body).set_lineno(lineno)
-
-        def _body(self, caller: Any) -> str:
-            return caller()
-
-    env = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[Generation, loopcontrols]
-    )
-    env.filters["tojson"] = _tojson
-    env.globals["raise_exception"] = _raise_exception
-    env.globals["strftime_now"] = lambda format: datetime.now().strftime(format)
-    env.globals["namespace"] = _namespace_class(jinja2)
-    try:
-        return env.from_string(source)
-    except jinja2.TemplateError as error:
-        raise DataError(
-            f"the chat template does not parse: {error}. Fix the template, or use the "
-            "built-in one (data.chat_template = 'builtin'; template=None in "
-            "Python)."
-        ) from error
-
-
-def _tojson(
-    value: Any,
-    ensure_ascii: bool = False,
-    indent: int | None = None,
-    separators: Any = None,
-    sort_keys: bool = False,
-) -> str:
-    # jinja's own tojson escapes HTML characters; chat templates want plain JSON
-    return json.dumps(
-        value,
-        ensure_ascii=ensure_ascii,
-        indent=indent,
-        separators=separators,
-        sort_keys=sort_keys,
-    )
-
-
-def _raise_exception(message: str) -> None:
-    raise ChatTemplateError(
-        f"the chat template refused this conversation: {message}",
-        reason=f"rejected by the chat template ({message})",
-    )
-
-
-def _namespace_class(jinja2: Any) -> type:
-    """jinja's `namespace`, refusing underscore-prefixed attributes (a way out of
-    the sandbox), as transformers does."""
-
-    class Namespace(jinja2.utils.Namespace):
-        def __init__(*args: Any, **kwargs: Any):
-            self, args = args[0], args[1:]
-            attrs = dict(*args, **kwargs)
-            for name in attrs:
-                Namespace._check(name)
-            jinja2.utils.Namespace.__init__(self, attrs)
-
-        def __setitem__(self, name: str, value: Any) -> None:
-            Namespace._check(name)
-            jinja2.utils.Namespace.__setitem__(self, name, value)
-
-        @staticmethod
-        def _check(name: Any) -> None:
-            if isinstance(name, str) and name.startswith("_"):
-                raise jinja2.exceptions.SecurityError(
-                    f"chat templates cannot set underscore-prefixed attributes on a "
-                    f"namespace; got {name!r}."
-                )
-
-    return Namespace
-
-
-def _plain(value: Any) -> Any:
-    """`value` rebuilt from plain JSON types, so a template sees no object with
-    methods of its own (anything else becomes a placeholder such as `<ndarray>`)."""
-    if value is None or type(value) in (str, int, float, bool):
-        return value
-    if isinstance(value, np.generic):
-        return _plain(value.item())
-    if isinstance(value, Mapping):
-        return {str(k): _plain(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
-    # subclasses (e.g. str enums) can carry methods: strip them to the base type
-    if isinstance(value, str):
-        return str.__str__(value)
-    if isinstance(value, int):
-        return int.__int__(value)
-    if isinstance(value, float):
-        return float.__float__(value)
-    return f"<{type(value).__name__}>"
 
 
 def _read(path: str) -> str:

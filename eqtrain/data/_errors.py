@@ -13,6 +13,17 @@ class DataError(EqtrainError, ValueError):
     that does not parse, or a sequence/batch size larger than the data."""
 
 
+class ChatTemplateError(DataError):
+    """One conversation that a chat template cannot encode.
+
+    `reason` is a short phrase for skip reports, e.g. "with malformed messages".
+    """
+
+    def __init__(self, message: str, *, reason: str):
+        super().__init__(message)
+        self.reason = reason
+
+
 class DataWarning(EqtrainWarning):
     """Rows of the data that were skipped (e.g. a null text): counted in one
     warning, never trained on."""

@@ -22,8 +22,8 @@ import numpy as np
 
 from .._errors import ConfigError
 from . import _text
-from ._chat import BuiltinChatTemplate, ChatTemplate, ChatTemplateError, chat_template
-from ._errors import DataError
+from ._chat import BuiltinChatTemplate, ChatTemplate, chat_template
+from ._errors import ChatTemplateError, DataError
 from ._tokenizers import Tokenizer, require_id
 
 

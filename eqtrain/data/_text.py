@@ -42,15 +42,7 @@ def chunk_documents(
     """
     _check_positive(seq_len=seq_len)
     eos = require_id(tokenizer, "eos", "`chunk_documents` (it ends documents with EOS)")
-    pieces = []
-    count = 0
-    for doc in documents:
-        pieces.append(np.asarray(tokenizer.encode(doc), np.int32))
-        pieces.append(np.array([eos], np.int32))
-        count += 1
-    if count == 0:
-        raise DataError("`chunk_documents` got no documents; pass at least one.")
-    stream = np.concatenate(pieces)
+    stream, count = _stream(documents, tokenizer, eos)
     rows = (len(stream) - 1) // seq_len
     if rows == 0:
         raise DataError(
@@ -64,6 +56,19 @@ def chunk_documents(
         "targets": stream[1 : used + 1].reshape(rows, seq_len),
         "loss_mask": np.ones((rows, seq_len), np.float32),
     }
+
+
+def _stream(
+    documents: Iterable[str], tokenizer: Tokenizer, eos: int
+) -> tuple[np.ndarray, int]:
+    """`doc_0 EOS doc_1 EOS ...` as int32 ids, and the number of documents."""
+    pieces = []
+    for doc in documents:
+        pieces.append(np.asarray(tokenizer.encode(doc), np.int32))
+        pieces.append(np.array([eos], np.int32))
+    if not pieces:
+        raise DataError("`chunk_documents` got no documents; pass at least one.")
+    return np.concatenate(pieces), len(pieces) // 2
 
 
 def pack(
@@ -98,20 +103,8 @@ def pack(
         DataError: no examples.
     """
     _check_positive(seq_len=seq_len)
-    items = _prepared(examples, masks, seq_len + 1, truncation)
     width = seq_len + 1
-    # next fit: row r takes examples until the next one does not fit (or would
-    # start on the last, target-only slot)
-    placements: list[list[tuple[np.ndarray, np.ndarray]]] = []
-    pos = width
-    for ids, mask in items:
-        if len(ids) == 0:  # nothing to place, and no segment number to spend
-            continue
-        if pos + len(ids) > width or pos >= seq_len:
-            placements.append([])
-            pos = 0
-        placements[-1].append((ids, mask))
-        pos += len(ids)
+    placements = _next_fit(_prepared(examples, masks, width, truncation), width)
     tok = np.full((len(placements), width), pad_id, np.int32)
     seg = np.zeros((len(placements), width), np.int32)
     learn = np.zeros((len(placements), width), np.float32)
@@ -128,6 +121,26 @@ def pack(
         "loss_mask": (same * learn[:, 1:]).astype(np.float32),
         "segment_ids": seg[:, :-1],
     }
+
+
+Item = tuple[np.ndarray, np.ndarray]
+"""An example's ids and mask."""
+
+
+def _next_fit(items: list[Item], width: int) -> list[list[Item]]:
+    """The examples of each row: a row takes examples until the next one does not
+    fit, or would start on the last, target-only slot; empty ones are skipped."""
+    placements: list[list[Item]] = []
+    pos = width
+    for ids, mask in items:
+        if len(ids) == 0:  # nothing to place, and no segment number to spend
+            continue
+        if pos + len(ids) > width or pos >= width - 1:
+            placements.append([])
+            pos = 0
+        placements[-1].append((ids, mask))
+        pos += len(ids)
+    return placements
 
 
 def collate(
@@ -168,11 +181,7 @@ def collate(
     real = np.zeros((len(items), width), bool)
     learn = np.zeros((len(items), width), np.float32)
     for i, (ids, mask) in enumerate(items):
-        where = (
-            slice(0, len(ids))
-            if padding_side == "right"
-            else slice(width - len(ids), width)
-        )
+        where = _placed(len(ids), width, padding_side)
         tok[i, where], real[i, where], learn[i, where] = ids, True, mask
     rows = {
         "tokens": tok[:, :-1],
@@ -184,6 +193,13 @@ def collate(
     if segment_ids if segment_ids is not None else padding_side == "left":
         rows["segment_ids"] = real[:, :-1].astype(np.int32)
     return rows
+
+
+def _placed(length: int, width: int, padding_side: str) -> slice:
+    """Where an example of `length` tokens sits in a row of `width`."""
+    if padding_side == "right":
+        return slice(0, length)
+    return slice(width - length, width)
 
 
 def _prepared(
@@ -204,22 +220,26 @@ def _prepared(
             f"`masks` must have one entry per example; got {len(masks)} masks for "
             f"{len(examples)} examples."
         )
+    cut = slice(0, width) if truncation == "keep_start" else slice(-width, None)
     items = []
     for i, example in enumerate(examples):
-        ids = np.asarray(example, np.int32).reshape(-1)
-        mask = (
-            np.ones(len(ids), np.float32)
-            if masks is None
-            else np.asarray(masks[i], np.float32).reshape(-1)
-        )
-        if len(mask) != len(ids):
-            raise ConfigError(
-                f"example {i} has {len(ids)} tokens but its mask has {len(mask)} "
-                "entries; they must match."
-            )
-        cut = slice(0, width) if truncation == "keep_start" else slice(-width, None)
+        ids, mask = _with_mask(example, None if masks is None else masks[i], i)
         items.append((ids[cut], mask[cut]))
     return items
+
+
+def _with_mask(example: Example, mask: Example | None, i: int) -> Item:
+    """Example `i`'s ids and its mask (all ones by default), of one length."""
+    ids = np.asarray(example, np.int32).reshape(-1)
+    if mask is None:
+        return ids, np.ones(len(ids), np.float32)
+    mask = np.asarray(mask, np.float32).reshape(-1)
+    if len(mask) != len(ids):
+        raise ConfigError(
+            f"example {i} has {len(ids)} tokens but its mask has {len(mask)} "
+            "entries; they must match."
+        )
+    return ids, mask
 
 
 def _check_positive(**values: int) -> None:
@@ -269,19 +289,20 @@ def encode_chat(
     return np.concatenate(ids), np.concatenate(learn)
 
 
+def _check_fields(message: Any, i: int) -> None:
+    """Message `i` is a mapping with `role` and `content`."""
+    if isinstance(message, Mapping) and "role" in message and "content" in message:
+        return
+    keys = sorted(message) if isinstance(message, Mapping) else type(message).__name__
+    raise DataError(
+        f"message {i} must be a mapping with 'role' and 'content'; got {keys}. "
+        'Write messages as {"role": "user", "content": "..."}.'
+    )
+
+
 def _role_and_content(message: Any, i: int) -> tuple[str, str]:
-    if (
-        not isinstance(message, Mapping)
-        or "role" not in message
-        or "content" not in message
-    ):
-        keys = (
-            sorted(message) if isinstance(message, Mapping) else type(message).__name__
-        )
-        raise DataError(
-            f"message {i} must be a mapping with 'role' and 'content'; got {keys}. "
-            'Write messages as {"role": "user", "content": "..."}.'
-        )
+    """Message `i`'s role (one of `ROLES`) and content (a string)."""
+    _check_fields(message, i)
     role, content = message["role"], message["content"]
     if role not in ROLES:
         raise DataError(
