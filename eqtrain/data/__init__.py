@@ -34,13 +34,9 @@ from ._errors import (
 from ._files import default_cache as default_cache
 from ._loader import Loader as Loader
 from ._mixture import Mixture as Mixture
-from ._post import (
-    SkipReport as SkipReport,
-    infer_format as infer_format,
-    preference_rows as preference_rows,
-    sft_rows as sft_rows,
-)
+from ._post import preference_rows as preference_rows, sft_rows as sft_rows
 from ._prepare import prepare as prepare
+from ._records import SkipReport as SkipReport, infer_format as infer_format
 from ._rows_cache import (
     cached_rows as cached_rows,
     tokenizer_identity as tokenizer_identity,

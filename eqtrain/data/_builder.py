@@ -13,7 +13,7 @@ import numpy as np
 
 from .._errors import ConfigError
 from ._encoder import dtype_for
-from ._errors import DataError
+from ._errors import DataError, positive
 from ._files import write_json
 from ._parts import FORMAT, Task, grouped, read_ledger, texts_key, verify_part
 from ._stream import check_counts
@@ -26,8 +26,8 @@ def _check_executor(executor: str, workers: int | None) -> None:
             "`executor` must be 'auto', 'inline', 'processes' or 'ray'; got "
             f"{executor!r}."
         )
-    if workers is not None and (not isinstance(workers, int) or workers < 1):
-        raise ConfigError(f"`workers` must be an int >= 1; got {workers!r}.")
+    if workers is not None:
+        positive("workers", workers)
 
 
 class Builder:

@@ -17,7 +17,7 @@ from jaxtyping import Float, Int
 from ._errors import ChatTemplateError, DataError, PathLike, check_exists
 from ._jinja import compile_template, plain
 from ._text import ROLES, encode_chat
-from ._tokenizers import Tokenizer
+from ._tokenizers import Tokenizer, token_content
 
 
 Ids = Int[np.ndarray, " n"]
@@ -282,16 +282,11 @@ def read_special_tokens(directory: PathLike) -> dict[str, str]:
     """The special token strings (`bos_token`, `eos_token`, ...) that transformers
     passes to chat templates, from `tokenizer_config.json` (which wins) and
     `special_tokens_map.json` in `directory`; `{}` if there are none."""
-    directory = os.fspath(directory)
     tokens: dict[str, str] = {}
     for name in ("special_tokens_map.json", "tokenizer_config.json"):
-        config = _read_json(os.path.join(directory, name))
-        for key in SPECIAL_TOKENS:
-            value = config.get(key)
-            if isinstance(value, dict):  # an AddedToken written as a dict
-                value = value.get("content")
-            if isinstance(value, str):
-                tokens[key] = value
+        config = _read_json(os.path.join(os.fspath(directory), name))
+        found = {key: token_content(config.get(key)) for key in SPECIAL_TOKENS}
+        tokens.update({k: v for k, v in found.items() if v is not None})
     return tokens
 
 
@@ -318,15 +313,19 @@ def check_messages(
 
 def _check_message(message: Any, i: int, roles: Sequence[str]) -> dict[str, Any]:
     if not isinstance(message, Mapping) or not isinstance(message.get("role"), str):
-        got = sorted(message) if isinstance(message, Mapping) else type(message)
-        raise ChatTemplateError(
-            f"message {i} must be a mapping with a string 'role' and 'content'; got "
-            f"{got}. Write messages as {{'role': 'user', 'content': '...'}}.",
-            reason="with a message that is not a {role, content} mapping",
-        )
+        raise _not_a_message(message, i)
     clean = {k: v for k, v in message.items() if v is not None}
     _check_role_and_content(clean, i, roles)
     return clean
+
+
+def _not_a_message(message: Any, i: int) -> ChatTemplateError:
+    got = sorted(message) if isinstance(message, Mapping) else type(message)
+    return ChatTemplateError(
+        f"message {i} must be a mapping with a string 'role' and 'content'; got "
+        f"{got}. Write messages as {{'role': 'user', 'content': '...'}}.",
+        reason="with a message that is not a {role, content} mapping",
+    )
 
 
 def _check_role_and_content(

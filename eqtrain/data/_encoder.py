@@ -63,6 +63,14 @@ def _with_eos(ids: Any, eos: int) -> np.ndarray:
     return out
 
 
+def _batch_encoder(text: str) -> Any:
+    """The batch encoder (the fast one where there is one) of a `tokenizers` JSON."""
+    import tokenizers
+
+    tok = tokenizers.Tokenizer.from_str(text)
+    return getattr(tok, "encode_batch_fast", None) or tok.encode_batch
+
+
 class Encoder:
     """Encodes batches of documents into one flat stream with EOS after each."""
 
@@ -70,19 +78,14 @@ class Encoder:
         self.eos = int(spec["eos"])
         self.kind = spec["kind"]
         if self.kind == "hf":
-            import tokenizers
-
-            self._tok = tokenizers.Tokenizer.from_str(spec["json"])
-            fast = getattr(self._tok, "encode_batch_fast", None)
-            self._batch = fast or self._tok.encode_batch
+            self._batch = _batch_encoder(spec["json"])
 
     def encode(self, docs: Sequence[str]) -> tuple[list[np.ndarray], list[int]]:
         """Token ids (with EOS after each document) and each document's length."""
         if self.kind == "byte":
             pieces = [np.frombuffer(d.encode("utf-8"), np.uint8) for d in docs]
         else:
-            encodings = self._batch(list(docs), add_special_tokens=False)
-            pieces = [e.ids for e in encodings]
+            pieces = [e.ids for e in self._batch(list(docs), add_special_tokens=False)]
         out = [_with_eos(p, self.eos) for p in pieces]
         return out, [len(ids) for ids in out]
 

@@ -30,8 +30,7 @@ def write_json(path: Path, value: Any, tmp: Path | None = None) -> None:
     """Write `value` to `path` atomically (a temporary file, fsync, rename)."""
     tmp = tmp or path.with_name(f"{path.name}.tmp{os.getpid()}")
     with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(value, f, indent=1, sort_keys=True)
-        f.write("\n")
+        f.write(json.dumps(value, indent=1, sort_keys=True) + "\n")
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)

@@ -15,7 +15,7 @@ import jax.tree_util as jtu
 import numpy as np
 
 from .._errors import ConfigError
-from ._errors import DataError
+from ._errors import DataError, positive
 from ._prefetch import Prefetcher
 from ._table import Table
 
@@ -99,7 +99,7 @@ class Loader:
             raise ConfigError(f"`mode` must be 'train' or 'eval'; got {mode!r}.")
         self._table = Table(source)
         self.mode = mode
-        self.batch_size = _positive("batch_size", batch_size)
+        self.batch_size = positive("batch_size", batch_size)
         self.seed = seed
         self.shuffle = mode == "train" if shuffle is None else shuffle
         self.drop_last = mode == "train" if drop_last is None else drop_last
@@ -121,7 +121,7 @@ class Loader:
 
     def _processes(self, index: int | None, count: int | None) -> tuple[int, int]:
         """This process's slice and the number of slices (default: JAX's)."""
-        count = _positive(
+        count = positive(
             "process_count", jax.process_count() if count is None else count
         )
         index = jax.process_index() if index is None else index
@@ -176,12 +176,7 @@ class Loader:
         self._supersede()
 
     def _normalized(self, position: Mapping[str, int]) -> tuple[int, int]:
-        try:
-            epoch, index = position["epoch"], position["index"]
-        except (KeyError, TypeError):
-            raise ConfigError(
-                f"a position is a dict {{'epoch': e, 'index': i}}; got {position!r}."
-            ) from None
+        epoch, index = _epoch_and_index(position)
         valid = (
             isinstance(epoch, int)
             and isinstance(index, int)
@@ -217,9 +212,8 @@ class Loader:
         if self.mode == "eval":
             return _LoaderIterator(self, self._batches((0, 0), 1), tracked=False)
         self._supersede()
-        it = _LoaderIterator(
-            self, self._batches(self._position, self.num_epochs), tracked=True
-        )
+        batches = self._batches(self._position, self.num_epochs)
+        it = _LoaderIterator(self, batches, tracked=True)
         self._active = weakref.ref(it)
         return it
 
@@ -401,10 +395,19 @@ def _padded(batch: Any, real: int, size: int) -> Any:
     return jtu.tree_map(pad, batch)
 
 
+def _epoch_and_index(position: Mapping[str, int]) -> tuple[Any, Any]:
+    try:
+        return position["epoch"], position["index"]
+    except (KeyError, TypeError):
+        raise ConfigError(
+            f"a position is a dict {{'epoch': e, 'index': i}}; got {position!r}."
+        ) from None
+
+
 def _epochs(num_epochs: int | None, mode: str) -> int | None:
     """`num_epochs`, checked: a train loader's setting."""
     if num_epochs is not None:
-        _positive("num_epochs", num_epochs)
+        positive("num_epochs", num_epochs)
         if mode == "eval":
             raise ConfigError(
                 "`num_epochs` is for train loaders; an eval loader makes one pass "
@@ -417,9 +420,3 @@ def _prefetch(prefetch: int) -> int:
     if not isinstance(prefetch, int) or prefetch < 0:
         raise ConfigError(f"`prefetch` must be an int >= 0; got {prefetch!r}.")
     return prefetch
-
-
-def _positive(name: str, value: Any) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ConfigError(f"`{name}` must be an int >= 1; got {value!r}.")
-    return value

@@ -215,11 +215,8 @@ def read_ledger(directory: PathLike, index: int, dtype: str) -> dict[str, Any] |
 
 def verify_part(directory: PathLike, entry: Mapping[str, Any]) -> bool:
     """Whether part `entry["index"]`'s files match their recorded sha256."""
-    paths = part_paths(directory, entry["index"])
+    paths, sha256 = part_paths(directory, entry["index"]), entry["sha256"]
     try:
-        return all(
-            file_sha256(paths[name]) == entry["sha256"][name]
-            for name in ("tokens", "ends")
-        )
+        return all(file_sha256(paths[k]) == sha256[k] for k in ("tokens", "ends"))
     except OSError:
         return False

@@ -196,15 +196,12 @@ def _build(builder: Builder, source: Any, *, verify: bool) -> None:
 def _pieces(source: PathLike, settings: dict[str, Any]) -> list[dict[str, Any]]:
     """The pieces of a path source, as JSON (planned only when a store is built:
     planning JSON Lines counts its lines)."""
-    name, piece_bytes = os.fspath(source), settings["piece_bytes"]
+    name = os.fspath(source)
     files = _stdlib(name)
     if files is not None:
-        pieces = plan_files(files, piece_bytes=piece_bytes)
+        pieces = plan_files(files, piece_bytes=settings["piece_bytes"])
     else:
-        column, pattern = settings["text_column"], settings["pattern"]
-        pieces = plan(
-            name, text_column=column, pattern=pattern, piece_bytes=piece_bytes
-        )
+        pieces = plan(name, **settings)  # text_column, pattern and piece_bytes
     return [p.to_json() for p in pieces]
 
 

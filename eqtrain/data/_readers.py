@@ -133,15 +133,21 @@ def _read_json(piece: Piece, column: str, counts: dict) -> Iterator[str]:
     strings, read as `{"text": s}` as `datasets` does)."""
     for i, record in enumerate(_json_array(piece), 1):
         where = f"{piece.path} (record {i})"
-        record = {"text": record} if isinstance(record, str) else record
-        if not isinstance(record, dict):
-            raise DataError(f"{where} is a {type(record).__name__}, not an object.")
-        if column not in record:
-            raise _missing(where, column, list(record))
-        if isinstance(record[column], str):
-            yield record[column]
+        value = _json_record(record, where, column)[column]
+        if isinstance(value, str):
+            yield value
         else:
             _skip(counts, where)
+
+
+def _json_record(record: Any, where: str, column: str) -> dict:
+    """A record of a JSON array (a string stands for `{"text": s}`), with `column`."""
+    record = {"text": record} if isinstance(record, str) else record
+    if not isinstance(record, dict):
+        raise DataError(f"{where} is a {type(record).__name__}, not an object.")
+    if column not in record:
+        raise _missing(where, column, list(record))
+    return record
 
 
 def _json_array(piece: Piece) -> list:

@@ -4,6 +4,7 @@ names the file and says what to do.
 """
 
 import contextlib
+import gzip
 import io
 import os
 import zlib
@@ -56,8 +57,6 @@ def opened(path: Path, compression: str | None = None) -> Iterator[Any]:
 def _decompressed(raw: io.BufferedReader, path: Path, compression: str | None) -> Any:
     """`raw`, read through its decompressor (itself when `compression` is None)."""
     if compression == "gz":
-        import gzip
-
         return gzip.GzipFile(fileobj=raw, mode="rb")
     if compression == "zst":
         return io.BufferedReader(_Zstd(raw, zstd_module(path)), BLOCK)

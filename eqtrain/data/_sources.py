@@ -118,13 +118,9 @@ def _bad_line(files: list[str], format: str) -> str:
     that does not parse as JSON (datasets reports a byte position only)."""
     if format != "json":
         return ""
-    for path in files:
-        if not path.endswith(".jsonl"):
-            continue  # maybe one JSON document, not JSON Lines
-        found = _first_bad_line(path)
-        if found is not None:
-            return found
-    return ""
+    jsonl = (path for path in files if path.endswith(".jsonl"))  # not one document
+    found = (_first_bad_line(path) for path in jsonl)
+    return next((sentence for sentence in found if sentence is not None), "")
 
 
 def _first_bad_line(path: str) -> str | None:
@@ -215,7 +211,6 @@ def text_column(data: Any, name: str, *, source: str = "the data") -> list[str]:
     """
     values = column(data, name)
     texts = [v for v in values if isinstance(v, str)]
-    skipped = len(values) - len(texts)
     if not texts:
         kinds = sorted({_kind(v) for v in values})
         raise DataError(
@@ -223,15 +218,20 @@ def text_column(data: Any, name: str, *, source: str = "the data") -> list[str]:
             f"are {', '.join(kinds)}. Point data.text_column (`text_column`) at a "
             "column of strings."
         )
-    if skipped:
-        first = next(i for i, v in enumerate(values) if not isinstance(v, str))
-        warnings.warn(
-            f"{source}: skipped {skipped} of {len(values)} rows whose {name!r} is "
-            f"not a string (the first: row {first}, {_kind(values[first])}).",
-            DataWarning,
-            stacklevel=2,
-        )
+    if len(texts) < len(values):
+        _warn_skipped(values, len(values) - len(texts), name, source)
     return texts
+
+
+def _warn_skipped(values: list[Any], skipped: int, name: str, source: str) -> None:
+    """One warning for the `skipped` values that are not strings."""
+    first = next(i for i, v in enumerate(values) if not isinstance(v, str))
+    warnings.warn(
+        f"{source}: skipped {skipped} of {len(values)} rows whose {name!r} is "
+        f"not a string (the first: row {first}, {_kind(values[first])}).",
+        DataWarning,
+        stacklevel=3,  # text_column's caller
+    )
 
 
 def _kind(value: Any) -> str:
@@ -256,12 +256,17 @@ def column(data: Any, name: str) -> list[Any]:
             raise missing_field(name, list(data.column_names), "the dataset")
         values = list(data[name])
     else:
-        records = list(data)
-        for i, record in enumerate(records):
-            if not isinstance(record, Mapping) or name not in record:
-                keys = list(record) if isinstance(record, Mapping) else []
-                raise missing_field(name, keys, f"record {i}")
-        values = [record[name] for record in records]
+        values = _field_values(data, name)
     if not values:
         raise DataError(f"the data is empty: column {name!r} has no rows.")
     return values
+
+
+def _field_values(records: Any, name: str) -> list[Any]:
+    """Field `name` of each record (a mapping) of `records`."""
+    records = list(records)
+    for i, record in enumerate(records):
+        if not isinstance(record, Mapping) or name not in record:
+            keys = list(record) if isinstance(record, Mapping) else []
+            raise missing_field(name, keys, f"record {i}")
+    return [record[name] for record in records]

@@ -26,9 +26,8 @@ from typing import Any
 
 import numpy as np
 
-from .._errors import ConfigError
 from ._encoder import Encoder
-from ._errors import DataError, PathLike
+from ._errors import DataError, PathLike, positive, too_few_tokens
 from ._parts import BLOCK, FORMAT, Task, build_part, part_paths
 
 
@@ -118,13 +117,11 @@ class Store:
 
     def _mapped(self, index: int) -> np.ndarray:
         """Part `index`, mapped (its size checked), no block checked yet."""
-        array = self._maps.get(index)
-        if array is None:
+        if index not in self._maps:
             with self._lock:
-                if index not in self._maps:
+                if index not in self._maps:  # another thread may have mapped it
                     self._maps[index] = self._open(index)
-                array = self._maps[index]
-        return array
+        return self._maps[index]
 
     def _check(self, index: int, blocks: np.ndarray) -> np.ndarray:
         """Check `blocks` of part `index` (rebuilding the part if one does not
@@ -245,18 +242,11 @@ class LMRows:
     """
 
     def __init__(self, store: Store, seq_len: int):
-        if not isinstance(seq_len, int) or seq_len < 1:
-            raise ConfigError(f"`seq_len` must be an int >= 1; got {seq_len!r}.")
         self.store = store
-        self.seq_len = seq_len
+        self.seq_len = positive("seq_len", seq_len)
         self.num_rows = (store.num_tokens - 1) // seq_len if store.num_tokens else 0
         if self.num_rows == 0:
-            raise DataError(
-                f"seq_len={seq_len} is too large for the data: {store.num_documents} "
-                f"documents hold {store.num_tokens} tokens (with EOS), and one row "
-                f"needs seq_len + 1 = {seq_len + 1}. Use a smaller seq_len or more "
-                "documents."
-            )
+            raise too_few_tokens(seq_len, store.num_documents, store.num_tokens)
 
     def __len__(self) -> int:
         return self.num_rows
@@ -264,16 +254,18 @@ class LMRows:
     def take(self, indices: Sequence[int] | np.ndarray) -> dict[str, np.ndarray]:
         """Rows `indices` as `tokens`, `targets` (int32) and `loss_mask`."""
         indices = np.asarray(indices, np.int64).reshape(-1)
-        s = self.seq_len
-        if len(indices) and not (0 <= indices.min() and indices.max() < self.num_rows):
-            bad = indices[(indices < 0) | (indices >= self.num_rows)][0]
-            raise IndexError(f"row {bad} is outside the {self.num_rows} rows")
-        window = self.store.windows(indices * s, s + 1)
+        self._check_rows(indices)
+        window = self.store.windows(indices * self.seq_len, self.seq_len + 1)
         return {
             "tokens": window[:, :-1],
             "targets": window[:, 1:],
-            "loss_mask": np.ones((len(indices), s), np.float32),
+            "loss_mask": np.ones((len(indices), self.seq_len), np.float32),
         }
+
+    def _check_rows(self, indices: np.ndarray) -> None:
+        if len(indices) and not (0 <= indices.min() and indices.max() < self.num_rows):
+            bad = indices[(indices < 0) | (indices >= self.num_rows)][0]
+            raise IndexError(f"row {bad} is outside the {self.num_rows} rows")
 
     def __repr__(self) -> str:
         return f"LMRows(rows={self.num_rows:,}, seq_len={self.seq_len}, {self.store!r})"

@@ -25,6 +25,7 @@ import os
 import warnings
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 from .._errors import ConfigError
 from ._errors import DataError, DataWarning, check_exists
@@ -113,13 +114,7 @@ def check_counts(source: str, counts: dict, *, text_column: str = "text") -> Non
     (a `DataWarning`) when records were skipped, as `text_column` does."""
     skipped, first = counts.get("skipped", 0), counts.get("first_skipped")
     if not counts.get("documents"):
-        held = (
-            f"; all {skipped} records are skipped (first: {first})" if skipped else ""
-        )
-        raise DataError(
-            f"{source} holds no text in {text_column!r}{held}. Point data.text_column "
-            "(`text_column=`) at a field of strings, or data.train at other data."
-        )
+        raise _no_text(source, skipped, first, text_column)
     if skipped:
         warnings.warn(
             f"{source}: skipped {skipped} of {counts['documents'] + skipped} rows "
@@ -127,6 +122,14 @@ def check_counts(source: str, counts: dict, *, text_column: str = "text") -> Non
             DataWarning,
             stacklevel=2,
         )
+
+
+def _no_text(source: str, skipped: int, first: Any, text_column: str) -> DataError:
+    held = f"; all {skipped} records are skipped (first: {first})" if skipped else ""
+    return DataError(
+        f"{source} holds no text in {text_column!r}{held}. Point data.text_column "
+        "(`text_column=`) at a field of strings, or data.train at other data."
+    )
 
 
 def fingerprint(source: str | os.PathLike, *, pattern: str = "**/*.txt") -> dict:
@@ -262,29 +265,35 @@ def _plan_parquet(path: Path, column: str, piece_bytes: int) -> list[Piece]:
     meta = parquet(path, column).metadata
     if meta.num_rows == 0:
         raise DataError(f"{path} holds no rows. {_NOTHING}")
-    groups = [meta.row_group(g) for g in range(meta.num_row_groups)]
-    sizes = [
-        sum(g.column(c).total_compressed_size for c in range(g.num_columns))
-        for g in groups
-    ]
+    sizes = [_compressed_size(meta.row_group(g)) for g in range(meta.num_row_groups)]
     runs = _runs(sizes, piece_bytes)
     return [Piece("parquet", str(path), a, b, 1, n) for a, b, n in runs]
+
+
+def _compressed_size(group: Any) -> int:
+    """A Parquet row group's bytes on disk."""
+    return sum(group.column(c).total_compressed_size for c in range(group.num_columns))
 
 
 def _key(path: Path, name: str) -> dict:
     """A file's part of a fingerprint: name, size, mtime, sha256 of its edges."""
     info = stat(path)
+    return {
+        "name": name,
+        "size": info.st_size,
+        "mtime_ns": info.st_mtime_ns,
+        "sha256": _edges_sha256(path, info.st_size),
+    }
+
+
+def _edges_sha256(path: Path, size: int) -> str:
+    """The sha256 of a file's first and last `_EDGE` bytes (all of a small one)."""
     digest = hashlib.sha256()
     with opened(path) as f:
-        if info.st_size < 2 * _EDGE:
+        if size < 2 * _EDGE:
             digest.update(f.read())
         else:
             digest.update(f.read(_EDGE))
             f.seek(-_EDGE, os.SEEK_END)
             digest.update(f.read(_EDGE))
-    return {
-        "name": name,
-        "size": info.st_size,
-        "mtime_ns": info.st_mtime_ns,
-        "sha256": digest.hexdigest(),
-    }
+    return digest.hexdigest()

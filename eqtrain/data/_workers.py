@@ -3,6 +3,7 @@
 yields the same ledger entries (a part's bytes never depend on where it was built).
 """
 
+import contextlib
 import dataclasses
 import itertools
 import json
@@ -117,16 +118,10 @@ class WorkerPool:
 
     def __exit__(self, *exc: Any) -> None:
         for process in self.processes:
-            try:
-                process.stdin.close()
-            except OSError:
-                pass
+            with contextlib.suppress(OSError):
+                process.stdin.close()  # the worker's end of input: it exits
         for process in self.processes:
-            try:
-                process.wait(timeout=0 if exc[0] is not None else 30)
-            except Exception:
-                process.kill()
-                process.wait()
+            _wait_or_kill(process, timeout=0 if exc[0] is not None else 30)
 
     def run(self, tasks: Iterator[Task]) -> Built:
         """Build `tasks` on the pool's processes, each taking the next task when
@@ -177,6 +172,14 @@ class WorkerPool:
             self._answers.put(error)
         finally:
             self._answers.put(None)
+
+
+def _wait_or_kill(process: subprocess.Popen, *, timeout: int) -> None:
+    try:
+        process.wait(timeout=timeout)
+    except Exception:
+        process.kill()
+        process.wait()
 
 
 def _ask(process: subprocess.Popen, task: Task) -> dict[str, Any]:
