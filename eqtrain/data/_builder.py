@@ -273,13 +273,15 @@ class _Progress:
         elapsed = max(now - self.start, 1e-9)
         rate = self.new_bytes / elapsed
         parts = f"{self.done_parts}/{self.parts} parts, " if self.parts else ""
-        eta = ""
-        if self.total and rate > 0:
-            eta = f", ETA {max(self.total - self.bytes, 0) / rate:.0f} s"
         return (
             f"data: preparing {self.label}: {parts}{self.documents:,} documents, "
-            f"{self.tokens:,} tokens, {rate / 1e6:.1f} MB/s{eta}"
+            f"{self.tokens:,} tokens, {rate / 1e6:.1f} MB/s{self._eta(rate)}"
         )
+
+    def _eta(self, rate: float) -> str:
+        if not (self.total and rate > 0):
+            return ""
+        return f", ETA {max(self.total - self.bytes, 0) / rate:.0f} s"
 
     def finish(self) -> None:
         now = time.monotonic()

@@ -6,7 +6,6 @@ built-in one of `encode_chat`.
     ids, mask = template.encode(messages, tokenizer)
 """
 
-import json
 import os
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
@@ -17,7 +16,7 @@ from jaxtyping import Float, Int
 from ._errors import ChatTemplateError, DataError, PathLike, check_exists
 from ._jinja import compile_template, plain
 from ._text import ROLES, encode_chat
-from ._tokenizers import Tokenizer, token_content
+from ._tokenizers import Tokenizer, read_config, token_content
 
 
 Ids = Int[np.ndarray, " n"]
@@ -259,7 +258,7 @@ def read_chat_template(directory: PathLike) -> str | None:
 def _config_template(config_path: str) -> str | None:
     """`tokenizer_config.json`'s `chat_template`: a string, or the `default` of a
     list of named ones; None without one."""
-    value = _read_json(config_path).get("chat_template")
+    value = read_config(config_path, "Fix or remove it.").get("chat_template")
     if isinstance(value, list):  # [{"name": ..., "template": ...}, ...]
         value = {t.get("name"): t.get("template") for t in value if isinstance(t, dict)}
     if isinstance(value, dict):
@@ -284,7 +283,7 @@ def read_special_tokens(directory: PathLike) -> dict[str, str]:
     `special_tokens_map.json` in `directory`; `{}` if there are none."""
     tokens: dict[str, str] = {}
     for name in ("special_tokens_map.json", "tokenizer_config.json"):
-        config = _read_json(os.path.join(os.fspath(directory), name))
+        config = read_config(os.path.join(directory, name), "Fix or remove it.")
         found = {key: token_content(config.get(key)) for key in SPECIAL_TOKENS}
         tokens.update({k: v for k, v in found.items() if v is not None})
     return tokens
@@ -368,16 +367,3 @@ def _tokens_and_mask(
 def _read(path: str) -> str:
     with open(path, encoding="utf-8") as f:
         return f.read()
-
-
-def _read_json(path: str) -> dict[str, Any]:
-    if not os.path.isfile(path):
-        return {}
-    try:
-        with open(path, encoding="utf-8") as f:
-            value = json.load(f)
-    except (OSError, ValueError) as error:
-        raise DataError(
-            f"could not parse {path}: {error}. Fix or remove it."
-        ) from error
-    return value if isinstance(value, dict) else {}

@@ -3,14 +3,13 @@
 process or a Ray task) makes from it.
 """
 
-import hashlib
-import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
 from ._errors import DataError
+from ._files import json_sha256
 
 
 def tokenizer_spec(tokenizer: Any) -> dict[str, Any]:
@@ -51,8 +50,7 @@ def _hf_spec(tokenizer: Any, eos: int) -> dict[str, Any]:
 
 def tokenizer_key(spec: Mapping[str, Any]) -> str:
     """A short, stable name of a tokenizer spec (sha256 of its JSON)."""
-    body = json.dumps(spec, sort_keys=True).encode("utf-8")
-    return hashlib.sha256(body).hexdigest()
+    return json_sha256(spec)
 
 
 def _with_eos(ids: Any, eos: int) -> np.ndarray:

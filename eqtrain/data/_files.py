@@ -26,6 +26,11 @@ def default_cache() -> Path:
     return (Path(xdg) if xdg else Path.home() / ".cache") / "eqtrain" / "data"
 
 
+def json_sha256(value: Any) -> str:
+    """The sha256 of `value`'s JSON with sorted keys: a stable name for it."""
+    return hashlib.sha256(json.dumps(value, sort_keys=True).encode("utf-8")).hexdigest()
+
+
 def write_json(path: Path, value: Any, tmp: Path | None = None) -> None:
     """Write `value` to `path` atomically (a temporary file, fsync, rename)."""
     tmp = tmp or path.with_name(f"{path.name}.tmp{os.getpid()}")

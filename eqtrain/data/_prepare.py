@@ -2,8 +2,6 @@
 cache under the source's content key, else built (resumably, in parallel).
 """
 
-import hashlib
-import json
 import os
 import sys
 import time
@@ -15,7 +13,7 @@ from ._builder import Builder, python_documents
 from ._corpus import stdlib_files
 from ._encoder import tokenizer_key, tokenizer_spec
 from ._errors import PathLike
-from ._files import BuildLock, default_cache, make_dir
+from ._files import BuildLock, default_cache, json_sha256, make_dir
 from ._parts import FORMAT, texts_key
 from ._store import Store
 from ._stream import (
@@ -175,8 +173,7 @@ def _located(
             return cache / "unkeyed" / unkeyed, identity
         texts = texts_key(python_documents(source, text_column))
         identity = {**identity, "source": {"texts": texts}}
-    digest = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()
-    return cache / digest[:20], identity
+    return cache / json_sha256(identity)[:20], identity
 
 
 def _build(builder: Builder, source: Any, *, verify: bool) -> None:
@@ -196,12 +193,11 @@ def _build(builder: Builder, source: Any, *, verify: bool) -> None:
 def _pieces(source: PathLike, settings: dict[str, Any]) -> list[dict[str, Any]]:
     """The pieces of a path source, as JSON (planned only when a store is built:
     planning JSON Lines counts its lines)."""
-    name = os.fspath(source)
-    files = _stdlib(name)
+    files = _stdlib(os.fspath(source))
     if files is not None:
         pieces = plan_files(files, piece_bytes=settings["piece_bytes"])
     else:
-        pieces = plan(name, **settings)  # text_column, pattern and piece_bytes
+        pieces = plan(source, **settings)  # text_column, pattern and piece_bytes
     return [p.to_json() for p in pieces]
 
 

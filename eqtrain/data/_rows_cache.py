@@ -17,7 +17,14 @@ from typing import Any
 import numpy as np
 
 from ._errors import DataError, PathLike
-from ._files import BuildLock, default_cache, file_sha256, make_dir, write_json
+from ._files import (
+    BuildLock,
+    default_cache,
+    file_sha256,
+    json_sha256,
+    make_dir,
+    write_json,
+)
 
 
 FORMAT = 1
@@ -65,8 +72,7 @@ def cached_rows(
 
 def _directory(identity: Mapping[str, Any], cache_dir: PathLike | None) -> Path:
     """`rows-<key>` under the cache, the key a hash of `identity`."""
-    body = json.dumps({"format": FORMAT, **identity}, sort_keys=True).encode()
-    key = hashlib.sha256(body).hexdigest()[:20]
+    key = json_sha256({"format": FORMAT, **identity})[:20]
     cache = Path(cache_dir) if cache_dir is not None else default_cache()
     return cache / f"rows-{key}"
 

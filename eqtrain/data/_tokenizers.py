@@ -190,6 +190,12 @@ def _import_tokenizers() -> Any:
     return tokenizers
 
 
+_NAME_THEM = (
+    "Fix or remove it (or, in Python, name the special tokens with `bos=`, `eos=`, "
+    "`pad=`)."
+)
+
+
 def _tokenizer_file(path: PathLike) -> str:
     """`path`, or the `tokenizer.json` in the directory `path`; it must exist."""
     path = os.fspath(path)
@@ -213,22 +219,23 @@ def _parse(tokenizers: Any, path: str) -> Any:
 
 def _config_names(directory: str) -> dict[str, str]:
     """Special-token names from a `tokenizer_config.json` next to the file."""
-    config = _read_config(os.path.join(directory, "tokenizer_config.json"))
+    path = os.path.join(directory, "tokenizer_config.json")
+    config = read_config(path, _NAME_THEM)
     names = {k: token_content(config.get(f"{k}_token")) for k in ("bos", "eos", "pad")}
     return {kind: name for kind, name in names.items() if name is not None}
 
 
-def _read_config(path: str) -> dict[str, Any]:
-    if not os.path.exists(path):
+def read_config(path: str, advice: str) -> dict[str, Any]:
+    """The JSON object in `path` ({} when there is no such file, or it holds no
+    object); a file that does not parse is a DataError ending with `advice`."""
+    if not os.path.isfile(path):
         return {}
     try:
         with open(path, encoding="utf-8") as f:
-            return json.load(f)
+            value = json.load(f)
     except (OSError, ValueError) as error:
-        raise DataError(
-            f"could not parse {path}: {error}. Fix or remove it (or, in Python, "
-            "name the special tokens with `bos=`, `eos=`, `pad=`)."
-        ) from error
+        raise DataError(f"could not parse {path}: {error}. {advice}") from error
+    return value if isinstance(value, dict) else {}
 
 
 def token_content(value: Any) -> str | None:
