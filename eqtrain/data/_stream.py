@@ -6,7 +6,8 @@ JSON-serialisable slices that worker processes read independently with
 in-memory reading (`load_text_dir`, `read_text`, `from_files` + `text_column`),
 in the same order, holding at most a block (1 MiB) of a file in memory at a
 time; the exception is a `.json` file that is one JSON document (an array of
-records, not JSON Lines), which the `json` module reads whole.
+records, not JSON Lines), which the `json` module reads whole. The reader of
+each kind of file is in `_readers`; opening (and decompressing) in `_source_files`.
 
 `fingerprint(source)` is the content key of a source, for a cache of its tokens:
 the kind of source (and a directory's `pattern`), and for each file (a
