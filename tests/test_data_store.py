@@ -21,7 +21,10 @@ from eqtrain.data import (
     HFTokenizer,
     Loader,
     Mixture,
+    _parts,
+    _prepare,
     _store,
+    _workers,
     chunk_documents,
     prepare,
 )
@@ -139,7 +142,7 @@ def _interrupted_prepare(source: Path, cache: Path, stop_after: int) -> None:
     committed (SIGKILL: no cleanup of any kind)."""
     script = textwrap.dedent(
         f"""
-        import eqtrain.data._store as s
+        import eqtrain.data._workers as s
         from eqtrain.data import ByteTokenizer, prepare
         real = s.build_part
         def slow(task, encoder):
@@ -204,7 +207,7 @@ def test_a_damaged_part_is_rebuilt_never_read(tmp_path):
     tok = ByteTokenizer()
     store = prepare(source, tok, cache_dir=tmp_path / "cache", piece_bytes=3000)
     want = _all_rows(store.lm_rows(16))
-    tokens = _store.part_paths(store.directory, 1)["tokens"]
+    tokens = _parts.part_paths(store.directory, 1)["tokens"]
     _damage(tokens)
     # opened without the tokenizer: the damaged part is refused, naming it
     bare = _store.Store(store.directory)
@@ -218,7 +221,7 @@ def test_a_damaged_part_is_rebuilt_never_read(tmp_path):
     _assert_rows_equal(_all_rows(again.lm_rows(16)), want)
     assert any("part 1" in line and "rebuilding" in line for line in said)
     # `verify=True` (eqtrain data prepare) checks every part up front
-    _damage(_store.part_paths(store.directory, 2)["ends"])
+    _damage(_parts.part_paths(store.directory, 2)["ends"])
     said.clear()
     prepare(
         source,
@@ -229,9 +232,9 @@ def test_a_damaged_part_is_rebuilt_never_read(tmp_path):
         piece_bytes=3000,
     )
     assert any("part 2" in line for line in said)
-    assert _store.verify_part(
+    assert _parts.verify_part(
         store.directory,
-        json.loads(_store.part_paths(store.directory, 2)["ledger"].read_text()),
+        json.loads(_parts.part_paths(store.directory, 2)["ledger"].read_text()),
     )
 
 
@@ -246,7 +249,7 @@ def test_a_full_disk_keeps_the_committed_parts(tmp_path, monkeypatch):
             raise OSError(errno.ENOSPC, "No space left on device")
         return real(fd)
 
-    monkeypatch.setattr(_store.os, "fsync", fsync)
+    monkeypatch.setattr(_parts.os, "fsync", fsync)
     with pytest.raises(
         DataError, match=r"disk is full.*committed so far are kept.*About \d+ MB more"
     ):
@@ -260,7 +263,7 @@ def test_a_full_disk_keeps_the_committed_parts(tmp_path, monkeypatch):
     (directory,) = (tmp_path / "cache").iterdir()
     assert len(list(directory.glob("parts/*.json"))) >= 1
     assert not list(directory.glob("parts/*.tmp*"))
-    monkeypatch.setattr(_store.os, "fsync", real)
+    monkeypatch.setattr(_parts.os, "fsync", real)
     done = prepare(
         source, ByteTokenizer(), cache_dir=tmp_path / "cache", piece_bytes=2000
     )
@@ -379,14 +382,14 @@ def test_data_prepare_uses_data_workers_and_the_cache(tmp_path, monkeypatch):
 
     source = _jsonl(tmp_path / "c.jsonl", _docs(300))
     started = []
-    real = _store._WorkerPool.__init__
+    real = _workers.WorkerPool.__init__
 
     def init(self, workers, spec):
         started.append(workers)
         real(self, workers, spec)
 
-    monkeypatch.setattr(_store._WorkerPool, "__init__", init)
-    monkeypatch.setattr(_store, "PIECE_BYTES", 3000)
+    monkeypatch.setattr(_workers.WorkerPool, "__init__", init)
+    monkeypatch.setattr(_prepare, "PIECE_BYTES", 3000)
     overrides = _fit_args(tmp_path, "run", f"data.train={source}", "data.workers=2")
     stores = job.prepare_data(config_lib.load(overrides=overrides), say=lambda _: None)
     assert started == [2]

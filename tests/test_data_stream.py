@@ -19,7 +19,7 @@ from eqtrain.data import (
     DataError,
     DataFileNotFoundError,
     DataWarning,
-    _stream,
+    _source_files,
     from_files,
     load_text_dir,
     read_text,
@@ -319,7 +319,7 @@ def test_unreadable_and_corrupt_files(tmp_path, monkeypatch):
         raise PermissionError(13, "Permission denied", str(path))
 
     pieces = plan(good)
-    monkeypatch.setattr(_stream, "open", denied, raising=False)
+    monkeypatch.setattr(_source_files, "open", denied, raising=False)
     with pytest.raises(DataError, match=r"cannot read .*a.jsonl: .*Check its perm"):
         list(documents(pieces[0]))
 

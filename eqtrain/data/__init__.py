@@ -31,14 +31,12 @@ from ._errors import (
     DataFileNotFoundError as DataFileNotFoundError,
     DataWarning as DataWarning,
 )
+from ._files import default_cache as default_cache
 from ._loader import Loader as Loader
 from ._mixture import Mixture as Mixture
-from ._post import (
-    SkipReport as SkipReport,
-    infer_format as infer_format,
-    preference_rows as preference_rows,
-    sft_rows as sft_rows,
-)
+from ._post import preference_rows as preference_rows, sft_rows as sft_rows
+from ._prepare import prepare as prepare
+from ._records import SkipReport as SkipReport, infer_format as infer_format
 from ._rows_cache import (
     cached_rows as cached_rows,
     tokenizer_identity as tokenizer_identity,
@@ -50,13 +48,7 @@ from ._sources import (
     read_text as read_text,
     text_column as text_column,
 )
-from ._store import (
-    LMRows as LMRows,
-    MappedRows as MappedRows,
-    Store as Store,
-    default_cache as default_cache,
-    prepare as prepare,
-)
+from ._store import LMRows as LMRows, MappedRows as MappedRows, Store as Store
 from ._stream import fingerprint as fingerprint
 from ._text import (
     chat_examples as chat_examples,

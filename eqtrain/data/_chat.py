@@ -6,18 +6,17 @@ built-in one of `encode_chat`.
     ids, mask = template.encode(messages, tokenizer)
 """
 
-import json
 import os
 from collections.abc import Mapping, Sequence
-from datetime import datetime
 from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 from jaxtyping import Float, Int
 
-from ._errors import DataError, PathLike, check_exists
+from ._errors import ChatTemplateError, DataError, PathLike, check_exists
+from ._jinja import compile_template, plain
 from ._text import ROLES, encode_chat
-from ._tokenizers import Tokenizer
+from ._tokenizers import Tokenizer, read_config, token_content
 
 
 Ids = Int[np.ndarray, " n"]
@@ -43,17 +42,6 @@ SPECIAL_TOKENS = (
     "mask_token",
 )
 TEMPLATE_FILE = "chat_template.jinja"
-
-
-class ChatTemplateError(DataError):
-    """One conversation that a chat template cannot encode.
-
-    `reason` is a short phrase for skip reports, e.g. "with malformed messages".
-    """
-
-    def __init__(self, message: str, *, reason: str):
-        super().__init__(message)
-        self.reason = reason
 
 
 @runtime_checkable
@@ -133,7 +121,7 @@ class JinjaChatTemplate:
     def __init__(self, source: str, special_tokens: Mapping[str, str] | None = None):
         self.source = source
         self.special_tokens = dict(special_tokens or {})
-        self._compiled = _compile(source)
+        self._compiled = compile_template(source)
 
     def render(self, messages: Messages, *, add_generation_prompt: bool = False) -> str:
         """The template's text for `messages` (as `apply_chat_template(...,
@@ -146,7 +134,7 @@ class JinjaChatTemplate:
         try:
             return self._compiled.render(
                 **self.special_tokens,
-                messages=_plain(list(messages)),
+                messages=plain(list(messages)),
                 add_generation_prompt=add_generation_prompt,
                 tools=None,
                 documents=None,
@@ -264,8 +252,13 @@ def read_chat_template(directory: PathLike) -> str | None:
     jinja = os.path.join(directory, TEMPLATE_FILE)
     if os.path.isfile(jinja):
         return _read(jinja)
-    config_path = os.path.join(directory, "tokenizer_config.json")
-    value = _read_json(config_path).get("chat_template")
+    return _config_template(os.path.join(directory, "tokenizer_config.json"))
+
+
+def _config_template(config_path: str) -> str | None:
+    """`tokenizer_config.json`'s `chat_template`: a string, or the `default` of a
+    list of named ones; None without one."""
+    value = read_config(config_path, "Fix or remove it.").get("chat_template")
     if isinstance(value, list):  # [{"name": ..., "template": ...}, ...]
         value = {t.get("name"): t.get("template") for t in value if isinstance(t, dict)}
     if isinstance(value, dict):
@@ -288,16 +281,11 @@ def read_special_tokens(directory: PathLike) -> dict[str, str]:
     """The special token strings (`bos_token`, `eos_token`, ...) that transformers
     passes to chat templates, from `tokenizer_config.json` (which wins) and
     `special_tokens_map.json` in `directory`; `{}` if there are none."""
-    directory = os.fspath(directory)
     tokens: dict[str, str] = {}
     for name in ("special_tokens_map.json", "tokenizer_config.json"):
-        config = _read_json(os.path.join(directory, name))
-        for key in SPECIAL_TOKENS:
-            value = config.get(key)
-            if isinstance(value, dict):  # an AddedToken written as a dict
-                value = value.get("content")
-            if isinstance(value, str):
-                tokens[key] = value
+        config = read_config(os.path.join(directory, name), "Fix or remove it.")
+        found = {key: token_content(config.get(key)) for key in SPECIAL_TOKENS}
+        tokens.update({k: v for k, v in found.items() if v is not None})
     return tokens
 
 
@@ -324,13 +312,24 @@ def check_messages(
 
 def _check_message(message: Any, i: int, roles: Sequence[str]) -> dict[str, Any]:
     if not isinstance(message, Mapping) or not isinstance(message.get("role"), str):
-        got = sorted(message) if isinstance(message, Mapping) else type(message)
-        raise ChatTemplateError(
-            f"message {i} must be a mapping with a string 'role' and 'content'; got "
-            f"{got}. Write messages as {{'role': 'user', 'content': '...'}}.",
-            reason="with a message that is not a {role, content} mapping",
-        )
+        raise _not_a_message(message, i)
     clean = {k: v for k, v in message.items() if v is not None}
+    _check_role_and_content(clean, i, roles)
+    return clean
+
+
+def _not_a_message(message: Any, i: int) -> ChatTemplateError:
+    got = sorted(message) if isinstance(message, Mapping) else type(message)
+    return ChatTemplateError(
+        f"message {i} must be a mapping with a string 'role' and 'content'; got "
+        f"{got}. Write messages as {{'role': 'user', 'content': '...'}}.",
+        reason="with a message that is not a {role, content} mapping",
+    )
+
+
+def _check_role_and_content(
+    clean: Mapping[str, Any], i: int, roles: Sequence[str]
+) -> None:
     if clean["role"] not in roles:
         raise ChatTemplateError(
             f"message {i} has role {clean['role']!r}; the chat template knows "
@@ -344,7 +343,6 @@ def _check_message(message: Any, i: int, roles: Sequence[str]) -> dict[str, Any]
             "string.",
             reason="with a message content that is not a string",
         )
-    return clean
 
 
 def _tokens_and_mask(
@@ -366,127 +364,6 @@ def _tokens_and_mask(
     return np.asarray(ids, np.int32), mask
 
 
-def _compile(source: str) -> Any:
-    """`source` compiled in transformers' sandboxed chat-template environment."""
-    import jinja2
-    from jinja2.ext import Extension, loopcontrols
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-    class Generation(Extension):
-        # transformers' AssistantTracker tag; here its body just renders
-        tags = {"generation"}
-
-        def parse(self, parser: Any) -> Any:
-            lineno = next(parser.stream).lineno
-            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
-            call = self.call_method("_body")
-            return jinja2.nodes.CallBlock(call, [], [], body).set_lineno(lineno)
-
-        def _body(self, caller: Any) -> str:
-            return caller()
-
-    env = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[Generation, loopcontrols]
-    )
-    env.filters["tojson"] = _tojson
-    env.globals["raise_exception"] = _raise_exception
-    env.globals["strftime_now"] = lambda format: datetime.now().strftime(format)
-    env.globals["namespace"] = _namespace_class(jinja2)
-    try:
-        return env.from_string(source)
-    except jinja2.TemplateError as error:
-        raise DataError(
-            f"the chat template does not parse: {error}. Fix the template, or use the "
-            "built-in one (data.chat_template = 'builtin'; template=None in "
-            "Python)."
-        ) from error
-
-
-def _tojson(
-    value: Any,
-    ensure_ascii: bool = False,
-    indent: int | None = None,
-    separators: Any = None,
-    sort_keys: bool = False,
-) -> str:
-    # jinja's own tojson escapes HTML characters; chat templates want plain JSON
-    return json.dumps(
-        value,
-        ensure_ascii=ensure_ascii,
-        indent=indent,
-        separators=separators,
-        sort_keys=sort_keys,
-    )
-
-
-def _raise_exception(message: str) -> None:
-    raise ChatTemplateError(
-        f"the chat template refused this conversation: {message}",
-        reason=f"rejected by the chat template ({message})",
-    )
-
-
-def _namespace_class(jinja2: Any) -> type:
-    """jinja's `namespace`, refusing underscore-prefixed attributes (a way out of
-    the sandbox), as transformers does."""
-
-    class Namespace(jinja2.utils.Namespace):
-        def __init__(*args: Any, **kwargs: Any):
-            self, args = args[0], args[1:]
-            attrs = dict(*args, **kwargs)
-            for name in attrs:
-                Namespace._check(name)
-            jinja2.utils.Namespace.__init__(self, attrs)
-
-        def __setitem__(self, name: str, value: Any) -> None:
-            Namespace._check(name)
-            jinja2.utils.Namespace.__setitem__(self, name, value)
-
-        @staticmethod
-        def _check(name: Any) -> None:
-            if isinstance(name, str) and name.startswith("_"):
-                raise jinja2.exceptions.SecurityError(
-                    f"chat templates cannot set underscore-prefixed attributes on a "
-                    f"namespace; got {name!r}."
-                )
-
-    return Namespace
-
-
-def _plain(value: Any) -> Any:
-    """`value` rebuilt from plain JSON types, so a template sees no object with
-    methods of its own (anything else becomes a placeholder such as `<ndarray>`)."""
-    if value is None or type(value) in (str, int, float, bool):
-        return value
-    if isinstance(value, np.generic):
-        return _plain(value.item())
-    if isinstance(value, Mapping):
-        return {str(k): _plain(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
-    # subclasses (e.g. str enums) can carry methods: strip them to the base type
-    if isinstance(value, str):
-        return str.__str__(value)
-    if isinstance(value, int):
-        return int.__int__(value)
-    if isinstance(value, float):
-        return float.__float__(value)
-    return f"<{type(value).__name__}>"
-
-
 def _read(path: str) -> str:
     with open(path, encoding="utf-8") as f:
         return f.read()
-
-
-def _read_json(path: str) -> dict[str, Any]:
-    if not os.path.isfile(path):
-        return {}
-    try:
-        with open(path, encoding="utf-8") as f:
-            value = json.load(f)
-    except (OSError, ValueError) as error:
-        raise DataError(
-            f"could not parse {path}: {error}. Fix or remove it."
-        ) from error
-    return value if isinstance(value, dict) else {}

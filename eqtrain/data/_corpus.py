@@ -33,7 +33,14 @@ def stdlib_files(split: str = "train") -> list[Path]:
     """
     if split not in ("train", "eval", "all"):
         raise ConfigError(f"`split` must be 'train', 'eval' or 'all'; got {split!r}.")
-    root = Path(sysconfig.get_paths()["stdlib"])
+    files = _sources(Path(sysconfig.get_paths()["stdlib"]))
+    if split == "all":
+        return files
+    return [p for p in files if _is_eval(p.name) == (split == "eval")]
+
+
+def _sources(root: Path) -> list[Path]:
+    """The `*.py` files at the top of `root`, but `test_*.py`, by name."""
     files = sorted(
         (
             p
@@ -47,10 +54,7 @@ def stdlib_files(split: str = "train") -> list[Path]:
             f"no standard-library sources (*.py) were found in {root}; this Python "
             "ships without them. Pass your own text (e.g. `load_text_dir(...)`)."
         )
-    if split == "all":
-        return files
-    want_eval = split == "eval"
-    return [p for p in files if _is_eval(p.name) == want_eval]
+    return files
 
 
 def _is_eval(name: str) -> bool:

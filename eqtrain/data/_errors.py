@@ -1,8 +1,9 @@
 """Errors raised by `eqtrain.data`: both are `EqtrainError`s and builtin errors."""
 
 import os
+from typing import Any
 
-from .._errors import EqtrainError, EqtrainWarning
+from .._errors import ConfigError, EqtrainError, EqtrainWarning
 
 
 PathLike = str | os.PathLike[str]
@@ -11,6 +12,17 @@ PathLike = str | os.PathLike[str]
 class DataError(EqtrainError, ValueError):
     """The data cannot be used as given: empty, a missing column or field, a file
     that does not parse, or a sequence/batch size larger than the data."""
+
+
+class ChatTemplateError(DataError):
+    """One conversation that a chat template cannot encode.
+
+    `reason` is a short phrase for skip reports, e.g. "with malformed messages".
+    """
+
+    def __init__(self, message: str, *, reason: str):
+        super().__init__(message)
+        self.reason = reason
 
 
 class DataWarning(EqtrainWarning):
@@ -36,6 +48,22 @@ def check_exists(path: PathLike, what: str) -> None:
     raise DataFileNotFoundError(
         f"{what} not found: {path} ({hint}). Pass the path of an existing local "
         "file; eqtrain.data never downloads."
+    )
+
+
+def positive(name: str, value: Any) -> int:
+    """`value`, checked to be an int >= 1 (the setting `name`'s)."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ConfigError(f"`{name}` must be an int >= 1; got {value!r}.")
+    return value
+
+
+def too_few_tokens(seq_len: int, documents: int, tokens: int) -> DataError:
+    """The error for data too short for one row of `seq_len` (+ 1) tokens."""
+    return DataError(
+        f"seq_len={seq_len} is too large for the data: {documents} documents hold "
+        f"{tokens} tokens (with EOS), and one row needs seq_len + 1 = "
+        f"{seq_len + 1}. Use a smaller seq_len or more documents."
     )
 
 

@@ -7,7 +7,7 @@ number of batches already consumed.
 """
 
 import weakref
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import jax
@@ -15,70 +15,13 @@ import jax.tree_util as jtu
 import numpy as np
 
 from .._errors import ConfigError
-from ._errors import DataError
+from ._errors import DataError, positive
 from ._prefetch import Prefetcher
+from ._table import Table
 
 
 Position = dict[str, int]
 Sharding = jax.sharding.Sharding | Mapping[str, jax.sharding.Sharding]
-
-
-class _Table:
-    """Rows of a source, fetched by index arrays."""
-
-    def __init__(self, source: Any):
-        if (
-            hasattr(source, "num_rows")
-            and hasattr(source, "take")
-            and not hasattr(source, "column_names")  # a datasets.Dataset has both
-        ):
-            self.kind = "rows"  # a row source: a store's rows, a mixture
-            self.data = source
-            self.num_rows = int(source.num_rows)
-        elif isinstance(source, Mapping):
-            self.kind = "arrays"
-            self.data: Any = {k: np.asarray(v) for k, v in source.items()}
-            if not self.data:
-                raise DataError("the source mapping has no arrays; pass at least one.")
-            lengths = {
-                k: (v.shape[0] if v.ndim else None) for k, v in self.data.items()
-            }
-            if len(set(lengths.values())) != 1 or None in lengths.values():
-                raise DataError(
-                    "the source arrays must share their leading length (one row per "
-                    f"example); got leading lengths {lengths}."
-                )
-            self.num_rows = next(iter(lengths.values()))
-        elif hasattr(source, "column_names") and hasattr(source, "__getitem__"):
-            self.kind = "dataset"  # a datasets.Dataset
-            self.data = source
-            self.num_rows = len(source)
-        elif isinstance(source, Sequence) and not isinstance(source, (str, bytes)):
-            self.kind = "sequence"
-            self.data = source
-            self.num_rows = len(source)
-        else:
-            raise ConfigError(
-                f"cannot load batches from a {type(source).__name__}. Pass a dict of "
-                "equal-length arrays (e.g. from `chunk_documents`/`pack`/`collate`), a "
-                "`datasets.Dataset`, a row source (`num_rows` and `take`, e.g. "
-                "`eqtrain.data.prepare(...).lm_rows(seq_len)`), or a list of examples "
-                "with a `transform=`."
-            )
-        if self.num_rows == 0:
-            raise DataError(
-                "the source is empty (0 rows). Check the files or the filter that "
-                "produced it."
-            )
-
-    def take(self, indices: np.ndarray) -> Any:
-        if self.kind == "arrays":
-            return {k: v[indices] for k, v in self.data.items()}
-        if self.kind == "rows":
-            return self.data.take(indices)
-        if self.kind == "dataset":
-            return self.data[indices.tolist()]  # a dict of columns (lists)
-        return [self.data[i] for i in indices.tolist()]
 
 
 class Loader:
@@ -154,51 +97,58 @@ class Loader:
     ):
         if mode not in ("train", "eval"):
             raise ConfigError(f"`mode` must be 'train' or 'eval'; got {mode!r}.")
-        self._table = _Table(source)
+        self._table = Table(source)
         self.mode = mode
-        self.batch_size = _positive("batch_size", batch_size)
+        self.batch_size = positive("batch_size", batch_size)
         self.seed = seed
         self.shuffle = mode == "train" if shuffle is None else shuffle
         self.drop_last = mode == "train" if drop_last is None else drop_last
-        if num_epochs is not None:
-            _positive("num_epochs", num_epochs)
-            if mode == "eval":
-                raise ConfigError(
-                    "`num_epochs` is for train loaders; an eval loader makes one pass "
-                    "per `iter()`."
-                )
-        self.num_epochs = num_epochs
+        self.num_epochs = _epochs(num_epochs, mode)
         self.transform = transform
         self.sharding = sharding
-        if not isinstance(prefetch, int) or prefetch < 0:
-            raise ConfigError(f"`prefetch` must be an int >= 0; got {prefetch!r}.")
-        self.prefetch = prefetch
-        self.process_count = _positive(
-            "process_count",
-            jax.process_count() if process_count is None else process_count,
+        self.prefetch = _prefetch(prefetch)
+        self.process_index, self.process_count = self._processes(
+            process_index, process_count
         )
-        self.process_index = (
-            jax.process_index() if process_index is None else process_index
-        )
-        self._check_processes()
         self.local_batch_size = self.batch_size // self.process_count
+        self.num_batches = self._count_batches()
         rows = self._table.num_rows
-        self.num_batches = (
-            rows // self.batch_size if self.drop_last else -(-rows // self.batch_size)
+        self._pads = not self.drop_last and rows % self.batch_size != 0
+        self._position = (0, 0)
+        self._active: weakref.ref[_LoaderIterator] | None = None
+        if position is not None:
+            self.seek(position)  # an eval loader refuses it
+
+    def _processes(self, index: int | None, count: int | None) -> tuple[int, int]:
+        """This process's slice and the number of slices (default: JAX's)."""
+        count = positive(
+            "process_count", jax.process_count() if count is None else count
         )
-        if self.num_batches == 0:
+        index = jax.process_index() if index is None else index
+        if not isinstance(index, int) or not 0 <= index < count:
+            raise ConfigError(
+                f"`process_index` must be in [0, {count}); got {index!r}."
+            )
+        if self.batch_size % count:
+            raise ConfigError(
+                f"`batch_size` ({self.batch_size}) must be a multiple of the process "
+                f"count ({count}): each process reads batch_size / process_count "
+                "rows of every global batch."
+            )
+        return index, count
+
+    def _count_batches(self) -> int:
+        """Batches per epoch: a last, short one is dropped or padded."""
+        rows = self._table.num_rows
+        if not self.drop_last:
+            return -(-rows // self.batch_size)
+        if rows < self.batch_size:
             raise DataError(
                 f"batch_size={self.batch_size} is larger than the data ({rows} rows), "
                 "so drop_last=True leaves no batch. Use a batch size <= "
                 f"{rows}, more data, or drop_last=False."
             )
-        self._pads = not self.drop_last and rows % self.batch_size != 0
-        self._position = (0, 0)
-        self._active: weakref.ref[_LoaderIterator] | None = None
-        if position is not None:
-            if mode == "eval":
-                raise ConfigError("an eval loader always starts at the beginning.")
-            self.seek(position)
+        return rows // self.batch_size
 
     @property
     def source(self) -> Any:
@@ -226,12 +176,7 @@ class Loader:
         self._supersede()
 
     def _normalized(self, position: Mapping[str, int]) -> tuple[int, int]:
-        try:
-            epoch, index = position["epoch"], position["index"]
-        except (KeyError, TypeError):
-            raise ConfigError(
-                f"a position is a dict {{'epoch': e, 'index': i}}; got {position!r}."
-            ) from None
+        epoch, index = _epoch_and_index(position)
         valid = (
             isinstance(epoch, int)
             and isinstance(index, int)
@@ -255,22 +200,7 @@ class Loader:
             ConfigError: the loader is not over a dict of arrays, a name is
                 taken, or an array's leading length is not the number of rows.
         """
-        table = self._table
-        if table.kind != "arrays":
-            raise ConfigError(
-                "`add_columns` needs a loader over a dict of arrays; this one reads "
-                f"a {table.kind}."
-            )
-        for name, value in columns.items():
-            array = np.asarray(value)
-            if name in table.data:
-                raise ConfigError(f"the loader already has a column {name!r}.")
-            if array.ndim == 0 or array.shape[0] != table.num_rows:
-                raise ConfigError(
-                    f"column {name!r} has shape {array.shape}; it needs one entry "
-                    f"per row ({table.num_rows} rows)."
-                )
-            table.data[name] = array
+        self._table.add_columns(columns)
         self._supersede()
 
     def __len__(self) -> int:
@@ -282,9 +212,8 @@ class Loader:
         if self.mode == "eval":
             return _LoaderIterator(self, self._batches((0, 0), 1), tracked=False)
         self._supersede()
-        it = _LoaderIterator(
-            self, self._batches(self._position, self.num_epochs), tracked=True
-        )
+        batches = self._batches(self._position, self.num_epochs)
+        it = _LoaderIterator(self, batches, tracked=True)
         self._active = weakref.ref(it)
         return it
 
@@ -379,19 +308,6 @@ class Loader:
             shardings,
         )
 
-    def _check_processes(self) -> None:
-        count, index = self.process_count, self.process_index
-        if not isinstance(index, int) or not 0 <= index < count:
-            raise ConfigError(
-                f"`process_index` must be in [0, {count}); got {index!r}."
-            )
-        if self.batch_size % count:
-            raise ConfigError(
-                f"`batch_size` ({self.batch_size}) must be a multiple of the process "
-                f"count ({count}): each process reads batch_size / process_count "
-                "rows of every global batch."
-            )
-
     def __repr__(self) -> str:
         where = "" if self.mode == "eval" else f", position={self.position}"
         return (
@@ -432,16 +348,18 @@ class _LoaderIterator:
         if self._state == "closed":
             raise StopIteration
         try:
-            if self._prefetcher is not None:
-                batch, after = self._prefetcher.get()
-            else:
-                batch, after = next(self._batches)
+            batch, after = self._next()
         except BaseException:
             self.close()
             raise
         if self._tracked:
             self._loader._position = after
         return batch
+
+    def _next(self) -> tuple[Any, tuple[int, int]]:
+        if self._prefetcher is not None:
+            return self._prefetcher.get()
+        return next(self._batches)
 
     def close(self) -> None:
         """Stop prefetching; the iterator then ends. Safe to call twice."""
@@ -477,7 +395,28 @@ def _padded(batch: Any, real: int, size: int) -> Any:
     return jtu.tree_map(pad, batch)
 
 
-def _positive(name: str, value: Any) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ConfigError(f"`{name}` must be an int >= 1; got {value!r}.")
-    return value
+def _epoch_and_index(position: Mapping[str, int]) -> tuple[Any, Any]:
+    try:
+        return position["epoch"], position["index"]
+    except (KeyError, TypeError):
+        raise ConfigError(
+            f"a position is a dict {{'epoch': e, 'index': i}}; got {position!r}."
+        ) from None
+
+
+def _epochs(num_epochs: int | None, mode: str) -> int | None:
+    """`num_epochs`, checked: a train loader's setting."""
+    if num_epochs is not None:
+        positive("num_epochs", num_epochs)
+        if mode == "eval":
+            raise ConfigError(
+                "`num_epochs` is for train loaders; an eval loader makes one pass "
+                "per `iter()`."
+            )
+    return num_epochs
+
+
+def _prefetch(prefetch: int) -> int:
+    if not isinstance(prefetch, int) or prefetch < 0:
+        raise ConfigError(f"`prefetch` must be an int >= 0; got {prefetch!r}.")
+    return prefetch

@@ -52,28 +52,8 @@ class Mixture:
         *,
         names: Sequence[str] | None = None,
     ):
-        if not sources:
-            raise ConfigError("a mixture needs at least one source.")
-        if len(weights) != len(sources):
-            raise ConfigError(
-                f"a mixture needs one weight per source; got {len(weights)} weights "
-                f"for {len(sources)} sources."
-            )
-        for i, w in enumerate(weights):
-            if not isinstance(w, (int, float)) or not math.isfinite(w) or w <= 0:
-                raise ConfigError(
-                    f"the weight of source {i} is {w!r}; weights must be positive "
-                    "numbers (they are normalised to sum to 1)."
-                )
-        self.names = (
-            list(names)
-            if names is not None
-            else [f"source{i}" for i in range(len(sources))]
-        )
-        if len(self.names) != len(sources) or len(set(self.names)) != len(sources):
-            raise ConfigError(
-                f"a mixture needs one distinct name per source; got {names}."
-            )
+        _check_weights(sources, weights)
+        self.names = _names(names, len(sources))
         self.sources = list(sources)
         total = float(sum(weights))
         self.weights = [float(w) / total for w in weights]
@@ -116,20 +96,9 @@ class Mixture:
         out = np.empty_like(g)
         for s, n in enumerate(self.sizes):
             where = source == s
-            ks = k[where]
-            if len(ks) == 0:
-                continue
-            epochs, index = np.divmod(ks, n)
-            rows = np.empty_like(ks)
-            for e in np.unique(epochs):
-                here = epochs == e
-                order = (
-                    np.random.default_rng([seed, s, int(e)]).permutation(n)
-                    if shuffle
-                    else np.arange(n)
-                )
-                rows[here] = order[index[here]]
-            out[where] = self.offsets[s] + rows
+            if where.any():
+                rows = _source_rows(k[where], int(n), seed=seed, s=s, shuffle=shuffle)
+                out[where] = self.offsets[s] + rows
         return out
 
     def take(self, indices: np.ndarray) -> dict[str, np.ndarray]:
@@ -166,6 +135,49 @@ class Mixture:
             for n, w, r in zip(self.names, self.weights, self.sizes, strict=True)
         )
         return f"Mixture({parts})"
+
+
+def _check_weights(sources: Sequence[Any], weights: Sequence[float]) -> None:
+    """One positive, finite weight per source (and at least one source)."""
+    if not sources:
+        raise ConfigError("a mixture needs at least one source.")
+    if len(weights) != len(sources):
+        raise ConfigError(
+            f"a mixture needs one weight per source; got {len(weights)} weights "
+            f"for {len(sources)} sources."
+        )
+    for i, w in enumerate(weights):
+        if not isinstance(w, (int, float)) or not math.isfinite(w) or w <= 0:
+            raise ConfigError(
+                f"the weight of source {i} is {w!r}; weights must be positive "
+                "numbers (they are normalised to sum to 1)."
+            )
+
+
+def _names(names: Sequence[str] | None, count: int) -> list[str]:
+    """The sources' names: `names`, distinct and one per source, or `source<i>`."""
+    out = list(names) if names is not None else [f"source{i}" for i in range(count)]
+    if len(out) != count or len(set(out)) != count:
+        raise ConfigError(f"a mixture needs one distinct name per source; got {names}.")
+    return out
+
+
+def _source_rows(
+    ks: np.ndarray, n: int, *, seed: int, s: int, shuffle: bool
+) -> np.ndarray:
+    """Source `s`'s rows for its draws `ks` (the k-th row it gives, over all
+    epochs): each pass over its `n` rows in an order from `(seed, s, pass)`."""
+    passes, index = np.divmod(ks, n)
+    rows = np.empty_like(ks)
+    for e in np.unique(passes):
+        here = passes == e
+        order = (
+            np.random.default_rng([seed, s, int(e)]).permutation(n)
+            if shuffle
+            else np.arange(n)
+        )
+        rows[here] = order[index[here]]
+    return rows
 
 
 def _quotas(weights: Sequence[float], period: int) -> np.ndarray:

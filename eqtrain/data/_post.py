@@ -1,7 +1,7 @@
 """Post-training rows: SFT rows (the LM batch format, loss on completions only)
 and preference pairs (what `eqtrain.preference.preference_loss_fn` reads), built
 from chat, prompt/completion or preference records with a chat template
-(`_chat.py`); bad rows are skipped and counted in a `SkipReport`.
+(`_chat.py`); bad rows are skipped and counted in a `SkipReport` (`_records.py`).
 
     rows, report = sft_rows(from_files("sft.jsonl"), tok, seq_len=512, format="chat")
     pairs, report = preference_rows(from_files("prefs.parquet"), tok, seq_len=512)
@@ -13,7 +13,6 @@ Formats (TRL's): `"chat"` (`messages`), `"prompt_completion"` (`prompt`,
 shared leading messages are the prompt).
 """
 
-import dataclasses
 import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -22,8 +21,19 @@ import numpy as np
 
 from .._errors import ConfigError
 from . import _text
-from ._chat import BuiltinChatTemplate, ChatTemplate, ChatTemplateError, chat_template
-from ._errors import DataError
+from ._chat import BuiltinChatTemplate, ChatTemplate, chat_template
+from ._errors import positive
+from ._records import (
+    Skip,
+    SkipReport,
+    collect,
+    field,
+    infer_format,
+    is_empty,
+    preference_fields,
+    record_rows,
+    same_kind,
+)
 from ._tokenizers import Tokenizer, require_id
 
 
@@ -33,71 +43,6 @@ Rows = dict[str, np.ndarray]
 # (prompt ids, completion ids, completion mask)
 Encoded = tuple[np.ndarray, np.ndarray, np.ndarray]
 TemplateLike = ChatTemplate | str | os.PathLike[str] | None
-
-
-@dataclasses.dataclass(frozen=True)
-class SkipReport:
-    """How many of `total` records were kept, and why the others were skipped.
-
-    `reasons` maps a reason (a phrase such as "with chosen == rejected") to the
-    number of rows skipped for it, and `first` to the index of the first such row.
-    `str(report)` is one line for a log, `""` when nothing was skipped.
-    """
-
-    total: int
-    kept: int
-    reasons: dict[str, int] = dataclasses.field(default_factory=dict)
-    first: dict[str, int] = dataclasses.field(default_factory=dict)
-
-    @property
-    def skipped(self) -> int:
-        return self.total - self.kept
-
-    def __str__(self) -> str:
-        if not self.skipped:
-            return ""
-        return f"{self.skipped} of {self.total} rows skipped: {self.details()}"
-
-    def details(self) -> str:
-        """The reasons with their counts and first rows, most frequent first."""
-        order = sorted(self.reasons, key=lambda r: (-self.reasons[r], self.first[r]))
-        return ", ".join(
-            f"{self.reasons[r]} {r} (first: row {self.first[r]})" for r in order
-        )
-
-
-class _Skip(Exception):
-    """A row to skip, for `reason`."""
-
-    def __init__(self, reason: str):
-        super().__init__(reason)
-        self.reason = reason
-
-
-def infer_format(records: Any) -> str:
-    """The record format its columns/fields name: `"chat"` (`messages`),
-    `"preference"` (`chosen` and `rejected`, with or without `prompt`),
-    `"prompt_completion"` (`prompt` and `completion`) or `"text"` (`text`), in
-    this order of precedence.
-
-    Raises:
-        DataError: no format fits (the error lists the columns).
-    """
-    columns = set(_columns(records))
-    if "messages" in columns:
-        return "chat"
-    if {"chosen", "rejected"} <= columns:
-        return "preference"
-    if {"prompt", "completion"} <= columns:
-        return "prompt_completion"
-    if "text" in columns:
-        return "text"
-    raise DataError(
-        f"cannot tell the data's format from its columns {sorted(columns)}: "
-        "expected 'messages' (chat), 'chosen' + 'rejected' (preference, with an "
-        "optional 'prompt'), 'prompt' + 'completion' or 'text'. Rename the "
-        "columns, or pass the format explicitly."
-    )
 
 
 def sft_rows(
@@ -145,16 +90,11 @@ def sft_rows(
         ConfigError: `format` is not an SFT format, or `max_prompt_len` is not in
             `[1, seq_len]`.
     """
-    _text._check_positive(seq_len=seq_len)
-    rows = _records(records)
-    format = format or infer_format(rows)
-    if format not in SFT_FORMATS:
-        raise ConfigError(
-            f"SFT `format` must be one of {SFT_FORMATS}; got {format!r}. For "
-            "preference data use `preference_rows`, for plain text `chunk_documents`."
-        )
+    positive("seq_len", seq_len)
+    rows = record_rows(records)
+    format = _sft_format(format or infer_format(rows))
     encode = _sft_encoder(format, tokenizer, seq_len, template, max_prompt_len)
-    examples, report = _collect(rows, encode)
+    examples, report = collect(rows, encode)
     ids, masks = [e[0] for e in examples], [e[1] for e in examples]
     pad = tokenizer.pad_id or 0
     if pack:
@@ -163,6 +103,15 @@ def sft_rows(
         ids, masks=masks, max_length=seq_len, pad_id=pad, segment_ids=True
     )
     return rows, report
+
+
+def _sft_format(format: str) -> str:
+    if format not in SFT_FORMATS:
+        raise ConfigError(
+            f"SFT `format` must be one of {SFT_FORMATS}; got {format!r}. For "
+            "preference data use `preference_rows`, for plain text `chunk_documents`."
+        )
+    return format
 
 
 def preference_rows(
@@ -202,30 +151,39 @@ def preference_rows(
     Raises:
         DataError: no records, or every record was skipped (the error lists why).
     """
-    _text._check_positive(seq_len=seq_len)
-    limit = _prompt_limit(seq_len, max_prompt_len)
-    pair = _pair_encoder(tokenizer, _template(template))
-
-    def encode(row: Any) -> tuple[Encoded, Encoded]:
-        prompt, chosen, rejected = _preference_fields(row)
-        return pair(prompt, chosen), pair(prompt, rejected)
-
-    def fit(row: Any) -> tuple[np.ndarray, ...]:
-        (p, c, cm), (q, r, rm) = encode(row)
-        if not np.array_equal(p, q):
-            raise _Skip("with chosen and rejected prompts that tokenize differently")
-        _check_learned(cm)
-        _check_learned(rm)
-        p = _truncate_prompt(p, limit, tokenizer.bos_id)
-        if len(p) + max(len(c), len(r)) > seq_len + 1:
-            raise _Skip(_too_long(seq_len))
-        return p, c, cm, r, rm
-
-    pairs, report = _collect(_records(records), fit)
+    positive("seq_len", seq_len)
+    fit = _preference_encoder(tokenizer, seq_len, template, max_prompt_len)
+    pairs, report = collect(record_rows(records), fit)
     return _pair_rows(pairs, seq_len, tokenizer.pad_id or 0), report
 
 
 # -- encoders ---------------------------------------------------------------------
+def _preference_encoder(
+    tokenizer: Tokenizer,
+    seq_len: int,
+    template: TemplateLike,
+    max_prompt_len: int | None,
+) -> Callable[[Any], tuple[np.ndarray, ...]]:
+    """`row -> (prompt, chosen, chosen mask, rejected, rejected mask)`, the prompt
+    truncated to fit a row (or the row skipped)."""
+    limit = _prompt_limit(seq_len, max_prompt_len)
+    pair = _pair_encoder(tokenizer, _template(template))
+
+    def fit(row: Any) -> tuple[np.ndarray, ...]:
+        prompt, chosen, rejected = preference_fields(row)
+        (p, c, cm), (q, r, rm) = pair(prompt, chosen), pair(prompt, rejected)
+        if not np.array_equal(p, q):
+            raise Skip("with chosen and rejected prompts that tokenize differently")
+        _check_learned(cm)
+        _check_learned(rm)
+        p = _truncate_prompt(p, limit, tokenizer.bos_id)
+        if len(p) + max(len(c), len(r)) > seq_len + 1:
+            raise Skip(_too_long(seq_len))
+        return p, c, cm, r, rm
+
+    return fit
+
+
 def _sft_encoder(
     format: str,
     tokenizer: Tokenizer,
@@ -238,18 +196,25 @@ def _sft_encoder(
     if format == "chat":
         return lambda row: _chat_example(row, tokenizer, seq_len, resolved)
     limit = _prompt_limit(seq_len, max_prompt_len)
-    pair = _pair_encoder(tokenizer, resolved)
+    return _prompt_completion_encoder(tokenizer, seq_len, resolved, limit)
+
+
+def _prompt_completion_encoder(
+    tokenizer: Tokenizer, seq_len: int, template: ChatTemplate, limit: int
+) -> Callable[[Any], tuple[np.ndarray, np.ndarray]]:
+    """`row -> (ids, mask)` of a prompt/completion row, its prompt cut to `limit`."""
+    pair = _pair_encoder(tokenizer, template)
 
     def encode(row: Any) -> tuple[np.ndarray, np.ndarray]:
-        prompt, completion = _field(row, "prompt"), _field(row, "completion")
-        _same_kind(("prompt", prompt), ("completion", completion))
-        if _is_empty(completion):
-            raise _Skip("with an empty completion")
+        prompt, completion = field(row, "prompt"), field(row, "completion")
+        same_kind(("prompt", prompt), ("completion", completion))
+        if is_empty(completion):
+            raise Skip("with an empty completion")
         p, c, mask = pair(prompt, completion)
         _check_learned(mask)
         p = _truncate_prompt(p, limit, tokenizer.bos_id)
         if len(p) + len(c) > seq_len + 1:
-            raise _Skip(_too_long(seq_len))
+            raise Skip(_too_long(seq_len))
         return np.concatenate([p, c]), np.concatenate(
             [np.zeros(len(p), np.float32), mask]
         )
@@ -260,16 +225,20 @@ def _sft_encoder(
 def _chat_example(
     row: Any, tokenizer: Tokenizer, seq_len: int, template: ChatTemplate
 ) -> tuple[np.ndarray, np.ndarray]:
-    messages = _field(row, "messages")
-    if isinstance(messages, (list, tuple)) and not any(
-        isinstance(m, Mapping) and m.get("role") == "assistant" for m in messages
-    ):
-        raise _Skip("with no assistant message")
+    messages = field(row, "messages")
+    if isinstance(messages, (list, tuple)) and not _has_assistant(messages):
+        raise Skip("with no assistant message")
     ids, mask = template.encode(messages, tokenizer)
     ids, mask = ids[: seq_len + 1], mask[: seq_len + 1]  # keep the start
     if not mask[1:].any():  # the first token is never a target
-        raise _Skip(f"with no assistant token in the first {seq_len + 1} tokens")
+        raise Skip(f"with no assistant token in the first {seq_len + 1} tokens")
     return ids, mask
+
+
+def _has_assistant(messages: Sequence[Any]) -> bool:
+    return any(
+        isinstance(m, Mapping) and m.get("role") == "assistant" for m in messages
+    )
 
 
 def _pair_encoder(
@@ -308,70 +277,6 @@ def _template(template: TemplateLike) -> ChatTemplate:
     return template
 
 
-# -- fields -----------------------------------------------------------------------
-def _preference_fields(row: Any) -> tuple[Any, Any, Any]:
-    """`(prompt, chosen, rejected)` of a row, the prompt extracted from the shared
-    leading messages when the row has none."""
-    chosen, rejected = _field(row, "chosen"), _field(row, "rejected")
-    prompt = row.get("prompt") if isinstance(row, Mapping) else None
-    if prompt is None and _kind(chosen) == _kind(rejected) == "messages":
-        if chosen == rejected:
-            raise _Skip("with chosen == rejected")
-        prompt, chosen, rejected = _split_shared(list(chosen), list(rejected))
-    if prompt is None:
-        raise _Skip("missing 'prompt'")
-    _same_kind(("prompt", prompt), ("chosen", chosen), ("rejected", rejected))
-    if chosen == rejected:
-        raise _Skip("with chosen == rejected")
-    if _is_empty(chosen) or _is_empty(rejected):
-        raise _Skip("with an empty chosen or rejected completion")
-    return prompt, chosen, rejected
-
-
-def _split_shared(chosen: list[Any], rejected: list[Any]) -> tuple[list, list, list]:
-    """The shared leading messages (the implicit prompt) and the two remainders."""
-    n = 0
-    while n < min(len(chosen), len(rejected)) and chosen[n] == rejected[n]:
-        n += 1
-    return chosen[:n], chosen[n:], rejected[n:]
-
-
-def _field(row: Any, name: str) -> Any:
-    """`row[name]`; a missing or null field skips the row."""
-    if not isinstance(row, Mapping):
-        raise _Skip("that are not mappings")
-    value = row.get(name)
-    if value is None:
-        raise _Skip(f"missing {name!r}")
-    return value
-
-
-def _kind(value: Any) -> str | None:
-    if isinstance(value, str):
-        return "text"
-    if isinstance(value, (list, tuple)):
-        return "messages"
-    return None
-
-
-def _same_kind(*fields: tuple[str, Any]) -> None:
-    kinds = {_kind(value) for _, value in fields}
-    if None in kinds or len(kinds) > 1:
-        names = [repr(name) for name, _ in fields]
-        listed = ", ".join(names[:-1]) + " and " + names[-1]
-        each = "both" if len(names) == 2 else "all"
-        raise _Skip(f"with {listed} not {each} text or {each} message lists")
-
-
-def _is_empty(value: Any) -> bool:
-    """A blank string, or messages none of which has non-blank text content."""
-    if isinstance(value, str):
-        return not value.strip()
-    return not any(
-        not isinstance(m, Mapping) or str(m.get("content") or "").strip() for m in value
-    )
-
-
 # -- rows -------------------------------------------------------------------------
 def _prompt_limit(seq_len: int, max_prompt_len: int | None) -> int:
     limit = max(1, seq_len // 2) if max_prompt_len is None else max_prompt_len
@@ -394,7 +299,7 @@ def _truncate_prompt(ids: np.ndarray, limit: int, bos: int | None) -> np.ndarray
 
 def _check_learned(mask: np.ndarray) -> None:
     if not mask.any():  # e.g. a completion of tool messages only
-        raise _Skip("with no completion token to learn")
+        raise Skip("with no completion token to learn")
 
 
 def _too_long(seq_len: int) -> str:
@@ -417,64 +322,3 @@ def _pair_rows(pairs: list[tuple[np.ndarray, ...]], seq_len: int, pad: int) -> R
             rows[f"{side}_targets"][i, :width] = ids[1:]
             rows[f"{side}_mask"][i, :width] = learn[1:]
     return rows
-
-
-# -- records and skips ------------------------------------------------------------
-def _columns(records: Any) -> list[str]:
-    if isinstance(records, Mapping):
-        return list(records)
-    if hasattr(records, "column_names"):  # datasets.Dataset
-        return list(records.column_names)
-    names: dict[str, None] = {}
-    for record in records:
-        if isinstance(record, Mapping):
-            names.update(dict.fromkeys(record))
-    return list(names)
-
-
-def _records(records: Any) -> list[Any]:
-    """The records as a list of rows (dicts, unless malformed)."""
-    if isinstance(records, Mapping):
-        lengths = {name: len(values) for name, values in records.items()}
-        if len(set(lengths.values())) > 1:
-            raise DataError(
-                f"the columns have different lengths: {lengths}. Pass columns of "
-                "one length."
-            )
-        rows = [
-            dict(zip(records, values, strict=True))
-            for values in zip(*records.values(), strict=True)
-        ]
-    elif hasattr(records, "to_list"):  # datasets.Dataset
-        rows = records.to_list()
-    else:
-        rows = list(records)
-    if not rows:
-        raise DataError("the data holds no records; pass at least one.")
-    return rows
-
-
-def _collect(
-    rows: Sequence[Any], encode: Callable[[Any], Any]
-) -> tuple[list, SkipReport]:
-    """`encode` over `rows`, skipping (and counting) the rows it rejects."""
-    kept, reasons, first = [], {}, {}
-    for i, row in enumerate(rows):
-        try:
-            kept.append(encode(row))
-        except (_Skip, ChatTemplateError) as skip:
-            reasons[skip.reason] = reasons.get(skip.reason, 0) + 1
-            first.setdefault(skip.reason, i)
-    report = SkipReport(total=len(rows), kept=len(kept), reasons=reasons, first=first)
-    if not kept:
-        top = max(reasons, key=reasons.__getitem__)
-        check = (
-            "the rows against the chat template (the tokenizer's own, or "
-            "data.chat_template's; template= in Python)"
-            if "chat template" in top
-            else "the format and field names, and seq_len/max_prompt_len"
-        )
-        raise DataError(
-            f"all {len(rows)} rows were skipped: {report.details()}. Check {check}."
-        )
-    return kept, report

@@ -5,6 +5,7 @@ consumer-side iterator, so an iterator dropped mid-epoch is garbage-collected an
 its `__del__` stops the thread.
 """
 
+import contextlib
 import queue
 import threading
 from collections.abc import Iterator
@@ -38,16 +39,7 @@ class Prefetcher:
     def get(self) -> Any:
         if self._done:
             raise StopIteration
-        while True:
-            try:
-                kind, value = self._queue.get(timeout=1.0)
-                break
-            except queue.Empty:
-                if not self._thread.is_alive() and self._queue.empty():
-                    self._done = True
-                    raise RuntimeError(
-                        "the prefetch thread ended without a result (was it closed?)"
-                    ) from None
+        kind, value = self._next()
         if kind == _ITEM:
             return value
         self._done = True
@@ -56,18 +48,33 @@ class Prefetcher:
             raise value
         raise StopIteration
 
+    def _next(self) -> tuple[str, Any]:
+        """The next `(kind, value)` the thread queued, once it is there."""
+        while True:
+            try:
+                return self._queue.get(timeout=1.0)
+            except queue.Empty:
+                if not self._thread.is_alive() and self._queue.empty():
+                    self._done = True
+                    raise RuntimeError(
+                        "the prefetch thread ended without a result (was it closed?)"
+                    ) from None
+
     def close(self) -> None:
         self._done = True
         self._stop.set()
         if threading.current_thread() is self._thread:  # collected by its own thread
             return
         while self._thread.is_alive():
-            try:  # unblock a producer waiting on a full queue
-                while True:
-                    self._queue.get_nowait()
-            except queue.Empty:
-                pass
+            self._drain()  # unblock a producer waiting on a full queue
             self._thread.join(timeout=_POLL)
+
+    def _drain(self) -> None:
+        try:
+            while True:
+                self._queue.get_nowait()
+        except queue.Empty:
+            pass
 
     @property
     def alive(self) -> bool:
@@ -80,11 +87,9 @@ class Prefetcher:
 def _put(q: queue.Queue, item: tuple[str, Any], stop: threading.Event) -> bool:
     """Put `item` unless asked to stop first; returns whether it was put."""
     while not stop.is_set():
-        try:
+        with contextlib.suppress(queue.Full):
             q.put(item, timeout=_POLL)
             return True
-        except queue.Full:
-            continue
     return False
 
 
@@ -97,6 +102,11 @@ def _fill(source: Iterator[Any], q: queue.Queue, stop: threading.Event) -> None:
     except BaseException as error:  # handed to the consumer, which re-raises it
         _put(q, (_ERROR, error), stop)
     finally:
-        close = getattr(source, "close", None)
-        if close is not None:
-            close()
+        _close(source)
+
+
+def _close(source: Iterator[Any]) -> None:
+    """Close a generator (its `finally` blocks run in this thread)."""
+    close = getattr(source, "close", None)
+    if close is not None:
+        close()

@@ -16,8 +16,15 @@ from typing import Any
 
 import numpy as np
 
-from ._errors import DataError
-from ._store import _BuildLock, _make_dir, _write_json, default_cache, file_sha256
+from ._errors import DataError, PathLike
+from ._files import (
+    BuildLock,
+    default_cache,
+    file_sha256,
+    json_sha256,
+    make_dir,
+    write_json,
+)
 
 
 FORMAT = 1
@@ -37,7 +44,7 @@ def cached_rows(
     identity: Mapping[str, Any],
     build: Callable[[], tuple[Mapping[str, np.ndarray], dict[str, Any]]],
     *,
-    cache_dir: str | os.PathLike[str] | None = None,
+    cache_dir: PathLike | None = None,
 ) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
     """`build()`'s rows and report, memory-mapped from the cache when an earlier
     call with the same `identity` (JSON-able: the source's fingerprint, the
@@ -49,35 +56,45 @@ def cached_rows(
     Raises:
         DataError: the cache directory cannot be written.
     """
-    body = json.dumps({"format": FORMAT, **identity}, sort_keys=True).encode()
-    key = hashlib.sha256(body).hexdigest()[:20]
-    cache = Path(cache_dir) if cache_dir is not None else default_cache()
-    directory = cache / f"rows-{key}"
+    directory = _directory(identity, cache_dir)
     opened = _open(directory)
-    if opened is not None:
-        return opened
-    _make_dir(directory)
-    with _BuildLock(directory):
-        opened = _open(directory)
-        if opened is not None:
-            return opened
-        rows, report = build()
-        columns = {}
-        for name, array in rows.items():
-            array = np.ascontiguousarray(array)
-            path = directory / f"{name}.npy"
-            tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
-            with open(tmp, "wb") as f:
-                np.save(f, array, allow_pickle=False)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-            columns[name] = {"sha256": file_sha256(path), "shape": list(array.shape)}
-        _write_json(directory / "rows.json", {"columns": columns, "report": report})
-    opened = _open(directory)
+    if opened is None:
+        make_dir(directory)
+        with BuildLock(directory):
+            opened = _open(directory)  # another process may have written them
+            if opened is None:
+                _write(directory, *build())
+                opened = _open(directory)
     if opened is None:
         raise DataError(f"the rows written to {directory} do not read back.")
     return opened
+
+
+def _directory(identity: Mapping[str, Any], cache_dir: PathLike | None) -> Path:
+    """`rows-<key>` under the cache, the key a hash of `identity`."""
+    key = json_sha256({"format": FORMAT, **identity})[:20]
+    cache = Path(cache_dir) if cache_dir is not None else default_cache()
+    return cache / f"rows-{key}"
+
+
+def _write(
+    directory: Path, rows: Mapping[str, np.ndarray], report: dict[str, Any]
+) -> None:
+    """Each column to its `.npy` file, then `rows.json` (the rows are complete)."""
+    columns = {name: _save(directory / f"{name}.npy", a) for name, a in rows.items()}
+    write_json(directory / "rows.json", {"columns": columns, "report": report})
+
+
+def _save(path: Path, array: np.ndarray) -> dict[str, Any]:
+    """Write `array` to `path` atomically (no pickle); its entry in `rows.json`."""
+    array = np.ascontiguousarray(array)
+    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
+    with open(tmp, "wb") as f:
+        np.save(f, array, allow_pickle=False)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    return {"sha256": file_sha256(path), "shape": list(array.shape)}
 
 
 def _open(directory: Path) -> tuple[dict[str, np.ndarray], dict[str, Any]] | None:

@@ -52,48 +52,14 @@ def from_files(
         DataFileNotFoundError: a path does not exist.
         DataError: the files hold no rows, or do not parse as `format`.
     """
-    import datasets
-
-    if isinstance(paths, (str, os.PathLike)):
-        paths = [paths]
-    files = [os.fspath(p) for p in paths]
-    if not files:
-        raise ConfigError("`from_files` needs at least one path; got none.")
-    for path in files:
-        check_exists(path, "data file")
+    files = _paths(paths)
     format = format or _infer_format(files)
     if all(os.path.getsize(f) == 0 for f in files):
         raise DataError(
             f"the files {files} are empty (0 bytes). Point `from_files` at files "
             "that hold rows."
         )
-    # No "Generating train split" bars in a run's output (restored after).
-    quiet = datasets.utils.are_progress_bars_disabled()
-    datasets.utils.disable_progress_bars()
-    try:
-        dataset = datasets.load_dataset(
-            format,
-            data_files=files,
-            split="train",
-            cache_dir=None if cache_dir is None else os.fspath(cache_dir),
-        )
-    except (ValueError, TypeError, KeyError, OSError, StopIteration) as error:
-        raise DataError(
-            f"could not read {files} as {format!r}: {error}.{_bad_line(files, format)} "
-            "Check the files' contents and their format (the file suffix, or "
-            "`format=` in Python)."
-        ) from error
-    except Exception as error:  # datasets wraps parse errors in DatasetGenerationError
-        if type(error).__name__ != "DatasetGenerationError":
-            raise
-        raise DataError(
-            f"could not read {files} as {format!r}: {error.__cause__ or error}."
-            f"{_bad_line(files, format)} Check the files' contents and their "
-            "format (the file suffix, or `format=` in Python)."
-        ) from error
-    finally:
-        if not quiet:
-            datasets.utils.enable_progress_bars()
+    dataset = _load_dataset(files, format, cache_dir)
     if len(dataset) == 0:
         raise DataError(
             f"the files {files} hold no rows. Point `from_files` at non-empty files."
@@ -101,28 +67,79 @@ def from_files(
     return dataset
 
 
+def _paths(paths: PathLike | Sequence[PathLike]) -> list[str]:
+    """`paths` as a non-empty list of existing file names."""
+    if isinstance(paths, (str, os.PathLike)):
+        paths = [paths]
+    files = [os.fspath(p) for p in paths]
+    if not files:
+        raise ConfigError("`from_files` needs at least one path; got none.")
+    for path in files:
+        check_exists(path, "data file")
+    return files
+
+
+def _load_dataset(files: list[str], format: str, cache_dir: PathLike | None) -> Any:
+    """`datasets.load_dataset(format, data_files=files)`'s train split, without
+    progress bars; a file that does not parse is a DataError."""
+    import datasets
+
+    # No "Generating train split" bars in a run's output (restored after).
+    quiet = datasets.utils.are_progress_bars_disabled()
+    datasets.utils.disable_progress_bars()
+    try:
+        return datasets.load_dataset(
+            format,
+            data_files=files,
+            split="train",
+            cache_dir=None if cache_dir is None else os.fspath(cache_dir),
+        )
+    except (ValueError, TypeError, KeyError, OSError, StopIteration) as error:
+        raise _unparsed(files, format, error) from error
+    except Exception as error:  # datasets wraps parse errors in DatasetGenerationError
+        if type(error).__name__ != "DatasetGenerationError":
+            raise
+        raise _unparsed(files, format, error.__cause__ or error) from error
+    finally:
+        if not quiet:
+            datasets.utils.enable_progress_bars()
+
+
+def _unparsed(files: list[str], format: str, error: BaseException) -> DataError:
+    return DataError(
+        f"could not read {files} as {format!r}: {error}.{_bad_line(files, format)} "
+        "Check the files' contents and their format (the file suffix, or "
+        "`format=` in Python)."
+    )
+
+
 def _bad_line(files: list[str], format: str) -> str:
     """` The first bad line is <file>:<n>.` for a JSON Lines file with a line
     that does not parse as JSON (datasets reports a byte position only)."""
     if format != "json":
         return ""
+    jsonl = (path for path in files if path.endswith(".jsonl"))  # not one document
+    found = (_first_bad_line(path) for path in jsonl)
+    return next((sentence for sentence in found if sentence is not None), "")
+
+
+def _first_bad_line(path: str) -> str | None:
+    """`_bad_line`'s sentence for one JSON Lines file: None when every line
+    parses, "" when the file cannot be read."""
     import json
 
-    for path in files:
-        if not path.endswith(".jsonl"):
-            continue  # maybe one JSON document, not JSON Lines
-        number = 0
-        try:
-            with open(path, encoding="utf-8") as f:
-                for line in f:
-                    number += 1
-                    if line.strip():
-                        json.loads(line)
-        except json.JSONDecodeError as e:
-            return f" The first bad line is {path}:{number} ({e.msg})."
-        except (OSError, UnicodeDecodeError):
-            return ""
-    return ""
+    number = 0
+    try:
+        with open(path, encoding="utf-8") as f:
+            for line in f:
+                number += 1
+                if line.strip():
+                    json.loads(line)
+    except json.JSONDecodeError as e:
+        return f" The first bad line is {path}:{number} ({e.msg})."
+    except (OSError, UnicodeDecodeError):
+        return ""
+    return None
 
 
 def _infer_format(files: list[str]) -> str:
@@ -194,7 +211,6 @@ def text_column(data: Any, name: str, *, source: str = "the data") -> list[str]:
     """
     values = column(data, name)
     texts = [v for v in values if isinstance(v, str)]
-    skipped = len(values) - len(texts)
     if not texts:
         kinds = sorted({_kind(v) for v in values})
         raise DataError(
@@ -202,15 +218,20 @@ def text_column(data: Any, name: str, *, source: str = "the data") -> list[str]:
             f"are {', '.join(kinds)}. Point data.text_column (`text_column`) at a "
             "column of strings."
         )
-    if skipped:
-        first = next(i for i, v in enumerate(values) if not isinstance(v, str))
-        warnings.warn(
-            f"{source}: skipped {skipped} of {len(values)} rows whose {name!r} is "
-            f"not a string (the first: row {first}, {_kind(values[first])}).",
-            DataWarning,
-            stacklevel=2,
-        )
+    if len(texts) < len(values):
+        _warn_skipped(values, len(values) - len(texts), name, source)
     return texts
+
+
+def _warn_skipped(values: list[Any], skipped: int, name: str, source: str) -> None:
+    """One warning for the `skipped` values that are not strings."""
+    first = next(i for i, v in enumerate(values) if not isinstance(v, str))
+    warnings.warn(
+        f"{source}: skipped {skipped} of {len(values)} rows whose {name!r} is "
+        f"not a string (the first: row {first}, {_kind(values[first])}).",
+        DataWarning,
+        stacklevel=3,  # text_column's caller
+    )
 
 
 def _kind(value: Any) -> str:
@@ -235,12 +256,17 @@ def column(data: Any, name: str) -> list[Any]:
             raise missing_field(name, list(data.column_names), "the dataset")
         values = list(data[name])
     else:
-        records = list(data)
-        for i, record in enumerate(records):
-            if not isinstance(record, Mapping) or name not in record:
-                keys = list(record) if isinstance(record, Mapping) else []
-                raise missing_field(name, keys, f"record {i}")
-        values = [record[name] for record in records]
+        values = _field_values(data, name)
     if not values:
         raise DataError(f"the data is empty: column {name!r} has no rows.")
     return values
+
+
+def _field_values(records: Any, name: str) -> list[Any]:
+    """Field `name` of each record (a mapping) of `records`."""
+    records = list(records)
+    for i, record in enumerate(records):
+        if not isinstance(record, Mapping) or name not in record:
+            keys = list(record) if isinstance(record, Mapping) else []
+            raise missing_field(name, keys, f"record {i}")
+    return [record[name] for record in records]

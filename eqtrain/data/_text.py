@@ -7,14 +7,14 @@ Every function returns a dict of numpy arrays with one row per example/chunk:
 and shifted targets. A `Loader` batches them.
 """
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 from jaxtyping import Float, Int
 
 from .._errors import ConfigError
-from ._errors import DataError
+from ._errors import DataError, positive, too_few_tokens
 from ._sources import column
 from ._tokenizers import Tokenizer, require_id
 
@@ -40,30 +40,31 @@ def chunk_documents(
     Raises:
         DataError: no documents, or fewer than `seq_len + 1` tokens in all.
     """
-    _check_positive(seq_len=seq_len)
+    positive("seq_len", seq_len)
     eos = require_id(tokenizer, "eos", "`chunk_documents` (it ends documents with EOS)")
-    pieces = []
-    count = 0
-    for doc in documents:
-        pieces.append(np.asarray(tokenizer.encode(doc), np.int32))
-        pieces.append(np.array([eos], np.int32))
-        count += 1
-    if count == 0:
-        raise DataError("`chunk_documents` got no documents; pass at least one.")
-    stream = np.concatenate(pieces)
+    stream, count = _stream(documents, tokenizer, eos)
     rows = (len(stream) - 1) // seq_len
     if rows == 0:
-        raise DataError(
-            f"seq_len={seq_len} is too large for the data: {count} documents hold "
-            f"{len(stream)} tokens (with EOS), and one row needs seq_len + 1 = "
-            f"{seq_len + 1}. Use a smaller seq_len or more documents."
-        )
+        raise too_few_tokens(seq_len, count, len(stream))
     used = rows * seq_len
     return {
         "tokens": stream[:used].reshape(rows, seq_len),
         "targets": stream[1 : used + 1].reshape(rows, seq_len),
         "loss_mask": np.ones((rows, seq_len), np.float32),
     }
+
+
+def _stream(
+    documents: Iterable[str], tokenizer: Tokenizer, eos: int
+) -> tuple[np.ndarray, int]:
+    """`doc_0 EOS doc_1 EOS ...` as int32 ids, and the number of documents."""
+    pieces = []
+    for doc in documents:
+        pieces.append(np.asarray(tokenizer.encode(doc), np.int32))
+        pieces.append(np.array([eos], np.int32))
+    if not pieces:
+        raise DataError("`chunk_documents` got no documents; pass at least one.")
+    return np.concatenate(pieces), len(pieces) // 2
 
 
 def pack(
@@ -97,21 +98,44 @@ def pack(
     Raises:
         DataError: no examples.
     """
-    _check_positive(seq_len=seq_len)
-    items = _prepared(examples, masks, seq_len + 1, truncation)
+    positive("seq_len", seq_len)
     width = seq_len + 1
-    # next fit: row r takes examples until the next one does not fit (or would
-    # start on the last, target-only slot)
-    placements: list[list[tuple[np.ndarray, np.ndarray]]] = []
+    placements = _next_fit(_prepared(examples, masks, width, truncation), width)
+    tok, seg, learn = _segments(placements, width, pad_id)
+    same = (seg[:, :-1] == seg[:, 1:]) & (seg[:, 1:] > 0)
+    return {
+        "tokens": tok[:, :-1],
+        "targets": tok[:, 1:],
+        "loss_mask": (same * learn[:, 1:]).astype(np.float32),
+        "segment_ids": seg[:, :-1],
+    }
+
+
+Item = tuple[np.ndarray, np.ndarray]
+"""An example's ids and mask."""
+
+
+def _next_fit(items: list[Item], width: int) -> list[list[Item]]:
+    """The examples of each row: a row takes examples until the next one does not
+    fit, or would start on the last, target-only slot; empty ones are skipped."""
+    placements: list[list[Item]] = []
     pos = width
     for ids, mask in items:
         if len(ids) == 0:  # nothing to place, and no segment number to spend
             continue
-        if pos + len(ids) > width or pos >= seq_len:
+        if pos + len(ids) > width or pos >= width - 1:
             placements.append([])
             pos = 0
         placements[-1].append((ids, mask))
         pos += len(ids)
+    return placements
+
+
+def _segments(
+    placements: list[list[Item]], width: int, pad_id: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The ids, segment numbers (1, 2, ... in each row) and masks of rows
+    holding `placements`' examples one after the other."""
     tok = np.full((len(placements), width), pad_id, np.int32)
     seg = np.zeros((len(placements), width), np.int32)
     learn = np.zeros((len(placements), width), np.float32)
@@ -121,13 +145,7 @@ def pack(
             end = pos + len(ids)
             tok[r, pos:end], seg[r, pos:end], learn[r, pos:end] = ids, segment, mask
             pos = end
-    same = (seg[:, :-1] == seg[:, 1:]) & (seg[:, 1:] > 0)
-    return {
-        "tokens": tok[:, :-1],
-        "targets": tok[:, 1:],
-        "loss_mask": (same * learn[:, 1:]).astype(np.float32),
-        "segment_ids": seg[:, :-1],
-    }
+    return tok, seg, learn
 
 
 def collate(
@@ -157,23 +175,14 @@ def collate(
     Raises:
         DataError: no examples.
     """
-    _check_positive(max_length=max_length)
+    positive("max_length", max_length)
     if padding_side not in ("right", "left"):
         raise ConfigError(
             f"`padding_side` must be 'right' or 'left'; got {padding_side!r}."
         )
     width = max_length + 1
     items = _prepared(examples, masks, width, truncation)
-    tok = np.full((len(items), width), pad_id, np.int32)
-    real = np.zeros((len(items), width), bool)
-    learn = np.zeros((len(items), width), np.float32)
-    for i, (ids, mask) in enumerate(items):
-        where = (
-            slice(0, len(ids))
-            if padding_side == "right"
-            else slice(width - len(ids), width)
-        )
-        tok[i, where], real[i, where], learn[i, where] = ids, True, mask
+    tok, real, learn = _padded_rows(items, width, pad_id, padding_side)
     rows = {
         "tokens": tok[:, :-1],
         "targets": tok[:, 1:],
@@ -186,6 +195,26 @@ def collate(
     return rows
 
 
+def _padded_rows(
+    items: list[Item], width: int, pad_id: int, padding_side: str
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The ids, where they are real (not padding), and the masks: one row each."""
+    tok = np.full((len(items), width), pad_id, np.int32)
+    real = np.zeros((len(items), width), bool)
+    learn = np.zeros((len(items), width), np.float32)
+    for i, (ids, mask) in enumerate(items):
+        where = _placed(len(ids), width, padding_side)
+        tok[i, where], real[i, where], learn[i, where] = ids, True, mask
+    return tok, real, learn
+
+
+def _placed(length: int, width: int, padding_side: str) -> slice:
+    """Where an example of `length` tokens sits in a row of `width`."""
+    if padding_side == "right":
+        return slice(0, length)
+    return slice(width - length, width)
+
+
 def _prepared(
     examples: Sequence[Example],
     masks: Sequence[Example] | None,
@@ -193,6 +222,18 @@ def _prepared(
     truncation: str,
 ) -> list[tuple[np.ndarray, np.ndarray]]:
     """(ids, mask) pairs, truncated to `width` tokens."""
+    _check_examples(examples, masks, truncation)
+    cut = slice(0, width) if truncation == "keep_start" else slice(-width, None)
+    items = []
+    for i, example in enumerate(examples):
+        ids, mask = _with_mask(example, None if masks is None else masks[i], i)
+        items.append((ids[cut], mask[cut]))
+    return items
+
+
+def _check_examples(
+    examples: Sequence[Example], masks: Sequence[Example] | None, truncation: str
+) -> None:
     if truncation not in ("keep_start", "keep_end"):
         raise ConfigError(
             f"`truncation` must be 'keep_start' or 'keep_end'; got {truncation!r}."
@@ -204,28 +245,20 @@ def _prepared(
             f"`masks` must have one entry per example; got {len(masks)} masks for "
             f"{len(examples)} examples."
         )
-    items = []
-    for i, example in enumerate(examples):
-        ids = np.asarray(example, np.int32).reshape(-1)
-        mask = (
-            np.ones(len(ids), np.float32)
-            if masks is None
-            else np.asarray(masks[i], np.float32).reshape(-1)
+
+
+def _with_mask(example: Example, mask: Example | None, i: int) -> Item:
+    """Example `i`'s ids and its mask (all ones by default), of one length."""
+    ids = np.asarray(example, np.int32).reshape(-1)
+    if mask is None:
+        return ids, np.ones(len(ids), np.float32)
+    mask = np.asarray(mask, np.float32).reshape(-1)
+    if len(mask) != len(ids):
+        raise ConfigError(
+            f"example {i} has {len(ids)} tokens but its mask has {len(mask)} "
+            "entries; they must match."
         )
-        if len(mask) != len(ids):
-            raise ConfigError(
-                f"example {i} has {len(ids)} tokens but its mask has {len(mask)} "
-                "entries; they must match."
-            )
-        cut = slice(0, width) if truncation == "keep_start" else slice(-width, None)
-        items.append((ids[cut], mask[cut]))
-    return items
-
-
-def _check_positive(**values: int) -> None:
-    for name, value in values.items():
-        if not isinstance(value, int) or value < 1:
-            raise ConfigError(f"`{name}` must be an int >= 1; got {value!r}.")
+    return ids, mask
 
 
 def encode_chat(
@@ -247,41 +280,44 @@ def encode_chat(
             among system/user/assistant and a string content.
     """
     eos = require_id(tokenizer, "eos", "`encode_chat` (assistant turns end with EOS)")
-    ids: list[np.ndarray] = []
-    learn: list[np.ndarray] = []
-
-    def add(piece: np.ndarray, value: float) -> None:
-        ids.append(np.asarray(piece, np.int32))
-        learn.append(np.full(len(piece), value, np.float32))
-
-    if tokenizer.bos_id is not None:
-        add(np.array([tokenizer.bos_id]), 0.0)
-    for i, message in enumerate(messages):
-        role, content = _role_and_content(message, i)
-        add(tokenizer.encode(f"<|{role}|>\n"), 0.0)
-        if role == "assistant":
-            add(tokenizer.encode(content), 1.0)
-            add(np.array([eos]), 1.0)
-        else:
-            add(tokenizer.encode(content + "\n"), 0.0)
-    if not ids:
+    pieces = list(_chat_pieces(messages, tokenizer, eos))
+    if not pieces:
         return np.zeros(0, np.int32), np.zeros(0, np.float32)
+    ids = [np.asarray(piece, np.int32) for piece, _ in pieces]
+    learn = [np.full(len(piece), value, np.float32) for piece, value in pieces]
     return np.concatenate(ids), np.concatenate(learn)
 
 
+def _chat_pieces(
+    messages: Sequence[Mapping[str, Any]], tokenizer: Tokenizer, eos: int
+) -> Iterator[tuple[Any, float]]:
+    """The template's pieces of a conversation, each with its mask value."""
+    if tokenizer.bos_id is not None:
+        yield np.array([tokenizer.bos_id]), 0.0
+    for i, message in enumerate(messages):
+        role, content = _role_and_content(message, i)
+        yield tokenizer.encode(f"<|{role}|>\n"), 0.0
+        if role == "assistant":
+            yield tokenizer.encode(content), 1.0
+            yield np.array([eos]), 1.0
+        else:
+            yield tokenizer.encode(content + "\n"), 0.0
+
+
+def _check_fields(message: Any, i: int) -> None:
+    """Message `i` is a mapping with `role` and `content`."""
+    if isinstance(message, Mapping) and "role" in message and "content" in message:
+        return
+    keys = sorted(message) if isinstance(message, Mapping) else type(message).__name__
+    raise DataError(
+        f"message {i} must be a mapping with 'role' and 'content'; got {keys}. "
+        'Write messages as {"role": "user", "content": "..."}.'
+    )
+
+
 def _role_and_content(message: Any, i: int) -> tuple[str, str]:
-    if (
-        not isinstance(message, Mapping)
-        or "role" not in message
-        or "content" not in message
-    ):
-        keys = (
-            sorted(message) if isinstance(message, Mapping) else type(message).__name__
-        )
-        raise DataError(
-            f"message {i} must be a mapping with 'role' and 'content'; got {keys}. "
-            'Write messages as {"role": "user", "content": "..."}.'
-        )
+    """Message `i`'s role (one of `ROLES`) and content (a string)."""
+    _check_fields(message, i)
     role, content = message["role"], message["content"]
     if role not in ROLES:
         raise DataError(
@@ -308,12 +344,14 @@ def chat_examples(
         DataError: `field` is missing (the error lists the fields there are), the
             data is empty, or a message is malformed (the error names the record).
     """
-    examples, masks = [], []
-    for r, messages in enumerate(column(records, field)):
-        try:
-            ids, mask = encode_chat(messages, tokenizer)
-        except DataError as error:
-            raise DataError(f"record {r}: {error}") from error
-        examples.append(ids)
-        masks.append(mask)
-    return examples, masks
+    conversations = enumerate(column(records, field))
+    encoded = [_encoded_record(r, messages, tokenizer) for r, messages in conversations]
+    return [ids for ids, _ in encoded], [mask for _, mask in encoded]
+
+
+def _encoded_record(r: int, messages: Any, tokenizer: Tokenizer) -> Item:
+    """`encode_chat` of record `r`'s messages; an error names the record."""
+    try:
+        return encode_chat(messages, tokenizer)
+    except DataError as error:
+        raise DataError(f"record {r}: {error}") from error

@@ -136,18 +136,8 @@ class HFTokenizer:
                 its vocabulary.
         """
         tokenizers = _import_tokenizers()
-        path = os.fspath(path)
-        if os.path.isdir(path):
-            path = os.path.join(path, "tokenizer.json")
-        check_exists(path, "tokenizer file")
-        try:
-            tok = tokenizers.Tokenizer.from_file(path)
-        except Exception as error:  # tokenizers raises a bare Exception
-            raise DataError(
-                f"could not parse the tokenizer file {path}: {error}. It must be a "
-                "Hugging Face `tokenizer.json` (as written by `Tokenizer.save` or "
-                "`save_pretrained`), not a vocab/merges/sentencepiece file."
-            ) from error
+        path = _tokenizer_file(path)
+        tok = _parse(tokenizers, path)
         names = _config_names(os.path.dirname(path))
         ids = {}
         for kind, given in (("bos", bos), ("eos", eos), ("pad", pad)):
@@ -200,43 +190,78 @@ def _import_tokenizers() -> Any:
     return tokenizers
 
 
+_NAME_THEM = (
+    "Fix or remove it (or, in Python, name the special tokens with `bos=`, `eos=`, "
+    "`pad=`)."
+)
+
+
+def _tokenizer_file(path: PathLike) -> str:
+    """`path`, or the `tokenizer.json` in the directory `path`; it must exist."""
+    path = os.fspath(path)
+    if os.path.isdir(path):
+        path = os.path.join(path, "tokenizer.json")
+    check_exists(path, "tokenizer file")
+    return path
+
+
+def _parse(tokenizers: Any, path: str) -> Any:
+    """The `tokenizers.Tokenizer` of a `tokenizer.json`."""
+    try:
+        return tokenizers.Tokenizer.from_file(path)
+    except Exception as error:  # tokenizers raises a bare Exception
+        raise DataError(
+            f"could not parse the tokenizer file {path}: {error}. It must be a "
+            "Hugging Face `tokenizer.json` (as written by `Tokenizer.save` or "
+            "`save_pretrained`), not a vocab/merges/sentencepiece file."
+        ) from error
+
+
 def _config_names(directory: str) -> dict[str, str]:
     """Special-token names from a `tokenizer_config.json` next to the file."""
     path = os.path.join(directory, "tokenizer_config.json")
-    if not os.path.exists(path):
+    config = read_config(path, _NAME_THEM)
+    names = {k: token_content(config.get(f"{k}_token")) for k in ("bos", "eos", "pad")}
+    return {kind: name for kind, name in names.items() if name is not None}
+
+
+def read_config(path: str, advice: str) -> dict[str, Any]:
+    """The JSON object in `path` ({} when there is no such file, or it holds no
+    object); a file that does not parse is a DataError ending with `advice`."""
+    if not os.path.isfile(path):
         return {}
     try:
         with open(path, encoding="utf-8") as f:
-            config = json.load(f)
+            value = json.load(f)
     except (OSError, ValueError) as error:
-        raise DataError(
-            f"could not parse {path}: {error}. Fix or remove it (or, in Python, "
-            "name the special tokens with `bos=`, `eos=`, `pad=`)."
-        ) from error
-    names = {}
-    for kind in ("bos", "eos", "pad"):
-        value = config.get(f"{kind}_token")
-        if isinstance(value, dict):  # an AddedToken written as a dict
-            value = value.get("content")
-        if isinstance(value, str):
-            names[kind] = value
-    return names
+        raise DataError(f"could not parse {path}: {error}. {advice}") from error
+    return value if isinstance(value, dict) else {}
+
+
+def token_content(value: Any) -> str | None:
+    """A special token's string in a tokenizer config: the value itself, or the
+    `content` of an AddedToken written as a dict; None for anything else."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else None
 
 
 def _special_id(tok: Any, kind: str, name: str | None, path: str) -> int | None:
+    """The id of the `kind` token `name`, else of the first of its usual names."""
     if name is not None:
-        token_id = tok.token_to_id(name)
-        if token_id is None:
-            raise DataError(
-                f"the {kind} token {name!r} is not in the vocabulary of {path}. Pass "
-                f"`{kind}=` with a token the tokenizer has."
-            )
-        return int(token_id)
-    for candidate in _SPECIAL_NAMES[kind]:
-        token_id = tok.token_to_id(candidate)
-        if token_id is not None:
-            return int(token_id)
-    return None
+        return _named_id(tok, kind, name, path)
+    found = (tok.token_to_id(candidate) for candidate in _SPECIAL_NAMES[kind])
+    return next((int(token_id) for token_id in found if token_id is not None), None)
+
+
+def _named_id(tok: Any, kind: str, name: str, path: str) -> int:
+    token_id = tok.token_to_id(name)
+    if token_id is None:
+        raise DataError(
+            f"the {kind} token {name!r} is not in the vocabulary of {path}. Pass "
+            f"`{kind}=` with a token the tokenizer has."
+        )
+    return int(token_id)
 
 
 def require_id(tokenizer: Tokenizer, kind: str, purpose: str) -> int:

@@ -6,30 +6,41 @@ output: the ledger entry, or `{"error": ..., "message": ...}`. Tasks and answers
 are plain JSON (no pickle), and the worker never imports the caller's script.
 """
 
+import dataclasses
 import json
 import sys
+from typing import Any
+
+from ._encoder import Encoder
+from ._errors import DataError
+from ._parts import Task, build_part
 
 
 def main() -> None:
-    from ._errors import DataError
-    from ._store import Task, _Encoder, build_part
-
     out = sys.stdout
     sys.stdout = sys.stderr  # nothing else may write to the answer channel
-    spec = json.loads(sys.stdin.readline())
-    encoder = _Encoder(spec)
+    encoder = Encoder(json.loads(sys.stdin.readline()))
     for line in sys.stdin:
-        task = Task(**json.loads(line))
-        if task.texts is not None:
-            task = Task(**{**task.__dict__, "texts": tuple(task.texts)})
-        try:
-            answer = {"entry": build_part(task, encoder)}
-        except DataError as error:
-            answer = {"error": "DataError", "message": str(error)}
-        except OSError as error:
-            answer = {"error": "OSError", "message": f"{error}"}
-        out.write(json.dumps(answer) + "\n")
+        out.write(json.dumps(_answer(_task(line), encoder)) + "\n")
         out.flush()
+
+
+def _task(line: str) -> Task:
+    """A task from its JSON line (its texts, a JSON list, back to a tuple)."""
+    task = Task(**json.loads(line))
+    if task.texts is not None:
+        task = dataclasses.replace(task, texts=tuple(task.texts))
+    return task
+
+
+def _answer(task: Task, encoder: Encoder) -> dict[str, Any]:
+    """The ledger entry of `task`'s part, or the error that stopped it."""
+    try:
+        return {"entry": build_part(task, encoder)}
+    except DataError as error:
+        return {"error": "DataError", "message": str(error)}
+    except OSError as error:
+        return {"error": "OSError", "message": f"{error}"}
 
 
 if __name__ == "__main__":

@@ -1,0 +1,199 @@
+"""Where a store's parts are built: in this process, in worker processes
+(`python -m eqtrain.data._worker`, fed JSON tasks) or as Ray tasks. Each way
+yields the same ledger entries (a part's bytes never depend on where it was built).
+"""
+
+import contextlib
+import dataclasses
+import itertools
+import json
+import os
+import queue
+import subprocess
+import sys
+import threading
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any
+
+from ._encoder import Encoder, tokenizer_key
+from ._errors import DataError
+from ._parts import Task, build_part
+
+
+Built = Iterator[tuple[dict[str, Any], Task]]
+"""`(ledger entry, task)` pairs, as each part is committed."""
+
+_RAY: dict[str, Any] = {}
+
+
+def run_tasks(
+    tasks: Iterable[Task], *, executor: str, workers: int, spec: Mapping[str, Any]
+) -> Built:
+    """Build `tasks`, yielding `(entry, task)` as each finishes: `executor`
+    `"inline"`, `"processes"` (`workers` of them) or `"ray"`; `"auto"` takes
+    processes when there are several workers and tasks."""
+    tasks = iter(tasks)
+    head = [t for _, t in zip(range(2), tasks, strict=False)]
+    if not head:
+        return
+    if executor == "auto":
+        executor = "processes" if workers > 1 and len(head) > 1 else "inline"
+    run = {"inline": _run_inline, "processes": _run_processes, "ray": _run_ray}
+    yield from run[executor](itertools.chain(head, tasks), workers, spec)
+
+
+def _run_inline(tasks: Iterator[Task], workers: int, spec: Mapping[str, Any]) -> Built:
+    encoder = Encoder(spec)
+    for task in tasks:
+        yield build_part(task, encoder), task
+
+
+def _run_processes(
+    tasks: Iterator[Task], workers: int, spec: Mapping[str, Any]
+) -> Built:
+    with WorkerPool(workers, spec) as pool:
+        yield from pool.run(tasks)
+
+
+def _run_ray(tasks: Iterator[Task], workers: int, spec: Mapping[str, Any]) -> Built:
+    import ray
+
+    remote = ray.remote(num_cpus=1)(build_with_spec)
+    spec = ray.put(dict(spec))
+    pending: dict[Any, Task] = {}
+    limit = max(2 * int(ray.cluster_resources().get("CPU", 1)), 2)
+    while True:
+        while len(pending) < limit and (task := next(tasks, None)) is not None:
+            pending[remote.remote(task, spec)] = task
+        if not pending:
+            return
+        ready, _ = ray.wait(list(pending), num_returns=1)
+        task = pending.pop(ready[0])
+        yield ray.get(ready[0]), task
+
+
+def build_with_spec(task: Task, spec: Mapping[str, Any]) -> dict[str, Any]:
+    """`build_part` with an encoder built from `spec` (a Ray task's entry point;
+    the encoder is kept for the worker's next task)."""
+    key = tokenizer_key(spec)
+    if _RAY.get("key") != key:
+        os.environ["TOKENIZERS_PARALLELISM"] = "false"
+        _RAY["encoder"], _RAY["key"] = Encoder(spec), key
+    return build_part(task, _RAY["encoder"])
+
+
+def _worker_environment() -> dict[str, str]:
+    env = dict(os.environ, TOKENIZERS_PARALLELISM="false", RAYON_NUM_THREADS="1")
+    env["JAX_PLATFORMS"] = "cpu"  # a worker never touches an accelerator
+    return env
+
+
+class WorkerPool:
+    """`workers` processes running `python -m eqtrain.data._worker`, fed JSON
+    tasks on standard input (one thread per process waits on its answers)."""
+
+    def __init__(self, workers: int, spec: Mapping[str, Any]):
+        self.workers, self.spec = workers, spec
+        self.processes: list[Any] = []
+
+    def __enter__(self) -> "WorkerPool":
+        env = _worker_environment()
+        for _ in range(self.workers):
+            self.processes.append(self._start(env))
+        return self
+
+    def _start(self, env: Mapping[str, str]) -> subprocess.Popen:
+        """A worker process, told the tokenizer spec."""
+        process = subprocess.Popen(
+            [sys.executable, "-m", "eqtrain.data._worker"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            env=env,
+            text=True,
+            encoding="utf-8",
+        )
+        process.stdin.write(json.dumps(dict(self.spec)) + "\n")
+        process.stdin.flush()
+        return process
+
+    def __exit__(self, *exc: Any) -> None:
+        for process in self.processes:
+            with contextlib.suppress(OSError):
+                process.stdin.close()  # the worker's end of input: it exits
+        for process in self.processes:
+            _wait_or_kill(process, timeout=0 if exc[0] is not None else 30)
+
+    def run(self, tasks: Iterator[Task]) -> Built:
+        """Build `tasks` on the pool's processes, each taking the next task when
+        it has answered the last; yields `(entry, task)` in the order answered."""
+        self._tasks, self._lock = tasks, threading.Lock()
+        self._answers: queue.Queue = queue.Queue()
+        self._stop = threading.Event()
+        threads = [
+            threading.Thread(target=self._serve, args=(p,), daemon=True)
+            for p in self.processes
+        ]
+        for thread in threads:
+            thread.start()
+        yield from self._collect(len(threads))
+
+    def _collect(self, running: int) -> Built:
+        """The answers of `running` serving threads, until each has ended; the
+        first error ends the run (and the processes, when some still work)."""
+        try:
+            while running:
+                item = self._answers.get()
+                if item is None:
+                    running -= 1
+                    continue
+                if isinstance(item, BaseException):
+                    raise item
+                answer, task = item
+                if "entry" not in answer:
+                    raise DataError(answer["message"])
+                yield answer["entry"], task
+        finally:
+            self._stop.set()
+            if running:
+                for process in self.processes:
+                    process.kill()
+
+    def _serve(self, process: subprocess.Popen) -> None:
+        """A thread's loop: hand `process` tasks and queue its answers; `None`
+        queued last."""
+        try:
+            while not self._stop.is_set():
+                with self._lock:
+                    task = next(self._tasks, None)
+                if task is None:
+                    break
+                self._answers.put((_ask(process, task), task))
+        except BaseException as error:  # e.g. the source failed: re-raised above
+            self._answers.put(error)
+        finally:
+            self._answers.put(None)
+
+
+def _wait_or_kill(process: subprocess.Popen, *, timeout: int) -> None:
+    try:
+        process.wait(timeout=timeout)
+    except Exception:
+        process.kill()
+        process.wait()
+
+
+def _ask(process: subprocess.Popen, task: Task) -> dict[str, Any]:
+    """The worker's answer to `task`: `{"entry": ...}` or `{"error", "message"}`."""
+    try:
+        process.stdin.write(json.dumps(dataclasses.asdict(task)) + "\n")
+        process.stdin.flush()
+        line = process.stdout.readline()
+    except (OSError, ValueError) as error:
+        return {"error": "OSError", "message": str(error)}
+    if not line:
+        return {
+            "error": "WorkerError",
+            "message": f"a store worker exited (code {process.poll()}) "
+            f"while building part {task.index}",
+        }
+    return json.loads(line)
