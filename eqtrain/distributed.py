@@ -64,37 +64,64 @@ def discover(
     or `SLURM_JOB_NODELIST` with `EQTRAIN_COORDINATOR_PORT`, default 62357)."""
     env = os.environ if env is None else env
     if coordinator is not None or num_processes is not None or process_id is not None:
-        source = "arguments"
-    elif "EQTRAIN_COORDINATOR" in env or "EQTRAIN_NUM_PROCESSES" in env:
-        source = "environment"
-        coordinator = env.get("EQTRAIN_COORDINATOR")
-        if "EQTRAIN_NUM_PROCESSES" in env:
-            num_processes = _int(env["EQTRAIN_NUM_PROCESSES"], "EQTRAIN_NUM_PROCESSES")
-        if "EQTRAIN_PROCESS_ID" in env:
-            process_id = _int(env["EQTRAIN_PROCESS_ID"], "EQTRAIN_PROCESS_ID")
-    elif "SLURM_NTASKS" in env and "SLURM_PROCID" in env:
-        source = "slurm"
-        num_processes = _int(env["SLURM_NTASKS"], "SLURM_NTASKS")
-        process_id = _int(env["SLURM_PROCID"], "SLURM_PROCID")
-        nodes = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST")
-        if nodes is None:
-            raise ConfigError("SLURM_NTASKS is set but no SLURM node list is.")
-        port = env.get("EQTRAIN_COORDINATOR_PORT", str(DEFAULT_PORT))
-        coordinator = f"{first_host(nodes)}:{_int(port, 'EQTRAIN_COORDINATOR_PORT')}"
-    else:
-        return Cluster(None, 1, 0, "single")
-    return _checked(coordinator, num_processes, process_id, source)
+        return _checked(coordinator, num_processes, process_id, "arguments")
+    if "EQTRAIN_COORDINATOR" in env or "EQTRAIN_NUM_PROCESSES" in env:
+        return _checked(*_from_eqtrain_env(env), "environment")
+    if "SLURM_NTASKS" in env and "SLURM_PROCID" in env:
+        return _checked(*_from_slurm(env), "slurm")
+    return Cluster(None, 1, 0, "single")
+
+
+_Settings = tuple[str | None, int | None, int | None]  # coordinator, count, id
+
+
+def _from_eqtrain_env(env: Mapping[str, str]) -> _Settings:
+    """The run as `EQTRAIN_*` variables describe it (unset: None)."""
+    coordinator = env.get("EQTRAIN_COORDINATOR")
+    num = _int_var(env, "EQTRAIN_NUM_PROCESSES")
+    return coordinator, num, _int_var(env, "EQTRAIN_PROCESS_ID")
+
+
+def _int_var(env: Mapping[str, str], name: str) -> int | None:
+    return _int(env[name], name) if name in env else None
+
+
+def _from_slurm(env: Mapping[str, str]) -> _Settings:
+    """The run as SLURM's variables describe it; the coordinator is the first
+    host of the step's (or job's) node list."""
+    num = _int(env["SLURM_NTASKS"], "SLURM_NTASKS")
+    pid = _int(env["SLURM_PROCID"], "SLURM_PROCID")
+    nodes = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST")
+    if nodes is None:
+        raise ConfigError("SLURM_NTASKS is set but no SLURM node list is.")
+    port = env.get("EQTRAIN_COORDINATOR_PORT", str(DEFAULT_PORT))
+    return f"{first_host(nodes)}:{_int(port, 'EQTRAIN_COORDINATOR_PORT')}", num, pid
+
+
+# Where each source's settings come from, for the messages.
+_WHERE = {
+    "arguments": "initialize()'s arguments",
+    "environment": "EQTRAIN_COORDINATOR / EQTRAIN_NUM_PROCESSES / EQTRAIN_PROCESS_ID",
+    "slurm": "SLURM's variables",
+}
 
 
 def _checked(
     coordinator: str | None, num: int | None, pid: int | None, source: str
 ) -> Cluster:
-    where = {
-        "arguments": "initialize()'s arguments",
-        "environment": "EQTRAIN_COORDINATOR / EQTRAIN_NUM_PROCESSES / "
-        "EQTRAIN_PROCESS_ID",
-        "slurm": "SLURM's variables",
-    }[source]
+    """The `Cluster` of a multi-process source, checked to be complete."""
+    where = _WHERE[source]
+    _check_ids(num, pid, where)
+    if num > 1 and (coordinator is None or ":" not in coordinator):
+        raise ConfigError(
+            f"a multi-process run needs the coordinator's `host:port` (process 0's "
+            f"address); {where} give {coordinator!r}."
+        )
+    return Cluster(coordinator, num, pid, source)
+
+
+def _check_ids(num: int | None, pid: int | None, where: str) -> None:
+    """A process count and an id in range."""
     if num is None or pid is None:
         raise ConfigError(
             f"a multi-process run needs the process count and this process's id; "
@@ -105,12 +132,6 @@ def _checked(
             f"process_id must be in [0, num_processes); {where} give "
             f"process_id={pid}, num_processes={num}."
         )
-    if num > 1 and (coordinator is None or ":" not in coordinator):
-        raise ConfigError(
-            f"a multi-process run needs the coordinator's `host:port` (process 0's "
-            f"address); {where} give {coordinator!r}."
-        )
-    return Cluster(coordinator, num, pid, source)
 
 
 def initialize(

@@ -55,19 +55,7 @@ def read_metrics(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
             leave one half-written) is skipped with a warning instead.
     """
     file = _metrics_file(Path(path))
-    try:
-        data = file.read_bytes()
-    except OSError as e:
-        raise ConfigError(f"cannot read {file}: {e.strerror or e}.") from None
-    lines = data.splitlines()
-    last = max((i for i, line in enumerate(lines) if line.strip()), default=-1)
-    records: list[dict[str, Any]] = []
-    for i, line in enumerate(lines):
-        if not line.strip():
-            continue
-        record = _parse_line(line, file, i + 1, is_last=i == last)
-        if record is not None:
-            _add_record(records, record)
+    records = _records(_read_bytes(file).splitlines(), file)
     if not records:
         raise ConfigError(
             f"{file} holds no step records (lines with a `step`). Was it written "
@@ -107,20 +95,17 @@ def plot_run(
     path = Path(path)
     records = read_metrics(path)
     run_dir = path if path.is_dir() else path.parent
-    out = run_dir / "plot.png" if out is None else Path(out)
-    if out.is_dir():
-        out = out / "plot.png"
+    out = _png_path(run_dir, out)
     if title is None:
         title = _default_title(run_dir, records)
-    figure = _draw(records, title)
-    try:
-        _write_png(figure, out)
-    except OSError as e:
-        raise ConfigError(
-            f"cannot write the plot to {out} ({e.strerror or e}). Pass another "
-            "file with -o/--output (`out=` in Python)."
-        ) from None
+    _save(_draw(records, title), out)
     return out
+
+
+def _png_path(run_dir: Path, out: str | os.PathLike[str] | None) -> Path:
+    """Where the plot goes: `out`, `plot.png` in it if a directory, or in the run."""
+    png = run_dir / "plot.png" if out is None else Path(out)
+    return png / "plot.png" if png.is_dir() else png
 
 
 # ----------------------------------------------------------------- reading
@@ -138,34 +123,71 @@ def _metrics_file(path: Path) -> Path:
     return file
 
 
+def _read_bytes(file: Path) -> bytes:
+    try:
+        return file.read_bytes()
+    except OSError as e:
+        raise ConfigError(f"cannot read {file}: {e.strerror or e}.") from None
+
+
+def _records(lines: list[bytes], file: Path) -> list[dict[str, Any]]:
+    """The step records of the file's lines, cleaned up (see `read_metrics`)."""
+    last = max((i for i, line in enumerate(lines) if line.strip()), default=-1)
+    records: list[dict[str, Any]] = []
+    for i, line in enumerate(lines):
+        if not line.strip():
+            continue
+        record = _parse_line(line, file, i + 1, is_last=i == last)
+        if record is not None:
+            _add_record(records, record)
+    return records
+
+
 def _parse_line(
     raw: bytes, file: Path, lineno: int, *, is_last: bool
 ) -> dict[str, Any] | None:
-    line = raw.decode("utf-8", errors="replace")
+    """A line's step record (None: no `step`, or a truncated last line)."""
     try:
-        raw.decode("utf-8")  # invalid UTF-8 is a malformed line, like bad JSON
-        record = json.loads(line)
-        if not isinstance(record, dict):
-            raise ValueError(f"expected a JSON object, got {type(record).__name__}")
+        record = _json_object(raw)
     except ValueError as e:
-        if is_last:
-            warnings.warn(
-                f"{file}:{lineno}: skipping a truncated last line (a crash can "
-                f"leave one half-written): {e}",
-                EqtrainWarning,
-                stacklevel=3,
-            )
-            return None
-        raise ConfigError(
-            f"{file}:{lineno}: malformed line ({e}): {line[:80]!r}. Only the last "
-            "line may be truncated; fix or delete this line."
-        ) from None
+        return _skip_malformed(raw, e, f"{file}:{lineno}", is_last=is_last)
     if "step" not in record:
         return None
-    step = record["step"]
-    if not isinstance(step, int) or isinstance(step, bool):
-        raise ConfigError(f"{file}:{lineno}: `step` must be an integer; got {step!r}.")
+    _check_step(record["step"], f"{file}:{lineno}")
     return {k: _decode(v) for k, v in record.items()}
+
+
+def _check_step(step: Any, where: str) -> None:
+    if not isinstance(step, int) or isinstance(step, bool):
+        raise ConfigError(f"{where}: `step` must be an integer; got {step!r}.")
+
+
+def _json_object(raw: bytes) -> dict[str, Any]:
+    """A line's JSON object; `ValueError` for invalid UTF-8 (a malformed line,
+    like bad JSON), bad JSON or another JSON value."""
+    record = json.loads(raw.decode("utf-8"))
+    if not isinstance(record, dict):
+        raise ValueError(f"expected a JSON object, got {type(record).__name__}")
+    return record
+
+
+def _skip_malformed(
+    raw: bytes, error: ValueError, where: str, *, is_last: bool
+) -> None:
+    """Warn of a truncated last line (a crash can leave one); refuse any other."""
+    if is_last:
+        warnings.warn(
+            f"{where}: skipping a truncated last line (a crash can "
+            f"leave one half-written): {error}",
+            EqtrainWarning,
+            stacklevel=5,  # read_metrics' caller
+        )
+        return
+    line = raw.decode("utf-8", errors="replace")
+    raise ConfigError(
+        f"{where}: malformed line ({error}): {line[:80]!r}. Only the last "
+        "line may be truncated; fix or delete this line."
+    ) from None
 
 
 def _decode(value: Any) -> Any:
@@ -235,15 +257,9 @@ def _default_title(run_dir: Path, records: Sequence[dict[str, Any]]) -> str:
 
 
 def _draw(records: Sequence[dict[str, Any]], title: str) -> Any:
-    try:
-        from matplotlib.figure import Figure
-        from matplotlib.ticker import MaxNLocator
-    except ImportError:
-        raise ConfigError(
-            "plotting needs matplotlib, which is not installed: "
-            "pip install 'eqtrain[plot]'"
-        ) from None
-    figure = Figure(figsize=(12, 8), dpi=100, layout="constrained")
+    figure = _new_figure()
+    from matplotlib.ticker import MaxNLocator
+
     figure.suptitle(title)
     (loss, lr), (speed, other) = figure.subplots(2, 2, sharex=True)
     _loss_panel(loss, records)
@@ -254,6 +270,18 @@ def _draw(records: Sequence[dict[str, Any]], title: str) -> Any:
         ax.set_xlabel("step")
     other.xaxis.set_major_locator(MaxNLocator(integer=True))  # shared by all four
     return figure
+
+
+def _new_figure() -> Any:
+    """An empty figure (here matplotlib, an optional dependency, is first needed)."""
+    try:
+        from matplotlib.figure import Figure
+    except ImportError:
+        raise ConfigError(
+            "plotting needs matplotlib, which is not installed: "
+            "pip install 'eqtrain[plot]'"
+        ) from None
+    return Figure(figsize=(12, 8), dpi=100, layout="constrained")
 
 
 def _no_data(ax: Any, what: str) -> None:
@@ -296,17 +324,20 @@ def _loss_panel(ax: Any, records: Sequence[dict[str, Any]]) -> None:
 
 def _mark_bad_steps(ax: Any, records: Sequence[dict[str, Any]]) -> None:
     """Ticks along the bottom at steps with a non-finite loss or a skipped update."""
-    bad = [
-        r["step"]
-        for r in records
-        if r.get("skipped")
-        or (isinstance(r.get("loss"), float) and not math.isfinite(r["loss"]))
-    ]
+    bad = [r["step"] for r in records if _is_bad(r)]
     if bad:
         ax.plot(
             bad, [0.0] * len(bad), "|", ms=10, color="red",
             transform=ax.get_xaxis_transform(), label="non-finite / skipped",
         )  # fmt: skip
+
+
+def _is_bad(record: dict[str, Any]) -> bool:
+    """A step whose update was skipped, or whose loss is not finite."""
+    loss = record.get("loss")
+    return bool(record.get("skipped")) or (
+        isinstance(loss, float) and not math.isfinite(loss)
+    )
 
 
 def _spans_decades(values: Sequence[float]) -> bool:
@@ -328,14 +359,9 @@ def _line_panel(
 
 
 def _throughput_panel(ax: Any, records: Sequence[dict[str, Any]]) -> None:
-    from matplotlib.ticker import EngFormatter, PercentFormatter
+    from matplotlib.ticker import EngFormatter
 
-    steps, rate = _series(records, "tokens_per_second")
-    unit = "tokens/s"
-    if not steps:
-        steps, step_time = _series(records, "step_time")
-        rate = [1.0 / t if t > 0 else math.nan for t in step_time]
-        unit = "steps/s"
+    steps, rate, unit = _rate(records)
     ax.set_title(f"throughput ({unit})")
     if not steps:
         _no_data(ax, "tokens_per_second, step_time")
@@ -346,35 +372,60 @@ def _throughput_panel(ax: Any, records: Sequence[dict[str, Any]]) -> None:
     ax.grid(alpha=0.3)
     mfu_steps, mfu = _series(records, "mfu")
     if mfu_steps:
-        twin = ax.twinx()
-        # MFU tracks tokens/s, so a dashed line keeps the two apart.
-        _plot_noisy(twin, mfu_steps, mfu, color="C4", ls="--")
-        twin.yaxis.set_major_formatter(PercentFormatter(xmax=1.0))
-        twin.set_ylim(bottom=0)
-        twin.set_ylabel("MFU", color="C4")
+        _mfu_axis(ax.twinx(), mfu_steps, mfu)
         ax.set_ylabel(unit, color="C1")
 
 
+def _rate(records: Sequence[dict[str, Any]]) -> tuple[list[int], list[float], str]:
+    """(steps, rate, unit): tokens/s, or steps/s when batches have no tokens."""
+    steps, rate = _series(records, "tokens_per_second")
+    if steps:
+        return steps, rate, "tokens/s"
+    steps, step_time = _series(records, "step_time")
+    return steps, [1.0 / t if t > 0 else math.nan for t in step_time], "steps/s"
+
+
+def _mfu_axis(twin: Any, steps: list[int], mfu: list[float]) -> None:
+    """MFU on the throughput panel's second axis."""
+    from matplotlib.ticker import PercentFormatter
+
+    # MFU tracks tokens/s, so a dashed line keeps the two apart.
+    _plot_noisy(twin, steps, mfu, color="C4", ls="--")
+    twin.yaxis.set_major_formatter(PercentFormatter(xmax=1.0))
+    twin.set_ylim(bottom=0)
+    twin.set_ylabel("MFU", color="C4")
+
+
+def _eval_keys(records: Sequence[dict[str, Any]]) -> list[str]:
+    """The eval metrics worth a curve, sorted."""
+    return sorted({k for r in records for k, v in r.items() if _is_eval_curve(k, v)})
+
+
+def _is_eval_curve(key: str, value: Any) -> bool:
+    numeric = isinstance(value, int | float)
+    return key.startswith("eval/") and key not in _EVAL_SKIP and numeric
+
+
 def _other_panel(ax: Any, records: Sequence[dict[str, Any]]) -> None:
-    keys = sorted(
-        {
-            k
-            for r in records
-            for k, v in r.items()
-            if k.startswith("eval/")
-            and k not in _EVAL_SKIP
-            and isinstance(v, int | float)
-        }
-    )
+    keys = _eval_keys(records)
     if not keys:
         _line_panel(ax, records, "grad_norm", "grad norm")
         return
     ax.set_title("eval metrics")
     for i, key in enumerate(keys):
-        steps, values = _series(records, key)
-        ax.plot(steps, values, "o-", ms=4, lw=1, color=f"C{i}", label=key)
+        ax.plot(*_series(records, key), "o-", ms=4, lw=1, color=f"C{i}", label=key)
     ax.legend(loc="best", fontsize="small")
     ax.grid(alpha=0.3)
+
+
+def _save(figure: Any, out: Path) -> None:
+    try:
+        _write_png(figure, out)
+    except OSError as e:
+        raise ConfigError(
+            f"cannot write the plot to {out} ({e.strerror or e}). Pass another "
+            "file with -o/--output (`out=` in Python)."
+        ) from None
 
 
 def _write_png(figure: Any, out: Path) -> None:

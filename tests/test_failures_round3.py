@@ -18,7 +18,7 @@ import eqtrain.checkpoint
 import eqtrain.config
 import eqtrain.data
 import eqtrain.hf
-from eqtrain.hf import _export
+from eqtrain.hf import _target
 from eqtrain.job import _preflight, _reference
 
 
@@ -124,7 +124,7 @@ def test_a_file_put_in_the_export_while_it_is_written_is_kept(tmp_path):
     out.mkdir()
     (out / "config.json").write_text("{}")
     with pytest.raises(eqtrain.hf.HFExportExistsError, match="notes.txt"):
-        with _export._atomic_dir(str(out), True) as tmp:
+        with _target.atomic_dir(str(out), True) as tmp:
             (out / "notes.txt").write_text("mine")
     assert not os.path.exists(tmp)
     assert (out / "notes.txt").read_text() == "mine"
@@ -134,7 +134,7 @@ def test_a_file_put_in_the_export_while_it_is_written_is_kept(tmp_path):
     (old / "config.json").write_text("{}")
     (old / "notes.txt").write_text("mine")
     with pytest.warns(eqtrain.hf.HFExportWarning, match="notes.txt"):
-        _export._remove_export(str(old))
+        _target._remove_export(str(old))
     assert os.listdir(old) == ["notes.txt"]
 
 

@@ -280,11 +280,11 @@ def test_load_into_one_sharding_and_a_tree(tmp_path):
 
 @pytest.mark.parametrize("family", ["llama", "gpt2"])
 def test_large_tensors_are_read_in_runs_of_rows(tmp_path, family, monkeypatch):
-    from eqtrain.hf import _load
+    from eqtrain.hf import _lazy
 
     model = GPT2(GPT2_TINY, jr.key(4)) if family == "gpt2" else Llama(LLAMA, jr.key(4))
     hf.export(model, None, tmp_path, dtype="bfloat16")
-    monkeypatch.setattr(_load, "_CHUNK", 100)  # a few rows per read
+    monkeypatch.setattr(_lazy, "_CHUNK", 100)  # a few rows per read
     reads = []
     original = _safetensors.read_slice
     monkeypatch.setattr(

@@ -25,8 +25,5 @@ from ._load import (
     tokenizer_for as tokenizer_for,
 )
 from ._maps import ARCHS as ARCHS, infer_model_type as infer_model_type
-from ._peft import (
-    adapter_spec as adapter_spec,
-    export_adapter as export_adapter,
-    load_adapter as load_adapter,
-)
+from ._peft import export_adapter as export_adapter
+from ._peft_load import adapter_spec as adapter_spec, load_adapter as load_adapter

@@ -3,22 +3,19 @@
 Builds on the key maps of `_maps` and the writer of `_safetensors`.
 """
 
-import json
 import os
-import shutil
-import tempfile
-import warnings
 from typing import Any
 
 import jax
 import numpy as np
 
-from .. import _files, lora
+from .. import lora
 from .._errors import ConfigError
 from ..config import parse_size
 from ..models import as_dtype, family
 from . import _maps, _safetensors
-from ._errors import HFExportExistsError, HFExportWarning
+from ._json import write_json
+from ._target import atomic_dir, check_target
 
 
 SAFE_NAME = "model.safetensors"
@@ -75,32 +72,46 @@ def export(
     Returns:
         `out_dir` as a string.
     """
+    _refuse_adapters(model)
+    config = model.config if config is None else config
+    model_type = _maps.infer_model_type(config, model_type)
+    out_dir = os.fspath(out_dir)
+    check_target(out_dir, overwrite)
+    tensors = hf_tensors(model, _maps.ARCHS[model_type], dtype)
+    bos, eos = _special_ids(tokenizer, bos_token_id, eos_token_id)
+    files = _config_files(config, model_type, tensors, bos, eos)
+    limit = parse_size(max_shard_size)
+    with atomic_dir(out_dir, overwrite) as tmp:
+        for name, content in files.items():
+            write_json(os.path.join(tmp, name), content)
+        _write_weights(tmp, tensors, limit)
+        if tokenizer is not None and hasattr(tokenizer, "_tok"):
+            _write_tokenizer(tmp, tokenizer, chat_template)
+    return out_dir
+
+
+def _refuse_adapters(model: Any) -> None:
     if lora.adapter_paths(model):
         raise ConfigError(
             "this model carries LoRA adapters, which a Hugging Face model has no "
             "place for: export them in PEFT's format with `export_adapter`, or the "
             "full model with `export(lora.merge(model), ...)`."
         )
-    config = model.config if config is None else config
-    model_type = _maps.infer_model_type(config, model_type)
-    arch = _maps.ARCHS[model_type]
-    out_dir = os.fspath(out_dir)
-    _check_target(out_dir, overwrite)
-    tensors = hf_tensors(model, arch, dtype)
+
+
+def _config_files(
+    config: Any,
+    model_type: str,
+    tensors: dict[str, np.ndarray],
+    bos: int | None,
+    eos: int | None,
+) -> dict[str, dict[str, Any]]:
+    """config.json and generation_config.json, by file name."""
     dtype_name = _dtype_name(next(iter(tensors.values())).dtype)
-    bos, eos = _special_ids(tokenizer, bos_token_id, eos_token_id)
-    files = {
+    return {
         "config.json": _maps.hf_config(config, model_type, dtype_name, bos, eos),
         "generation_config.json": _maps.generation_config(bos, eos),
     }
-    limit = parse_size(max_shard_size)
-    with _atomic_dir(out_dir, overwrite) as tmp:
-        for name, content in files.items():
-            _write_json(os.path.join(tmp, name), content)
-        _write_weights(tmp, tensors, limit)
-        if tokenizer is not None and hasattr(tokenizer, "_tok"):
-            _write_tokenizer(tmp, tokenizer, chat_template)
-    return out_dir
 
 
 def hf_tensors(
@@ -110,15 +121,21 @@ def hf_tensors(
     target = None if dtype is None else as_dtype(dtype, field="dtype")
     out: dict[str, np.ndarray] = {}
     for path, leaf in _maps.leaves(model):
-        value = np.asarray(jax.device_get(leaf))
-        if target is not None and value.dtype != target:
-            value = value.astype(target)
+        value = _on_host(leaf, target)
         conv1d = _maps.is_conv1d(arch, path)
         # one tensor per layer (and expert) of a stacked leaf
         for name, at in _maps.indexed_names(arch, path, value.shape):
             part = value[(*at, ...)]
             out[name] = np.ascontiguousarray(part.T if conv1d else part)
     return out
+
+
+def _on_host(leaf: Any, dtype: Any) -> np.ndarray:
+    """`leaf` as a NumPy array, cast to `dtype` (None: as it is)."""
+    value = np.asarray(jax.device_get(leaf))
+    if dtype is not None and value.dtype != dtype:
+        value = value.astype(dtype)
+    return value
 
 
 def _num_layers(config: Any) -> int:
@@ -172,14 +189,35 @@ def _write_weights(directory: str, tensors: dict[str, np.ndarray], limit: int) -
             os.path.join(directory, file), {n: tensors[n] for n in names}, meta
         )
         weight_map.update(dict.fromkeys(names, file))
-    index = {
+    write_json(os.path.join(directory, INDEX_NAME), _shard_index(tensors, weight_map))
+
+
+def _shard_index(
+    tensors: dict[str, np.ndarray], weight_map: dict[str, str]
+) -> dict[str, Any]:
+    """model.safetensors.index.json: the totals and each tensor's shard."""
+    return {
         "metadata": {
             "total_parameters": int(sum(t.size for t in tensors.values())),
             "total_size": int(sum(t.nbytes for t in tensors.values())),
         },
         "weight_map": dict(sorted(weight_map.items())),
     }
-    _write_json(os.path.join(directory, INDEX_NAME), index)
+
+
+def _write_text(path: str, text: str) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(text)
+
+
+def _special_tokens(tokenizer: Any) -> dict[str, Any]:
+    """`{"bos_token": ..., "eos_token": ..., "pad_token": ...}`, those it has."""
+    names = {}
+    for kind in ("bos", "eos", "pad"):
+        token_id = getattr(tokenizer, f"{kind}_id", None)
+        if token_id is not None:
+            names[f"{kind}_token"] = tokenizer._tok.id_to_token(token_id)
+    return names
 
 
 def _write_tokenizer(
@@ -187,123 +225,12 @@ def _write_tokenizer(
 ) -> None:
     """tokenizer.json and a `tokenizer_config.json` for `PreTrainedTokenizerFast`
     (and `chat_template.jinja`, when there is a template)."""
-    tok = tokenizer._tok
-    tok.save(os.path.join(directory, "tokenizer.json"))
-    names = {}
-    for kind in ("bos", "eos", "pad"):
-        token_id = getattr(tokenizer, f"{kind}_id", None)
-        if token_id is not None:
-            names[f"{kind}_token"] = tok.id_to_token(token_id)
-    config = {"tokenizer_class": "PreTrainedTokenizerFast", **names}
+    tokenizer._tok.save(os.path.join(directory, "tokenizer.json"))
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        **_special_tokens(tokenizer),
+    }
     if chat_template is not None:
-        config["chat_template"] = chat_template
-        path = os.path.join(directory, "chat_template.jinja")
-        with open(path, "w", encoding="utf-8") as f:
-            f.write(chat_template)
-    _write_json(os.path.join(directory, "tokenizer_config.json"), config)
-
-
-def _write_json(path: str, content: Any) -> None:
-    with open(path, "w", encoding="utf-8") as f:
-        json.dump(content, f, indent=2, sort_keys=False)
-        f.write("\n")
-
-
-# -- atomic directory replacement ----------------------------------------------------
-def _check_target(out_dir: str, overwrite: bool) -> None:
-    """Refuse a target that is not ours to replace: a file, a non-empty directory
-    that is not an export, or an export that also holds a user's files (whatever
-    `overwrite` says: replacing it would delete them), or, without `overwrite`,
-    an earlier export."""
-    if not os.path.lexists(out_dir):
-        return
-    if not os.path.isdir(out_dir):
-        raise HFExportExistsError(
-            f"{out_dir} exists and is not a directory, so it is not an export and "
-            "will not be overwritten (not even with --overwrite / overwrite=True). "
-            "Export to a new directory."
-        )
-    names = os.listdir(out_dir)
-    if not names:
-        return
-    foreign = _files.foreign_files(out_dir)
-    if "config.json" not in names and "adapter_config.json" not in names:
-        raise HFExportExistsError(
-            f"{out_dir} is not empty ({_files.describe_names(foreign or names)}) "
-            "and holds no config.json (nor an adapter's), so it is not an earlier "
-            "export and will not be overwritten (not even with --overwrite / "
-            "overwrite=True). Export to a new directory."
-        )
-    if foreign:
-        raise HFExportExistsError(
-            f"{out_dir} holds an earlier export and also files that are not part "
-            f"of one ({_files.describe_names(foreign)}), which replacing it would "
-            "delete, so it will not be overwritten (not even with --overwrite / "
-            "overwrite=True). Move those files out of it, or export to a new "
-            "directory."
-        )
-    if not overwrite:
-        raise HFExportExistsError(
-            f"{out_dir} already exists and holds an earlier export; pass "
-            "--overwrite (overwrite=True) to replace it, or export to a new "
-            "directory."
-        )
-
-
-class _atomic_dir:  # noqa: N801 -- used as a context manager
-    """A temporary sibling of `out_dir`, renamed onto it on success."""
-
-    def __init__(self, out_dir: str, overwrite: bool):
-        self.out_dir, self.overwrite = os.path.abspath(out_dir), overwrite
-        self.tmp = ""
-
-    def __enter__(self) -> str:
-        parent, name = os.path.split(self.out_dir)
-        os.makedirs(parent, exist_ok=True)
-        self.tmp = tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=parent)
-        _files.set_default_mode(self.tmp)  # mkdtemp's 0700 is for secrets
-        return self.tmp
-
-    def __exit__(self, kind: Any, value: Any, tb: Any) -> None:
-        if kind is not None:
-            shutil.rmtree(self.tmp, ignore_errors=True)
-            return
-        try:  # again: a user may have put files there while it was written
-            _check_target(self.out_dir, self.overwrite)
-        except BaseException:
-            shutil.rmtree(self.tmp, ignore_errors=True)
-            raise
-        old = None
-        if os.path.lexists(self.out_dir):
-            # Move the old export out of the way first: `out_dir` then never holds
-            # a mix of two exports (a crash between the renames leaves the old one
-            # at `<tmp>.old`).
-            old = self.tmp + ".old"
-            os.rename(self.out_dir, old)
-        os.rename(self.tmp, self.out_dir)
-        if old is not None:
-            _remove_export(old)
-
-
-def _remove_export(path: str) -> None:
-    """Delete an old export's own files only: a file that appeared in it after the
-    last check stays, with the directory, and is named in a warning."""
-    foreign = _files.foreign_files(path)
-    keep = {name.rstrip("/") for name in foreign}
-    try:
-        for name in os.listdir(path):
-            if name not in keep:
-                os.remove(os.path.join(path, name))
-        if not foreign:
-            os.rmdir(path)
-            return
-    except OSError:
-        return  # the new export is in place; a leftover hidden directory is harmless
-    warnings.warn(
-        HFExportWarning(
-            f"the earlier export was replaced, but {_files.describe_names(foreign)} "
-            f"appeared in it meanwhile; they were kept in {path}. Move them where "
-            "they belong."
-        ),
-        stacklevel=3,
-    )
+        config["chat_template"] = chat_template  # transformers 4 reads it here
+        _write_text(os.path.join(directory, "chat_template.jinja"), chat_template)
+    write_json(os.path.join(directory, "tokenizer_config.json"), config)

@@ -15,6 +15,17 @@ _WHICH = ("model", "ema", "both")
 _FORMS = ("full", "adapter", "merged")
 
 
+def _check_options(which: str, form: str, export_kwargs: dict[str, Any]) -> None:
+    if which not in _WHICH:
+        raise ConfigError(f"`which` must be one of {_WHICH}; got {which!r}.")
+    if form not in _FORMS:
+        raise ConfigError(f"`form` must be one of {_FORMS}; got {form!r}.")
+    if "overwrite" in export_kwargs:
+        raise ConfigError(
+            "export_hook always replaces its own earlier export; drop `overwrite`."
+        )
+
+
 class export_hook:  # noqa: N801 -- a hook factory, named like a function
     """A hook exporting `info.state.model` to `<out_dir>/step_<k>` (or to
     `out_dir` itself with `per_step=False`), replacing an earlier export there.
@@ -58,16 +69,9 @@ class export_hook:  # noqa: N801 -- a hook factory, named like a function
         pick: Any = None,
         **export_kwargs: Any,
     ):
-        if which not in _WHICH:
-            raise ConfigError(f"`which` must be one of {_WHICH}; got {which!r}.")
-        if form not in _FORMS:
-            raise ConfigError(f"`form` must be one of {_FORMS}; got {form!r}.")
+        _check_options(which, form, export_kwargs)
         self.form = form
         self.pick = pick if pick is not None else (lambda model: model)
-        if "overwrite" in export_kwargs:
-            raise ConfigError(
-                "export_hook always replaces its own earlier export; drop `overwrite`."
-            )
         self.out_dir = os.fspath(out_dir)
         self.per_step, self.which = per_step, which
         self.export_kwargs = export_kwargs
@@ -83,15 +87,20 @@ class export_hook:  # noqa: N801 -- a hook factory, named like a function
         if info.step == self.last_step:
             return  # e.g. `every(n)` and `at_end` firing on the same final step
         state, target = info.state, self.target(info.step)
-        trained = getattr(state, "trainable", None)
-        if trained is not None and trained is not True:
-            trained = self.pick(trained)
+        trained = self._trained(state)
         if self.which in ("model", "both"):
             self._write(self.pick(state.model), target, trained)
         if self.which in ("ema", "both"):
             ema_target = target if self.which == "ema" else target + "_ema"
             self._write(self.pick(state.ema_model), ema_target, trained)
         self.last_step = info.step
+
+    def _trained(self, state: Any) -> Any:
+        """The picked part of the state's trainable filter (None: it has none)."""
+        trained = getattr(state, "trainable", None)
+        if trained is not None and trained is not True:
+            return self.pick(trained)
+        return trained
 
     def _write(self, model: Any, target: str, trained: Any) -> None:
         if self.form == "adapter":

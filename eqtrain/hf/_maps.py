@@ -36,13 +36,7 @@ def infer_model_type(config: Any, model_type: str | None) -> str:
     """The Hugging Face `model_type` of an eqtrain config (see `eqtrain.hf.export`):
     `model_type`, else the config's own (`DecoderConfig.model_type`), else the
     first architecture that expresses it."""
-    fam = next((f for f in FAMILIES.values() if isinstance(config, f.config)), None)
-    if fam is None:
-        names = " or ".join(f"`{f.config.__name__}`" for f in FAMILIES.values())
-        raise ConfigError(
-            f"`eqtrain.hf` exports the decoder families and GPT-2; got a config of "
-            f"type {type(config).__name__}. Pass the model's {names} (`model.config`)."
-        )
+    fam = _family(config)
     inferred = fam.model_type_of(config)
     model_type = model_type or inferred
     if model_type not in ARCHS:
@@ -54,6 +48,24 @@ def infer_model_type(config: Any, model_type: str | None) -> str:
             f"a {type(config).__name__} cannot be exported as {model_type!r}; "
             f"use model_type={inferred!r} (or None to infer it)."
         )
+    _check_expressed(config, model_type, inferred)
+    return model_type
+
+
+def _family(config: Any) -> Any:
+    """The model family whose config `config` is."""
+    fam = next((f for f in FAMILIES.values() if isinstance(config, f.config)), None)
+    if fam is None:
+        names = " or ".join(f"`{f.config.__name__}`" for f in FAMILIES.values())
+        raise ConfigError(
+            f"`eqtrain.hf` exports the decoder families and GPT-2; got a config of "
+            f"type {type(config).__name__}. Pass the model's {names} (`model.config`)."
+        )
+    return fam
+
+
+def _check_expressed(config: Any, model_type: str, inferred: str) -> None:
+    """HF's `model_type` can express everything `config` sets."""
     arch = DECODER_ARCHS.get(model_type)
     problems = [] if arch is None else arch.problems(config)
     if problems:
@@ -62,7 +74,6 @@ def infer_model_type(config: Any, model_type: str | None) -> str:
             f"{model_type!r} cannot express; pass another model_type (or None to "
             f"infer it: {inferred!r})."
         )
-    return model_type
 
 
 # -- config.json -----------------------------------------------------------------------
@@ -71,7 +82,19 @@ def hf_config(
 ) -> dict[str, Any]:
     """`config.json` as `save_pretrained` writes it (transformers 5), plus the
     transformers 4 spellings `rope_theta` and `torch_dtype`."""
-    common: dict[str, Any] = {
+    common = _common_config(config, model_type, dtype, bos, eos)
+    if model_type in DECODER_ARCHS:
+        out = {**common, **DECODER_ARCHS[model_type].to_hf(config)}
+    else:
+        out = {**common, **_gpt2_config(config, model_type)}
+    return dict(sorted(_with_version(out).items()))
+
+
+def _common_config(
+    config: Any, model_type: str, dtype: str, bos: int | None, eos: int | None
+) -> dict[str, Any]:
+    """The keys of config.json every architecture has."""
+    return {
         "architectures": [ARCHS[model_type].architecture],
         "model_type": model_type,
         "vocab_size": config.vocab_size,
@@ -84,14 +107,6 @@ def hf_config(
         "dtype": dtype,
         "torch_dtype": dtype,
     }
-    if model_type in DECODER_ARCHS:
-        out = {**common, **DECODER_ARCHS[model_type].to_hf(config)}
-    else:
-        out = {**common, **_gpt2_config(config, model_type)}
-    version = _transformers_version()
-    if version:
-        out["transformers_version"] = version
-    return dict(sorted(out.items()))
 
 
 def _gpt2_config(c: GPT2Config, model_type: str) -> dict[str, Any]:
@@ -123,17 +138,17 @@ def generation_config(bos: int | None, eos: int | None) -> dict[str, Any]:
     if eos is not None:
         out["eos_token_id"] = eos
     out.update(output_attentions=False, output_hidden_states=False, use_cache=True)
-    version = _transformers_version()
-    if version:
-        out["transformers_version"] = version
-    return out
+    return _with_version(out)
 
 
-def _transformers_version() -> str | None:
+def _with_version(content: dict[str, Any]) -> dict[str, Any]:
+    """`content` with the installed `transformers_version`, as transformers writes
+    it (nothing without transformers)."""
     try:
-        return importlib.metadata.version("transformers")
+        version = importlib.metadata.version("transformers")
     except importlib.metadata.PackageNotFoundError:
-        return None
+        return content
+    return {**content, "transformers_version": version} if version else content
 
 
 # -- config.json -> eqtrain config -----------------------------------------------------
@@ -147,15 +162,7 @@ def eqtrain_config(hf: dict[str, Any], path: str, param_dtype: str) -> tuple[str
             "(eqtrain/models/_registry.py) and its config.json map here."
         )
     try:
-        if model_type in DECODER_ARCHS:
-            config = DECODER_ARCHS[model_type].from_hf(Reader(hf, path), param_dtype)
-            # Without a model_type, the config is exported as the first
-            # architecture that expresses it: record the file's only if it differs.
-            plain = dataclasses.replace(config, model_type=None)
-            if family(plain).model_type_of(plain) == model_type:
-                config = plain
-            return model_type, config
-        return model_type, _gpt2_from_hf(hf, model_type, path, param_dtype)
+        return model_type, _from_hf(hf, model_type, path, param_dtype)
     except HFConfigError as error:
         raise HFFormatError(str(error)) from None
     except KeyError as error:
@@ -163,6 +170,22 @@ def eqtrain_config(hf: dict[str, Any], path: str, param_dtype: str) -> tuple[str
             f"{path}: the {model_type} config has no {error.args[0]!r}; it is needed "
             "to build the model. Add it to config.json."
         ) from None
+
+
+def _from_hf(hf: dict[str, Any], model_type: str, path: str, param_dtype: str) -> Any:
+    if model_type in DECODER_ARCHS:
+        return _decoder_from_hf(hf, model_type, path, param_dtype)
+    return _gpt2_from_hf(hf, model_type, path, param_dtype)
+
+
+def _decoder_from_hf(
+    hf: dict[str, Any], model_type: str, path: str, param_dtype: str
+) -> Any:
+    config = DECODER_ARCHS[model_type].from_hf(Reader(hf, path), param_dtype)
+    # Without a model_type, the config is exported as the first architecture that
+    # expresses it: record the file's only if it differs.
+    plain = dataclasses.replace(config, model_type=None)
+    return plain if family(plain).model_type_of(plain) == model_type else config
 
 
 def _require(path: str, what: str, ok: bool, got: Any) -> None:
@@ -177,22 +200,7 @@ def _gpt2_from_hf(
     hf: dict[str, Any], model_type: str, path: str, param_dtype: str
 ) -> GPT2Config:
     # Absent keys take transformers' GPT2Config defaults.
-    act = hf.get("activation_function", "gelu_new")
-    _require(
-        path,
-        "this activation_function (it takes the parameter-free ones of "
-        f"transformers' ACT2FN: {', '.join(sorted(GPT2_ACTIVATIONS))})",
-        act in GPT2_ACTIVATIONS,
-        act,
-    )
-    cross = hf.get("add_cross_attention", False)
-    _require(
-        path,
-        "cross-attention (add_cross_attention: an encoder-decoder's decoder, "
-        "which needs encoder states)",
-        not cross,
-        cross,
-    )
+    _check_gpt2(hf, path)
     return GPT2Config(
         vocab_size=int(hf["vocab_size"]),
         n_positions=int(hf.get("n_positions", 1024)),
@@ -202,7 +210,7 @@ def _gpt2_from_hf(
         n_inner=hf.get("n_inner"),
         layer_norm_epsilon=float(hf.get("layer_norm_epsilon", 1e-5)),
         initializer_range=float(hf.get("initializer_range", 0.02)),
-        activation_function=act,
+        activation_function=hf.get("activation_function", "gelu_new"),
         scale_attn_weights=bool(hf.get("scale_attn_weights", True)),
         scale_attn_by_inverse_layer_idx=bool(
             hf.get("scale_attn_by_inverse_layer_idx", False)
@@ -211,6 +219,24 @@ def _gpt2_from_hf(
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", True)),
         param_dtype=param_dtype,
     )
+
+
+_ACTIVATION = (
+    "this activation_function (it takes the parameter-free ones of transformers' "
+    f"ACT2FN: {', '.join(sorted(GPT2_ACTIVATIONS))})"
+)
+_CROSS = (
+    "cross-attention (add_cross_attention: an encoder-decoder's decoder, which "
+    "needs encoder states)"
+)
+
+
+def _check_gpt2(hf: dict[str, Any], path: str) -> None:
+    """No activation or cross-attention eqtrain's GPT-2 lacks."""
+    act = hf.get("activation_function", "gelu_new")
+    _require(path, _ACTIVATION, act in GPT2_ACTIVATIONS, act)
+    cross = hf.get("add_cross_attention", False)
+    _require(path, _CROSS, not cross, cross)
 
 
 def model_class(config: Any) -> Any:

@@ -44,6 +44,14 @@ def dtype_code(dtype: Any) -> str:
     return _CODES[dtype]
 
 
+def _prepared(value: Any) -> np.ndarray:
+    """`value` C-contiguous and little-endian, of a dtype safetensors holds."""
+    value = np.asarray(value)
+    value = np.asarray(value, dtype=value.dtype.newbyteorder("<"), order="C")
+    dtype_code(value.dtype)  # our message for a dtype we do not write
+    return value
+
+
 def write(path: str, tensors: dict[str, np.ndarray], metadata: dict[str, str]) -> None:
     """Write `tensors` to `path` (each made C-contiguous and little-endian first).
 
@@ -51,12 +59,7 @@ def write(path: str, tensors: dict[str, np.ndarray], metadata: dict[str, str]) -
     transpose would come back untransposed), hence `order="C"`; unlike
     `np.ascontiguousarray` it keeps a 0-d array 0-d.
     """
-    arrays = {}
-    for name, value in tensors.items():
-        value = np.asarray(value)
-        value = np.asarray(value, dtype=value.dtype.newbyteorder("<"), order="C")
-        dtype_code(value.dtype)  # our message for a dtype we do not write
-        arrays[name] = value
+    arrays = {name: _prepared(value) for name, value in tensors.items()}
     try:
         save_file(arrays, path, metadata=dict(metadata))
     except SafetensorError as error:
@@ -78,15 +81,19 @@ def opened(path: str) -> Iterator[Any]:
     try:
         handle = safe_open(path, framework="np")  # reads and checks the header
     except SafetensorError as error:
-        why = str(error).removeprefix("Error while deserializing header: ")
-        raise HFFormatError(
-            f"{path} is not a valid safetensors file ({why}); it is damaged or "
-            "was cut short. Re-export or re-download it."
-        ) from None
+        raise _damaged(path, error) from None
     except FileNotFoundError:
         raise HFFileNotFoundError(f"{path} does not exist.") from None
     with handle as f:
         yield f
+
+
+def _damaged(path: str, error: SafetensorError) -> HFFormatError:
+    why = str(error).removeprefix("Error while deserializing header: ")
+    return HFFormatError(
+        f"{path} is not a valid safetensors file ({why}); it is damaged or "
+        "was cut short. Re-export or re-download it."
+    )
 
 
 def read_header(path: str) -> dict[str, Any]:

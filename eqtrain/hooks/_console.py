@@ -29,15 +29,14 @@ def fmt_mfu(mfu: float | None) -> str:
     return "" if mfu is None else f"mfu {mfu:.1%}"
 
 
+_DEFAULT_KEYS = ("loss", "grad_norm", "learning_rate", "eval/loss")
+
+
 def format_line(info: StepInfo, keys: tuple[str, ...] | None = None) -> str:
     """`step 10/100 | loss 2.3412 | lr 1.000e-03 | 12.3k tok/s | mfu 41.2%` for one
     step (tokens/s and MFU when known)."""
     parts = [f"step {info.step}/{info.num_steps}"]
-    names = keys or tuple(
-        k
-        for k in ("loss", "grad_norm", "learning_rate", "eval/loss")
-        if k in info.metrics
-    )
+    names = keys or _DEFAULT_KEYS
     short = {"learning_rate": "lr", "grad_norm": "gnorm"}
     for name in names:
         if name in info.metrics:

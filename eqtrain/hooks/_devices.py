@@ -76,15 +76,17 @@ _DTYPES = {
 }
 
 
-def _precision(dtype: Any) -> str:
+def _dtype_name(dtype: Any) -> str:
     if isinstance(dtype, str):
-        name = dtype
-    else:
-        try:
-            name = np.dtype(dtype).name  # jnp.bfloat16, np.float32, np.dtype(...)
-        except TypeError:
-            name = repr(dtype)
-    key = _DTYPES.get(name.lower())
+        return dtype
+    try:
+        return np.dtype(dtype).name  # jnp.bfloat16, np.float32, np.dtype(...)
+    except TypeError:
+        return repr(dtype)
+
+
+def _precision(dtype: Any) -> str:
+    key = _DTYPES.get(_dtype_name(dtype).lower())
     if key is None:
         raise ConfigError(
             "`peak_flops` knows the matmul precisions bfloat16, float16, tfloat32 "
@@ -100,6 +102,19 @@ def _lookup(kind: str) -> _Peak | None:
         if re.search(pattern, kind):
             return peak
     return None
+
+
+def _all_devices() -> list[Any]:
+    import jax
+
+    return jax.devices()
+
+
+def _peak_of(device: Any) -> _Peak | None:
+    """The device's peak rates (None: a CPU, or a device the table lacks)."""
+    if getattr(device, "platform", None) == "cpu":
+        return None
+    return _lookup(str(getattr(device, "device_kind", "")))
 
 
 def peak_flops(device: Any = None, dtype: Any = "bfloat16") -> float | None:
@@ -126,13 +141,7 @@ def peak_flops(device: Any = None, dtype: Any = "bfloat16") -> float | None:
     sum: `total_peak_flops(devices)`.
     """
     precision = _precision(dtype)
-    if device is None:
-        import jax
-
-        device = jax.devices()[0]
-    if getattr(device, "platform", None) == "cpu":
-        return None
-    peak = _lookup(str(getattr(device, "device_kind", "")))
+    peak = _peak_of(_all_devices()[0] if device is None else device)
     tflops = None if peak is None else getattr(peak, precision)
     return None if tflops is None else float(tflops) * 1e12
 
@@ -144,10 +153,7 @@ def total_peak_flops(
     `fit(peak_flops=...)` wants for a step that runs on all of them; `None` when any
     is unknown (see `peak_flops`) or there are none.
     """
-    if devices is None:
-        import jax
-
-        devices = jax.devices()
+    devices = _all_devices() if devices is None else devices
     peaks = [peak_flops(d, dtype) for d in devices]
     if not peaks or any(p is None for p in peaks):
         return None

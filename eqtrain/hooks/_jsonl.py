@@ -31,6 +31,14 @@ def _step_of(line: bytes) -> int | None:
     return step if isinstance(step, int) else None
 
 
+def _without_end_keys(line: bytes) -> bytes:
+    """A line without the keys the end of a run adds (`END_KEYS`)."""
+    record = json.loads(line)
+    if not any(k in record for k in END_KEYS):
+        return line
+    return json.dumps({k: v for k, v in record.items() if k not in END_KEYS}).encode()
+
+
 def cut_after(path: Path, start: int) -> None:
     """Keep the lines of `path` up to step `start` (a resumed run redoes the
     rest), without the end keys of step `start`'s line; atomically."""
@@ -41,17 +49,15 @@ def cut_after(path: Path, start: int) -> None:
     kept = []
     for line in lines:
         step = _step_of(line)
-        if step is None or step > start:
-            continue
-        if step == start:
-            record = json.loads(line)
-            if any(k in record for k in END_KEYS):
-                line = json.dumps(
-                    {k: v for k, v in record.items() if k not in END_KEYS}
-                ).encode()
-        kept.append(line + b"\n")
+        if step is not None and step <= start:
+            kept.append((_without_end_keys(line) if step == start else line) + b"\n")
+    _replace_bytes(path, b"".join(kept))
+
+
+def _replace_bytes(path: Path, data: bytes) -> None:
+    """Write `data` to a sibling and rename it onto `path` (atomic)."""
     tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_bytes(b"".join(kept))
+    tmp.write_bytes(data)
     os.replace(tmp, path)
 
 
@@ -101,18 +107,13 @@ class JsonlWriter:
         if info.stop_reason is None and info.metrics.get("halted"):
             return  # not trained: the state stayed at the last finite step
         file = self._open()
-        record: dict[str, Any] = {"step": info.step, "time": round(info.elapsed, 6)}
-        record.update({k: _finite_or_str(v) for k, v in info.metrics.items()})
+        record = _record(info)
         if info.stop_reason is not None:
             record["stop_reason"] = info.stop_reason.kind.value
             record["stop_message"] = info.stop_reason.message
             self._end(file, record)
             return
-        record["step_time"] = info.step_time
-        record["data_time"] = info.data_time
-        for key in ("tokens_per_second", "tokens_seen", "mfu"):
-            if getattr(info, key) is not None:
-                record[key] = getattr(info, key)
+        record.update(_timings(info))
         file.write(json.dumps(record).encode() + b"\n")
         file.flush()
 
@@ -146,6 +147,22 @@ class JsonlWriter:
             record = merged
         file.write(json.dumps(record).encode() + b"\n")
         file.flush()
+
+
+def _record(info: StepInfo) -> dict[str, Any]:
+    """The step, the time and the step's metrics (non-finite ones as strings)."""
+    record: dict[str, Any] = {"step": info.step, "time": round(info.elapsed, 6)}
+    record.update({k: _finite_or_str(v) for k, v in info.metrics.items()})
+    return record
+
+
+def _timings(info: StepInfo) -> dict[str, Any]:
+    """The step's timings, and its throughput and MFU when known."""
+    out = {"step_time": info.step_time, "data_time": info.data_time}
+    for key in ("tokens_per_second", "tokens_seen", "mfu"):
+        if getattr(info, key) is not None:
+            out[key] = getattr(info, key)
+    return out
 
 
 def _last_line(path: Path, size: int) -> tuple[int, bytes | None]:

@@ -4,7 +4,6 @@ TensorBoard's text tab."""
 
 import json
 import os
-import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import IO, Any
@@ -16,6 +15,13 @@ from .._errors import ConfigError
 from .._hooks import StepInfo
 from ..generate import GREEDY, Sampling, generate, left_pad
 from ._jsonl import cut_after
+from ._scalars import require
+from ._tensorboard import summary_writer
+
+
+def _check_prompts(prompts: Sequence[Any], tokens: Sequence[np.ndarray]) -> None:
+    if len(prompts) != len(tokens) or not prompts:
+        raise ConfigError("`SamplesWriter` needs one token list per prompt.")
 
 
 class SamplesWriter:
@@ -71,12 +77,10 @@ class SamplesWriter:
         start: int | None = None,
         write: bool = True,
     ):
-        if len(prompts) != len(tokens) or not prompts:
-            raise ConfigError("`SamplesWriter` needs one token list per prompt.")
+        _check_prompts(prompts, tokens)
         self.prompts = list(prompts)
         self.tokens, self.lengths = left_pad(tokens, pad_id=0, multiple=multiple)
         self.decode = decode
-        self.path = Path(path)
         self.stop_ids = tuple(int(i) for i in stop_ids)
         self.options = dict(
             max_new_tokens=max_new_tokens, sampling=sampling, vocab_size=vocab_size,
@@ -84,11 +88,7 @@ class SamplesWriter:
         )  # fmt: skip
         self.key = jr.key(seed)
         self.pick = pick
-        self.tensorboard = tensorboard
-        self.start = start
-        self.write = write
-        self._file: IO[str] | None = None
-        self._writer: Any = None
+        self.out = _Out(self.prompts, Path(path), tensorboard, start) if write else None
         self._last: int | None = None
 
     def __call__(self, info: StepInfo) -> None:
@@ -98,8 +98,8 @@ class SamplesWriter:
             return
         self._last = info.step
         texts = self.complete(info.state.model, info.step)
-        if self.write:
-            self._append(info.step, texts)
+        if self.out is not None:
+            self.out.append(info.step, texts)
 
     def complete(self, model: Any, step: int) -> list[str]:
         """The prompts' completions by `model` (a state's model), with the key
@@ -115,7 +115,29 @@ class SamplesWriter:
         stopped = len(ids) > 0 and int(ids[-1]) in self.stop_ids
         return ids[:-1] if stopped else ids
 
-    def _append(self, step: int, texts: list[str]) -> None:
+    def close(self) -> None:
+        if self.out is not None:
+            self.out.close()
+
+
+class _Out:
+    """Where `SamplesWriter`'s completions go: a JSON Lines file (cut after
+    `start` when first opened), and TensorBoard's text tab when `tensorboard`
+    names a log directory."""
+
+    def __init__(
+        self,
+        prompts: list[Any],
+        path: Path,
+        tensorboard: str | os.PathLike[str] | None,
+        start: int | None,
+    ):
+        self.prompts, self.path = prompts, path
+        self.tensorboard, self.start = tensorboard, start
+        self._file: IO[str] | None = None
+        self._writer: Any = None
+
+    def append(self, step: int, texts: list[str]) -> None:
         file = self._open()
         for prompt, text in zip(self.prompts, texts, strict=True):
             record = {"step": step, "prompt": prompt, "completion": text}
@@ -133,19 +155,20 @@ class SamplesWriter:
         return self._file
 
     def _text(self, step: int, texts: list[str]) -> None:
-        if self._writer is None:
-            import tensorboardX
-
-            self._writer = tensorboardX.SummaryWriter(
-                str(self.tensorboard),
-                filename_suffix=f".{time.time_ns()}.{os.getpid()}.samples",
-                purge_step=None if self.start is None else self.start + 1,
-            )
+        writer = self._summary_writer()
         for i, (prompt, text) in enumerate(zip(self.prompts, texts, strict=True)):
             shown = prompt if isinstance(prompt, str) else json.dumps(prompt)
             markdown = f"**prompt:** {shown}\n\n**completion:** {text}"
-            self._writer.add_text(f"samples/{i}", markdown, step)
-        self._writer.flush()
+            writer.add_text(f"samples/{i}", markdown, step)
+        writer.flush()
+
+    def _summary_writer(self) -> Any:
+        if self._writer is None:
+            module = require("tensorboardX", "SamplesWriter", "tensorboard")
+            self._writer = summary_writer(
+                module, self.tensorboard, self.start, filename_suffix=".samples"
+            )
+        return self._writer
 
     def close(self) -> None:
         if self._file is not None:

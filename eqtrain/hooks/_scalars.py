@@ -1,9 +1,24 @@
 """The scalars a logger writes for one `StepInfo`, by tag (`train/loss`,
 `eval/loss`, `perf/mfu`), shared by `TensorBoardWriter` and `WandbLogger`."""
 
+import importlib
 import numbers
+from typing import Any
 
+from .._errors import ConfigError
 from .._hooks import StepInfo
+
+
+def require(module: str, hook: str, extra: str) -> Any:
+    """`import module` for `hook`, or a `ConfigError` naming the extra that
+    installs it."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as e:
+        raise ConfigError(
+            f"`{hook}` needs {module}, which is not installed: "
+            f"`pip install 'eqtrain[{extra}]'`."
+        ) from e
 
 
 def _tag(name: str) -> str:
@@ -30,15 +45,20 @@ def scalars(info: StepInfo) -> dict[str, float]:
         if isinstance(v, numbers.Real)  # Python/NumPy floats and ints, bools
     }
     if info.stop_reason is None:
-        perf = {
-            "step_time": info.step_time,
-            "data_time": info.data_time,
-            "tokens_per_second": info.tokens_per_second,
-            "tokens_seen": info.tokens_seen,
-            "mfu": info.mfu,
-        }
-        out.update({f"perf/{k}": float(v) for k, v in perf.items() if v is not None})
+        out.update(_perf(info))
     return out
+
+
+def _perf(info: StepInfo) -> dict[str, float]:
+    """The step's timings, throughput and MFU as `perf/<name>`, those known."""
+    perf = {
+        "step_time": info.step_time,
+        "data_time": info.data_time,
+        "tokens_per_second": info.tokens_per_second,
+        "tokens_seen": info.tokens_seen,
+        "mfu": info.mfu,
+    }
+    return {f"perf/{k}": float(v) for k, v in perf.items() if v is not None}
 
 
 class Dedup:

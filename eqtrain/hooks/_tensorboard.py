@@ -7,9 +7,24 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .._errors import ConfigError
 from .._hooks import StepInfo
-from ._scalars import Dedup, scalars
+from ._scalars import Dedup, require, scalars
+
+
+def summary_writer(
+    module: Any, log_dir: str | os.PathLike[str], start: int | None, **kwargs: Any
+) -> Any:
+    """A tensorboardX `SummaryWriter` in its own file, dropping the events after
+    step `start` (a resumed run redoes them); `kwargs`: its other options (a
+    `filename_suffix` is appended to the file's unique name)."""
+    # tensorboardX names files by the second and the host only and opens them
+    # with "wb": two writers started in the same second would share (and
+    # truncate) one file. A nanosecond suffix keeps them apart and in order.
+    suffix = f".{time.time_ns()}.{os.getpid()}" + kwargs.pop("filename_suffix", "")
+    purge_step = None if start is None else start + 1
+    return module.SummaryWriter(
+        str(log_dir), filename_suffix=suffix, purge_step=purge_step, **kwargs
+    )
 
 
 class TensorBoardWriter:
@@ -48,14 +63,7 @@ class TensorBoardWriter:
         flush_secs: float | int = 30,
         start: int | None = None,
     ):
-        try:
-            import tensorboardX
-        except ImportError as e:
-            raise ConfigError(
-                "`TensorBoardWriter` needs tensorboardX, which is not installed: "
-                "`pip install 'eqtrain[tensorboard]'`."
-            ) from e
-        self._module: Any = tensorboardX
+        self._module = require("tensorboardX", "TensorBoardWriter", "tensorboard")
         self.log_dir = Path(log_dir)
         self.flush_secs = flush_secs
         self.start = start
@@ -63,15 +71,8 @@ class TensorBoardWriter:
         self._dedup = Dedup()
 
     def _open(self) -> Any:
-        # tensorboardX names files by the second and the host only and opens them
-        # with "wb": two writers started in the same second would share (and
-        # truncate) one file. A nanosecond suffix keeps them apart and in order.
-        suffix = f".{time.time_ns()}.{os.getpid()}"
-        return self._module.SummaryWriter(
-            str(self.log_dir),
-            flush_secs=self.flush_secs,
-            filename_suffix=suffix,
-            purge_step=None if self.start is None else self.start + 1,
+        return summary_writer(
+            self._module, self.log_dir, self.start, flush_secs=self.flush_secs
         )
 
     def __call__(self, info: StepInfo) -> None:

@@ -7,9 +7,13 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from .._errors import ConfigError
 from .._hooks import StepInfo
-from ._scalars import Dedup, scalars
+from ._scalars import Dedup, require, scalars
+
+
+def _given(**kwargs: Any) -> dict[str, Any]:
+    """The keyword arguments that are not None."""
+    return {k: v for k, v in kwargs.items() if v is not None}
 
 
 class WandbLogger:
@@ -60,16 +64,9 @@ class WandbLogger:
         entity: str | None = None,
         **init_kwargs: Any,
     ):
-        try:
-            import wandb
-        except ImportError as e:
-            raise ConfigError(
-                "`WandbLogger` needs wandb, which is not installed: "
-                "`pip install 'eqtrain[wandb]'`."
-            ) from e
-        self._module: Any = wandb
+        self._module = require("wandb", "WandbLogger", "wandb")
         self.dir = None if dir is None else Path(dir)
-        given = dict(
+        self.init_kwargs = _given(
             project=project,
             name=name,
             mode=mode,
@@ -77,10 +74,7 @@ class WandbLogger:
             tags=None if tags is None else list(tags),
             entity=entity,
         )
-        self.init_kwargs: dict[str, Any] = {
-            **{k: v for k, v in given.items() if v is not None},
-            **init_kwargs,
-        }
+        self.init_kwargs.update(init_kwargs)
         self.run: Any = None
         self._active = False
         self._dedup = Dedup()

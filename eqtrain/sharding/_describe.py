@@ -54,24 +54,24 @@ def describe(state: Any, shardings: Any) -> list[LeafRow]:
     """
     flat, _ = jtu.tree_flatten_with_path(state)
     targets = _flat_shardings(state, shardings)
-    rows = []
-    for (path, x), sharding in zip(flat, targets, strict=True):
-        if not is_arraylike(x) or sharding is None:
-            continue
-        shape = tuple(int(n) for n in x.shape)
-        itemsize = _itemsize(x.dtype)
-        local = sharding.shard_shape(shape)
-        rows.append(
-            LeafRow(
-                path=path_name(path),
-                shape=shape,
-                dtype=str(x.dtype),
-                spec=_spec_text(sharding),
-                bytes=math.prod(shape) * itemsize,
-                bytes_per_device=math.prod(local) * itemsize,
-            )
-        )
-    return rows
+    return [
+        _row(path_name(path), x, sharding)
+        for (path, x), sharding in zip(flat, targets, strict=True)
+        if is_arraylike(x) and sharding is not None
+    ]
+
+
+def _row(path: str, x: Any, sharding: Sharding) -> LeafRow:
+    shape = tuple(int(n) for n in x.shape)
+    itemsize = _itemsize(x.dtype)
+    return LeafRow(
+        path=path,
+        shape=shape,
+        dtype=str(x.dtype),
+        spec=_spec_text(sharding),
+        bytes=math.prod(shape) * itemsize,
+        bytes_per_device=math.prod(sharding.shard_shape(shape)) * itemsize,
+    )
 
 
 def format_bytes(n: int | float) -> str:
@@ -81,6 +81,15 @@ def format_bytes(n: int | float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     raise AssertionError("unreachable")
+
+
+def _aligned(table: list[tuple[str, ...]]) -> list[str]:
+    """The rows of `table` as lines, each column padded to its widest cell."""
+    widths = [max(len(row[i]) for row in table) for i in range(len(table[0]))]
+    return [
+        "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip()
+        for row in table
+    ]
 
 
 def format_table(rows: Sequence[LeafRow]) -> str:
@@ -98,11 +107,7 @@ def format_table(rows: Sequence[LeafRow]) -> str:
         (r.path, str(r.shape), r.dtype, r.spec, format_bytes(r.bytes_per_device))
         for r in rows
     ]
-    widths = [max(len(line[i]) for line in [header, *body]) for i in range(5)]
-    lines = [
-        "  ".join(cell.ljust(w) for cell, w in zip(line, widths, strict=True)).rstrip()
-        for line in [header, *body]
-    ]
+    lines = _aligned([header, *body])
     total = sum(r.bytes for r in rows)
     per_device = sum(r.bytes_per_device for r in rows)
     lines.append(

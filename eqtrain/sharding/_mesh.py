@@ -27,25 +27,44 @@ BATCH_AXES = ("data", "fsdp", "expert")
 
 
 def _sizes(axes: Mapping[str, int], num_devices: int) -> dict[str, int]:
+    _check_known(axes)
+    sizes = {name: axes.get(name, 1) for name in AXES}
+    _check_sizes(sizes)
+    return _filled(sizes, num_devices)
+
+
+def _check_known(axes: Mapping[str, int]) -> None:
     unknown = sorted(set(axes) - set(AXES))
     if unknown:
         raise ConfigError(
             f"unknown mesh axes {unknown}; the axes are {list(AXES)} (each "
             "defaults to size 1). Example: make_mesh({'data': -1, 'tensor': 2})."
         )
-    sizes = {name: axes.get(name, 1) for name in AXES}
+
+
+def _check_sizes(sizes: dict[str, Any]) -> None:
+    """Positive ints, or -1 for at most one axis."""
     bad = {k: v for k, v in sizes.items() if not isinstance(v, int) or v == 0}
     bad |= {k: v for k, v in sizes.items() if isinstance(v, int) and v < -1}
     if bad:
         raise ConfigError(
             f"mesh axis sizes must be positive ints or -1 (the rest); got {bad}."
         )
+    _check_one_rest(sizes)
+
+
+def _check_one_rest(sizes: dict[str, int]) -> None:
     rest = [name for name, size in sizes.items() if size == -1]
     if len(rest) > 1:
         raise ConfigError(
             f"at most one mesh axis may be -1 (take the remaining devices); got "
             f"{rest}. Give all but one of them a size."
         )
+
+
+def _filled(sizes: dict[str, int], num_devices: int) -> dict[str, int]:
+    """`sizes` with the -1 axis taking the remaining devices, checked to use all."""
+    rest = [name for name, size in sizes.items() if size == -1]
     known = math.prod(size for size in sizes.values() if size != -1)
     if rest:
         if num_devices % known:
@@ -68,16 +87,20 @@ def _mismatch(sizes: Mapping[str, int], product: int, num_devices: int) -> str:
             f"{rest[0]}=-1 cannot take the rest. Give the other axes sizes that "
             f"multiply to a divisor of {num_devices} ({', '.join(map(str, fits))})."
         )
-    # An axis that can take the rest: the others' product divides the devices
-    # (not `sequence`, which a config cannot set to -1).
+    hint = _rest_hint(sizes, num_devices)
+    return head + f"{devices}. Make the sizes multiply to {num_devices}{hint}."
+
+
+def _rest_hint(sizes: Mapping[str, int], num_devices: int) -> str:
+    """Advice to let an axis take the rest: one whose others' product divides the
+    devices (not `sequence`, which a config cannot set to -1)."""
     takes = [
         k
         for k in sizes
         if k != "sequence"
         and num_devices % math.prod(v for n, v in sizes.items() if n != k) == 0
     ]
-    hint = f", or set {takes[0]}=-1 to take the remaining devices" if takes else ""
-    return head + f"{devices}. Make the sizes multiply to {num_devices}{hint}."
+    return f", or set {takes[0]}=-1 to take the remaining devices" if takes else ""
 
 
 def make_mesh(
@@ -109,7 +132,11 @@ def make_mesh(
     """
     devices = list(jax.devices() if devices is None else devices)
     sizes = _sizes({"data": -1} if axes is None else axes, len(devices))
-    shape = tuple(sizes[name] for name in AXES)
+    return _laid_out(tuple(sizes[name] for name in AXES), devices)
+
+
+def _laid_out(shape: tuple[int, ...], devices: list[Any]) -> Mesh:
+    """The mesh of `shape` over `devices`, with all axes `Auto`."""
     types = (AxisType.Auto,) * len(AXES)
     try:
         return jax.make_mesh(shape, AXES, axis_types=types, devices=devices)
@@ -175,22 +202,34 @@ def check_batch(
         seq_len: with a `sequence` axis > 1, the sequence length to check too.
         accumulate: micro-batches per step: each micro-batch must split evenly.
     """
-    ways = batch_divisor(mesh)
-    if batch_size % accumulate or (batch_size // accumulate) % ways:
-        micro = (
-            f" in {accumulate} micro-batches of {batch_size / accumulate:g}"
-            if accumulate > 1
-            else ""
-        )
-        raise ConfigError(
-            f"the batch of {batch_size}{micro} does not split over the mesh's "
-            f"data x fsdp x expert = {ways} devices (mesh {axis_sizes(mesh)}). Use "
-            f"a batch size that is a multiple of {ways * accumulate}, or fewer "
-            "data/fsdp/expert devices."
-        )
+    _check_batch_size(batch_size, mesh, accumulate)
+    if seq_len is not None:
+        _check_seq_len(seq_len, mesh)
+
+
+def _check_seq_len(seq_len: int, mesh: Mesh) -> None:
     seq_ways = int(mesh.shape.get("sequence", 1))
-    if seq_len is not None and seq_len % seq_ways:
+    if seq_len % seq_ways:
         raise ConfigError(
             f"the sequence length {seq_len} does not split over the mesh's "
             f"sequence axis of size {seq_ways}. Use a multiple of {seq_ways}."
+        )
+
+
+def _micro(batch_size: int, accumulate: int) -> str:
+    """`" in 4 micro-batches of 8"` (nothing without accumulation)."""
+    if accumulate > 1:
+        return f" in {accumulate} micro-batches of {batch_size / accumulate:g}"
+    return ""
+
+
+def _check_batch_size(batch_size: int, mesh: Mesh, accumulate: int) -> None:
+    """Each micro-batch splits evenly over the batch axes."""
+    ways = batch_divisor(mesh)
+    if batch_size % accumulate or (batch_size // accumulate) % ways:
+        raise ConfigError(
+            f"the batch of {batch_size}{_micro(batch_size, accumulate)} does not "
+            f"split over the mesh's data x fsdp x expert = {ways} devices (mesh "
+            f"{axis_sizes(mesh)}). Use a batch size that is a multiple of "
+            f"{ways * accumulate}, or fewer data/fsdp/expert devices."
         )

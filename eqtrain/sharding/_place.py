@@ -4,6 +4,7 @@ Model leaves follow the rules; the optimizer state and the EMA follow the parame
 they track; counters and keys are replicated. Builds on `_rules.py`.
 """
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -82,34 +83,51 @@ def _opt_shardings(
 ) -> Any:
     """Shardings of an optimizer state: parameter-shaped parts like the parameters,
     everything else (counters, scalars) replicated."""
-    non_params = lambda x: replicated if is_arraylike(x) else None
+    if optimizer is None:
+        return _opt_by_structure(opt_state, params, params_sh, replicated)
+    return optax.tree_map_params(
+        optimizer,
+        lambda x, sharding: _like_param(x, sharding, replicated),
+        opt_state,
+        params_sh,
+        transform_non_params=lambda x: _if_array(x, replicated),
+        is_leaf=_is_hole,
+    )
 
-    def like_param(x: Any, sharding: Any) -> Any:
-        # a leaf in a parameter's place but not of its shape (Adafactor's
-        # factored row/column statistics) is replicated
-        if not is_arraylike(x):
-            return None
-        if len(sharding.spec) > len(x.shape):
-            return replicated
-        try:
-            sharding.shard_shape(tuple(x.shape))
-        except (ValueError, TypeError):
-            return replicated
-        return sharding
 
-    if optimizer is not None:
-        return optax.tree_map_params(
-            optimizer,
-            like_param,
-            opt_state,
-            params_sh,
-            transform_non_params=non_params,
-            is_leaf=_is_hole,
-        )
-    # Without the optimizer, recognise parameter-shaped subtrees by structure.
+def _if_array(x: Any, sharding: NamedSharding) -> NamedSharding | None:
+    return sharding if is_arraylike(x) else None
+
+
+def _like_param(x: Any, sharding: Any, replicated: NamedSharding) -> Any:
+    """The sharding of a leaf in a parameter's place: the parameter's, or
+    replicated if it does not fit (Adafactor's factored row/column statistics)."""
+    if not is_arraylike(x):
+        return None
+    return sharding if _fits(sharding, tuple(x.shape)) else replicated
+
+
+def _fits(sharding: Any, shape: tuple[int, ...]) -> bool:
+    """`sharding` can lay out an array of `shape`."""
+    if len(sharding.spec) > len(shape):
+        return False
+    try:
+        sharding.shard_shape(shape)
+    except (ValueError, TypeError):
+        return False
+    return True
+
+
+def _opt_by_structure(
+    opt_state: Any, params: Any, params_sh: Any, replicated: NamedSharding
+) -> Any:
+    """`_opt_shardings` without the optimizer: parameter-shaped subtrees are
+    recognised by their structure."""
     like = lambda node: _params_like(node, params)
     return jtu.tree_map(
-        lambda node: _like_params(node, params_sh) if like(node) else non_params(node),
+        lambda node: (
+            _like_params(node, params_sh) if like(node) else _if_array(node, replicated)
+        ),
         opt_state,
         is_leaf=like,
     )
@@ -150,42 +168,53 @@ def state_shardings(
         ConfigError: a rule does not fit a leaf (see `Rules.spec_for`).
     """
     rules = as_rules(rules)
-    replicated = NamedSharding(mesh, PartitionSpec())
-
-    def by_rules(fsdp: bool) -> Callable[[str, Any], NamedSharding]:
-        def sharding(path: str, x: Any) -> NamedSharding:
-            spec = rules.spec_for(path, tuple(x.shape), mesh, fsdp=fsdp)
-            return NamedSharding(mesh, spec)
-
-        return sharding
-
     if not isinstance(state, TrainState):
-        return _map_arrays(by_rules(True), state, "")
-    model_sh = _map_arrays(by_rules(True), state.model, "model")
+        return _map_arrays(_by_rules(rules, mesh, fsdp=True), state, "")
+    return _with_fields(state, _state_fields(state, mesh, rules, optimizer))
+
+
+def _with_fields(state: TrainState, fields: dict[str, Any]) -> Any:
+    """`state` with these fields replaced (by name)."""
+    names = list(fields)
+    get = lambda s: [getattr(s, name) for name in names]
+    values = [fields[name] for name in names]
+    return eqx.tree_at(get, state, values, is_leaf=lambda x: x is None)
+
+
+def _by_rules(
+    rules: Rules, mesh: Mesh, *, fsdp: bool
+) -> Callable[[str, Any], NamedSharding]:
+    """`(path, leaf) -> NamedSharding` from the rules."""
+    return functools.partial(_rule_sharding, rules, mesh, fsdp)
+
+
+def _rule_sharding(
+    rules: Rules, mesh: Mesh, fsdp: bool, path: str, x: Any
+) -> NamedSharding:
+    return NamedSharding(mesh, rules.spec_for(path, tuple(x.shape), mesh, fsdp=fsdp))
+
+
+def _state_fields(
+    state: TrainState,
+    mesh: Mesh,
+    rules: Rules,
+    optimizer: optax.GradientTransformation | None,
+) -> dict[str, Any]:
+    """The shardings of a `TrainState`'s fields (see `state_shardings`), by name."""
+    replicated = NamedSharding(mesh, PartitionSpec())
+    model_sh = _map_arrays(_by_rules(rules, mesh, fsdp=True), state.model, "model")
     params_sh = eqx.filter(model_sh, state.trainable)
     opt_sh = _opt_shardings(
         state.opt_state, state.params, params_sh, replicated, optimizer
     )
-    fields = {
-        "model": model_sh,
-        "opt_state": opt_sh,
-        "step": replicated,
-        "key": replicated,
-        "skipped": replicated,
-    }
+    fields = {"model": model_sh, "opt_state": opt_sh}
+    fields |= dict.fromkeys(("step", "key", "skipped"), replicated)  # counters, key
     if state.model_state is not None:
-        fields["model_state"] = _map_arrays(
-            by_rules(False), state.model_state, "model_state"
-        )
+        by_rules = _by_rules(rules, mesh, fsdp=False)
+        fields["model_state"] = _map_arrays(by_rules, state.model_state, "model_state")
     if state.ema is not None:
         fields["ema"] = params_sh
-    names = list(fields)
-    return eqx.tree_at(
-        lambda s: [getattr(s, name) for name in names],
-        state,
-        [fields[name] for name in names],
-        is_leaf=lambda x: x is None,
-    )
+    return fields
 
 
 def _flat_shardings(tree: Any, shardings: Any) -> list[Sharding | None]:
@@ -193,11 +222,7 @@ def _flat_shardings(tree: Any, shardings: Any) -> list[Sharding | None]:
     leaves = jtu.tree_leaves(tree)
     if isinstance(shardings, Sharding):
         return [shardings if is_arraylike(x) else None for x in leaves]
-    flat = [
-        s
-        for s in jtu.tree_leaves(shardings, is_leaf=lambda x: isinstance(x, Sharding))
-        if isinstance(s, Sharding)
-    ]
+    flat = _shardings_in(shardings)
     arrays = sum(is_arraylike(x) for x in leaves)
     if len(flat) != arrays:
         raise StructureError(
@@ -207,6 +232,12 @@ def _flat_shardings(tree: Any, shardings: Any) -> list[Sharding | None]:
         )
     it = iter(flat)
     return [next(it) if is_arraylike(x) else None for x in leaves]
+
+
+def _shardings_in(tree: Any) -> list[Sharding]:
+    """The `Sharding` leaves of `tree`, in order."""
+    is_sharding = lambda x: isinstance(x, Sharding)
+    return [s for s in jtu.tree_leaves(tree, is_leaf=is_sharding) if is_sharding(s)]
 
 
 def shard(tree: Any, shardings: Any) -> Any:
@@ -227,15 +258,20 @@ def shard(tree: Any, shardings: Any) -> Any:
     targets = _flat_shardings(tree, shardings)
     index = [i for i, s in enumerate(targets) if s is not None]
     local = [i for i in index if targets[i].is_fully_addressable]
-    placed = jax.device_put(
-        [leaves[i] for i in local], [targets[i] for i in local], may_alias=False
-    )
-    for i, x in zip(local, placed, strict=True):
-        leaves[i] = x
+    _put_local(leaves, targets, local)
     for i in index:
         if not targets[i].is_fully_addressable:
             leaves[i] = _global(leaves[i], targets[i])
     return treedef.unflatten(leaves)
+
+
+def _put_local(leaves: list[Any], targets: list[Any], local: list[int]) -> None:
+    """Replace `leaves[i]` for `i` in `local` by copies on their (single-process)
+    shardings, in one `device_put`."""
+    values = [leaves[i] for i in local]
+    placed = jax.device_put(values, [targets[i] for i in local], may_alias=False)
+    for i, x in zip(local, placed, strict=True):
+        leaves[i] = x
 
 
 def _global(x: Any, sharding: Any) -> Any:

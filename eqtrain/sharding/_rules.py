@@ -60,24 +60,7 @@ class Rules:
     def __post_init__(self) -> None:
         patterns = tuple(self.patterns)
         for i, rule in enumerate(patterns):
-            if not (
-                isinstance(rule, tuple)
-                and len(rule) == 2
-                and isinstance(rule[0], str)
-                and isinstance(rule[1], PartitionSpec)
-            ):
-                raise ConfigError(
-                    f"partition rule {i} must be a `(regex, PartitionSpec)` pair; "
-                    f"got {rule!r}. Example: (r'q_proj\\.weight$', "
-                    "P(None, 'tensor', None))."
-                )
-            _check_names(rule[1], f"rule {i} ({rule[0]!r})")
-            try:
-                re.compile(rule[0])
-            except re.error as e:
-                raise ConfigError(
-                    f"partition rule {i} has an invalid regex {rule[0]!r}: {e}."
-                ) from e
+            _check_rule(i, rule)
         object.__setattr__(self, "patterns", patterns)
         if self.fsdp_min_size is not None and self.fsdp_min_size < 0:
             raise ConfigError(
@@ -118,6 +101,36 @@ class Rules:
             entries = _with_fsdp(entries, shape, axis_sizes(mesh), self.fsdp_min_size)
         _check_fits(entries, shape, mesh, path, spec)
         return PartitionSpec(*(None if e == LAYERS else e for e in entries))
+
+
+def _check_rule(i: int, rule: Any) -> None:
+    """Rule `i` is a `(regex, PartitionSpec)` pair naming known axes."""
+    if not _is_rule(rule):
+        raise ConfigError(
+            f"partition rule {i} must be a `(regex, PartitionSpec)` pair; "
+            f"got {rule!r}. Example: (r'q_proj\\.weight$', "
+            "P(None, 'tensor', None))."
+        )
+    _check_names(rule[1], f"rule {i} ({rule[0]!r})")
+    _check_regex(i, rule[0])
+
+
+def _check_regex(i: int, pattern: str) -> None:
+    try:
+        re.compile(pattern)
+    except re.error as e:
+        raise ConfigError(
+            f"partition rule {i} has an invalid regex {pattern!r}: {e}."
+        ) from e
+
+
+def _is_rule(rule: Any) -> bool:
+    return (
+        isinstance(rule, tuple)
+        and len(rule) == 2
+        and isinstance(rule[0], str)
+        and isinstance(rule[1], PartitionSpec)
+    )
 
 
 def _names(entry: Any) -> tuple[str, ...]:
@@ -177,15 +190,19 @@ def _with_fsdp(
     out = [_without(entry, "fsdp") for entry in entries]
     if fsdp == 1 or math.prod(shape) < min_size:
         return out
-    ways = lambda i: math.prod(sizes[n] for n in _names(entries[i]))
-    if named and shape[named[0]] % ways(named[0]) == 0:
+    if named and shape[named[0]] % _ways(entries[named[0]], sizes) == 0:
         out[named[0]] = entries[named[0]]  # as the rule wrote it
         return out
-    free = [i for i, e in enumerate(out) if e is None and shape[i] % fsdp == 0]
-    if free:
-        best = max(free, key=lambda i: (shape[i], i))
+    best = _largest_free(out, shape, fsdp)
+    if best is not None:
         out[best] = "fsdp"
     return out
+
+
+def _largest_free(entries: list[Any], shape: tuple[int, ...], fsdp: int) -> int | None:
+    """The largest unsharded dimension that `fsdp` divides (the last on ties)."""
+    free = [i for i, e in enumerate(entries) if e is None and shape[i] % fsdp == 0]
+    return max(free, key=lambda i: (shape[i], i)) if free else None
 
 
 def _check_fits(
@@ -197,18 +214,11 @@ def _check_fits(
 ) -> None:
     sizes = axis_sizes(mesh)
     resolved = PartitionSpec(*entries)
-    for name in (n for entry in entries for n in _names(entry)):
-        if name != LAYERS and name not in mesh.shape:
-            raise ConfigError(
-                f"`{path}` gets {resolved}, but the mesh has no axis {name!r} (it "
-                f"has {list(mesh.shape)}). Build the mesh with "
-                "`eqtrain.sharding.make_mesh`, which always has all five axes."
-            )
+    _check_axes(resolved, mesh, path)
     for dim, (entry, n) in enumerate(zip(entries, shape, strict=True)):
-        ways = math.prod(sizes[name] for name in _names(entry) if name != LAYERS)
+        ways = _ways(entry, sizes)
         if n % ways:
-            added = spec is not None and "fsdp" in _names_in(resolved) - _names_in(spec)
-            origin = f" (the rule's {spec} plus FSDP)" if added else ""
+            origin = _origin(spec, resolved)
             axes = {k: v for k, v in sizes.items() if v > 1} or sizes
             raise ConfigError(
                 f"cannot shard `{path}` (shape {shape}) with {resolved}{origin}: "
@@ -216,6 +226,28 @@ def _check_fits(
                 f"ways; mesh axes {axes}). Change the mesh sizes, or add an earlier "
                 "rule for this leaf that shards it differently (or replicates it "
                 "with P())."
+            )
+
+
+def _ways(entry: Any, sizes: dict[str, int]) -> int:
+    """How many ways a spec entry splits its dimension."""
+    return math.prod(sizes[name] for name in _names(entry) if name != LAYERS)
+
+
+def _origin(spec: PartitionSpec | None, resolved: PartitionSpec) -> str:
+    """Where a spec came from, when the FSDP pass added to the rule's."""
+    added = spec is not None and "fsdp" in _names_in(resolved) - _names_in(spec)
+    return f" (the rule's {spec} plus FSDP)" if added else ""
+
+
+def _check_axes(resolved: PartitionSpec, mesh: Mesh, path: str) -> None:
+    """Every axis a leaf's spec names is the mesh's."""
+    for name in (n for entry in resolved for n in _names(entry)):
+        if name != LAYERS and name not in mesh.shape:
+            raise ConfigError(
+                f"`{path}` gets {resolved}, but the mesh has no axis {name!r} (it "
+                f"has {list(mesh.shape)}). Build the mesh with "
+                "`eqtrain.sharding.make_mesh`, which always has all five axes."
             )
 
 
@@ -248,13 +280,7 @@ def model_rules(model: Any) -> list[Rule] | None:
 
 
 def _without_tensor(spec: PartitionSpec) -> PartitionSpec:
-    def drop(entry: Any) -> Any:
-        names = tuple(n for n in _names(entry) if n != "tensor")
-        if not names:
-            return None
-        return names[0] if len(names) == 1 else names
-
-    return PartitionSpec(*(drop(e) for e in spec))
+    return PartitionSpec(*(_without(e, "tensor") for e in spec))
 
 
 def _is_adapted(x: Any) -> bool:
@@ -269,17 +295,39 @@ def adapter_rules(model: Any, rules: Rules) -> list[Rule]:
     flat, _ = jtu.tree_flatten_with_path(model, is_leaf=_is_adapted)
     out: list[Rule] = []
     for keys, layer in flat:
-        if not _is_adapted(layer):
-            continue
-        path = jtu.keystr(keys, simple=True, separator=".")
-        rank = len(layer.weight.shape)
-        entries = list(rules.match(path + ".weight") or ())
-        entries += [None] * (rank - len(entries))
-        *lead, dim_out, dim_in = entries[:rank]
-        where = r"(^|\.)" + re.escape(path)
-        out.append((where + r"\.lora_a$", PartitionSpec(*lead, None, dim_in)))
-        out.append((where + r"\.lora_b$", PartitionSpec(*lead, dim_out, None)))
+        if _is_adapted(layer):
+            path = jtu.keystr(keys, simple=True, separator=".")
+            out += _layer_adapter_rules(path, len(layer.weight.shape), rules)
     return out
+
+
+def _layer_adapter_rules(path: str, rank: int, rules: Rules) -> list[Rule]:
+    """The rules of one adapted layer's `lora_a` and `lora_b` (weight of `rank`)."""
+    entries = list(rules.match(path + ".weight") or ())
+    entries += [None] * (rank - len(entries))
+    *lead, dim_out, dim_in = entries[:rank]
+    where = r"(^|\.)" + re.escape(path)
+    return [
+        (where + r"\.lora_a$", PartitionSpec(*lead, None, dim_in)),
+        (where + r"\.lora_b$", PartitionSpec(*lead, dim_out, None)),
+    ]
+
+
+def _tensor_rules(model: Any, tensor: int, extra: Sequence[Rule]) -> list[Rule]:
+    """The model's tensor-parallel rules for a `tensor` axis of this size."""
+    own = model_rules(model)
+    if own is None:
+        if tensor > 1 and not extra:
+            raise ConfigError(
+                f"the mesh has tensor={tensor} but {type(model).__name__} has no "
+                "tensor-parallel rules (no `tensor_parallel_rules()`). Pass your "
+                "own with `rules_for(model, mesh, extra=[(regex, P(...)), ...])`, "
+                "or use tensor=1."
+            )
+        return []
+    if tensor == 1:
+        return [(pattern, _without_tensor(spec)) for pattern, spec in own]
+    return own
 
 
 def rules_for(
@@ -308,19 +356,7 @@ def rules_for(
         ConfigError: `tensor` > 1 but the model has no tensor-parallel rules and
             no `extra` rules were given.
     """
-    own = model_rules(model)
-    tensor = axis_sizes(mesh)["tensor"]
-    if own is None:
-        if tensor > 1 and not extra:
-            raise ConfigError(
-                f"the mesh has tensor={tensor} but {type(model).__name__} has no "
-                "tensor-parallel rules (no `tensor_parallel_rules()`). Pass your "
-                "own with `rules_for(model, mesh, extra=[(regex, P(...)), ...])`, "
-                "or use tensor=1."
-            )
-        own = []
-    if tensor == 1:
-        own = [(pattern, _without_tensor(spec)) for pattern, spec in own]
+    own = _tensor_rules(model, axis_sizes(mesh)["tensor"], extra)
     base = Rules((*extra, *own), fsdp_min_size=fsdp_min_size)
     adapters = adapter_rules(model, base)
     if not adapters:

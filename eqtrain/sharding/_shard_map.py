@@ -31,21 +31,11 @@ def data_parallel(
             traced: batch statistics would need their own reduction).
     """
     axes = tuple(axes)
-    unknown = [a for a in axes if a not in mesh.shape]
-    if unknown:
-        raise ConfigError(
-            f"data_parallel_step: axes {unknown} are not in the mesh (axes "
-            f"{list(mesh.shape)})."
-        )
+    _check_axes(axes, mesh)
     local = steps.psum_grads(grad_fn, axes)
 
     def parallel(params, static, batch, key, model_state) -> steps.Grads:
-        if model_state is not None:
-            raise ConfigError(
-                "data_parallel_step does not reduce a `model_state` (e.g. batch "
-                "statistics) across devices; use `train_step` (automatic "
-                "partitioning) for stateful models."
-            )
+        _refuse_model_state(model_state)
         mapped = shard_map(
             lambda p, b, k: local(p, static, b, k, None),
             mesh=mesh,
@@ -56,6 +46,24 @@ def data_parallel(
         return mapped(params, batch, key)
 
     return parallel
+
+
+def _check_axes(axes: tuple[str, ...], mesh: Mesh) -> None:
+    unknown = [a for a in axes if a not in mesh.shape]
+    if unknown:
+        raise ConfigError(
+            f"data_parallel_step: axes {unknown} are not in the mesh (axes "
+            f"{list(mesh.shape)})."
+        )
+
+
+def _refuse_model_state(model_state: Any) -> None:
+    if model_state is not None:
+        raise ConfigError(
+            "data_parallel_step does not reduce a `model_state` (e.g. batch "
+            "statistics) across devices; use `train_step` (automatic "
+            "partitioning) for stateful models."
+        )
 
 
 def data_parallel_step(
