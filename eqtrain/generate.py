@@ -25,7 +25,7 @@ greedy decoding. The log-probabilities are of the sampled token under
 """
 
 import dataclasses
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NamedTuple
 
 import equinox as eqx
@@ -37,6 +37,15 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from ._errors import ConfigError
+from .losses import vocab_mask
+
+
+_WANTED = {
+    "temperature": ">= 0 (0: greedy)",
+    "top_k": "an integer >= 0 (0: off)",
+    "top_p": "in (0, 1] (1: off)",
+    "min_p": "in [0, 1) (0: off)",
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,24 +67,20 @@ class Sampling:
     min_p: float = 0.0
 
     def __post_init__(self) -> None:
-        checks = {
+        for name, ok in self._checks().items():
+            if not ok:
+                value = getattr(self, name)
+                raise ConfigError(
+                    f"sampling `{name}` must be {_WANTED[name]}; got {value!r}."
+                )
+
+    def _checks(self) -> dict[str, bool]:
+        return {
             "temperature": self.temperature >= 0,
             "top_k": self.top_k >= 0 and int(self.top_k) == self.top_k,
             "top_p": 0 < self.top_p <= 1,
             "min_p": 0 <= self.min_p < 1,
         }
-        wanted = {
-            "temperature": ">= 0 (0: greedy)",
-            "top_k": "an integer >= 0 (0: off)",
-            "top_p": "in (0, 1] (1: off)",
-            "min_p": "in [0, 1) (0: off)",
-        }
-        for name, ok in checks.items():
-            if not ok:
-                value = getattr(self, name)
-                raise ConfigError(
-                    f"sampling `{name}` must be {wanted[name]}; got {value!r}."
-                )
 
     @property
     def greedy(self) -> bool:
@@ -102,11 +107,15 @@ def left_pad(
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ConfigError("every prompt needs at least one token (got an empty one).")
     lengths = np.array([len(p) for p in prompts], np.int32)
-    width = -(-int(lengths.max()) // multiple) * multiple
+    width = _round_up(int(lengths.max()), multiple)
     tokens = np.full((len(prompts), width), pad_id, np.int32)
     for r, p in enumerate(prompts):
         tokens[r, width - len(p) :] = np.asarray(p, np.int32)
     return tokens, lengths
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
 
 
 def filter_logits(
@@ -116,25 +125,39 @@ def filter_logits(
     set to -inf (f32)."""
     x = logits.astype(jnp.float32) / jnp.float32(sampling.temperature)
     if sampling.top_k and sampling.top_k < x.shape[-1]:
-        kth = jax.lax.top_k(x, sampling.top_k)[0][..., -1:]
-        x = jnp.where(x < kth, -jnp.inf, x)
+        x = _top_k(x, sampling.top_k)
     if sampling.top_p < 1:
-        order = jnp.argsort(-x, axis=-1)
-        sorted_x = jnp.take_along_axis(x, order, axis=-1)
-        probs = jax.nn.softmax(sorted_x, axis=-1)
-        before = jnp.cumsum(probs, axis=-1) - probs  # mass of the likelier tokens
-        drop_sorted = before >= sampling.top_p
-        drop = (
-            jnp.zeros_like(drop_sorted)
-            .at[jnp.arange(x.shape[0])[:, None], order]
-            .set(drop_sorted)
-        )
-        x = jnp.where(drop, -jnp.inf, x)
+        x = _top_p(x, sampling.top_p)
     if sampling.min_p > 0:
-        probs = jax.nn.softmax(x, axis=-1)
-        floor = sampling.min_p * jnp.max(probs, axis=-1, keepdims=True)
-        x = jnp.where(probs < floor, -jnp.inf, x)
+        x = _min_p(x, sampling.min_p)
     return x
+
+
+def _top_k(x: Array, k: int) -> Array:
+    kth = jax.lax.top_k(x, k)[0][..., -1:]
+    return jnp.where(x < kth, -jnp.inf, x)
+
+
+def _top_p(x: Array, top_p: float) -> Array:
+    order = jnp.argsort(-x, axis=-1)
+    sorted_x = jnp.take_along_axis(x, order, axis=-1)
+    probs = jax.nn.softmax(sorted_x, axis=-1)
+    before = jnp.cumsum(probs, axis=-1) - probs  # mass of the likelier tokens
+    drop = _unsorted(before >= top_p, order)
+    return jnp.where(drop, -jnp.inf, x)
+
+
+def _unsorted(values: Array, order: Array) -> Array:
+    """`values`, given in the order `order` sorts each row into, back in the
+    row's own order."""
+    rows = jnp.arange(values.shape[0])[:, None]
+    return jnp.zeros_like(values).at[rows, order].set(values)
+
+
+def _min_p(x: Array, min_p: float) -> Array:
+    probs = jax.nn.softmax(x, axis=-1)
+    floor = min_p * jnp.max(probs, axis=-1, keepdims=True)
+    return jnp.where(probs < floor, -jnp.inf, x)
 
 
 def sample(
@@ -151,13 +174,6 @@ def sample(
         token = jr.categorical(key, filtered, axis=-1).astype(jnp.int32)
     logp = jax.nn.log_softmax(scaled, axis=-1)
     return token, jnp.take_along_axis(logp, token[:, None], axis=-1)[:, 0]
-
-
-def _mask_vocab(logits: Array, vocab_size: int | None) -> Array:
-    if vocab_size is None or vocab_size >= logits.shape[-1]:
-        return logits
-    keep = jnp.arange(logits.shape[-1]) < vocab_size
-    return jnp.where(keep, logits, -jnp.inf)
 
 
 class _Loop(NamedTuple):
@@ -211,7 +227,7 @@ def _pick(
 ) -> tuple[Array, Array]:
     """The token (and its log-probability) drawn after hidden state `h`, with
     the key of new token number `step`."""
-    logits = _mask_vocab(model.head(h), s.vocab_size)
+    logits = vocab_mask(model.head(h), s.vocab_size)
     return sample(logits, jr.fold_in(key, step), s.sampling)
 
 
@@ -387,16 +403,17 @@ def _arrays(
             f"{prompts.shape} and {lengths.shape}."
         )
     if not isinstance(lengths, jax.core.Tracer):  # known here: check the values
-        bad = np.flatnonzero(
-            (np.asarray(lengths) < 1) | (np.asarray(lengths) > prompts.shape[1])
-        )
-        if bad.size:
-            raise ConfigError(
-                f"`lengths` must be between 1 and the prompts' width "
-                f"({prompts.shape[1]}); row {int(bad[0])} has "
-                f"{int(lengths[bad[0]])}."
-            )
+        _check_lengths(np.asarray(lengths), prompts.shape[1])
     return prompts, lengths
+
+
+def _check_lengths(lengths: np.ndarray, width: int) -> None:
+    bad = np.flatnonzero((lengths < 1) | (lengths > width))
+    if bad.size:
+        raise ConfigError(
+            f"`lengths` must be between 1 and the prompts' width "
+            f"({width}); row {int(bad[0])} has {int(lengths[bad[0]])}."
+        )
 
 
 @eqx.filter_jit
@@ -447,6 +464,15 @@ def stream(
     s = _settings(max_new_tokens, sampling, stop_ids, pad_id, vocab_size, None)
     prompts, lengths = _arrays(*left_pad([prompt], pad_id=pad_id, multiple=multiple))
     st = _stream_start(model, prompts, lengths, key, s)
+    more = lambda st: _stream_more(model, prompts, key, st, int(chunk), s)
+    yield from _pieces(st, more, s.max_new_tokens)
+
+
+def _pieces(
+    st: _Loop, more: Callable[[_Loop], _Loop], max_new_tokens: int
+) -> Iterator[np.ndarray]:
+    """The row's tokens not yet yielded after each call of `more`, until it is
+    done."""
     sent = 0
     while True:
         step, done = int(st.step), bool(st.done[0])
@@ -454,6 +480,6 @@ def stream(
         if end > sent:
             yield np.asarray(st.tokens[0, sent:end])
             sent = end
-        if done or step >= s.max_new_tokens:
+        if done or step >= max_new_tokens:
             return
-        st = _stream_more(model, prompts, key, st, int(chunk), s)
+        st = more(st)

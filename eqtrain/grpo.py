@@ -18,27 +18,22 @@ per prompt, rows grouped consecutively:
 """
 
 from collections.abc import Callable, Mapping
-from typing import Any, NamedTuple
+from typing import Any
 
-import jax
 import jax.lax as lax
 import jax.numpy as jnp
-from jaxtyping import Array, ArrayLike, Float, Int, PRNGKeyArray, Shaped
+from jaxtyping import Array, ArrayLike, Float, PRNGKeyArray, Shaped
 
 from . import lora
-from ._chunked import _chunks, _logits
 from ._errors import ConfigError
-from ._rows import vmap_rows
-from .losses import (
-    _batch_features,
-    _head,
-    _logit_options,
-    _row_extras,
-    _row_keys,
-    _with_router,
-    chunked_token_logprobs,
-    vocab_mask,
+from ._grpo_logprobs import (
+    _check_head,
+    _forward,
+    _Head,
+    token_logprobs as token_logprobs,
+    token_logprobs_and_entropy as token_logprobs_and_entropy,
 )
+from .losses import _row_extras, _with_router
 from .preference import WithReference, _check_reference
 
 
@@ -95,7 +90,26 @@ def group_advantages(
     """
     _choice("scale", scale, SCALES)
     r = jnp.asarray(rewards, jnp.float32)
-    rows = r.shape[0]
+    _check_group_size(group_size, r.shape[0])
+    mean = jnp.repeat(jnp.nanmean(r.reshape(-1, group_size), axis=1), group_size)
+    group_std = _group_std(r, group_size)
+    std = _batch_std(r) if scale == "batch" else group_std
+    advantages = r - mean
+    if scale != "none":
+        advantages = advantages / (std + STD_EPS)
+    advantages = jnp.where(jnp.isnan(advantages), 0.0, advantages)
+    return advantages, _reward_stats(r, group_std)
+
+
+def _reward_stats(r: Array, group_std: Array) -> Metrics:
+    return {
+        "reward": jnp.nanmean(r),
+        "reward_std": _nanstd(r),
+        "frac_reward_zero_std": jnp.mean(jnp.isclose(group_std, 0.0)),
+    }
+
+
+def _check_group_size(group_size: Any, rows: int) -> None:
     if isinstance(group_size, bool) or not isinstance(group_size, int):
         raise ConfigError(f"`group_size` must be an int; got {group_size!r}.")
     if group_size < 1 or rows % group_size:
@@ -103,205 +117,18 @@ def group_advantages(
             f"`group_size` must be >= 1 and divide the {rows} rewards (the "
             f"completions of each prompt, consecutive); got {group_size}."
         )
-    grouped = r.reshape(-1, group_size)
-    mean = jnp.repeat(jnp.nanmean(grouped, axis=1), group_size)
-    group_std = jnp.zeros_like(r)
-    if group_size > 1:
-        group_std = jnp.repeat(_nanstd(grouped, axis=1), group_size)
-    std = group_std
-    if scale == "batch":
-        std = jnp.broadcast_to(_nanstd(r) if rows > 1 else 0.0, r.shape)
-    advantages = r - mean
-    if scale != "none":
-        advantages = advantages / (std + STD_EPS)
-    metrics = {
-        "reward": jnp.nanmean(r),
-        "reward_std": _nanstd(r),
-        "frac_reward_zero_std": jnp.mean(jnp.isclose(group_std, 0.0)),
-    }
-    return jnp.where(jnp.isnan(advantages), 0.0, advantages), metrics
 
 
-# -- per-token log-probs -----------------------------------------------------------
-class _Head(NamedTuple):
-    """How log-probs are taken from a model's output head."""
-
-    vocab_size: int | None
-    chunk: int | None
-    temperature: float
+def _group_std(r: Array, group_size: int) -> Array:
+    """Each row's group's std (0 for groups of one)."""
+    if group_size == 1:
+        return jnp.zeros_like(r)
+    return jnp.repeat(_nanstd(r.reshape(-1, group_size), axis=1), group_size)
 
 
-def _entropy(z: Array) -> Array:
-    """Entropy of the softmax of f32 logits `[..., vocab]` (-inf logits allowed)."""
-    p = jax.nn.softmax(z, axis=-1)
-    plogp = jnp.where(p > 0, p * jax.nn.log_softmax(z, axis=-1), 0.0)
-    return -jnp.sum(plogp, axis=-1)
-
-
-def _from_logits(
-    logits: Array, targets: Array, head: _Head, entropy: bool
-) -> tuple[Array, Array | None]:
-    z = vocab_mask(logits, head.vocab_size).astype(jnp.float32) / head.temperature
-    picked = jnp.take_along_axis(z, targets[..., None], axis=-1)[..., 0]
-    logp = picked - jax.nn.logsumexp(z, axis=-1)
-    return logp, _entropy(lax.stop_gradient(z)) if entropy else None
-
-
-def _chunk_options(model: Any, temperature: float) -> dict[str, Any]:
-    """The model's logit transforms, with the temperature folded into the scale
-    (a soft-cap comes after the scale, so the two cannot be combined)."""
-    options = _logit_options(model)
-    if temperature == 1.0:
-        return options
-    if options.get("softcap") is not None:
-        raise ConfigError(
-            f"`temperature`={temperature} with `chunk` needs a model without a "
-            "final logit soft-cap (the temperature divides the capped logits); "
-            "use chunk=None for this model."
-        )
-    return {**options, "logit_scale": options.get("logit_scale", 1.0) / temperature}
-
-
-def _chunked_entropy(
-    hidden: Array, weight: Array, head: _Head, options: dict[str, Any]
-) -> Array:
-    """Per-token entropy from hidden states and the head, `chunk` tokens at a
-    time (no gradient)."""
-    hidden, weight = lax.stop_gradient(hidden), lax.stop_gradient(weight)
-    chunk = min(head.chunk or 1, max(hidden.shape[0], 1))
-    (chunks,) = _chunks(chunk, hidden)
-    scale, cap = options.get("logit_scale", 1.0), options.get("softcap")
-    call = lambda h: _entropy(_logits(h, weight, head.vocab_size, scale, cap))
-    return lax.map(call, chunks).reshape(-1)[: hidden.shape[0]]
-
-
-def _from_features(
-    model: Any,
-    hidden: Array,
-    targets: Array,
-    key: PRNGKeyArray | None,
-    head: _Head,
-    entropy: bool,
-) -> tuple[Array, Array | None]:
-    if head.chunk is None:
-        return _from_logits(_head(model, hidden, key), targets, head, entropy)
-    options = _chunk_options(model, head.temperature)
-    flat = hidden.reshape(-1, hidden.shape[-1])
-    weight = model.head_weight(key=key)
-    logp = chunked_token_logprobs(
-        flat,
-        weight,
-        targets.reshape(-1),
-        chunk=head.chunk,
-        vocab_size=head.vocab_size,
-        **options,
-    ).reshape(targets.shape)
-    if not entropy:
-        return logp, None
-    return logp, _chunked_entropy(flat, weight, head, options).reshape(targets.shape)
-
-
-def _forward(
-    model: Any,
-    tokens: Array,
-    targets: Array,
-    extras: dict[str, Array],
-    key: PRNGKeyArray | None,
-    head: _Head,
-    entropy: bool,
-) -> tuple[Array, Array | None, dict[str, Array]]:
-    """`(log-probs, entropy or None, router statistics)` of `model` on a batch."""
-    targets = jnp.where(targets >= 0, targets, 0)  # e.g. -100 on masked positions
-    if head.chunk is None and not getattr(model, "routes_batch", False):
-        call = lambda t, rows, k: model(t, key=k, **rows)
-        logits = vmap_rows(call)(tokens, extras, _row_keys(key, tokens.shape[0]))
-        return *_from_logits(logits, targets, head, entropy), {}
-    segs, positions = extras.get("segment_ids"), extras.get("positions")
-    hidden, router = _batch_features(model, tokens, segs, key, positions)
-    return *_from_features(model, hidden, targets, key, head, entropy), router
-
-
-def _check_head(vocab_size: Any, chunk: Any, temperature: Any) -> _Head:
-    if chunk is not None and (
-        isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1
-    ):
-        raise ConfigError(f"`chunk` must be None or an int >= 1; got {chunk!r}.")
-    if not temperature > 0:
-        raise ConfigError(
-            f"`temperature` must be > 0 (the sampling temperature); got "
-            f"{temperature!r}."
-        )
-    return _Head(vocab_size, chunk, float(temperature))
-
-
-def _model_inputs(
-    tokens: ArrayLike,
-    targets: ArrayLike,
-    segment_ids: ArrayLike | None,
-    positions: ArrayLike | None,
-) -> tuple[Array, Array, dict[str, Array]]:
-    extras = {"segment_ids": segment_ids, "positions": positions}
-    extras = {k: jnp.asarray(v) for k, v in extras.items() if v is not None}
-    return jnp.asarray(tokens), jnp.asarray(targets), extras
-
-
-def token_logprobs_and_entropy(
-    model: Any,
-    tokens: Int[ArrayLike, "rows seq"],
-    targets: Int[ArrayLike, "rows seq"],
-    *,
-    key: PRNGKeyArray | None = None,
-    vocab_size: int | None = None,
-    chunk: int | None = None,
-    temperature: float = 1.0,
-    segment_ids: Int[ArrayLike, "rows seq"] | None = None,
-    positions: Int[ArrayLike, "rows seq"] | None = None,
-) -> tuple[Float[Array, "rows seq"], Float[Array, "rows seq"]]:
-    """`token_logprobs` and the entropy of the model's next-token distribution at
-    every position (f32, no gradient; with `chunk`, one more pass over the head,
-    forward only)."""
-    head = _check_head(vocab_size, chunk, temperature)
-    tokens, targets, extras = _model_inputs(tokens, targets, segment_ids, positions)
-    logp, ent, _ = _forward(model, tokens, targets, extras, key, head, True)
-    assert ent is not None
-    return logp, ent
-
-
-def token_logprobs(
-    model: Any,
-    tokens: Int[ArrayLike, "rows seq"],
-    targets: Int[ArrayLike, "rows seq"],
-    *,
-    key: PRNGKeyArray | None = None,
-    vocab_size: int | None = None,
-    chunk: int | None = None,
-    temperature: float = 1.0,
-    segment_ids: Int[ArrayLike, "rows seq"] | None = None,
-    positions: Int[ArrayLike, "rows seq"] | None = None,
-) -> Float[Array, "rows seq"]:
-    """`log p(target)` at every position of a batch, in f32, differentiable.
-
-    Args:
-        model: a per-row model `model(tokens [seq], key=...) -> logits [seq,
-            vocab]` (run under `jax.vmap`, the key split per row), or one with
-            `routes_batch` (experts: `model.batch_features` over the batch, then
-            its head).
-        tokens: the inputs (prompt and completion).
-        targets: the next token of every position; negative ids (e.g. -100 on
-            masked positions) are read as 0, so their log-prob is meaningless.
-        key: for dropout (LoRA adapters); None: none.
-        vocab_size: the real vocabulary of a padded model (`losses.vocab_mask`).
-        chunk: take the log-probs from `model.features` and
-            `model.head_weight()` this many tokens at a time
-            (`losses.chunked_token_logprobs`), never holding the full logits.
-        temperature: the sampling temperature: the logits are divided by it, as
-            the sampler did (TRL does the same).
-        segment_ids, positions: passed to the model as `causal_lm_loss` does
-            (e.g. left-padded prompts: pad tokens in segment 0).
-    """
-    head = _check_head(vocab_size, chunk, temperature)
-    tokens, targets, extras = _model_inputs(tokens, targets, segment_ids, positions)
-    return _forward(model, tokens, targets, extras, key, head, False)[0]
+def _batch_std(r: Array) -> Array:
+    """The std of all the batch's rewards, for every row (0 for one row)."""
+    return jnp.broadcast_to(_nanstd(r) if r.shape[0] > 1 else 0.0, r.shape)
 
 
 # -- the loss ------------------------------------------------------------------------
@@ -354,6 +181,21 @@ def _aggregate(
     return total / jnp.maximum(tokens, 1.0), tokens
 
 
+def _surrogate(
+    ratio: Array, a: Array, epsilon_low: float, epsilon_high: float
+) -> Array:
+    """PPO's clipped surrogate, negated: `-min(r * A, clip(r) * A)`."""
+    clipped = jnp.clip(ratio, 1.0 - epsilon_low, 1.0 + epsilon_high)
+    return -jnp.minimum(ratio * a, clipped * a)
+
+
+def _k3(logps: Array, ref_logps: Array, m: Array) -> Array:
+    """Schulman's k3 estimate of KL(policy || reference) per token (0 where
+    masked)."""
+    diff = jnp.where(m != 0, ref_logps - logps, 0.0)
+    return jnp.exp(diff) - diff - 1.0
+
+
 def _check_loss(
     loss_type: str,
     epsilon_low: float,
@@ -364,11 +206,19 @@ def _check_loss(
 ) -> None:
     _choice("loss_type", loss_type, LOSS_TYPES)
     _choice("importance_sampling_level", importance_sampling_level, LEVELS)
-    for name, value in (("epsilon_low", epsilon_low), ("epsilon_high", epsilon_high)):
-        if not value >= 0:
-            raise ConfigError(f"`{name}` must be >= 0 (e.g. 0.2); got {value!r}.")
-    if not beta >= 0:
-        raise ConfigError(f"`beta` must be >= 0 (0: no KL term); got {beta!r}.")
+    _at_least_zero("epsilon_low", epsilon_low, "e.g. 0.2")
+    _at_least_zero("epsilon_high", epsilon_high, "e.g. 0.2")
+    _at_least_zero("beta", beta, "0: no KL term")
+    _check_dr_grpo(loss_type, max_completion_length)
+
+
+def _at_least_zero(name: str, value: float, hint: str) -> None:
+    if not value >= 0:
+        raise ConfigError(f"`{name}` must be >= 0 ({hint}); got {value!r}.")
+
+
+def _check_dr_grpo(loss_type: str, max_completion_length: int | None) -> None:
+    """Dr. GRPO's denominator needs the sampler's limit on new tokens."""
     if loss_type == "dr_grpo" and not (
         isinstance(max_completion_length, int) and max_completion_length >= 1
     ):
@@ -452,12 +302,10 @@ def grpo_token_loss(
     logps, m = jnp.asarray(logps), jnp.asarray(mask).astype(jnp.float32)
     ratio = _ratio(logps, jnp.asarray(old_logps), m, importance_sampling_level)
     a = jnp.asarray(advantages, jnp.float32)[:, None]
-    clipped = jnp.clip(ratio, 1.0 - epsilon_low, 1.0 + epsilon_high)
-    per_token = -jnp.minimum(ratio * a, clipped * a)
+    per_token = _surrogate(ratio, a, epsilon_low, epsilon_high)
     metrics = _clip_metrics(ratio, a, m, epsilon_low, epsilon_high)
     if ref_logps is not None and beta > 0:
-        diff = jnp.where(m != 0, jnp.asarray(ref_logps) - logps, 0.0)
-        kl = jnp.exp(diff) - diff - 1.0
+        kl = _k3(logps, jnp.asarray(ref_logps), m)
         per_token = per_token + beta * kl
         metrics["kl"] = _token_mean(kl, m)
     per_token = jnp.broadcast_to(per_token, m.shape)
@@ -468,8 +316,17 @@ def grpo_token_loss(
 # -- a loss function for the step builders -------------------------------------------
 def _batch_inputs(
     batch: Mapping[str, ArrayLike], reference: str | None, beta: float
-) -> tuple[Array, Array, Array, dict[str, Array]]:
-    """`(tokens, targets, f32 mask, model extras)`, after checking the keys."""
+) -> tuple[tuple[Array, Array, dict[str, Array]], Array]:
+    """`((tokens, targets, model extras), f32 mask)`, after checking the keys."""
+    _check_keys(batch, reference, beta)
+    mask = jnp.asarray(batch["completion_mask"]).astype(jnp.float32)
+    tokens, targets = jnp.asarray(batch["tokens"]), jnp.asarray(batch["targets"])
+    return (tokens, targets, _row_extras(batch)), mask
+
+
+def _check_keys(
+    batch: Mapping[str, ArrayLike], reference: str | None, beta: float
+) -> None:
     needed = ["tokens", "targets", "completion_mask", "advantages"]
     if beta > 0 and reference == "precomputed":
         needed.append("ref_logps")
@@ -479,9 +336,6 @@ def _batch_inputs(
             f"a GRPO batch needs the keys {needed}; {missing} missing (it has "
             f"{sorted(batch)})."
         )
-    mask = jnp.asarray(batch["completion_mask"]).astype(jnp.float32)
-    tokens, targets = jnp.asarray(batch["tokens"]), jnp.asarray(batch["targets"])
-    return tokens, targets, mask, _row_extras(batch)
 
 
 def _reference_logps(
@@ -491,11 +345,12 @@ def _reference_logps(
     inputs: tuple[Array, Array, dict[str, Array]],
     head: _Head,
 ) -> Array:
+    """The reference's per-token log-probs (no gradient): the batch's, or the
+    frozen copy's, or the policy's with its adapters off."""
     if reference == "precomputed":
         return jnp.asarray(batch["ref_logps"], jnp.float32)
     ref = model.reference if reference == "copy" else lora.disable(model)
-    tokens, targets, extras = inputs
-    logps, _, _ = _forward(ref, tokens, targets, extras, None, head, False)
+    logps, _, _ = _forward(ref, *inputs, None, head, False)
     return lax.stop_gradient(logps)
 
 
@@ -543,20 +398,6 @@ def grpo_loss_fn(
         The loss function; its aux holds `grpo_token_loss`'s metrics, `entropy`,
         and a model with experts' router penalty (added to the loss) and metrics.
     """
-    _check_loss(
-        loss_type,
-        epsilon_low,
-        epsilon_high,
-        beta,
-        importance_sampling_level,
-        max_completion_length,
-    )
-    if beta > 0 and reference not in REFERENCES:
-        raise ConfigError(
-            f"`beta` > 0 needs a reference model: `reference` must be one of "
-            f"{REFERENCES}; got {reference!r}."
-        )
-    head = _check_head(vocab_size, chunk, temperature)
     options = dict(
         loss_type=loss_type,
         epsilon_low=epsilon_low,
@@ -565,23 +406,33 @@ def grpo_loss_fn(
         max_completion_length=max_completion_length,
         importance_sampling_level=importance_sampling_level,
     )
+    _check_loss(**options)
+    if beta > 0 and reference not in REFERENCES:
+        raise ConfigError(
+            f"`beta` > 0 needs a reference model: `reference` must be one of "
+            f"{REFERENCES}; got {reference!r}."
+        )
+    head = _check_head(vocab_size, chunk, temperature)
+    return _loss_fn(options, reference, head, entropy)
+
+
+def _loss_fn(
+    options: dict[str, Any], reference: str | None, head: _Head, entropy: bool
+) -> Callable[..., tuple[Float[Array, ""], Metrics]]:
+    """`grpo_loss_fn`'s loss function, its arguments checked; `options` are
+    `grpo_token_loss`'s."""
+    beta = options["beta"]
 
     def loss_fn(
         model: Any, batch: Mapping[str, ArrayLike], key: PRNGKeyArray | None = None
     ) -> tuple[Float[Array, ""], Metrics]:
-        tokens, targets, mask, extras = _batch_inputs(batch, reference, beta)
-        if beta > 0:
-            _check_reference(model, reference)
-        policy = model.policy if isinstance(model, WithReference) else model
-        logps, ent, router = _forward(
-            policy, tokens, targets, extras, key, head, entropy
-        )
-        old = batch.get("old_logps")
-        old = lax.stop_gradient(logps) if old is None else jnp.asarray(old)
+        inputs, mask = _batch_inputs(batch, reference, beta)
+        policy = _policy(model, reference, beta)
+        logps, ent, router = _forward(policy, *inputs, key, head, entropy)
         ref = None
         if beta > 0:
-            inputs = (tokens, targets, extras)
             ref = _reference_logps(model, batch, reference, inputs, head)
+        old = _old_logps(batch, logps)
         advantages = jnp.asarray(batch["advantages"], jnp.float32)
         loss, metrics = grpo_token_loss(
             logps, old, advantages, mask, ref_logps=ref, **options
@@ -591,3 +442,18 @@ def grpo_loss_fn(
         return _with_router(policy, router, loss, metrics)
 
     return loss_fn
+
+
+def _policy(model: Any, reference: str | None, beta: float) -> Any:
+    """The policy of `model` (a `WithReference`'s), after checking that `model`
+    carries the reference that `reference` names when the loss reads one."""
+    if beta > 0:
+        _check_reference(model, reference)
+    return model.policy if isinstance(model, WithReference) else model
+
+
+def _old_logps(batch: Mapping[str, ArrayLike], logps: Array) -> Array:
+    """The sampling policy's log-probs: the batch's `old_logps`, or the current
+    ones without gradient (ratio 1, as on a first pass)."""
+    old = batch.get("old_logps")
+    return lax.stop_gradient(logps) if old is None else jnp.asarray(old)

@@ -174,6 +174,20 @@ def apply(model: PyTree, spec: LoRA, *, key: PRNGKeyArray) -> PyTree:
             dimension (each names what it found).
     """
     found = list(linears(model))
+    _check_wrappable(model, found)
+    pattern = _compile(spec.targets, "targets")
+    _refuse_experts(model, spec, pattern)
+    chosen = _targets(found, spec, pattern)
+    keys = dict(zip([p for p, _ in chosen], jr.split(key, len(chosen)), strict=True))
+
+    def wrap(path: str, layer: Any) -> Any:
+        return _adapted(layer, spec, keys[path]) if path in keys else layer
+
+    return map_linears(model, wrap)
+
+
+def _check_wrappable(model: Any, found: list[tuple[str, Any]]) -> None:
+    """The model has linear layers (`found`), none of them adapted yet."""
     if not found:
         raise ConfigError(
             f"LoRA needs linear layers (eqtrain `Linear`), and "
@@ -184,8 +198,13 @@ def apply(model: PyTree, spec: LoRA, *, key: PRNGKeyArray) -> PyTree:
             "this model already carries LoRA adapters; `lora.merge` or "
             "`lora.unwrap` it first."
         )
-    pattern = _compile(spec.targets, "targets")
-    _refuse_experts(model, spec, pattern)
+
+
+def _targets(
+    found: list[tuple[str, Any]], spec: LoRA, pattern: re.Pattern[str]
+) -> list[tuple[str, Any]]:
+    """The `(path, layer)` of `found` that `pattern` selects (at least one), each
+    large enough for `spec.rank`."""
     chosen = [(p, x) for p, x in found if pattern.search(p)]
     if not chosen:
         shown = ", ".join(p for p, _ in found[:8])
@@ -195,32 +214,35 @@ def apply(model: PyTree, spec: LoRA, *, key: PRNGKeyArray) -> PyTree:
             "searched in these dotted paths."
         )
     for path, layer in chosen:
-        _, out, inp = _dims(layer.weight)
-        if spec.rank > min(out, inp):
-            raise ConfigError(
-                f"LoRA `rank` {spec.rank} exceeds the smaller dimension of "
-                f"`{path}` ({out} x {inp}); use rank <= {min(out, inp)} or leave "
-                "that layer out of `targets`."
-            )
-    keys = dict(zip([p for p, _ in chosen], jr.split(key, len(chosen)), strict=True))
+        _check_rank(spec.rank, path, layer)
+    return chosen
 
-    def wrap(path: str, layer: Any) -> Any:
-        if path not in keys:
-            return layer
-        lead, out, inp = _dims(layer.weight)
-        dtype = layer.weight.dtype
-        bound = 1.0 / math.sqrt(inp)
-        a = jr.uniform(keys[path], (*lead, spec.rank, inp), jnp.float32, -bound, bound)
-        return LoRALinear(
-            weight=layer.weight,
-            bias=layer.bias,
-            lora_a=a.astype(dtype),
-            lora_b=jnp.zeros((*lead, out, spec.rank), dtype),
-            scale=spec.scale,
-            dropout=float(spec.dropout),
+
+def _check_rank(rank: int, path: str, layer: Any) -> None:
+    _, out, inp = _dims(layer.weight)
+    if rank > min(out, inp):
+        raise ConfigError(
+            f"LoRA `rank` {rank} exceeds the smaller dimension of "
+            f"`{path}` ({out} x {inp}); use rank <= {min(out, inp)} or leave "
+            "that layer out of `targets`."
         )
 
-    return map_linears(model, wrap)
+
+def _adapted(layer: Any, spec: LoRA, key: PRNGKeyArray) -> LoRALinear:
+    """`layer` with a new adapter: `lora_a` uniform in `±1/sqrt(in)`, `lora_b`
+    zero, both in the weight's dtype."""
+    lead, out, inp = _dims(layer.weight)
+    dtype = layer.weight.dtype
+    bound = 1.0 / math.sqrt(inp)
+    a = jr.uniform(key, (*lead, spec.rank, inp), jnp.float32, -bound, bound)
+    return LoRALinear(
+        weight=layer.weight,
+        bias=layer.bias,
+        lora_a=a.astype(dtype),
+        lora_b=jnp.zeros((*lead, out, spec.rank), dtype),
+        scale=spec.scale,
+        dropout=float(spec.dropout),
+    )
 
 
 def _refuse_experts(model: Any, spec: LoRA, pattern: re.Pattern[str]) -> None:
@@ -262,19 +284,25 @@ def trainable(model: PyTree, also: str | None = None) -> PyTree[bool]:
         )
     extra = None if also is None else _compile(also, "train_also")
     paths = _leaf_paths(model)
-    flags = [
-        is_adapter_path(p) or (extra is not None and bool(extra.search(p)))
-        for p in paths
-    ]
-    if extra is not None and not any(
-        extra.search(p) and not is_adapter_path(p) for p in paths
-    ):
+    flags = [_trained(p, extra) for p in paths]
+    if extra is not None:
+        _check_also(also, extra, paths)
+    treedef = jtu.tree_structure(model, is_leaf=lambda x: x is None)
+    return jtu.tree_unflatten(treedef, flags)
+
+
+def _trained(path: str, extra: re.Pattern[str] | None) -> bool:
+    """An adapter leaf, or one that `extra` (`train_also`) selects."""
+    return is_adapter_path(path) or (extra is not None and bool(extra.search(path)))
+
+
+def _check_also(also: Any, extra: re.Pattern[str], paths: list[str]) -> None:
+    """`train_also` must select some parameter besides the adapters."""
+    if not any(extra.search(p) and not is_adapter_path(p) for p in paths):
         raise ConfigError(
             f"LoRA `train_also` {also!r} matches no parameter of the model; it is "
             f"searched in dotted paths such as {paths[0]!r} or {paths[-1]!r}."
         )
-    treedef = jtu.tree_structure(model, is_leaf=lambda x: x is None)
-    return jtu.tree_unflatten(treedef, flags)
 
 
 def num_adapter_params(model: Any) -> int:
@@ -310,14 +338,15 @@ def merge(model: PyTree) -> PyTree:
     """The plain model with every adapter folded in: `weight + scale * B @ A`
     (an enabled adapter; a disabled one is dropped). The result exports to
     Hugging Face like any model."""
+    return map_linears(model, _folded)
 
-    def fold(path: str, layer: Any) -> Any:
-        if not isinstance(layer, LoRALinear):
-            return layer
-        weight = merged_weight(layer) if layer.enabled else layer.weight
-        return _plain(weight, layer.bias)
 
-    return map_linears(model, fold)
+def _folded(path: str, layer: Any) -> Any:
+    """`layer` as a plain `Linear`, its adapter folded in when enabled."""
+    if not isinstance(layer, LoRALinear):
+        return layer
+    weight = merged_weight(layer) if layer.enabled else layer.weight
+    return _plain(weight, layer.bias)
 
 
 def unwrap(model: PyTree) -> PyTree:
@@ -329,14 +358,16 @@ def unwrap(model: PyTree) -> PyTree:
 
 
 def _switch(model: PyTree, enabled: bool) -> PyTree:
-    def flip(path: str, layer: Any) -> Any:
-        if not isinstance(layer, LoRALinear) or layer.enabled == enabled:
-            return layer
-        out = copy.copy(layer)
-        object.__setattr__(out, "enabled", enabled)  # a static field; arrays shared
-        return out
+    return map_linears(model, lambda _, layer: _switched(layer, enabled))
 
-    return map_linears(model, flip)
+
+def _switched(layer: Any, enabled: bool) -> Any:
+    """`layer` with its adapter on or off (a plain layer unchanged)."""
+    if not isinstance(layer, LoRALinear) or layer.enabled == enabled:
+        return layer
+    out = copy.copy(layer)
+    object.__setattr__(out, "enabled", enabled)  # a static field; arrays shared
+    return out
 
 
 def disable(model: PyTree) -> PyTree:

@@ -71,6 +71,11 @@ def vocab_mask(
     return jnp.where(ids < vocab_size, logits, -jnp.inf)
 
 
+def _check_z_loss(z_loss: float | int) -> None:
+    if z_loss < 0:
+        raise ConfigError(f"`z_loss` must be >= 0 (e.g. 1e-4); got {z_loss!r}.")
+
+
 def causal_lm_loss_fn(
     *, z_loss: float | int = 0.0, vocab_size: int | None = None
 ) -> Callable[..., tuple[Float[Array, ""], Aux]]:
@@ -87,43 +92,51 @@ def causal_lm_loss_fn(
     Returns:
         The loss function; see `causal_lm_loss` for the batch format.
     """
-    if z_loss < 0:
-        raise ConfigError(f"`z_loss` must be >= 0 (e.g. 1e-4); got {z_loss!r}.")
+    _check_z_loss(z_loss)
 
     def loss_fn(
         model: Callable[..., Any],
         batch: Mapping[str, ArrayLike],
         key: PRNGKeyArray | None = None,
     ) -> tuple[Float[Array, ""], Aux]:
-        tokens = jnp.asarray(batch["tokens"])
-        targets = jnp.asarray(batch["targets"])
-        if "loss_mask" in batch:
-            # f32 before any sum: a bf16-cast mask sums inexactly past 256 tokens.
-            mask = jnp.asarray(batch["loss_mask"]).astype(jnp.float32)
-        else:
-            mask = jnp.ones(targets.shape, jnp.float32)
-        if getattr(model, "routes_batch", False):
-            hidden, router = model.batch_features(tokens, key=key, **_row_extras(batch))
-            logits = _head(model, hidden, key)
-        else:
-            keys = _row_keys(key, tokens.shape[0])
-            call = lambda t, rows, k: model(t, key=k, **rows)
-            logits = vmap_rows(call)(tokens, _row_extras(batch), keys)
-            router = {}
+        tokens, targets, mask = _lm_inputs(batch)
+        logits, router = _lm_logits(model, tokens, _row_extras(batch), key)
         logits = vocab_mask(logits, vocab_size)
         # Masked targets may hold anything (e.g. -100): point them at a valid id.
         targets = jnp.where(mask > 0, targets, 0)
         nll, log_z, correct = _token_cross_entropy(logits, targets)
-        count = jnp.sum(mask)
-        loss = _weighted_mean(nll, mask, count)
-        aux = {"accuracy": _weighted_mean(correct, mask, count), "weight": count}
-        if z_loss:
-            z = _weighted_mean(jnp.square(log_z), mask, count)
-            loss = loss + z_loss * z
-            aux["z_loss"] = z
+        loss, aux = _masked_means(nll, correct, log_z, mask, z_loss)
         return _with_router(model, router, loss, aux)
 
     return loss_fn
+
+
+def _lm_logits(
+    model: Any, tokens: Array, extras: dict[str, Array], key: PRNGKeyArray | None
+) -> tuple[Array, dict[str, Array]]:
+    """`(logits, router statistics)` of an LM on a batch: row by row (`jax.vmap`,
+    the key split per row, no statistics), or for a model with experts
+    (`routes_batch`) `model.batch_features` over the whole batch, then its head."""
+    if getattr(model, "routes_batch", False):
+        hidden, router = model.batch_features(tokens, key=key, **extras)
+        return _head(model, hidden, key), router
+    call = lambda t, rows, k: model(t, key=k, **rows)
+    return vmap_rows(call)(tokens, extras, _row_keys(key, tokens.shape[0])), {}
+
+
+def _masked_means(
+    nll: Array, correct: Array, log_z: Array, mask: Array, z_loss: float | int
+) -> tuple[Array, Aux]:
+    """`(loss, aux)` of `causal_lm_loss_fn`: the means over the masked positions,
+    the z-loss added when on."""
+    count = jnp.sum(mask)
+    loss = _weighted_mean(nll, mask, count)
+    aux = {"accuracy": _weighted_mean(correct, mask, count), "weight": count}
+    if z_loss:
+        z = _weighted_mean(jnp.square(log_z), mask, count)
+        loss = loss + z_loss * z
+        aux["z_loss"] = z
+    return loss, aux
 
 
 def _head(model: Any, hidden: Array, key: PRNGKeyArray | None) -> Array:
@@ -147,18 +160,15 @@ def _with_router(
     return loss + penalty, {**aux, **metrics}
 
 
-def _lm_inputs(
-    batch: Mapping[str, ArrayLike],
-) -> tuple[Array, Array, Array, Array | None]:
-    """`(tokens, targets, f32 mask, segment_ids or None)` of an LM batch."""
+def _lm_inputs(batch: Mapping[str, ArrayLike]) -> tuple[Array, Array, Array]:
+    """`(tokens, targets, f32 mask)` of an LM batch (the mask all ones without a
+    `loss_mask`)."""
     tokens = jnp.asarray(batch["tokens"])
     targets = jnp.asarray(batch["targets"])
-    if "loss_mask" in batch:
-        mask = jnp.asarray(batch["loss_mask"]).astype(jnp.float32)
-    else:
-        mask = jnp.ones(targets.shape, jnp.float32)
-    segs = jnp.asarray(batch["segment_ids"]) if "segment_ids" in batch else None
-    return tokens, targets, mask, segs
+    if "loss_mask" not in batch:
+        return tokens, targets, jnp.ones(targets.shape, jnp.float32)
+    # f32 before any sum: a bf16-cast mask sums inexactly past 256 tokens.
+    return tokens, targets, jnp.asarray(batch["loss_mask"]).astype(jnp.float32)
 
 
 def _row_extras(batch: Mapping[str, ArrayLike]) -> dict[str, Array]:
@@ -169,17 +179,12 @@ def _row_extras(batch: Mapping[str, ArrayLike]) -> dict[str, Array]:
 
 
 def _batch_features(
-    model: Any,
-    tokens: Array,
-    segs: Array | None,
-    key: PRNGKeyArray | None,
-    positions: Array | None = None,
+    model: Any, tokens: Array, extras: dict[str, Array], key: PRNGKeyArray | None
 ) -> tuple[Array, dict[str, Array]]:
     """`(model.features per row, router statistics)`: row by row (`jax.vmap`, keys
     split as `causal_lm_loss` does, no statistics), or for a model with experts
-    (`routes_batch`) `model.batch_features` over the whole batch."""
-    extras = {"segment_ids": segs, "positions": positions}
-    extras = {k: v for k, v in extras.items() if v is not None}
+    (`routes_batch`) `model.batch_features` over the whole batch. `extras`: the
+    rows' `segment_ids` and `positions` (`_row_extras`)."""
     if getattr(model, "routes_batch", False):
         return model.batch_features(tokens, key=key, **extras)
     keys = _row_keys(key, tokens.shape[0])
@@ -226,8 +231,7 @@ def chunked_causal_lm_loss_fn(
         ConfigError: `chunk` is not a positive int or `z_loss < 0` (here); a LoRA
             adapter with dropout on the head (at the first call with a key).
     """
-    if z_loss < 0:
-        raise ConfigError(f"`z_loss` must be >= 0 (e.g. 1e-4); got {z_loss!r}.")
+    _check_z_loss(z_loss)
     if not isinstance(chunk, int) or isinstance(chunk, bool) or chunk < 1:
         raise ConfigError(f"`chunk` must be a positive int (e.g. 256); got {chunk!r}.")
 
@@ -236,9 +240,8 @@ def chunked_causal_lm_loss_fn(
         batch: Mapping[str, ArrayLike],
         key: PRNGKeyArray | None = None,
     ) -> tuple[Float[Array, ""], Aux]:
-        tokens, targets, mask, segs = _lm_inputs(batch)
-        positions = _row_extras(batch).get("positions")
-        hidden, router = _batch_features(model, tokens, segs, key, positions)
+        tokens, targets, mask = _lm_inputs(batch)
+        hidden, router = _batch_features(model, tokens, _row_extras(batch), key)
         ce = chunked_cross_entropy(
             hidden.reshape(-1, hidden.shape[-1]),
             model.head_weight(key=key),
@@ -249,14 +252,23 @@ def chunked_causal_lm_loss_fn(
             vocab_size=vocab_size,
             **_logit_options(model),
         )
-        count = jnp.sum(mask)
-        denom = jnp.where(count > 0, count, 1.0)
-        aux = {"accuracy": ce.correct / denom, "weight": count}
-        if z_loss:
-            aux["z_loss"] = ce.z / denom
-        return _with_router(model, router, ce.total / denom, aux)
+        loss, aux = _chunked_means(ce, mask, z_loss)
+        return _with_router(model, router, loss, aux)
 
     return loss_fn
+
+
+def _chunked_means(
+    ce: ChunkedCE, mask: Array, z_loss: float | int
+) -> tuple[Array, Aux]:
+    """`(loss, aux)` of `chunked_causal_lm_loss_fn`: the chunks' sums over the
+    global target count."""
+    count = jnp.sum(mask)
+    denom = jnp.where(count > 0, count, 1.0)
+    aux = {"accuracy": ce.correct / denom, "weight": count}
+    if z_loss:
+        aux["z_loss"] = ce.z / denom
+    return ce.total / denom, aux
 
 
 def chunked_sequence_logprobs(

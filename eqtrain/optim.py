@@ -6,7 +6,8 @@ schedule, masked decoupled weight decay) from flat options, the keys of the CLI'
 import difflib
 import functools
 import re
-from typing import Any
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -127,6 +128,17 @@ def _check_schedule(
         raise ConfigError(f"`optim.lr` must be >= 0; got {lr!r}.")
     if warmup_steps < 0:
         raise ConfigError(f"`optim.warmup_steps` must be >= 0; got {warmup_steps}.")
+    _check_total_steps(name, total_steps, warmup_steps)
+    _check_final_lr(name, lr, final_lr)
+    if decay_steps is not None and name != "wsd":
+        raise ConfigError(
+            f"`optim.decay_steps` applies only to schedule 'wsd'; got "
+            f"decay_steps={decay_steps} with schedule {name!r}. Remove it, or use "
+            "schedule 'wsd'."
+        )
+
+
+def _check_total_steps(name: str, total_steps: int | None, warmup_steps: int) -> None:
     if total_steps is None and name != "constant":
         raise ConfigError(
             f"`optim.schedule = {name!r}` decays the LR until `total_steps`, which "
@@ -140,6 +152,9 @@ def _check_schedule(
             f"`optim.warmup_steps` must be smaller than `total_steps`; got "
             f"warmup_steps={warmup_steps} and total_steps={total_steps}."
         )
+
+
+def _check_final_lr(name: str, lr: float | int, final_lr: float | int) -> None:
     if name == "constant" and final_lr != 0:
         raise ConfigError(
             f"`optim.final_lr` applies to the 'linear', 'cosine' and 'wsd' "
@@ -150,12 +165,6 @@ def _check_schedule(
         raise ConfigError(
             f"`optim.final_lr` must be between 0 and `optim.lr` ({lr!r}); "
             f"got {final_lr!r}."
-        )
-    if decay_steps is not None and name != "wsd":
-        raise ConfigError(
-            f"`optim.decay_steps` applies only to schedule 'wsd'; got "
-            f"decay_steps={decay_steps} with schedule {name!r}. Remove it, or use "
-            "schedule 'wsd'."
         )
 
 
@@ -218,15 +227,26 @@ def schedule(
     if name == "linear":
         main = optax.linear_schedule(lr, final_lr, steps)
     elif name == "cosine":
-        alpha = final_lr / lr if lr else 0.0  # lr = 0: final_lr is 0 too
-        main = optax.cosine_decay_schedule(lr, steps, alpha=alpha)
+        main = _cosine(lr, final_lr, steps)
     else:
         decay = _wsd_decay_steps(total_steps, warmup_steps, decay_steps)
-        main = optax.join_schedules(
-            [optax.constant_schedule(lr), optax.linear_schedule(lr, final_lr, decay)],
-            [steps - decay],
-        )
+        main = _wsd(lr, final_lr, steps, decay)
     return _warmed_up(main, lr, warmup_steps)
+
+
+def _cosine(lr: float | int, final_lr: float | int, steps: int) -> optax.Schedule:
+    alpha = final_lr / lr if lr else 0.0  # lr = 0: final_lr is 0 too
+    return optax.cosine_decay_schedule(lr, steps, alpha=alpha)
+
+
+def _wsd(
+    lr: float | int, final_lr: float | int, steps: int, decay: int
+) -> optax.Schedule:
+    """Stable at `lr`, then linear to `final_lr` over the last `decay` steps."""
+    return optax.join_schedules(
+        [optax.constant_schedule(lr), optax.linear_schedule(lr, final_lr, decay)],
+        [steps - decay],
+    )
 
 
 _schedule = schedule  # `build` has an argument of the same name
@@ -234,6 +254,20 @@ _schedule = schedule  # `build` has an argument of the same name
 
 def _check_options(name: str, weight_decay: float | int, **extras: Any) -> None:
     """Reject options the chosen optimizer would not use, and bad values."""
+    _check_applicable(name, extras)
+    _check_ranges(extras)
+    if weight_decay < 0:
+        raise ConfigError(f"`optim.weight_decay` must be >= 0; got {weight_decay!r}.")
+    if name == "adam" and weight_decay > 0:
+        raise ConfigError(
+            f"`optim.weight_decay` is not supported with optimizer 'adam'; got "
+            f"weight_decay={weight_decay!r}. Use name 'adamw' for Adam with "
+            "decoupled weight decay."
+        )
+
+
+def _check_applicable(name: str, extras: dict[str, Any]) -> None:
+    """Reject an option (given: not None/False) that optimizer `name` ignores."""
     for field, value in extras.items():
         given = value is not None and value is not False  # 0.0 counts as given
         if given and field not in _EXTRAS[name]:
@@ -243,6 +277,9 @@ def _check_options(name: str, weight_decay: float | int, **extras: Any) -> None:
                 f"by {', '.join(map(repr, users))}); got {field}={value!r}. Remove "
                 "it, or choose one of those optimizers."
             )
+
+
+def _check_ranges(extras: dict[str, Any]) -> None:
     for field in ("b1", "b2", "momentum"):
         value = extras[field]
         if value is not None and not 0 <= value < 1:
@@ -254,56 +291,78 @@ def _check_options(name: str, weight_decay: float | int, **extras: Any) -> None:
             "`optim.nesterov = true` needs `optim.momentum` (e.g. 0.9); plain SGD "
             "has no momentum to look ahead with."
         )
-    if weight_decay < 0:
-        raise ConfigError(f"`optim.weight_decay` must be >= 0; got {weight_decay!r}.")
-    if name == "adam" and weight_decay > 0:
-        raise ConfigError(
-            f"`optim.weight_decay` is not supported with optimizer 'adam'; got "
-            f"weight_decay={weight_decay!r}. Use name 'adamw' for Adam with "
-            "decoupled weight decay."
-        )
 
 
-def _optimizer(
-    name: str,
-    learning_rate: Any,
-    *,
-    weight_decay: float | int,
-    mask: Any,
-    b1: float | int | None,
-    b2: float | int | None,
-    eps: float | int | None,
-    momentum: float | int | None,
-    nesterov: bool,
-) -> optax.GradientTransformation:
-    """The optax optimizer `name`; `None` options keep optax's defaults."""
-    opts = {k: v for k, v in (("b1", b1), ("b2", b2), ("eps", eps)) if v is not None}
-    if name == "adamw":
-        return optax.adamw(learning_rate, **opts, weight_decay=weight_decay, mask=mask)
-    if name == "adam":
-        return optax.adam(learning_rate, **opts)
-    if name == "lion":
-        return optax.lion(learning_rate, **opts, weight_decay=weight_decay, mask=mask)
-    if name == "adafactor":
-        # optax adds adafactor's decay after the LR scaling; multiplying the rate
-        # by the LR makes it decoupled decay in the same sense as adamw's.
-        return optax.adafactor(
-            learning_rate,
-            momentum=b1,
-            eps=1e-30 if eps is None else eps,
-            weight_decay_rate=learning_rate * weight_decay if weight_decay else None,
-            weight_decay_mask=mask,
-        )
-    if not weight_decay:
-        return optax.sgd(learning_rate, momentum=momentum, nesterov=nesterov)
+class _Options(NamedTuple):
+    """What `build` hands each optimizer besides the learning rate (`None`:
+    optax's default)."""
+
+    weight_decay: float | int
+    mask: Any
+    b1: float | int | None
+    b2: float | int | None
+    eps: float | int | None
+    momentum: float | int | None
+    nesterov: bool
+
+    @property
+    def moments(self) -> dict[str, float | int]:
+        """`b1`, `b2` and `eps`, those given."""
+        given = (("b1", self.b1), ("b2", self.b2), ("eps", self.eps))
+        return {k: v for k, v in given if v is not None}
+
+
+def _adamw(learning_rate: Any, o: _Options) -> optax.GradientTransformation:
+    return optax.adamw(
+        learning_rate, **o.moments, weight_decay=o.weight_decay, mask=o.mask
+    )
+
+
+def _adam(learning_rate: Any, o: _Options) -> optax.GradientTransformation:
+    return optax.adam(learning_rate, **o.moments)
+
+
+def _lion(learning_rate: Any, o: _Options) -> optax.GradientTransformation:
+    return optax.lion(
+        learning_rate, **o.moments, weight_decay=o.weight_decay, mask=o.mask
+    )
+
+
+def _adafactor(learning_rate: Any, o: _Options) -> optax.GradientTransformation:
+    # optax adds adafactor's decay after the LR scaling; multiplying the rate
+    # by the LR makes it decoupled decay in the same sense as adamw's.
+    decay = learning_rate * o.weight_decay if o.weight_decay else None
+    return optax.adafactor(
+        learning_rate,
+        momentum=o.b1,
+        eps=1e-30 if o.eps is None else o.eps,
+        weight_decay_rate=decay,
+        weight_decay_mask=o.mask,
+    )
+
+
+def _sgd(learning_rate: Any, o: _Options) -> optax.GradientTransformation:
+    if not o.weight_decay:
+        return optax.sgd(learning_rate, momentum=o.momentum, nesterov=o.nesterov)
     # SGDW (Loshchilov & Hutter, 2019): the decay skips the momentum and, like
     # adamw's, is multiplied by the learning rate.
-    trace = optax.identity() if momentum is None else optax.trace(momentum, nesterov)
+    trace = optax.identity()
+    if o.momentum is not None:
+        trace = optax.trace(o.momentum, o.nesterov)
     return optax.chain(
         trace,
-        optax.add_decayed_weights(weight_decay, mask),
+        optax.add_decayed_weights(o.weight_decay, o.mask),
         optax.scale_by_learning_rate(learning_rate),
     )
+
+
+_OPTIMIZERS = {
+    "adamw": _adamw,
+    "adam": _adam,
+    "lion": _lion,
+    "sgd": _sgd,
+    "adafactor": _adafactor,
+}
 
 
 def build(
@@ -376,11 +435,7 @@ def build(
     _choice("name", name, OPTIMIZERS)
     extras = dict(b1=b1, b2=b2, eps=eps, momentum=momentum, nesterov=nesterov)
     _check_options(name, weight_decay, **extras)
-    if clip_norm is not None and clip_norm < 0:
-        raise ConfigError(
-            f"`optim.clip_norm` must be > 0, or 0/None to disable clipping; "
-            f"got {clip_norm!r}."
-        )
+    _check_clip_norm(clip_norm)
     lr_schedule = _schedule(
         schedule,
         lr=lr,
@@ -389,19 +444,41 @@ def build(
         final_lr=final_lr,
         decay_steps=decay_steps,
     )
-    mask = None
-    if _compile(no_decay) is not None and weight_decay:
-        mask = functools.partial(decay_mask, no_decay=no_decay)
-
-    def inner(learning_rate: Any) -> optax.GradientTransformation:
-        return _optimizer(
-            name, learning_rate, weight_decay=weight_decay, mask=mask, **extras
-        )
-
-    # f32 hyperparameters even for bf16 parameters: the logged LR is the schedule's.
-    tx = optax.inject_hyperparams(inner, hyperparam_dtype=jnp.float32)(
-        learning_rate=lr_schedule
-    )
+    options = _Options(weight_decay, _mask(no_decay, weight_decay), **extras)
+    tx = _injected(_OPTIMIZERS[name], options, lr_schedule)
     if clip_norm:
         tx = optax.chain(optax.clip_by_global_norm(clip_norm), tx)
     return tx
+
+
+def _check_clip_norm(clip_norm: float | int | None) -> None:
+    if clip_norm is not None and clip_norm < 0:
+        raise ConfigError(
+            f"`optim.clip_norm` must be > 0, or 0/None to disable clipping; "
+            f"got {clip_norm!r}."
+        )
+
+
+def _mask(no_decay: str, weight_decay: float | int) -> Any:
+    """The weight-decay mask (`decay_mask` of `no_decay`), or None: every
+    parameter decays, or none does."""
+    if _compile(no_decay) is None or not weight_decay:
+        return None
+    return functools.partial(decay_mask, no_decay=no_decay)
+
+
+def _injected(
+    optimizer: Callable[[Any, _Options], optax.GradientTransformation],
+    options: _Options,
+    lr_schedule: optax.Schedule,
+) -> optax.GradientTransformation:
+    """`optimizer` with its learning rate injected from `lr_schedule` (in its
+    state, for the logs)."""
+
+    def inner(learning_rate: Any) -> optax.GradientTransformation:
+        return optimizer(learning_rate, options)
+
+    # f32 hyperparameters even for bf16 parameters: the logged LR is the schedule's.
+    return optax.inject_hyperparams(inner, hyperparam_dtype=jnp.float32)(
+        learning_rate=lr_schedule
+    )

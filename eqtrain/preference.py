@@ -15,22 +15,28 @@ tokens) is the caller's, as is where the reference log-probabilities come from
                           beta=0.1)
 """
 
+import functools
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-import jax.random as jr
 from jaxtyping import Array, ArrayLike, Float, Int, PRNGKeyArray
 
 from . import lora
 from ._errors import ConfigError
 from ._state import trainable_mask
-from .losses import _logit_options, chunked_sequence_logprobs, vocab_mask
+from .losses import (
+    _logit_options,
+    _row_keys,
+    chunked_sequence_logprobs,
+    vocab_mask,
+)
 
 
 Metrics = dict[str, Float[Array, ""]]
+_Pair = tuple[Array, Array]  # chosen and rejected values, one per pair each
 
 
 def sequence_logprobs(
@@ -80,6 +86,14 @@ def _reward_metrics(
     }
 
 
+def _smoothed_sigmoid_loss(logits: Array, label_smoothing: float) -> Array:
+    """`-(1 - eps) * log sigmoid(logits) - eps * log sigmoid(-logits)`, DPO's and
+    SimPO's loss on their margins."""
+    return -(1.0 - label_smoothing) * jax.nn.log_sigmoid(
+        logits
+    ) - label_smoothing * jax.nn.log_sigmoid(-logits)
+
+
 def dpo(
     policy_chosen: Float[Array, " pairs"],
     policy_rejected: Float[Array, " pairs"],
@@ -106,10 +120,7 @@ def dpo(
     _check("label_smoothing", label_smoothing, low=0.0, high=0.5)
     chosen = beta * (policy_chosen - reference_chosen)
     rejected = beta * (policy_rejected - reference_rejected)
-    logits = chosen - rejected
-    losses = -(1.0 - label_smoothing) * jax.nn.log_sigmoid(
-        logits
-    ) - label_smoothing * jax.nn.log_sigmoid(-logits)
+    losses = _smoothed_sigmoid_loss(chosen - rejected, label_smoothing)
     return losses, _reward_metrics(chosen, rejected, policy_chosen, policy_rejected)
 
 
@@ -134,6 +145,14 @@ def ipo(
     return losses, metrics
 
 
+def _log_odds_ratio(chosen: Array, rejected: Array) -> Array:
+    """`log odds(c) - log odds(r)` of length-averaged log-probs, with
+    `log odds(y) = l - log(1 - exp(l))`."""
+    return (chosen - rejected) - (
+        jnp.log1p(-jnp.exp(chosen)) - jnp.log1p(-jnp.exp(rejected))
+    )
+
+
 def orpo(
     policy_chosen: Float[Array, " pairs"],
     policy_rejected: Float[Array, " pairs"],
@@ -153,10 +172,7 @@ def orpo(
     Rewards are reported as `lambda * l` (TRL's convention).
     """
     _check("orpo_lambda", orpo_lambda, low=0.0)
-    log_odds = (policy_chosen - policy_rejected) - (
-        jnp.log1p(-jnp.exp(policy_chosen)) - jnp.log1p(-jnp.exp(policy_rejected))
-    )
-    ratio = jax.nn.log_sigmoid(log_odds)
+    ratio = jax.nn.log_sigmoid(_log_odds_ratio(policy_chosen, policy_rejected))
     losses = chosen_nll - orpo_lambda * ratio
     metrics = _reward_metrics(
         orpo_lambda * policy_chosen,
@@ -188,10 +204,7 @@ def simpo(
     _check("beta", beta, low=0.0)
     _check("label_smoothing", label_smoothing, low=0.0, high=0.5)
     chosen, rejected = beta * policy_chosen, beta * policy_rejected
-    logits = chosen - rejected - gamma
-    losses = -(1.0 - label_smoothing) * jax.nn.log_sigmoid(
-        logits
-    ) - label_smoothing * jax.nn.log_sigmoid(-logits)
+    losses = _smoothed_sigmoid_loss(chosen - rejected - gamma, label_smoothing)
     return losses, _reward_metrics(chosen, rejected, policy_chosen, policy_rejected)
 
 
@@ -247,39 +260,42 @@ def _check_reference(model: Any, reference: str | None) -> None:
 
 def _logps(
     model: Any,
-    tokens: Array,
-    targets: Array,
-    mask: Array,
+    rows: tuple[Array, Array, Array],
     key: Any,
     vocab_size: int | None = None,
     chunk: int | None = None,
 ) -> Any:
-    keys = None if key is None else jr.split(key, tokens.shape[0])
-    if chunk:
-        hidden = jax.vmap(lambda t, k: model.features(t, key=k))(tokens, keys)
-        return chunked_sequence_logprobs(
-            hidden,
-            model.head_weight(key=key),
-            targets,
-            mask,
-            chunk=chunk,
-            vocab_size=vocab_size,
-            **_logit_options(model),
-        )
-    logits = jax.vmap(lambda t, k: model(t, key=k))(tokens, keys)
-    return sequence_logprobs(logits, targets, mask, vocab_size=vocab_size)
+    """`(log-prob sums, token counts)` of `rows = (tokens, targets, mask)`: through
+    the model's logits, or `chunk` tokens at a time from its hidden states."""
+    tokens, targets, mask = rows
+    keys = _row_keys(key, tokens.shape[0])
+    if not chunk:
+        logits = jax.vmap(lambda t, k: model(t, key=k))(tokens, keys)
+        return sequence_logprobs(logits, targets, mask, vocab_size=vocab_size)
+    hidden = jax.vmap(lambda t, k: model.features(t, key=k))(tokens, keys)
+    return chunked_sequence_logprobs(
+        hidden,
+        model.head_weight(key=key),
+        targets,
+        mask,
+        chunk=chunk,
+        vocab_size=vocab_size,
+        **_logit_options(model),
+    )
 
 
-def _pairs(batch: Mapping[str, ArrayLike]) -> tuple[int, Array, Array, Array]:
-    """Both completions of every pair as one batch: `(pairs, tokens, targets,
-    mask)`, chosen rows first; masked targets point at id 0."""
+def _pairs(
+    batch: Mapping[str, ArrayLike],
+) -> tuple[int, tuple[Array, Array, Array]]:
+    """Both completions of every pair as one batch: `(pairs, (tokens, targets,
+    mask))`, chosen rows first; masked targets point at id 0."""
     get = lambda name: jnp.asarray(batch[name])  # noqa: E731
     pairs = get("chosen_tokens").shape[0]
     tokens = jnp.concatenate([get("chosen_tokens"), get("rejected_tokens")])
     targets = jnp.concatenate([get("chosen_targets"), get("rejected_targets")])
     mask = jnp.concatenate([get("chosen_mask"), get("rejected_mask")])
     mask = mask.astype(jnp.float32)
-    return pairs, tokens, jnp.where(mask > 0, targets, 0), mask
+    return pairs, (tokens, jnp.where(mask > 0, targets, 0), mask)
 
 
 def pair_logprobs(
@@ -294,9 +310,14 @@ def pair_logprobs(
     reads back as `reference_chosen` / `reference_rejected`. Jit it (e.g.
     `eqx.filter_jit`) to precompute a reference over a dataset once. `chunk`: as
     for `preference_loss_fn`."""
-    pairs, tokens, targets, mask = _pairs(batch)
-    logp, _ = _logps(model, tokens, targets, mask, None, vocab_size, chunk)
-    return logp[:pairs], logp[pairs:]
+    pairs, rows = _pairs(batch)
+    logp, _ = _logps(model, rows, None, vocab_size, chunk)
+    return _split(logp, pairs)
+
+
+def _split(x: Array, pairs: int) -> tuple[Array, Array]:
+    """The chosen and the rejected rows of `x` (`_pairs`' order)."""
+    return x[:pairs], x[pairs:]
 
 
 def preference_loss_fn(
@@ -341,53 +362,92 @@ def preference_loss_fn(
             (`losses.chunked_sequence_logprobs`), never holding the full logits;
             None: through the model's logits.
     """
+    _check_kind(kind, reference)
+    beta = (2.0 if kind == "simpo" else 0.1) if beta is None else beta
+    losses = _kind_losses(kind, beta, label_smoothing, orpo_lambda, gamma)
+    logps = functools.partial(_logps, vocab_size=vocab_size, chunk=chunk)
+    return _loss_fn(kind in _NEEDS_REFERENCE, reference, losses, logps)
+
+
+def _check_kind(kind: str, reference: str | None) -> None:
     if kind not in KINDS:
         raise ConfigError(f"preference `kind` must be one of {KINDS}; got {kind!r}.")
-    needs = kind in _NEEDS_REFERENCE
-    if needs and reference not in REFERENCES:
+    if kind in _NEEDS_REFERENCE and reference not in REFERENCES:
         raise ConfigError(
             f"{kind} needs a reference model: `reference` must be one of "
             f"{REFERENCES}; got {reference!r}."
         )
-    beta = (2.0 if kind == "simpo" else 0.1) if beta is None else beta
+
+
+def _loss_fn(
+    needs: bool,
+    reference: str | None,
+    losses: Callable[..., tuple[Array, Metrics]],
+    logps: Callable[..., Any],
+) -> Callable[..., tuple[Float[Array, ""], Metrics]]:
+    """`preference_loss_fn`'s loss function from its parts: whether it `needs`
+    the reference, the kind's `losses` (`_kind_losses`) and `logps` (`_logps`)."""
 
     def loss_fn(
         model: Any, batch: Mapping[str, ArrayLike], key: PRNGKeyArray | None = None
     ) -> tuple[Float[Array, ""], Metrics]:
-        pairs, tokens, targets, mask = _pairs(batch)
+        pairs, rows = _pairs(batch)
         if needs:
             _check_reference(model, reference)
         policy = model.policy if needs and reference == "copy" else model
-        logp, count = _logps(policy, tokens, targets, mask, key, vocab_size, chunk)
+        logp, count = logps(policy, rows, key)
         count = jnp.maximum(count, 1.0)
-        pc, pr = logp[:pairs], logp[pairs:]
-        mean_c, mean_r = pc / count[:pairs], pr / count[pairs:]
+        ref = None
         if needs:
-            if reference == "precomputed":
-                rc = jnp.asarray(batch["reference_chosen"])
-                rr = jnp.asarray(batch["reference_rejected"])
-            else:
-                ref = model.reference if reference == "copy" else lora.disable(model)
-                ref_logp, _ = _logps(
-                    ref, tokens, targets, mask, None, vocab_size, chunk
-                )
-                ref_logp = jax.lax.stop_gradient(ref_logp)
-                rc, rr = ref_logp[:pairs], ref_logp[pairs:]
-            if kind == "dpo":
-                losses, metrics = dpo(
-                    pc, pr, rc, rr, beta=beta, label_smoothing=label_smoothing
-                )
-            else:
-                losses, metrics = ipo(
-                    mean_c, mean_r, rc / count[:pairs], rr / count[pairs:], beta=beta
-                )
-        elif kind == "orpo":
-            losses, metrics = orpo(mean_c, mean_r, -mean_c, orpo_lambda=orpo_lambda)
-        else:
-            losses, metrics = simpo(
-                mean_c, mean_r, beta=beta, gamma=gamma, label_smoothing=label_smoothing
-            )
+            ref = _reference_sums(model, batch, reference, rows, logps, pairs)
+        per_pair, metrics = losses(_split(logp, pairs), _split(count, pairs), ref)
         metrics["weight"] = jnp.asarray(pairs, jnp.float32)
-        return jnp.mean(losses), metrics
+        return jnp.mean(per_pair), metrics
 
     return loss_fn
+
+
+def _kind_losses(
+    kind: str, beta: float, label_smoothing: float, orpo_lambda: float, gamma: float
+) -> Callable[[_Pair, _Pair, _Pair | None], tuple[Array, Metrics]]:
+    """`losses(policy sums, token counts, reference sums or None) -> (per-pair
+    loss, metrics)` for `kind`; the length-averaged kinds divide the sums by the
+    counts."""
+
+    def dpo_(p: _Pair, n: _Pair, r: _Pair | None) -> tuple[Array, Metrics]:
+        assert r is not None
+        return dpo(*p, *r, beta=beta, label_smoothing=label_smoothing)
+
+    def ipo_(p: _Pair, n: _Pair, r: _Pair | None) -> tuple[Array, Metrics]:
+        assert r is not None
+        return ipo(p[0] / n[0], p[1] / n[1], r[0] / n[0], r[1] / n[1], beta=beta)
+
+    def orpo_(p: _Pair, n: _Pair, r: _Pair | None) -> tuple[Array, Metrics]:
+        mean_c, mean_r = p[0] / n[0], p[1] / n[1]
+        return orpo(mean_c, mean_r, -mean_c, orpo_lambda=orpo_lambda)
+
+    def simpo_(p: _Pair, n: _Pair, r: _Pair | None) -> tuple[Array, Metrics]:
+        mean_c, mean_r = p[0] / n[0], p[1] / n[1]
+        return simpo(
+            mean_c, mean_r, beta=beta, gamma=gamma, label_smoothing=label_smoothing
+        )
+
+    return {"dpo": dpo_, "ipo": ipo_, "orpo": orpo_, "simpo": simpo_}[kind]
+
+
+def _reference_sums(
+    model: Any,
+    batch: Mapping[str, ArrayLike],
+    reference: str | None,
+    rows: tuple[Array, Array, Array],
+    logps: Callable[..., Any],
+    pairs: int,
+) -> _Pair:
+    """The reference's sequence log-probs (no gradient): the batch's, or the
+    frozen copy's, or the policy's with its adapters off."""
+    if reference == "precomputed":
+        chosen = jnp.asarray(batch["reference_chosen"])
+        return chosen, jnp.asarray(batch["reference_rejected"])
+    ref = model.reference if reference == "copy" else lora.disable(model)
+    ref_logp, _ = logps(ref, rows, None)
+    return _split(jax.lax.stop_gradient(ref_logp), pairs)

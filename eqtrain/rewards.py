@@ -57,19 +57,28 @@ def final_answer(text: str) -> str:
     4. the last number (`-1,234.5`, `$12`, `.5`);
     5. the last non-empty line ("" if none).
     """
-    boxed = _last_boxed(text)
-    if boxed is not None:
-        return boxed
+    for rule in (_last_boxed, _after_marker, _last_number):
+        answer = rule(text)
+        if answer is not None:
+            return answer
+    lines = [line for line in text.splitlines() if line.strip()]
+    return lines[-1] if lines else ""
+
+
+def _after_marker(text: str) -> str | None:
+    """The rest of the line after the last `####`, else after the last
+    `answer:` (any case); None without either."""
     lower = text.lower()
     for marker in _MARKERS:
         at = lower.rfind(marker)
         if at >= 0:
             return _first_line(text[at + len(marker) :])
+    return None
+
+
+def _last_number(text: str) -> str | None:
     numbers = _NUMBER.findall(text)
-    if numbers:
-        return numbers[-1]
-    lines = [line for line in text.splitlines() if line.strip()]
-    return lines[-1] if lines else ""
+    return numbers[-1] if numbers else None
 
 
 def _normalise(text: str) -> str | float:
@@ -110,13 +119,17 @@ def exact_answer(
     ]
 
 
+def _compile(pattern: str) -> re.Pattern[str]:
+    try:
+        return re.compile(pattern, re.DOTALL)
+    except re.error as e:
+        raise ConfigError(f"format_regex: bad pattern {pattern!r}: {e}.") from None
+
+
 def format_regex(pattern: str) -> Reward:
     """A reward: 1.0 where the whole completion matches `pattern`
     (`re.fullmatch` with `re.DOTALL`: `.` matches newlines too), else 0.0."""
-    try:
-        compiled = re.compile(pattern, re.DOTALL)
-    except re.error as e:
-        raise ConfigError(f"format_regex: bad pattern {pattern!r}: {e}.") from None
+    compiled = _compile(pattern)
 
     def format_reward(
         prompts: Sequence[Any], completions: Sequence[str], **columns: Any
@@ -144,6 +157,16 @@ def _import(spec: str, module_name: str) -> Any:
         ) from None
 
 
+def _attribute(spec: str, module: Any, module_name: str, attr: str) -> Any:
+    """`module`'s attribute `attr` (dotted: `Class.f`)."""
+    obj = module
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise ConfigError(f"reward {spec!r}: {module_name!r} has no {attr!r}.")
+        obj = getattr(obj, part)
+    return obj
+
+
 def load_reward(spec: str) -> Reward:
     """A reward function by name: a built-in (`"exact_answer"`) or
     `"package.module:function"` (the attribute may be dotted, `"mod:Class.f"`).
@@ -154,17 +177,23 @@ def load_reward(spec: str) -> Reward:
     """
     if spec in BUILTINS:
         return BUILTINS[spec]
+    module_name, attr = _parse(spec)
+    obj = _attribute(spec, _import(spec, module_name), module_name, attr)
+    return _callable(spec, obj)
+
+
+def _parse(spec: str) -> tuple[str, str]:
+    """`(module, attribute)` of `"package.module:function"`."""
     module_name, sep, attr = spec.partition(":")
     if not sep or not module_name or not attr:
         raise ConfigError(
             f"reward {spec!r} is neither a built-in ({sorted(BUILTINS)}) nor "
             "'package.module:function'."
         )
-    obj = _import(spec, module_name)
-    for part in attr.split("."):
-        if not hasattr(obj, part):
-            raise ConfigError(f"reward {spec!r}: {module_name!r} has no {attr!r}.")
-        obj = getattr(obj, part)
+    return module_name, attr
+
+
+def _callable(spec: str, obj: Any) -> Reward:
     if not callable(obj):
         raise ConfigError(
             f"reward {spec!r} is a {type(obj).__name__}, not a callable "
@@ -180,7 +209,10 @@ def _value(name: str, row: int, v: Any) -> float:
         raise ConfigError(
             f"reward {name!r} returned {v!r} for row {row}; expected a float or None."
         )
-    x = float(v)
+    return _finite(name, row, float(v))
+
+
+def _finite(name: str, row: int, x: float) -> float:
     if not math.isfinite(x):
         raise ConfigError(
             f"reward {name!r} returned {x} for row {row}; rewards must be finite "
@@ -213,17 +245,22 @@ def _call(
         out = fn(prompts=prompts, completions=completions, **columns)
     except Exception as e:
         raise RewardError(name, e) from e
+    _check_returned(name, out, len(completions))
+    return np.array([_value(name, i, v) for i, v in enumerate(out)], np.float32)
+
+
+def _check_returned(name: str, out: Any, rows: int) -> None:
+    """A reward must return a sequence of one value per completion."""
     if isinstance(out, str | bytes | Mapping) or not hasattr(out, "__len__"):
         raise ConfigError(
             f"reward {name!r} returned a {type(out).__name__}; expected a list "
             "with one float (or None) per completion."
         )
-    if len(out) != len(completions):
+    if len(out) != rows:
         raise ConfigError(
-            f"reward {name!r} returned {len(out)} values for {len(completions)} "
+            f"reward {name!r} returned {len(out)} values for {rows} "
             "completions; it must return one per completion."
         )
-    return np.array([_value(name, i, v) for i, v in enumerate(out)], np.float32)
 
 
 def _check_rows(
@@ -262,17 +299,28 @@ def score(
         ConfigError: naming the function, when one returns the wrong number of
             values, a value that is not a number or None, or a non-finite one.
     """
+    _check_names(rewards)
+    columns = {k: list(v) for k, v in (columns or {}).items()}
+    _check_rows(prompts, completions, columns)
+    p, c = list(prompts), list(completions)
+    per = {name: _call(name, fn, p, c, columns) for name, fn, _ in rewards}
+    return _weighted_total(per, rewards), per
+
+
+def _check_names(rewards: Sequence[tuple[str, Reward, float]]) -> None:
     if not rewards:
         raise ConfigError("`score` needs at least one reward function.")
     names = [name for name, _, _ in rewards]
     if len(set(names)) != len(names):
         raise ConfigError(f"reward names must differ; got {names}.")
-    columns = {k: list(v) for k, v in (columns or {}).items()}
-    _check_rows(prompts, completions, columns)
-    p, c = list(prompts), list(completions)
-    per = {name: _call(name, fn, p, c, columns) for name, fn, _ in rewards}
-    values = np.stack([per[n] for n in names], axis=1)
+
+
+def _weighted_total(
+    per: dict[str, np.ndarray], rewards: Sequence[tuple[str, Reward, float]]
+) -> np.ndarray:
+    """The weighted sum over the functions, NaN where every one is NaN."""
+    values = np.stack([per[name] for name, _, _ in rewards], axis=1)
     weights = np.array([w for _, _, w in rewards], np.float32)
     total = np.nansum(values * weights, axis=1).astype(np.float32)
     total[np.isnan(values).all(axis=1)] = np.nan
-    return total, per
+    return total

@@ -43,7 +43,7 @@ from jaxtyping import Array, Float, Int
 
 from . import grpo, rewards as rewards_lib
 from ._errors import ConfigError
-from .generate import Sampling, generate
+from .generate import Generation, Sampling, generate
 from .preference import WithReference
 
 
@@ -89,9 +89,7 @@ class Rollout:
 
     def __post_init__(self) -> None:
         for name in ("group_size", "max_new_tokens", "passes"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ConfigError(f"`{name}` must be an integer >= 1; got {value!r}.")
+            _check_count(name, getattr(self, name))
         if self.scale not in grpo.SCALES:
             raise ConfigError(
                 f"`scale` must be one of {grpo.SCALES}; got {self.scale!r}."
@@ -102,6 +100,11 @@ class Rollout:
         """The temperature the loss divides logits by: the sampling one (1 when
         greedy)."""
         return self.sampling.temperature or 1.0
+
+
+def _check_count(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"`{name}` must be an integer >= 1; got {value!r}.")
 
 
 def text_scorer(
@@ -117,13 +120,17 @@ def text_scorer(
 
     def score(index: np.ndarray, tokens: np.ndarray, lengths: np.ndarray) -> Any:
         rows = [int(i) for i in index]
-        texts = [
-            tokenizer.decode(t[: int(n)]) for t, n in zip(tokens, lengths, strict=True)
-        ]
+        texts = _decoded(tokenizer, tokens, lengths)
         picked = {k: [v[i] for i in rows] for k, v in columns.items()}
         return rewards_lib.score(rewards, [prompts[i] for i in rows], texts, picked)
 
     return score
+
+
+def _decoded(tokenizer: Any, tokens: np.ndarray, lengths: np.ndarray) -> list[str]:
+    """Each row's first `length` tokens as text."""
+    pieces = zip(tokens, lengths, strict=True)
+    return [tokenizer.decode(t[: int(n)]) for t, n in pieces]
 
 
 def _strip_stop(tokens: np.ndarray, lengths: np.ndarray, stops: Any) -> np.ndarray:
@@ -147,22 +154,12 @@ def _host_score(rollout: Rollout, clock: _Clock) -> Callable[..., Any]:
     """The scoring callback. It never raises (an exception inside a compiled
     program's callback can abort a multi-device process): a failure goes to
     `rollout.failures`, and the step learns it from the `failed` flag."""
-    names = rollout.reward_names
 
     def call(index: Any, tokens: Any, lengths: Any, after_start: Any) -> Any:
         del after_start  # orders this call after the clock's start
         t0 = time.perf_counter()
         tokens, lengths = np.asarray(tokens), np.asarray(lengths)
-        rows, fns = len(tokens), max(len(names), 1)
-        total = np.full(rows, np.nan, np.float32)
-        per_fn = np.zeros((fns, rows), np.float32)
-        failed = np.ones((), np.int32)
-        if not rollout.failures:
-            try:
-                total, per_fn = _scores(rollout, index, tokens, lengths)
-                failed = np.zeros((), np.int32)
-            except Exception as e:
-                rollout.failures.append(e)
+        total, per_fn, failed = _guarded_scores(rollout, index, tokens, lengths)
         clock_ = np.array(
             [t0 - clock.started, time.perf_counter() - t0], np.float32
         )  # generation (from the step's start), scoring
@@ -171,7 +168,28 @@ def _host_score(rollout: Rollout, clock: _Clock) -> Callable[..., Any]:
     return call
 
 
+def _guarded_scores(
+    rollout: Rollout, index: Any, tokens: np.ndarray, lengths: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """`(total, per_fn, failed)`: `_scores`, or after a failure (this one, which
+    goes to `rollout.failures`, or an earlier one) NaN rewards and `failed` 1."""
+    if not rollout.failures:
+        try:
+            total, per_fn = _scores(rollout, index, tokens, lengths)
+            return total, per_fn, np.zeros((), np.int32)
+        except Exception as e:
+            rollout.failures.append(e)
+    return _no_scores(len(tokens), max(len(rollout.reward_names), 1))
+
+
+def _no_scores(rows: int, fns: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """What a failed scoring returns: NaN rewards, and `failed` 1."""
+    total = np.full(rows, np.nan, np.float32)
+    return total, np.zeros((fns, rows), np.float32), np.ones((), np.int32)
+
+
 def _scores(rollout: Rollout, index: Any, tokens: Any, lengths: Any) -> Any:
+    """`(total [rows], per_fn [fns, rows])` of `rollout.score`, as float32."""
     kept = _strip_stop(tokens, lengths, rollout.stop_ids)
     total, per = rollout.score(np.asarray(index), tokens, kept)
     total = np.asarray(total, np.float32).reshape(len(tokens))
@@ -233,16 +251,37 @@ def sample_and_score(
 ) -> tuple[dict[str, Array], dict[str, Array]]:
     """Step 1 and 2 of `grpo_step` (see the module docstring): the training
     batch (`grpo.grpo_loss_fn`'s keys, with `advantages`) and its metrics."""
-    g = rollout.group_size
     clock = _Clock()
     started = io_callback(
         clock.start, jax.ShapeDtypeStruct((), jnp.int32), batch["index"]
     )
     key = jr.fold_in(key, started)  # sampling waits for the clock
-    prompt = jnp.repeat(jnp.asarray(batch["prompt"], jnp.int32), g, axis=0)
-    prompt_len = jnp.repeat(jnp.asarray(batch["prompt_len"], jnp.int32), g, axis=0)
-    index = jnp.repeat(jnp.asarray(batch["index"], jnp.int32), g, axis=0)
-    out = generate(
+    prompt, prompt_len, index = _repeated(batch, rollout.group_size)
+    out = _sample(model, prompt, prompt_len, key, rollout)
+    total, per_fn, times, failed = _score(rollout, clock, index, out, started)
+    advantages, metrics = grpo.group_advantages(
+        total, rollout.group_size, scale=rollout.scale
+    )
+    data = _rows(prompt, prompt_len, out.tokens, out.lengths)
+    data["advantages"] = advantages
+    metrics |= _reward_metrics(per_fn, rollout.reward_names)
+    metrics |= _length_metrics(out.lengths, out.tokens, rollout)
+    metrics |= {"time/generate": times[0], "time/reward": times[1]}
+    metrics["scoring_failed"] = failed
+    return data, metrics
+
+
+def _repeated(batch: Mapping[str, Any], g: int) -> tuple[Array, Array, Array]:
+    """The batch's `prompt`, `prompt_len` and `index`, each row `g` times."""
+    names = ("prompt", "prompt_len", "index")
+    return tuple(jnp.repeat(jnp.asarray(batch[n], jnp.int32), g, axis=0) for n in names)
+
+
+def _sample(
+    model: Any, prompt: Array, prompt_len: Array, key: Any, rollout: Rollout
+) -> Generation:
+    """One completion per row, as `rollout` says."""
+    return generate(
         model,
         prompt,
         prompt_len,
@@ -253,24 +292,21 @@ def sample_and_score(
         pad_id=rollout.pad_id,
         vocab_size=rollout.vocab_size,
     )
-    rows, fns = prompt.shape[0], max(len(rollout.reward_names), 1)
+
+
+def _score(
+    rollout: Rollout, clock: _Clock, index: Array, out: Generation, started: Array
+) -> Any:
+    """`(total, per_fn, clock, failed)` of the completions, from the host."""
+    rows, fns = out.tokens.shape[0], max(len(rollout.reward_names), 1)
     shapes = (
         jax.ShapeDtypeStruct((rows,), jnp.float32),
         jax.ShapeDtypeStruct((fns, rows), jnp.float32),
         jax.ShapeDtypeStruct((2,), jnp.float32),
         jax.ShapeDtypeStruct((), jnp.int32),
     )
-    total, per_fn, clock, failed = io_callback(
-        _host_score(rollout, clock), shapes, index, out.tokens, out.lengths, started
-    )
-    advantages, metrics = grpo.group_advantages(total, g, scale=rollout.scale)
-    data = _rows(prompt, prompt_len, out.tokens, out.lengths)
-    data["advantages"] = advantages
-    metrics |= _reward_metrics(per_fn, rollout.reward_names)
-    metrics |= _length_metrics(out.lengths, out.tokens, rollout)
-    metrics |= {"time/generate": clock[0], "time/reward": clock[1]}
-    metrics["scoring_failed"] = failed
-    return data, metrics
+    call = _host_score(rollout, clock)
+    return io_callback(call, shapes, index, out.tokens, out.lengths, started)
 
 
 def grpo_step(inner: Any, rollout: Rollout) -> Callable[..., Any]:
@@ -289,21 +325,10 @@ def grpo_step(inner: Any, rollout: Rollout) -> Callable[..., Any]:
     def step(state: Any, batch: Mapping[str, Any]) -> tuple[Any, dict[str, Array]]:
         key, sample_key = jr.split(state.key)
         state = dataclasses.replace(state, key=key)
-        policy = state.model
-        if isinstance(policy, WithReference):
-            policy = policy.policy
-        policy = jax.lax.stop_gradient(policy)
+        policy = _sampling_policy(state.model)
         data, rollout_metrics = sample_and_score(policy, batch, sample_key, rollout)
         if rollout.passes > 1:
-            data["old_logps"] = grpo.token_logprobs(
-                policy,
-                data["tokens"],
-                data["targets"],
-                temperature=rollout.loss_temperature,
-                vocab_size=rollout.vocab_size,
-                segment_ids=data["segment_ids"],
-                positions=data["positions"],
-            )
+            data["old_logps"] = _old_logps(policy, data, rollout)
         before = state
         for _ in range(rollout.passes):
             state, metrics = inner(state, data)
@@ -315,3 +340,23 @@ def grpo_step(inner: Any, rollout: Rollout) -> Callable[..., Any]:
         return state, {**metrics, **rollout_metrics, "halted": halted}
 
     return step
+
+
+def _sampling_policy(model: Any) -> Any:
+    """The model that samples: the policy (of a `WithReference`), no gradient."""
+    policy = model.policy if isinstance(model, WithReference) else model
+    return jax.lax.stop_gradient(policy)
+
+
+def _old_logps(policy: Any, data: dict[str, Array], rollout: Rollout) -> Array:
+    """The sampling policy's log-probs of the rows' targets, for the ratio of
+    the passes after the first."""
+    return grpo.token_logprobs(
+        policy,
+        data["tokens"],
+        data["targets"],
+        temperature=rollout.loss_temperature,
+        vocab_size=rollout.vocab_size,
+        segment_ids=data["segment_ids"],
+        positions=data["positions"],
+    )
