@@ -43,6 +43,7 @@ from ._loop import (
     fit as fit,
 )
 from ._precision import Precision as Precision
+from ._reading import Reading as Reading
 from ._state import TrainState as TrainState, trainable_mask as trainable_mask
 from ._stops import StopConditions as StopConditions
 from .step import (

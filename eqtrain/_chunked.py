@@ -197,14 +197,7 @@ def _ce_fwd(h, w, t, m, chunk, z_loss, vocab_size, logit_scale=1.0, softcap=None
         hc, tc, mc = _masked(*xs)
         z, slope = _logits_slope(hc, w, vocab_size, logit_scale, softcap)
         log_z, picked, correct = _stats(z, tc)
-        # d(nll)/dz = softmax - onehot; d(log_z**2)/dz = 2 log_z softmax.
-        p = jnp.exp(z - log_z[:, None])
-        scale = 1.0 + 2.0 * z_loss * log_z if z_loss else jnp.ones_like(log_z)
-        onehot = jnp.arange(z.shape[-1])[None, :] == tc[:, None]
-        g = p * scale[:, None] - onehot.astype(jnp.float32)
-        if slope is not None:  # back through the soft-cap and the scale
-            g = g * slope
-        g = jnp.where((mc != 0)[:, None], mc[:, None] * g, 0.0)
+        g = _dlogits(z, log_z, tc, mc, slope, z_loss)
         dh, dw_chunk = _grads(g, hc, w)
         dw = dw + dw_chunk
         sums = acc + _sums(log_z - picked, log_z, correct, mc, z_loss)
@@ -214,6 +207,20 @@ def _ce_fwd(h, w, t, m, chunk, z_loss, vocab_size, logit_scale=1.0, softcap=None
     (sums, dw), dh = lax.scan(body, init, (hs, ts, ms))
     dh = dh.reshape(-1, h.shape[-1])[: h.shape[0]]
     return sums, (dh, dw.astype(w.dtype), t, m)
+
+
+def _dlogits(
+    z: Array, log_z: Array, t: Array, m: Array, slope: Array | float | None, z_loss: Any
+) -> Array:
+    """The gradient of one chunk's loss with respect to its logits (masked rows 0)."""
+    # d(nll)/dz = softmax - onehot; d(log_z**2)/dz = 2 log_z softmax.
+    p = jnp.exp(z - log_z[:, None])
+    scale = 1.0 + 2.0 * z_loss * log_z if z_loss else jnp.ones_like(log_z)
+    onehot = jnp.arange(z.shape[-1])[None, :] == t[:, None]
+    g = p * scale[:, None] - onehot.astype(jnp.float32)
+    if slope is not None:  # back through the soft-cap and the scale
+        g = g * slope
+    return jnp.where((m != 0)[:, None], m[:, None] * g, 0.0)
 
 
 def _ce_bwd(chunk, z_loss, vocab_size, logit_scale, softcap, saved, ct):

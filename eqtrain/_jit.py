@@ -35,6 +35,25 @@ def _short(x: Any) -> str:
     return text if len(text) < 60 else text[:57] + "..."
 
 
+def _static_changed(was_array: bool, static: Any, new: Any) -> bool:
+    """Whether a state leaf came out of the step unlike it went in: an array leaf
+    no longer an array, or a static leaf an array or a different value."""
+    if was_array:
+        return not eqx.is_array(new)
+    return eqx.is_array(new) or (static is not new and not _same_static(static, new))
+
+
+def _static_differences(layout: Any, new_leaves: list[Any]) -> str:
+    """The first differing leaves of the state's static part, by path."""
+    skeleton = layout.rebuild([None] * layout.num_arrays)
+    paths = [jtu.keystr(p) for p, _ in jtu.tree_flatten_with_path(skeleton)[0]]
+    old = [
+        s if not a else jax.ShapeDtypeStruct((), "float32")
+        for a, s in zip(layout.is_array, layout.statics, strict=True)
+    ]
+    return _differences(old, new_leaves, paths)
+
+
 def _same_static(a: Any, b: Any) -> bool:
     try:
         return bool(a == b)
@@ -173,12 +192,9 @@ class Jitted:
         def flat_fn(arrays: list[Any], batch: Batch) -> Any:
             self.num_traces += 1
             out = self.fn(layout.rebuild(arrays), batch)
-            if isinstance(out, tuple) and len(out) == 2:
-                new_leaves, new_def = jtu.tree_flatten(out[0])
-                if new_def == layout.treedef:
-                    self._check_same_static(layout, new_leaves)
-                    self._mode = "step"
-                    return layout.arrays(new_leaves), out[1]
+            step_out = self._as_step(layout, out)
+            if step_out is not None:
+                return step_out
             if self.donate:
                 raise StructureError(
                     f"{self!r}: with donate=True the function must return "
@@ -190,6 +206,22 @@ class Jitted:
             dynamic, self._out_static = eqx.partition(out, eqx.is_array)
             return dynamic
 
+        return jax.jit(flat_fn, **self._jit_options(layout))
+
+    def _as_step(self, layout: _Layout, out: Any) -> tuple[list[Any], Any] | None:
+        """`(new arrays, metrics)` when `out` is `(state, metrics)` with the state
+        structured like the input (the function is a step), else None."""
+        if not (isinstance(out, tuple) and len(out) == 2):
+            return None
+        new_leaves, new_def = jtu.tree_flatten(out[0])
+        if new_def != layout.treedef:
+            return None
+        self._check_same_static(layout, new_leaves)
+        self._mode = "step"
+        return layout.arrays(new_leaves), out[1]
+
+    def _jit_options(self, layout: _Layout) -> dict[str, Any]:
+        """`jax.jit`'s donation and shardings for this function."""
         kwargs: dict[str, Any] = {}
         if self.donate:
             kwargs["donate_argnums"] = (0,)
@@ -199,28 +231,15 @@ class Jitted:
             kwargs["in_shardings"] = (flat_sh, batch_sh)
             if self.donate:  # a step: pin the state's output layout too
                 kwargs["out_shardings"] = (flat_sh, None)
-        return jax.jit(flat_fn, **kwargs)
+        return kwargs
 
     def _check_same_static(self, layout: _Layout, new_leaves: list[Any]) -> None:
         for a, s, x in zip(layout.is_array, layout.statics, new_leaves, strict=True):
-            bad = (a and not eqx.is_array(x)) or (
-                not a and (eqx.is_array(x) or (s is not x and not _same_static(s, x)))
-            )
-            if bad:
-                paths = [
-                    jtu.keystr(p)
-                    for p, _ in jtu.tree_flatten_with_path(
-                        layout.rebuild([None] * layout.num_arrays)
-                    )[0]
-                ]
-                old = [
-                    s if not a else jax.ShapeDtypeStruct((), "float32")
-                    for a, s in zip(layout.is_array, layout.statics, strict=True)
-                ]
+            if _static_changed(a, s, x):
                 raise StructureError(
                     f"{self!r}: the step changed the static part of the state "
                     "(non-array leaves must come out as they went in). First "
-                    f"differences:\n{_differences(old, new_leaves, paths)}"
+                    f"differences:\n{_static_differences(layout, new_leaves)}"
                 )
 
     @staticmethod

@@ -1,43 +1,38 @@
 """`fit`: the one impure loop. It feeds batches to a compiled step, keeps the host one
 step ahead of the device, reads metrics in batches, runs hooks, evaluations and
 checkpoints, and ends on a `StopReason` (see `_stops.py` for every way a run ends).
+Its neighbours: `_reading` (metrics off the device), `_evaluation`, `_checkpointer`
+and `_failures` (an exception on the way out), `_fit_keywords` (the old flat keywords).
 """
 
 import contextlib
 import dataclasses
-import math
-import os
-import sys
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any, Protocol, runtime_checkable
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 import jax
-import numpy as np
 
+from ._checkpointer import (
+    Checkpointer as Checkpointer,
+    CheckpointFailed,
+    GuardedCheckpointer,
+    close_checkpointer,
+)
 from ._cpu import hint_cpu_settings
 from ._errors import ConfigError, StopTraining
+from ._evaluation import (
+    Evaluation as Evaluation,
+    compiled_eval,
+    evaluate as evaluate,
+)
+from ._failures import FailedAt, failed_at as failed_at, first_line, say_ended
+from ._fit_keywords import regroup
 from ._hooks import Hook, Scheduled, StepInfo, StopKind, StopReason, as_scheduled, now
 from ._jit import Jitted, check_live, jit
+from ._reading import Pending, Reading, Throughput, count_tokens, to_host as _to_host
 from ._state import TrainState
 from ._stops import StopConditions, Stopper
 from ._types import Batch
-
-
-@runtime_checkable
-class Checkpointer(Protocol):
-    """What `fit(..., checkpointer=...)` needs from a checkpointer.
-
-    `due(step)` is asked after every step (before the next is dispatched);
-    `save(info, final=False)` then receives the exact state. When `fit` stops, for
-    any `StopReason`, it calls `save(info, final=True)` exactly once with the final
-    state, then `close()` (which should wait for asynchronous writes).
-    """
-
-    def due(self, step: int) -> bool: ...
-
-    def save(self, info: StepInfo, *, final: bool) -> None: ...
-
-    def close(self) -> None: ...
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,7 +44,7 @@ class FitResult:
         stop_reason: why the loop stopped.
         history: one dict per completed step: `{"step": k, **metrics}`, with
             `eval/...` entries on evaluation steps (oldest dropped beyond
-            `fit(..., history=N)`).
+            `Reading(history=N)`).
     """
 
     state: TrainState
@@ -62,117 +57,7 @@ class FitResult:
         return self.history[-1] if self.history else {}
 
 
-TOKEN_KEYS = ("tokens", "input_ids")
-
-
-def count_tokens(batch: Batch) -> int | None:
-    """Tokens in a batch: the size of its `tokens`/`input_ids` entry, or the sum
-    over its `*_tokens` entries (a preference batch's `chosen_tokens` and
-    `rejected_tokens`); shapes only, no device access. `None` when there is none."""
-    if isinstance(batch, Mapping):
-        for name in TOKEN_KEYS:
-            if name in batch:
-                return int(math.prod(np.shape(batch[name])))
-        sizes = [
-            int(math.prod(np.shape(v)))
-            for k, v in batch.items()
-            if isinstance(k, str) and k.endswith("_tokens")
-        ]
-        if sizes:
-            return sum(sizes)
-    return None
-
-
-def _to_host(metrics: list[Mapping[str, Any]]) -> list[dict[str, Any]]:
-    """Fetch several steps' metrics with one transfer, as Python numbers."""
-    host = jax.device_get([dict(m) for m in metrics])
-    out = []
-    for step_metrics in host:
-        values = {}
-        for name, value in step_metrics.items():
-            value = np.asarray(value)
-            values[name] = value.item() if value.ndim == 0 else value.tolist()
-        out.append(values)
-    return out
-
-
-@dataclasses.dataclass(frozen=True)
-class Evaluation:
-    """What `fit` evaluates on, and when.
-
-    Attributes:
-        step: `eval_step(loss_fn)`, plain or compiled with `eqtrain.jit(...,
-            donate=False)` (a plain one is compiled by `fit`).
-        data: a re-iterable of eval batches (a list, or a loader), read in full at
-            every evaluation.
-        every: evaluate after every `every` steps (None: only at the end);
-            metrics are averaged over `data` weighted by `weight` and reported as
-            `eval/<name>`.
-        at_end: also evaluate when the run ends by reaching `num_steps` or running
-            out of data (if it did not just evaluate).
-    """
-
-    step: Callable[..., Any] | Jitted
-    data: Iterable[Batch]
-    every: int | None = None
-    at_end: bool = True
-
-    def __post_init__(self) -> None:
-        _check_every(self.every)
-        if iter(self.data) is self.data:
-            raise ConfigError(
-                "`eval_data` must be re-iterable (it is read at every evaluation), "
-                "but an iterator was given. Pass a list or a loader object instead."
-            )
-
-    def due(self, step: int) -> bool:
-        return self.every is not None and step % self.every == 0
-
-
-def _check_every(every: Any) -> None:
-    if every is not None and (not isinstance(every, int) or every < 1):
-        raise ConfigError(f"`eval_every` must be an int >= 1; got {every!r}.")
-
-
-@dataclasses.dataclass
-class _Pending:
-    """A dispatched step whose metrics have not been read yet."""
-
-    step: int
-    metrics: Any
-    due: list[Scheduled]
-    data_time: float
-    tokens: int | None
-    dispatched: float
-
-
-@dataclasses.dataclass(frozen=True)
-class FailedAt:
-    """Where an exception ended `fit`, as `fit` found out (it attaches this to the
-    exception; read it with `failed_at`). The device reports a failed step late
-    (when its results are read, or when a later step is dispatched), so `fit`
-    reads the results not read yet one by one: the first unreadable one is the
-    step that failed.
-
-    Attributes:
-        step: the training step that failed (the first step is 1); None when
-            every dispatched step ran (the exception came from elsewhere, e.g.
-            an evaluation or a hook).
-        finished: the last step known to have run.
-    """
-
-    step: int | None
-    finished: int
-
-    def __str__(self) -> str:
-        if self.step is not None:
-            return f"at step {self.step}"
-        return f"after step {self.finished}, outside the training step"
-
-
-def failed_at(error: BaseException) -> FailedAt | None:
-    """Where `error` ended `fit` (None if it did not come out of `fit`)."""
-    return getattr(error, "eqtrain_failed_at", None)
+_END = object()
 
 
 class _Run:
@@ -182,35 +67,58 @@ class _Run:
     def __init__(
         self,
         step: Jitted,
-        *,
-        num_steps: int,
         hooks: Sequence[Scheduled],
         evaluation: Evaluation | None,
-        checkpointer: "Checkpointer | None",
+        checkpointer: GuardedCheckpointer | None,
         stopper: Stopper,
-        history: int | None,
-        read_every: int,
-        read_seconds: float | int,
-        throughput: "_Throughput",
+        reading: Reading,
+        throughput: Throughput,
     ):
-        self.step, self.num_steps, self.stopper = step, num_steps, stopper
+        self.step, self.stopper, self.throughput = step, stopper, throughput
+        self.hooks, self.reading, self.checkpointer = hooks, reading, checkpointer
         self.loop_hooks = [h for h in hooks if h.when != "end"]
         self.end_hooks = [h for h in hooks if h.when == "end"]
         self.evaluation = evaluation
-        self.evaluator = None if evaluation is None else _compiled_eval(evaluation.step)
-        self.checkpointer = checkpointer
+        self.evaluator = None if evaluation is None else compiled_eval(evaluation.step)
         self.history: list[dict[str, Any]] = []
-        self.history_limit = history
-        self.read_every, self.read_seconds = read_every, read_seconds
-        self.throughput = throughput
         self.last_eval_step: int | None = None
         self.arrays: list[Any] = []  # the latest dispatched state's arrays
+        self.first = 0  # the step the run started at
         self.done = 0  # steps dispatched (the latest state's step)
         self.finished = 0  # the last step whose results were read (so it ran)
-        self.unread: list[_Pending] = []  # dispatched steps not read yet
+        self.unread: list[Pending] = []  # dispatched steps not read yet
         self.dispatching: int | None = None  # the step being dispatched
         self.saved: int | None = None  # the last step handed to the checkpointer
 
+    def run(
+        self, arrays: list[Any], layout: Any, data: Iterable[Batch]
+    ) -> tuple[TrainState, StopReason]:
+        """The loop, then the end (`finish`); on an exception, the latest intact
+        state is saved before it propagates. Hooks and checkpointer are closed."""
+        for hook in self.hooks:
+            hook.start(self.stopper.start)
+        failed = True  # until the run got through `finish`
+        try:
+            reason = self.loop(arrays, layout, data)
+            final = layout.rebuild(self.arrays)
+            self.finish(final, reason)
+            failed = False
+        except Exception as error:
+            self.ended_by(error, layout)
+            if isinstance(error, CheckpointFailed):
+                raise error.__cause__ from None  # type: ignore[misc]
+            raise
+        finally:
+            self.close(quietly=failed)
+        return final, reason
+
+    def close(self, *, quietly: bool) -> None:
+        for hook in self.hooks:
+            hook.close()
+        if self.checkpointer is not None:
+            close_checkpointer(self.checkpointer, quietly=quietly)
+
+    # -- the loop ---------------------------------------------------------------
     def loop(self, arrays: list[Any], layout: Any, data: Iterable[Batch]) -> StopReason:
         """Dispatch steps until a stop reason holds; returns it. `self.arrays`
         holds the latest state's arrays throughout."""
@@ -223,29 +131,36 @@ class _Run:
                     StopKind.DATA_EXHAUSTED, self.done, "the data iterable ran out"
                 )
                 break
-            dispatched = now()
-            self.dispatching = self.done + 1
-            self.arrays, metrics = self.step.call_flat(self.arrays, batch)
-            self.done, self.dispatching = self.done + 1, None
-            due = [h for h in self.loop_hooks if h.due(self.done, dispatched)]
-            unread = self.unread
-            unread.append(
-                _Pending(self.done, metrics, due, dispatched - waited,
-                         count_tokens(batch), dispatched)
-            )  # fmt: skip
-            if self.needs_state(unread[-1]):  # wait for this step: its state is used
-                self.read(unread, layout.rebuild(self.arrays))
-                self.unread = []
-            elif len(unread) > 1 and self.read_due(unread[:-1]):  # while it runs
-                self.read(unread[:-1], None)
-                self.unread = unread[-1:]
+            self.unread.append(self.dispatch(batch, waited))
+            self.read_some(layout)
         if self.unread:
             self.read(self.unread, layout.rebuild(self.arrays))
             self.unread = []
         return self.stopper.final(reason, self.done)
 
+    def dispatch(self, batch: Batch, waited: float) -> Pending:
+        """Dispatch the next step on `batch`, without waiting for it."""
+        dispatched = now()
+        self.dispatching = self.done + 1
+        self.arrays, metrics = self.step.call_flat(self.arrays, batch)
+        self.done, self.dispatching = self.done + 1, None
+        due = [h for h in self.loop_hooks if h.due(self.done, dispatched)]
+        tokens = count_tokens(batch)
+        return Pending(self.done, metrics, due, dispatched - waited, tokens, dispatched)
+
+    def read_some(self, layout: Any) -> None:
+        """Read the steps due for reading while the latest one runs; wait for the
+        latest one only when its state is needed."""
+        unread = self.unread
+        if self.needs_state(unread[-1]):  # wait for this step: its state is used
+            self.read(unread, layout.rebuild(self.arrays))
+            self.unread = []
+        elif len(unread) > 1 and self.read_due(unread[:-1]):  # while it runs
+            self.read(unread[:-1], None)
+            self.unread = unread[-1:]
+
     # -- between steps ----------------------------------------------------------
-    def needs_state(self, pending: _Pending) -> bool:
+    def needs_state(self, pending: Pending) -> bool:
         step = pending.step
         return (
             any(h.uses_state for h in pending.due)
@@ -253,13 +168,13 @@ class _Run:
             or (self.checkpointer is not None and self.checkpointer.due(step))
         )
 
-    def read_due(self, unread: list[_Pending]) -> bool:
-        """Read metrics that are `read_every` steps or `read_seconds` old."""
-        return len(unread) >= self.read_every or (
-            now() - unread[0].dispatched >= self.read_seconds
+    def read_due(self, unread: list[Pending]) -> bool:
+        """Read metrics that are `Reading.every` steps or `Reading.seconds` old."""
+        return len(unread) >= self.reading.every or (
+            now() - unread[0].dispatched >= self.reading.seconds
         )
 
-    def read(self, pendings: list[_Pending], state: TrainState | None) -> None:
+    def read(self, pendings: list[Pending], state: TrainState | None) -> None:
         """Read the metrics of `pendings` in one transfer, then run each step's
         evaluation, hooks and checkpoint in order. `state` is the state after the
         last of them (`None` when it was already donated to a later step)."""
@@ -274,27 +189,32 @@ class _Run:
 
     def complete(
         self,
-        pending: _Pending,
+        pending: Pending,
         metrics: dict[str, Any],
         step_time: float,
         state: TrainState | None,
     ) -> None:
+        """One read step's evaluation (if due), history row, hooks and checkpoint."""
         self.stopper.saw_metrics(pending.step, metrics)
         if state is not None and self.evaluation and self.evaluation.due(pending.step):
             metrics.update(self.evaluate(state))
             self.last_eval_step = pending.step
-        info = self.throughput.info(pending, metrics, step_time, state, self.num_steps)
+        info = self.throughput.info(pending, metrics, step_time, state)
         self.record(info)
         self.run_hooks(pending.due, info)
+        if state is not None:
+            self.save_if_due(info)
+
+    def save_if_due(self, info: StepInfo) -> None:
         ckpt = self.checkpointer
-        if state is not None and ckpt is not None and not self.stopper.frozen:
-            if ckpt.due(pending.step):
-                ckpt.save(info, final=False)
-                self.saved = pending.step
+        if ckpt is not None and not self.stopper.frozen and ckpt.due(info.step):
+            ckpt.save(info, final=False)
+            self.saved = info.step
 
     def record(self, info: StepInfo) -> None:
         self.history.append({"step": info.step, **info.metrics})
-        if self.history_limit is not None and len(self.history) > self.history_limit:
+        limit = self.reading.history
+        if limit is not None and len(self.history) > limit:
             del self.history[0]
 
     def run_hooks(self, hooks: Iterable[Hook], info: StepInfo) -> None:
@@ -321,21 +241,36 @@ class _Run:
 
     def final_info(self, state: TrainState, reason: StopReason) -> StepInfo:
         done = int(jax.device_get(state.step))
-        # the metrics of the step the state is at: after a non-finite stop, the
-        # later (halted) steps' metrics describe no state that exists
-        last = self.history[-1] if self.history else None
-        if last is not None and last["step"] != done:
-            last = None
+        last = self.row_of(done)
         metrics = {k: v for k, v in last.items() if k != "step"} if last else {}
-        natural = reason.kind in (StopKind.MAX_STEPS, StopKind.DATA_EXHAUSTED)
-        ev = self.evaluation
-        if ev is not None and ev.at_end and natural and self.last_eval_step != done:
+        if self.evaluates_at_end(reason, done):
             evaluated = self.evaluate(state)
             self.last_eval_step = done
             metrics.update(evaluated)
-            if last is not None and last["step"] == done:
+            if last is not None:
                 last.update(evaluated)
-        return self.throughput.final_info(state, done, metrics, reason, self.num_steps)
+        return self.throughput.final_info(state, done, metrics, reason)
+
+    def row_of(self, done: int) -> dict[str, Any] | None:
+        """The history row of step `done`, the step the state is at, if it is the
+        last one: after a non-finite stop, the later (halted) steps' metrics
+        describe no state that exists."""
+        last = self.history[-1] if self.history else None
+        return last if last is not None and last["step"] == done else None
+
+    def evaluates_at_end(self, reason: StopReason, done: int) -> bool:
+        """Whether the run ended naturally and wants an evaluation not yet done."""
+        natural = reason.kind in (StopKind.MAX_STEPS, StopKind.DATA_EXHAUSTED)
+        ev = self.evaluation
+        return ev is not None and ev.at_end and natural and self.last_eval_step != done
+
+    # -- an exception ends the run ----------------------------------------------
+    def ended_by(self, error: Exception, layout: Any) -> None:
+        """Attach where `error` came from to it, then save what can be saved."""
+        where = self.locate_failure()
+        with contextlib.suppress(AttributeError, TypeError):  # a frozen type
+            error.eqtrain_failed_at = where  # type: ignore[attr-defined]
+        self.save_after_error(layout, error, where)
 
     def locate_failure(self) -> FailedAt:
         """Where the exception ending the run came from: the first dispatched
@@ -348,215 +283,46 @@ class _Run:
             self.finished = pending.step
         return FailedAt(self.dispatching, self.finished)
 
-    def save_after_error(
-        self, layout: Any, first: int, error: Exception, where: FailedAt
-    ) -> None:
+    def save_after_error(self, layout: Any, error: Exception, where: FailedAt) -> None:
         """An exception is ending the run: save the latest state if it is intact
         and newer than the start, so that no finished step is lost; then `fit`
         re-raises. Failing to save only adds a note."""
-        ckpt = self.checkpointer
-        if ckpt is None or self.done <= first or self.stopper.frozen:
+        if not self.unsaved_progress(error):
             return
-        if self.saved == self.done:
-            return  # already saved (e.g. the final save, before an end hook failed)
-        if isinstance(error, _CheckpointFailed):
-            return  # the checkpointer itself failed: saving again would too
         if where.step is not None and where.step <= self.done:
-            print(
-                f"[eqtrain] {type(error).__name__} ended the run {where}; the "
-                "states from that step on carry the error, so none was saved.",
-                file=sys.stderr,
-                flush=True,
-            )
+            outcome = "the states from that step on carry the error, so none was saved."
+            say_ended(error, where, outcome)
             return
         try:
-            state = layout.rebuild(self.arrays)
-            check_live(state, "the save after an error")
-            jax.block_until_ready(state)  # raises if the step itself failed
-            reason = StopReason(
-                StopKind.ERROR, self.done, f"{type(error).__name__}: {error}"[:500]
-            )
-            info = self.throughput.final_info(
-                state, self.done, {}, reason, self.num_steps
-            )
-            ckpt.save(info, final=True)
+            self.save_error_state(layout, error)
         except Exception as failure:  # the original error matters more
-            print(
-                f"[eqtrain] {type(error).__name__} ended the run {where}; the "
-                f"state of step {self.done} could not be saved "
-                f"({type(failure).__name__}: {_first_line(failure)}).",
-                file=sys.stderr,
-                flush=True,
-            )
+            why = f"{type(failure).__name__}: {first_line(failure)}"
+            outcome = f"the state of step {self.done} could not be saved ({why})."
+            say_ended(error, where, outcome)
             return
-        print(
-            f"[eqtrain] {type(error).__name__} ended the run {where}; the state "
-            f"of step {self.done} was saved first.",
-            file=sys.stderr,
-            flush=True,
-        )
+        say_ended(error, where, f"the state of step {self.done} was saved first.")
 
+    def unsaved_progress(self, error: Exception) -> bool:
+        """Whether steps ran since the start or the last save, and may be saved."""
+        if self.checkpointer is None or self.done <= self.first or self.stopper.frozen:
+            return False
+        if self.saved == self.done:
+            return (
+                False  # already saved (e.g. the final save, before an end hook failed)
+            )
+        # the checkpointer itself failed: saving again would too
+        return not isinstance(error, CheckpointFailed)
 
-_END = object()
-
-
-class _CheckpointFailed(Exception):
-    """Marks an exception raised by the checkpointer itself (see `fit`)."""
-
-
-def _first_line(e: BaseException) -> str:
-    lines = str(e).strip().splitlines()
-    return lines[0][:200] if lines else ""
-
-
-class _Throughput:
-    """Step times, tokens and MFU, and the `StepInfo` built from them."""
-
-    def __init__(
-        self,
-        flops_per_token: float | int | None,
-        peak_flops: float | int | None,
-        tokens_seen: int,
-    ):
-        self.flops_per_token, self.peak_flops = flops_per_token, peak_flops
-        self.tokens_seen = tokens_seen
-        self.start = self.last_done = now()
-
-    def restart(self) -> None:
-        self.last_done = now()
-
-    def tick(self, steps: int) -> float:
-        """The mean time of the `steps` steps completed since the last tick."""
-        done = now()
-        step_time = (done - self.last_done) / steps
-        self.last_done = done
-        return step_time
-
-    def info(
-        self,
-        pending: _Pending,
-        metrics: dict[str, Any],
-        step_time: float,
-        state: TrainState | None,
-        num_steps: int,
-    ) -> StepInfo:
-        tokens = pending.tokens
-        rate = None if tokens is None or step_time <= 0 else tokens / step_time
-        if tokens is not None:
-            self.tokens_seen += tokens
-        mfu = None
-        if None not in (rate, self.flops_per_token, self.peak_flops):
-            mfu = rate * self.flops_per_token / self.peak_flops
-        return StepInfo(
-            step=pending.step,
-            metrics=metrics,
-            num_steps=num_steps,
-            step_time=step_time,
-            data_time=pending.data_time,
-            tokens=tokens,
-            tokens_per_second=rate,
-            tokens_seen=self.tokens_seen if tokens is not None else None,
-            mfu=mfu,
-            elapsed=self.last_done - self.start,
-            _state=state,
-        )
-
-    def final_info(
-        self,
-        state: TrainState,
-        step: int,
-        metrics: dict[str, Any],
-        reason: StopReason,
-        num_steps: int,
-    ) -> StepInfo:
-        return StepInfo(
-            step=step,
-            metrics=metrics,
-            num_steps=num_steps,
-            tokens_seen=self.tokens_seen or None,
-            elapsed=now() - self.start,
-            stop_reason=reason,
-            _state=state,
-        )
-
-
-def _compiled_eval(eval_step: Callable[..., Any] | Jitted) -> Jitted:
-    if isinstance(eval_step, Jitted):
-        return eval_step
-    return jit(eval_step, donate=False)
-
-
-class _GuardedCheckpointer:
-    """Marks the checkpointer's own failures, so `fit` does not retry a save that
-    just failed when it saves on the way out of an error."""
-
-    def __init__(self, inner: "Checkpointer"):
-        self.inner = inner
-
-    def due(self, step: int) -> bool:
-        return self.inner.due(step)
-
-    def save(self, info: StepInfo, *, final: bool) -> None:
-        try:
-            self.inner.save(info, final=final)
-        except Exception as e:
-            raise _CheckpointFailed(e) from e
-
-    def close(self) -> None:
-        close = getattr(self.inner, "close", None)
-        if callable(close):
-            try:
-                close()
-            except Exception as e:
-                raise _CheckpointFailed(e) from e
-
-
-def evaluate(
-    state: TrainState,
-    eval_step: Callable[..., Any] | Jitted,
-    data: Iterable[Batch],
-    *,
-    prefix: str = "eval/",
-) -> dict[str, float]:
-    """Evaluate `state` on every batch of `data`; average weighted by `weight`.
-
-    This is what `fit` does at each evaluation, available on its own (e.g. to
-    evaluate a restored state).
-
-    Args:
-        state: the state to evaluate (not consumed).
-        eval_step: from `eval_step(loss_fn)`, plain or compiled with
-            `eqtrain.jit(..., donate=False)` (plain ones are compiled here).
-        data: an iterable of batches (read once, in full).
-        prefix: put before every metric name.
-
-    Returns:
-        `{prefix + name: mean}` for each metric, the mean weighted by each batch's
-        `weight` (tokens or examples), and `prefix + "weight"`: the total weight.
-    """
-    compiled = _compiled_eval(eval_step)
-    if compiled.donate:
-        raise ConfigError(
-            "`evaluate` needs an evaluation step compiled with donate=False: a "
-            "donating one would consume the state."
-        )
-    arrays, _ = compiled.prepare(state)
-    outputs = [compiled.call_flat(arrays, batch) for batch in data]
-    if not outputs:
-        raise ConfigError("the eval data yielded no batches; evaluation needs one.")
-    host = _to_host(outputs)
-    weights = np.array([m.get("weight", 1.0) for m in host], np.float64)
-    total = float(weights.sum())
-    scale = weights / total if total > 0 else np.full(len(host), 1.0 / len(host))
-    averaged = {
-        f"{prefix}{name}": float(
-            sum(s * m[name] for s, m in zip(scale, host, strict=True))
-        )
-        for name in host[0]
-        if name != "weight"
-    }
-    averaged[f"{prefix}weight"] = total
-    return averaged
+    def save_error_state(self, layout: Any, error: Exception) -> None:
+        """Save the latest state as the final one, its reason the error."""
+        assert self.checkpointer is not None
+        state = layout.rebuild(self.arrays)
+        check_live(state, "the save after an error")
+        jax.block_until_ready(state)  # raises if the step itself failed
+        message = f"{type(error).__name__}: {error}"[:500]
+        reason = StopReason(StopKind.ERROR, self.done, message)
+        info = self.throughput.final_info(state, self.done, {}, reason)
+        self.checkpointer.save(info, final=True)
 
 
 def fit(
@@ -569,20 +335,11 @@ def fit(
     evaluation: Evaluation | None = None,
     stop: StopConditions | None = None,
     checkpointer: Checkpointer | None = None,
-    history: int | None = None,
-    read_every: int = 10,
-    read_seconds: float | int = 0.5,
+    reading: Reading | None = None,
     flops_per_token: float | int | None = None,
     peak_flops: float | int | None = None,
     tokens_seen: int = 0,
-    eval_step: Callable[..., Any] | Jitted | None = None,
-    eval_data: Iterable[Batch] | None = None,
-    eval_every: int | None = None,
-    eval_at_end: bool = True,
-    time_limit: float | int | None = None,
-    kill_switch: str | os.PathLike[str] | None = None,
-    handle_signals: bool = True,
-    agree_every: int = 10,
+    **deprecated: Any,
 ) -> FitResult:
     """Train `state` with `step` on `data` until a stop condition holds.
 
@@ -613,19 +370,12 @@ def fit(
             `@eqtrain.uses_state`, or `every(n, hook, uses_state=True)`). Raise
             `StopTraining` from a hook to stop: at its step when it declares
             `uses_state`, else at the next step boundary after it ran.
-        evaluation: an `Evaluation` (eval step, data, period, at the end); or the
-            same as `eval_step`, `eval_data`, `eval_every`, `eval_at_end`.
+        evaluation: an `Evaluation` (eval step, data, period, at the end).
         stop: `StopConditions` (time limit, kill switch, signals, multi-process
-            agreement); or the same as `time_limit`, `kill_switch`,
-            `handle_signals`, `agree_every`.
+            agreement).
         checkpointer: see `Checkpointer`; saved when due, and once at any stop.
-        history: keep at most this many entries in `FitResult.history`
-            (default: all).
-        read_every: metrics that no state-using work needs are read from the
-            device in batches, one transfer for up to `read_every` steps...
-        read_seconds: ...or for the steps dispatched over `read_seconds`,
-            whichever comes first. `read_every=1` reads each step's metrics as
-            soon as the next step is dispatched.
+        reading: a `Reading`: how often metrics are read from the device, and
+            how many history entries are kept (default: `Reading()`).
         flops_per_token: training FLOPs per token (forward and backward, e.g.
             `eqtrain.models.family(config).flops_per_token(config, seq_len)`);
             with `peak_flops` it gives `StepInfo.mfu`.
@@ -633,132 +383,29 @@ def fit(
             (see `eqtrain.hooks.peak_flops` for known devices).
         tokens_seen: tokens already trained on before this call (a resumed run
             passes its count), the start of `StepInfo.tokens_seen`.
-        eval_step, eval_data, eval_every, eval_at_end: the fields of
-            `Evaluation` (`step`, `data`, `every`, `at_end`), as keywords.
-        time_limit, kill_switch, handle_signals, agree_every: the fields of
-            `StopConditions`, as keywords.
+        **deprecated: the flat keywords of the previous release (`eval_step`,
+            `eval_data`, `eval_every`, `eval_at_end`, `time_limit`,
+            `kill_switch`, `handle_signals`, `agree_every`, `history`,
+            `read_every`, `read_seconds`) still work, with a `DeprecationWarning`.
 
     Returns:
         A `FitResult` with the final state, the `StopReason` and the history.
     """
-    evaluation = _evaluation(evaluation, eval_step, eval_data, eval_every, eval_at_end)
-    stop = _stop_conditions(stop, time_limit, kill_switch, handle_signals, agree_every)
-    _check_args(num_steps, read_every, read_seconds)
+    evaluation, stop, reading = regroup(deprecated, evaluation, stop, reading)
+    if not isinstance(num_steps, int) or num_steps < 0:
+        raise ConfigError(f"`num_steps` must be an int >= 0; got {num_steps!r}.")
     compiled = step if isinstance(step, Jitted) else jit(step)
     hint_cpu_settings()
     scheduled = [as_scheduled(h) for h in hooks]
     check_live(state, "`fit`")
     first = int(jax.device_get(state.step))
     arrays, layout = compiled.prepare(state)
-    guarded = None if checkpointer is None else _GuardedCheckpointer(checkpointer)
-    with Stopper(stop, num_steps) as stopper:
+    guarded = None if checkpointer is None else GuardedCheckpointer(checkpointer)
+    throughput = Throughput(flops_per_token, peak_flops, tokens_seen, num_steps)
+    with Stopper(stop, num_steps, first=first) as stopper:
         run = _Run(
-            compiled,
-            num_steps=num_steps,
-            hooks=scheduled,
-            evaluation=evaluation,
-            checkpointer=guarded,
-            stopper=stopper,
-            history=history,
-            read_every=read_every,
-            read_seconds=read_seconds,
-            throughput=_Throughput(flops_per_token, peak_flops, tokens_seen),
+            compiled, scheduled, evaluation, guarded, stopper, reading, throughput
         )
-        run.done = run.finished = first
-        for hook in scheduled:
-            hook.start(stopper.start)
-        failed = True  # until the run got through `finish`
-        try:
-            reason = run.loop(arrays, layout, data)
-            final = layout.rebuild(run.arrays)
-            run.finish(final, reason)
-            failed = False
-        except Exception as error:
-            where = run.locate_failure()
-            with contextlib.suppress(AttributeError, TypeError):  # a frozen type
-                error.eqtrain_failed_at = where  # type: ignore[attr-defined]
-            run.save_after_error(layout, first, error, where)
-            if isinstance(error, _CheckpointFailed):
-                raise error.__cause__ from None  # type: ignore[misc]
-            raise
-        finally:
-            for hook in scheduled:
-                hook.close()
-            if guarded is not None:
-                _close(guarded, quietly=failed)
+        run.first = run.done = run.finished = first
+        final, reason = run.run(arrays, layout, data)
     return FitResult(state=final, stop_reason=reason, history=run.history)
-
-
-def _close(checkpointer: _GuardedCheckpointer, *, quietly: bool) -> None:
-    """Close the checkpointer (waiting for its writes). While an exception is
-    already propagating (`quietly`), a failure here must not replace it."""
-    if not quietly:
-        try:
-            checkpointer.close()
-        except _CheckpointFailed as failed:
-            raise failed.__cause__ from None  # type: ignore[misc]
-        return
-    try:
-        checkpointer.close()
-    except Exception as e:
-        print(
-            f"[eqtrain] closing the checkpointer failed too: {_first_line(e)}",
-            file=sys.stderr,
-            flush=True,
-        )
-
-
-def _evaluation(
-    evaluation: Evaluation | None,
-    eval_step: Any,
-    eval_data: Any,
-    eval_every: int | None,
-    eval_at_end: bool,
-) -> Evaluation | None:
-    if evaluation is not None:
-        if eval_step is not None or eval_data is not None or eval_every is not None:
-            raise ConfigError(
-                "give `evaluation=Evaluation(...)` or the `eval_*` keywords, not both."
-            )
-        return evaluation
-    _check_every(eval_every)
-    if eval_every is not None and (eval_step is None or eval_data is None):
-        raise ConfigError(
-            "`eval_every` needs both `eval_step=` and `eval_data=` (a re-iterable "
-            "of batches, e.g. a list or a loader)."
-        )
-    if (eval_step is None) != (eval_data is None):
-        raise ConfigError(
-            "evaluation needs both `eval_step=` and `eval_data=`; got only "
-            f"`{'eval_step' if eval_data is None else 'eval_data'}`."
-        )
-    if eval_step is None:
-        return None
-    return Evaluation(eval_step, eval_data, eval_every, eval_at_end)
-
-
-def _stop_conditions(
-    stop: StopConditions | None,
-    time_limit: float | int | None,
-    kill_switch: Any,
-    handle_signals: bool,
-    agree_every: int,
-) -> StopConditions:
-    flat = StopConditions(time_limit, kill_switch, handle_signals, agree_every)
-    if stop is None:
-        return flat
-    if flat != StopConditions():
-        raise ConfigError(
-            "give `stop=StopConditions(...)` or the `time_limit`, `kill_switch`, "
-            "`handle_signals`, `agree_every` keywords, not both."
-        )
-    return stop
-
-
-def _check_args(num_steps: Any, read_every: Any, read_seconds: Any) -> None:
-    if not isinstance(num_steps, int) or num_steps < 0:
-        raise ConfigError(f"`num_steps` must be an int >= 0; got {num_steps!r}.")
-    if not isinstance(read_every, int) or read_every < 1:
-        raise ConfigError(f"`read_every` must be an int >= 1; got {read_every!r}.")
-    if not read_seconds >= 0:
-        raise ConfigError(f"`read_seconds` must be >= 0; got {read_seconds!r}.")

@@ -6,10 +6,12 @@ doing: a JAX callback, a garbage-collector hook, a compilation, a checkpoint wri
 How: Python's C-level handler writes each signal's number to a wakeup pipe
 (`signal.set_wakeup_fd`) the moment it arrives, even while the main thread is
 inside a long C call; a watchdog thread reads the pipe. The Python-level handler
-itself does nothing. On the second signal the watchdog writes one note to the
-standard error (with `os.write`, so no stream lock is taken) and calls
-`os._exit(128 + signum)`: from the disk's point of view that is a kill, which every
-checkpoint and export write already survives (they are atomic renames).
+itself does nothing. On the first signal the watchdog only records it (`fit`'s
+loop says so at its next step boundary, see `_stops.Stopper`). On the second, the
+watchdog writes one note to the standard error (with `os.write`, so no stream lock
+is taken) and calls `os._exit(128 + signum)`: from the disk's point of view that is
+a kill, which every checkpoint and export write already survives (they are atomic
+renames).
 """
 
 import contextlib
@@ -36,14 +38,11 @@ class SignalGuard:
         received: the first signal's number, or None.
         note: called on the second signal, in the watchdog thread; returns the
             text that says what the abort left behind (e.g. the last checkpoint).
-        in_loop: set while `fit`'s loop runs (the first signal's notice then says
-            "after the current step").
     """
 
     def __init__(self) -> None:
         self.received: int | None = None
         self.note: Callable[[], str] | None = None
-        self.in_loop = False
         self._previous: dict[int, Any] = {}
         self._wakeup: int | None = None
         self._pipe: tuple[int, int] | None = None
@@ -95,12 +94,7 @@ class SignalGuard:
 
     def _on(self, sig: signal.Signals) -> None:
         if self.received is None:
-            self.received = sig
-            when = "after the current step" if self.in_loop else "before training"
-            _say(
-                f"[eqtrain] {sig.name} received: stopping {when} (send it again "
-                "to abort without saving)."
-            )
+            self.received = sig  # only this: `fit`'s loop says it, outside
             return
         text = f"error: aborted by a second signal ({sig.name})."
         if self.note is not None:

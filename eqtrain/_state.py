@@ -43,25 +43,8 @@ def trainable_mask(model: PyTree, filter_spec: Any = True) -> PyTree[bool]:
         A pytree of bools with one bool per leaf of `model` (`None` leaves get `False`).
     """
 
-    def resolve(spec: Any, subtree: Any) -> Any:
-        if isinstance(spec, bool):
-            want: Callable[[Any], Any] = lambda _: spec
-        elif callable(spec):
-            want = spec
-        else:
-            raise ConfigError(
-                "`trainable` must be a bool, a callable `leaf -> bool`, or a pytree "
-                f"prefix of the model made of those; found a leaf {spec!r} of type "
-                f"{type(spec).__name__}. Example: trainable=eqx.is_inexact_array."
-            )
-        return jtu.tree_map(
-            lambda x: bool(want(x)) and _is_inexact(x),
-            subtree,
-            is_leaf=lambda x: x is None,
-        )
-
     try:
-        return jtu.tree_map(resolve, filter_spec, model)
+        return jtu.tree_map(_resolve, filter_spec, model)
     except ValueError as e:
         if isinstance(e, ConfigError):
             raise
@@ -70,6 +53,27 @@ def trainable_mask(model: PyTree, filter_spec: Any = True) -> PyTree[bool]:
             f"line up with the model's ({e}). Build it from the model, e.g. "
             "`jax.tree.map(lambda _: False, model)` then `eqx.tree_at` to set True."
         ) from e
+
+
+def _resolve(spec: Any, subtree: Any) -> Any:
+    """One filter-spec leaf applied to the part of the model it covers."""
+    want = _predicate(spec)
+    return jtu.tree_map(
+        lambda x: bool(want(x)) and _is_inexact(x), subtree, is_leaf=lambda x: x is None
+    )
+
+
+def _predicate(spec: Any) -> Callable[[Any], Any]:
+    """A filter-spec leaf (a bool, or a callable `leaf -> bool`) as a callable."""
+    if isinstance(spec, bool):
+        return lambda _: spec
+    if callable(spec):
+        return spec
+    raise ConfigError(
+        "`trainable` must be a bool, a callable `leaf -> bool`, or a pytree "
+        f"prefix of the model made of those; found a leaf {spec!r} of type "
+        f"{type(spec).__name__}. Example: trainable=eqx.is_inexact_array."
+    )
 
 
 def _as_key(key: PRNGKeyArray | int) -> PRNGKeyArray:
@@ -144,15 +148,13 @@ class TrainState(eqx.Module):
         """
         mask = trainable_mask(model, trainable)
         params = eqx.filter(model, mask)
-        opt_state = optimizer.init(params)
-        ema_tree = jtu.tree_map(jnp.copy, params) if ema else None
         return cls(
             model=model,
-            opt_state=opt_state,
+            opt_state=optimizer.init(params),
             step=jnp.zeros((), jnp.int32),
             key=_as_key(key),
             model_state=model_state,
-            ema=ema_tree,
+            ema=jtu.tree_map(jnp.copy, params) if ema else None,
             skipped=jnp.zeros((), jnp.int32),
             trainable=mask,
         )

@@ -7,6 +7,7 @@ import contextlib
 import dataclasses
 import os
 import signal
+import sys
 import warnings
 from typing import Any
 
@@ -66,9 +67,9 @@ class Stopper:
     """The stop decision of one `fit` call (a context manager: it holds the signal
     handlers while the loop runs)."""
 
-    def __init__(self, conditions: StopConditions, num_steps: int):
+    def __init__(self, conditions: StopConditions, num_steps: int, *, first: int = 0):
         self.conditions = conditions
-        self.num_steps = num_steps
+        self.num_steps, self.first = num_steps, first
         self.kill_switch = (
             None
             if conditions.kill_switch is None
@@ -77,7 +78,7 @@ class Stopper:
         self.processes = jax.process_count()
         self._guard = contextlib.ExitStack()
         self.signals: _signals.SignalGuard | None = None
-        self._was_in_loop = False
+        self.announced = False  # the first signal's notice was printed
         self.start = now()
         self.hook_stop: StopReason | None = None
         self.warned_late = False
@@ -86,14 +87,10 @@ class Stopper:
     def __enter__(self) -> "Stopper":
         handle = self.conditions.handle_signals
         self.signals = self._guard.enter_context(_signals.guarded(handle))
-        if self.signals is not None:
-            self._was_in_loop, self.signals.in_loop = self.signals.in_loop, True
         self.start = now()
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        if self.signals is not None:
-            self.signals.in_loop = self._was_in_loop
         self._guard.close()
 
     # -- what the loop reports --------------------------------------------------
@@ -160,27 +157,65 @@ class Stopper:
         return dataclasses.replace(self.hook_stop, step=done)
 
     def _local(self, done: int) -> StopReason | None:
-        if self.nonfinite_at is not None:
-            return StopReason(
-                StopKind.NONFINITE,
-                self.nonfinite_at,
-                f"non-finite loss or gradients at step {self.nonfinite_at}; the "
-                "returned state is the last finite one",
-            )
-        if self.hook_stop is not None:
-            return self._hook_stop(done)
-        if self.signals is not None and self.signals.received is not None:
-            name = signal.Signals(self.signals.received).name
-            return StopReason(StopKind.SIGNAL, done, name)
-        if done >= self.num_steps:
-            return StopReason(
-                StopKind.MAX_STEPS, done, f"reached {self.num_steps} steps"
-            )
-        limit = self.conditions.time_limit
-        if limit is not None and now() - self.start >= limit:
-            return StopReason(
-                StopKind.TIME_LIMIT, done, f"time limit of {limit:g}s reached"
-            )
-        if self.kill_switch is not None and os.path.exists(self.kill_switch):
-            return StopReason(StopKind.KILL_SWITCH, done, f"found {self.kill_switch}")
+        """This process's reason to stop, the first of `_LOCAL` that holds."""
+        for reason_after in self._LOCAL:
+            reason = reason_after(self, done)
+            if reason is not None:
+                return reason
         return None
+
+    def _nonfinite(self, done: int) -> StopReason | None:
+        if self.nonfinite_at is None:
+            return None
+        return StopReason(
+            StopKind.NONFINITE,
+            self.nonfinite_at,
+            f"non-finite loss or gradients at step {self.nonfinite_at}; the "
+            "returned state is the last finite one",
+        )
+
+    def _hook(self, done: int) -> StopReason | None:
+        return None if self.hook_stop is None else self._hook_stop(done)
+
+    def _signal(self, done: int) -> StopReason | None:
+        if self.signals is None or self.signals.received is None:
+            return None
+        name = signal.Signals(self.signals.received).name
+        self._announce(name, done)
+        return StopReason(StopKind.SIGNAL, done, name)
+
+    def _announce(self, name: str, done: int) -> None:
+        """Say once that the first signal was heard. The loop says it, not the
+        signal's handler: a handler that prints can re-enter the stream it
+        interrupted (a second Ctrl-C during compilation crashed that way)."""
+        if self.announced:
+            return
+        self.announced = True
+        when = "after the current step" if done > self.first else "before training"
+        print(
+            f"\n[eqtrain] {name} received: stopping {when} (send it again to "
+            "abort without saving).",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    def _max_steps(self, done: int) -> StopReason | None:
+        if done < self.num_steps:
+            return None
+        return StopReason(StopKind.MAX_STEPS, done, f"reached {self.num_steps} steps")
+
+    def _time_limit(self, done: int) -> StopReason | None:
+        limit = self.conditions.time_limit
+        if limit is None or now() - self.start < limit:
+            return None
+        return StopReason(
+            StopKind.TIME_LIMIT, done, f"time limit of {limit:g}s reached"
+        )
+
+    def _kill_switch(self, done: int) -> StopReason | None:
+        if self.kill_switch is None or not os.path.exists(self.kill_switch):
+            return None
+        return StopReason(StopKind.KILL_SWITCH, done, f"found {self.kill_switch}")
+
+    # the local stop reasons, in order of precedence
+    _LOCAL = (_nonfinite, _hook, _signal, _max_steps, _time_limit, _kill_switch)

@@ -23,23 +23,37 @@ recipe over these pieces:
     >>> step = S.skip_nonfinite(S.gradient_step(grads, opt))
     >>> # the same as eqtrain.train_step(loss_fn, opt, accumulate=4)
 
-None of the builders jits; see `eqtrain.jit`.
+None of the builders jits; see `eqtrain.jit`. The gradient-phase pieces live in
+`eqtrain._grads` and are re-exported here.
 """
 
 import dataclasses
-from collections.abc import Callable, Mapping, Sequence
-from typing import Any, NamedTuple
+from collections.abc import Callable
+from typing import Any
 
 import equinox as eqx
-import jax
 import jax.lax as lax
 import jax.numpy as jnp
 import jax.random as jr
 import jax.tree_util as jtu
 import optax
-from jaxtyping import Array, Float
+from jaxtyping import Array
 
 from ._errors import ConfigError
+from ._grads import (
+    WEIGHT_KEYS as WEIGHT_KEYS,
+    GradFn as GradFn,
+    Grads as Grads,
+    as_dtype,
+    batch_weight as batch_weight,
+    call_loss,
+    cast,
+    check_count,
+    microbatched as microbatched,
+    psum_grads as psum_grads,
+    split_weight,
+    value_and_grad as value_and_grad,
+)
 from ._precision import Precision, as_precision
 from ._state import TrainState
 from ._types import Batch, Key, LossFn, Metrics
@@ -47,217 +61,8 @@ from ._types import Batch, Key, LossFn, Metrics
 
 NONFINITE = ("skip", "stop", "ignore")
 
-WEIGHT_KEYS = ("loss_mask", "weights")
-"""Batch entries whose sum is a micro-batch's weight (see `batch_weight`)."""
-
-
-class Grads(NamedTuple):
-    """What a gradient function returns for a (micro-)batch.
-
-    Attributes:
-        loss: the loss, a scalar (the weighted mean over the batch).
-        aux: the loss's other metrics (scalars), without `"weight"`.
-        weight: the batch's weight (`batch_weight`): tokens or examples.
-        grads: the gradients, shaped like the trainable parameters.
-        model_state: the updated model state (`None` for stateless models).
-        grad_norm: the global norm of `grads`; filled in by `TrainStep` after the
-            gradient phase (so wrappers of the update phase share one norm).
-    """
-
-    loss: Array
-    aux: dict[str, Array]
-    weight: Array
-    grads: Any
-    model_state: Any
-    grad_norm: Array | None = None
-
-
-GradFn = Callable[[Any, Any, Batch, Key, Any], Grads]
-"""`grad_fn(params, static, batch, key, model_state) -> Grads`, where
-`params, static = eqx.partition(model, trainable)`."""
-
 Apply = Callable[[TrainState, Grads, Key], tuple[TrainState, Metrics]]
 """`apply(state, grads, next_key) -> (new_state, metrics)`: the update phase."""
-
-
-def batch_weight(batch: Batch, aux: Mapping[str, Array]) -> Float[Array, ""]:
-    """The weight of one (micro-)batch when averaging losses and metrics.
-
-    In order of preference: `aux["weight"]` if the loss reports one (the number of
-    tokens or examples its loss averaged over); else the sum of the batch's
-    `loss_mask` or `weights` entry when the batch is a mapping; else the batch's
-    leading size (every example counts once).
-
-    With these weights, a weighted mean of micro-batch means equals the mean over the
-    whole batch, which is what makes gradient accumulation exact.
-    """
-    if "weight" in aux:
-        return jnp.asarray(aux["weight"], jnp.float32)
-    if isinstance(batch, Mapping):
-        for name in WEIGHT_KEYS:
-            if name in batch:
-                return jnp.sum(jnp.asarray(batch[name], jnp.float32))
-    leaves = jtu.tree_leaves(batch)
-    if not leaves or jnp.ndim(leaves[0]) == 0:
-        return jnp.ones((), jnp.float32)
-    return jnp.asarray(jnp.shape(leaves[0])[0], jnp.float32)
-
-
-# -- the gradient phase -------------------------------------------------------------
-def value_and_grad(
-    loss_fn: LossFn, *, precision: Precision | str | None = None
-) -> GradFn:
-    """The gradient function of `loss_fn`.
-
-    Args:
-        loss_fn: `loss_fn(model, batch, key) -> (loss, aux)`; called as
-            `loss_fn(model, batch, key, model_state=s) -> (loss, aux, new_s)` when
-            the gradient function receives a model state. `aux` may hold
-            `"weight"` (see `batch_weight`).
-        precision: `None`, `"bf16"`, `"f16"` or a `Precision`: the model and the
-            floating batch leaves are cast *inside* the differentiated function,
-            so gradients keep the parameters' dtype.
-
-    Returns:
-        `grad_fn(params, static, batch, key, model_state) -> Grads`.
-    """
-    policy = as_precision(precision)
-
-    def grad_fn(params, static, batch, key, model_state) -> Grads:
-        def objective(p):
-            model = eqx.combine(p, static)
-            inputs = batch
-            if policy is not None:
-                model, inputs = policy.cast_model(model), policy.cast_inputs(batch)
-            if model_state is not None:
-                loss, aux, new_state = loss_fn(
-                    model, inputs, key, model_state=model_state
-                )
-            else:
-                loss, aux = loss_fn(model, inputs, key)
-                new_state = None
-            out_dtype = jnp.float32 if policy is None else policy.output_dtype
-            aux = {k: jnp.asarray(v).astype(out_dtype) for k, v in dict(aux).items()}
-            return jnp.asarray(loss).astype(out_dtype), (aux, new_state)
-
-        (loss, (aux, new_state)), grads = jax.value_and_grad(objective, has_aux=True)(
-            params
-        )
-        weight = batch_weight(batch, aux)
-        aux.pop("weight", None)
-        return Grads(loss, aux, weight, grads, new_state)
-
-    return grad_fn
-
-
-def _split_microbatches(batch: Batch, n: int) -> Batch:
-    """Reshape every leaf from `(B, ...)` to `(n, B // n, ...)`."""
-
-    def split(x: Any) -> Any:
-        x = jnp.asarray(x)
-        if x.ndim == 0 or x.shape[0] % n:
-            size = "a scalar" if x.ndim == 0 else f"leading size {x.shape[0]}"
-            raise ConfigError(
-                f"`accumulate={n}` must divide the batch size, but a batch leaf of "
-                f"shape {x.shape} has {size}. Use a batch size that is a multiple "
-                f"of {n}, or change `accumulate`."
-            )
-        return x.reshape(n, x.shape[0] // n, *x.shape[1:])
-
-    return jtu.tree_map(split, batch)
-
-
-def _check_count(n: Any, name: str) -> None:
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-        raise ConfigError(f"`{name}` must be an int >= 1; got {n!r}.")
-
-
-def microbatched(grad_fn: GradFn, n: int) -> GradFn:
-    """Run `grad_fn` over `n` micro-batches with `lax.scan`, weighted by tokens.
-
-    Every batch leaf is split from `(B, ...)` into `(n, B / n, ...)`; the loss,
-    metrics and gradients of the micro-batches are summed weighted by each one's
-    `weight` and divided by the total, so the result equals the full-batch one (up
-    to rounding) even when micro-batches hold different numbers of real tokens.
-    Activation memory falls by about `n`. Each micro-batch gets its own key (the
-    key split `n` ways). With `n == 1`, `grad_fn` itself is returned.
-
-    Raises:
-        ConfigError: `n` is not an int >= 1 (at once), or does not divide the
-            batch size (when traced).
-    """
-    _check_count(n, "accumulate")
-    if n == 1:
-        return grad_fn
-
-    def accumulated(params, static, batch, key, model_state) -> Grads:
-        micro = _split_microbatches(batch, n)
-        keys = jr.split(key, n)
-        first = jtu.tree_map(lambda x: x[0], micro)
-        shapes = eqx.filter_eval_shape(
-            grad_fn, params, static, first, keys[0], model_state
-        )
-        f32 = lambda s: jnp.zeros(s.shape, jnp.promote_types(s.dtype, jnp.float32))
-        zeros = jtu.tree_map(
-            f32, (shapes.loss, shapes.aux, shapes.weight, shapes.grads)
-        )
-
-        def body(carry, xs):
-            (loss_sum, aux_sum, w_sum, g_sum), mstate = carry
-            mb, k = xs
-            g = grad_fn(params, static, mb, k, mstate)
-            w = g.weight
-            add = lambda acc, v: acc + w * v.astype(acc.dtype)
-            loss_sum = add(loss_sum, g.loss)
-            aux_sum = jtu.tree_map(add, aux_sum, g.aux)
-            g_sum = jtu.tree_map(add, g_sum, g.grads)
-            return ((loss_sum, aux_sum, w_sum + w, g_sum), g.model_state), None
-
-        ((loss_sum, aux_sum, w_sum, g_sum), mstate), _ = lax.scan(
-            body, (zeros, model_state), (micro, keys)
-        )
-        # A batch whose weights are all zero contributes nothing (not NaN).
-        safe = jnp.where(w_sum > 0, w_sum, 1.0)
-        mean = lambda v: v / safe
-        grads = jtu.tree_map(lambda g, p: mean(g).astype(p.dtype), g_sum, shapes.grads)
-        aux = jtu.tree_map(mean, aux_sum)
-        return Grads(mean(loss_sum), aux, w_sum, grads, mstate)
-
-    return accumulated
-
-
-def psum_grads(grad_fn: GradFn, axes: str | Sequence[str]) -> GradFn:
-    """Combine `grad_fn`'s results across the devices of mapped `axes`.
-
-    For use inside `jax.shard_map` (see `eqtrain.sharding.data_parallel`, which
-    does the mapping): each device computes the loss and gradients of its own rows,
-    then loss, metrics and gradients are averaged over all devices with `psum`,
-    weighted by each device's `weight`, so the result equals the gradient function
-    on the whole batch. Each device's key is first folded with its index along
-    `axes` (so dropout differs per shard).
-    """
-    axes = (axes,) if isinstance(axes, str) else tuple(axes)
-
-    def reduced(params, static, batch, key, model_state) -> Grads:
-        index = 0
-        for a in axes:  # row-major over the axes, as the batch is split
-            index = index * lax.axis_size(a) + lax.axis_index(a)
-        g = grad_fn(params, static, batch, jr.fold_in(key, index), model_state)
-        total = lax.psum(g.weight, axes)
-        safe = jnp.where(total > 0, total, 1.0)
-        # Each device's values are means over its own weight: re-weight, then sum.
-        mean = lambda x: (
-            lax.psum(x.astype(jnp.float32) * g.weight, axes) / safe
-        ).astype(x.dtype)
-        return Grads(
-            mean(g.loss),
-            jtu.tree_map(mean, g.aux),
-            total,
-            jtu.tree_map(mean, g.grads),
-            g.model_state,
-        )
-
-    return reduced
 
 
 # -- the update phase ---------------------------------------------------------------
@@ -371,16 +176,29 @@ def gradient_step(
             key=key,
             model_state=g.model_state,
         )
-        metrics = {"loss": g.loss, "grad_norm": g.grad_norm, "skipped": new.skipped}
-        lr = learning_rate(opt_state)
-        if lr is None and schedule is not None:
-            lr = jnp.asarray(schedule(state.step), jnp.float32)
-        if lr is not None:
-            metrics["learning_rate"] = lr
-        metrics["weight"] = g.weight
-        return new, {**metrics, **g.aux}
+        lr = _reported_lr(opt_state, schedule, state.step)
+        return new, _update_metrics(g, new, lr)
 
     return TrainStep(grad, apply)
+
+
+def _reported_lr(
+    opt_state: Any, schedule: optax.Schedule | None, step: Any
+) -> Array | None:
+    """The learning rate to report: the optimizer's own, else the schedule's."""
+    lr = learning_rate(opt_state)
+    if lr is None and schedule is not None:
+        lr = jnp.asarray(schedule(step), jnp.float32)
+    return lr
+
+
+def _update_metrics(g: Grads, new: TrainState, lr: Array | None) -> Metrics:
+    """A step's metrics: loss, grad norm, skips, learning rate, weight, then aux."""
+    metrics = {"loss": g.loss, "grad_norm": g.grad_norm, "skipped": new.skipped}
+    if lr is not None:
+        metrics["learning_rate"] = lr
+    metrics["weight"] = g.weight
+    return {**metrics, **g.aux}
 
 
 def filter_cond(
@@ -391,17 +209,8 @@ def filter_cond(
     closed over, and must come out the same from both branches."""
     dynamic, static = eqx.partition(operands, eqx.is_array)
     statics: list[Any] = []
-
-    def branch(fn: Callable) -> Callable:
-        def run(dyn: Any) -> Any:
-            out = fn(*eqx.combine(dyn, static))
-            out_dyn, out_static = eqx.partition(out, eqx.is_array)
-            statics.append(out_static)
-            return out_dyn
-
-        return run
-
-    out = lax.cond(pred, branch(true_fn), branch(false_fn), dynamic)
+    true_branch = _array_branch(true_fn, static, statics)
+    out = lax.cond(pred, true_branch, _array_branch(false_fn, static, statics), dynamic)
     first = statics[0]
     if any(not eqx.tree_equal(first, other) for other in statics[1:]):
         raise ConfigError(
@@ -410,6 +219,19 @@ def filter_cond(
             "structure whether it applies the update or keeps the state."
         )
     return eqx.combine(out, first)
+
+
+def _array_branch(fn: Callable, static: Any, statics: list[Any]) -> Callable:
+    """`fn` over the array leaves only: the rest of its operands is `static`, and
+    the rest of its result is appended to `statics` (compared by `filter_cond`)."""
+
+    def run(dyn: Any) -> Any:
+        out = fn(*eqx.combine(dyn, static))
+        out_dyn, out_static = eqx.partition(out, eqx.is_array)
+        statics.append(out_static)
+        return out_dyn
+
+    return run
 
 
 def _finite(g: Grads) -> Array:
@@ -473,9 +295,8 @@ def halt_nonfinite(step: TrainStep) -> TrainStep:
 
 
 def _check_decay(decay: Any) -> None:
-    if isinstance(decay, bool) or not isinstance(decay, int | float):
-        raise ConfigError(f"`ema` is a decay in [0, 1), e.g. 0.999; got {decay!r}.")
-    if not 0.0 <= decay < 1.0:
+    number = not isinstance(decay, bool) and isinstance(decay, int | float)
+    if not number or not 0.0 <= decay < 1.0:
         raise ConfigError(f"`ema` is a decay in [0, 1), e.g. 0.999; got {decay!r}.")
 
 
@@ -583,7 +404,7 @@ def train_step(
         with `nonfinite="stop"` also `halted` (1 once the state is frozen), and
         every entry of `aux`, all as device scalars.
     """
-    _check_count(accumulate, "accumulate")
+    check_count(accumulate, "accumulate")
     grads = microbatched(value_and_grad(loss_fn, precision=precision), accumulate)
     return finish_step(
         grads, optimizer, nonfinite=nonfinite, ema=ema, schedule=schedule
@@ -615,19 +436,9 @@ def eval_step(
 
     def evaluate(state: TrainState, batch: Batch) -> Metrics:
         model = state.ema_model if use_ema else state.model
-        model = eqx.nn.inference_mode(model)
-        inputs = batch
-        if policy is not None:
-            model, inputs = policy.cast_model(model), policy.cast_inputs(batch)
-        if state.model_state is not None:
-            loss, aux, _ = loss_fn(
-                model, inputs, state.key, model_state=state.model_state
-            )
-        else:
-            loss, aux = loss_fn(model, inputs, state.key)
-        aux = {k: jnp.asarray(v, jnp.float32) for k, v in dict(aux).items()}
-        weight = batch_weight(batch, aux)
-        aux.pop("weight", None)
+        model, inputs = cast(policy, eqx.nn.inference_mode(model), batch)
+        loss, aux, _ = call_loss(loss_fn, model, inputs, state.key, state.model_state)
+        aux, weight = split_weight(batch, as_dtype(aux, jnp.float32))
         return {"loss": jnp.asarray(loss, jnp.float32), **aux, "weight": weight}
 
     return evaluate

@@ -159,11 +159,12 @@ def main() -> eqtrain.FitResult:
         windows(train, args.batch_size, seed=args.seed, epochs=1000),
         num_steps=args.steps,
         hooks=hooks,
-        eval_step=evaluate,
-        eval_data=eval_batches,
-        eval_every=max(1, args.steps // 5),
-        time_limit=args.time_limit,
-        kill_switch=run_dir / "STOP",
+        evaluation=eqtrain.Evaluation(
+            evaluate, eval_batches, every=max(1, args.steps // 5)
+        ),
+        stop=eqtrain.StopConditions(
+            time_limit=args.time_limit, kill_switch=run_dir / "STOP"
+        ),
     )
     last = result.metrics
     print(

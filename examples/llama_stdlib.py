@@ -87,10 +87,10 @@ def main(argv: list[str] | None = None) -> eqtrain.FitResult:
             eqtrain.hooks.ProgressBar(),
             eqtrain.hooks.JsonlWriter(run_dir / "metrics.jsonl"),
         ],
-        eval_step=evaluate,
-        eval_data=eval_loader,
-        eval_every=max(1, args.steps // 4),
-        kill_switch=run_dir / "STOP",
+        evaluation=eqtrain.Evaluation(
+            evaluate, eval_loader, every=max(1, args.steps // 4)
+        ),
+        stop=eqtrain.StopConditions(kill_switch=run_dir / "STOP"),
     )
     loader.close()
     summary = {

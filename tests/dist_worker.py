@@ -69,8 +69,8 @@ def main() -> None:
         loader,
         num_steps=args.steps,
         checkpointer=ckpt,
-        agree_every=2,
-        read_every=1,
+        stop=eqtrain.StopConditions(agree_every=2),
+        reading=eqtrain.Reading(every=1),
     )
     loader.close()
     out = {

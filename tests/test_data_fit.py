@@ -85,11 +85,9 @@ def test_fit_consumes_loader_batches_in_order_and_position_matches():
         step,
         loader,
         num_steps=num_steps,
-        eval_step=evaluate,
-        eval_data=eval_loader,
-        eval_every=5,
+        evaluation=eqtrain.Evaluation(evaluate, eval_loader, every=5),
         checkpointer=ckpt,
-        read_every=1,
+        reading=eqtrain.Reading(every=1),
     )
     assert result.stop_reason.kind == "max_steps"
     firsts = [h["first_id"] for h in result.history]

@@ -349,7 +349,7 @@ def test_export_hook_in_fit(tmp_path):
         [batch] * 3,
         num_steps=3,
         hooks=[eqtrain.every(2, hook), eqtrain.at_end(hook)],
-        handle_signals=False,
+        stop=eqtrain.StopConditions(handle_signals=False),
     )
     assert sorted(os.listdir(tmp_path / "hf")) == [
         "step_2",

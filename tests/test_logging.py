@@ -90,8 +90,7 @@ def test_tensorboard_round_trip_eval_perf_and_resume(step, evaluate, tmp_path):
         data,
         5,
         [writer, at_end(writer)],
-        eval_step=evaluate,
-        eval_data=make_batches(2, seed=1),
+        evaluation=eqtrain.Evaluation(evaluate, make_batches(2, seed=1)),
     )
     acc = read_events(log_dir)
     loss = acc.Scalars("train/loss")
@@ -243,8 +242,7 @@ def test_wandb_offline_run_round_trip(step, evaluate, tmp_path, wandb_offline):
         tokens_batches(8),
         4,
         [logger, at_end(logger)],
-        eval_step=evaluate,
-        eval_data=make_batches(2, seed=1),
+        evaluation=eqtrain.Evaluation(evaluate, make_batches(2, seed=1)),
     )
     assert logger.run is not None and wandb.run is mine
     first = logger.run

@@ -121,7 +121,8 @@ def test_time_limit(step, batches):
             time.sleep(0.05)
             yield b
 
-    result = eqtrain.fit(fresh_state(), step, slow(), num_steps=1000, time_limit=0.4)
+    stop = eqtrain.StopConditions(time_limit=0.4)
+    result = eqtrain.fit(fresh_state(), step, slow(), num_steps=1000, stop=stop)
     assert result.stop_reason.kind == "time_limit"
     assert 1 <= result.stop_reason.step < len(batches)
     assert int(result.state.step) == result.stop_reason.step
@@ -134,7 +135,7 @@ def test_kill_switch(step, batches, tmp_path):
         step,
         batches,
         num_steps=50,
-        kill_switch=switch,
+        stop=eqtrain.StopConditions(kill_switch=switch),
         hooks=[at([3], lambda info: switch.touch(), uses_state=True)],  # exact step
     )
     assert (
@@ -316,7 +317,8 @@ def test_loop_dispatches_next_step_before_reading_current(batches, monkeypatch):
     step = eqtrain.jit(eqtrain.train_step(heavy_loss, OPT))
     events, ready_at_next_dispatch = _spy_on(step, monkeypatch)
     log = every(1, lambda info: None, uses_state=False)
-    eqtrain.fit(fresh_state(), step, data, num_steps=8, hooks=[log], read_every=1)
+    reading = eqtrain.Reading(every=1)
+    eqtrain.fit(fresh_state(), step, data, num_steps=8, hooks=[log], reading=reading)
 
     expected = [("dispatch", 1)]
     for k in range(2, 9):
@@ -339,8 +341,7 @@ def test_metrics_are_read_in_batches(batches, monkeypatch):
         batches,
         num_steps=10,
         hooks=[log],
-        read_every=4,
-        read_seconds=1e9,
+        reading=eqtrain.Reading(every=4, seconds=1e9),
     )
     reads = [e[1] for e in events if e[0] == "read"]
     assert reads == [[1, 2, 3, 4], [5, 6, 7, 8], [9, 10]]
@@ -357,7 +358,8 @@ def test_state_hook_makes_the_loop_wait_only_where_due(batches, monkeypatch):
         batches,
         num_steps=6,
         hooks=[every(3, lambda info: info.state, uses_state=True)],
-        read_seconds=1e9,  # only the hook decides when to read (no timed reads)
+        # only the hook decides when to read (no timed reads)
+        reading=eqtrain.Reading(seconds=1e9),
     )
     # steps 1-3 dispatched back to back; step 3 waited for (its hook uses the state)
     assert events == [
@@ -385,9 +387,7 @@ def test_evaluation_weighted_and_prefixed(step, evaluate, batches):
         step,
         batches,
         num_steps=10,
-        eval_step=evaluate,
-        eval_data=eval_data,
-        eval_every=4,
+        evaluation=eqtrain.Evaluation(evaluate, eval_data, every=4),
         hooks=[spy],
     )
     assert sorted(seen) == [4, 8]  # the end-of-run eval comes after the hooks
@@ -422,9 +422,7 @@ def test_evaluate_standalone_matches_fit(step, evaluate, batches):
         step,
         batches,
         num_steps=4,
-        eval_step=evaluate,
-        eval_data=eval_data,
-        eval_every=4,
+        evaluation=eqtrain.Evaluation(evaluate, eval_data, every=4),
     )
     alone = eqtrain.evaluate(result.state, eqtrain.eval_step(mse_loss), eval_data)
     assert alone == pytest.approx(
@@ -438,25 +436,19 @@ def test_evaluate_standalone_matches_fit(step, evaluate, batches):
 
 def test_eval_arguments_checked(step, batches):
     with pytest.raises(eqtrain.ConfigError, match="eval_data"):
-        eqtrain.fit(fresh_state(), step, batches, num_steps=2, eval_every=1)
+        with pytest.warns(DeprecationWarning):
+            eqtrain.fit(fresh_state(), step, batches, num_steps=2, eval_every=1)
     with pytest.raises(eqtrain.ConfigError, match="re-iterable"):
-        eqtrain.fit(
-            fresh_state(),
-            step,
-            batches,
-            num_steps=2,
-            eval_every=1,
-            eval_step=eqtrain.eval_step(mse_loss),
-            eval_data=iter(batches),
-        )
+        eqtrain.Evaluation(eqtrain.eval_step(mse_loss), iter(batches), every=1)
     with pytest.raises(eqtrain.ConfigError, match="only `eval_step`"):
-        eqtrain.fit(
-            fresh_state(),
-            step,
-            batches,
-            num_steps=2,
-            eval_step=eqtrain.eval_step(mse_loss),
-        )
+        with pytest.warns(DeprecationWarning):
+            eqtrain.fit(
+                fresh_state(),
+                step,
+                batches,
+                num_steps=2,
+                eval_step=eqtrain.eval_step(mse_loss),
+            )
     with pytest.raises(eqtrain.ConfigError, match="num_steps"):
         eqtrain.fit(fresh_state(), step, batches, num_steps=-1)
 
@@ -469,7 +461,7 @@ def _run_with_reason(kind, step, batches, tmp_path):
     elif kind == "data_exhausted":
         data = data[:5]
     elif kind == "kill_switch":
-        kwargs["kill_switch"] = tmp_path / "STOP"
+        kwargs["stop"] = eqtrain.StopConditions(kill_switch=tmp_path / "STOP")
         hooks.append(at([5], lambda i: (tmp_path / "STOP").touch(), uses_state=True))
     elif kind == "hook":
         hooks.append(
@@ -479,7 +471,7 @@ def _run_with_reason(kind, step, batches, tmp_path):
     elif kind == "nonfinite":
         data[5] = dict(data[5], y=np.full_like(data[5]["y"], np.nan))
     elif kind == "time_limit":
-        kwargs["time_limit"] = 0.3
+        kwargs["stop"] = eqtrain.StopConditions(time_limit=0.3)
 
         def slow(src=data):
             for b in src:
@@ -634,6 +626,8 @@ def test_second_sigint_aborts(tmp_path):
         proc.kill()
     # the watchdog ends the process (no exception raised into the hook)
     assert code == 128 + signal.SIGINT, err
+    # the first signal's notice, printed by the loop (not by the handler)
+    assert "SIGINT received: stopping after the current step" in err
     assert "aborted by a second signal (SIGINT)" in err
     assert "Traceback" not in err and "KeyboardInterrupt" not in err
 

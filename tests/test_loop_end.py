@@ -10,6 +10,7 @@ import eqtrain
 from eqtrain import (
     ConfigError,
     Evaluation,
+    Reading,
     StopConditions,
     StopKind,
     at,
@@ -120,7 +121,7 @@ def test_fit_names_the_step_a_device_error_came_from(
     with pytest.raises(_DeviceError) as raised:
         eqtrain.fit(
             fresh_state(), step, batches, num_steps=10, checkpointer=ckpt,
-            read_every=read_every, read_seconds=1e9,
+            reading=Reading(every=read_every, seconds=1e9),
         )  # fmt: skip
     where = failed_at(raised.value)
     assert (where.step, where.finished, str(where)) == (3, 2, "at step 3")
@@ -157,7 +158,7 @@ def test_a_late_hook_error_saves_the_newest_dispatched_state(step, batches):
     with pytest.raises(RuntimeError, match="late"):
         eqtrain.fit(
             fresh_state(), step, batches, num_steps=12, hooks=[broken],
-            checkpointer=ckpt, read_every=5, read_seconds=1e9,
+            checkpointer=ckpt, reading=Reading(every=5, seconds=1e9),
         )  # fmt: skip
     [(saved_step, state_step, reason)] = ckpt.finals
     assert saved_step == state_step >= 3  # a newer, complete state: nothing lost
@@ -215,7 +216,8 @@ def test_a_frozen_nonfinite_state_is_not_saved_on_error():
     with pytest.raises(RuntimeError):
         eqtrain.fit(
             fresh_state(), stop_step, batches, num_steps=8, checkpointer=ckpt,
-            hooks=[broken], read_every=1, handle_signals=False,
+            hooks=[broken], reading=Reading(every=1),
+            stop=StopConditions(handle_signals=False),
         )  # fmt: skip
     assert ckpt.finals == []
 
@@ -239,34 +241,47 @@ def test_an_error_with_a_real_checkpointer_resumes_from_the_saved_step(
     assert restored.manifest["stop_reason"]["kind"] == "error"
 
 
-def test_grouped_options_equal_the_keywords(step, batches):
+def test_the_deprecated_flat_keywords_warn_and_equal_the_groups(step, batches):
     evaluate = eqtrain.jit(eqtrain.eval_step(mse_loss), donate=False)
     eval_data = make_batches(2, seed=1)
-    flat = eqtrain.fit(
-        fresh_state(), step, batches, num_steps=6, eval_step=evaluate,
-        eval_data=eval_data, eval_every=3, time_limit=1e6, handle_signals=False,
-    )  # fmt: skip
+    with pytest.warns(DeprecationWarning) as warned:
+        flat = eqtrain.fit(
+            fresh_state(), step, batches, num_steps=6, eval_step=evaluate,
+            eval_data=eval_data, eval_every=3, time_limit=1e6, handle_signals=False,
+            history=4, read_every=2,
+        )  # fmt: skip
+    messages = [str(w.message) for w in warned]
+    assert len(messages) == 7
+    assert "`fit(eval_every=...)` is deprecated: pass `evaluation=eqtrain." \
+        "Evaluation(every=...)` instead" in messages[2]  # fmt: skip
+    assert "`reading=eqtrain.Reading(every=...)`" in messages[6]
     grouped = eqtrain.fit(
         fresh_state(), step, batches, num_steps=6,
         evaluation=Evaluation(evaluate, eval_data, every=3),
         stop=StopConditions(time_limit=1e6, handle_signals=False),
+        reading=Reading(history=4, every=2),
     )  # fmt: skip
+    assert len(grouped.history) == 4
     assert flat.history == grouped.history
-    assert flat.history[2]["eval/loss"] == grouped.history[2]["eval/loss"]
+    assert flat.history[0]["step"] == 3  # the oldest two were dropped
+    assert flat.history[0]["eval/loss"] == grouped.history[0]["eval/loss"]
 
 
 def test_grouped_and_keyword_options_are_not_mixed(step, batches):
     evaluate = eqtrain.eval_step(mse_loss)
-    with pytest.raises(ConfigError, match="not both"):
-        eqtrain.fit(
-            fresh_state(), step, batches, num_steps=2,
-            evaluation=Evaluation(evaluate, batches), eval_every=1,
-        )  # fmt: skip
-    with pytest.raises(ConfigError, match="not both"):
-        eqtrain.fit(
-            fresh_state(), step, batches, num_steps=2,
-            stop=StopConditions(time_limit=5), kill_switch="STOP",
-        )  # fmt: skip
+    mixed = [
+        dict(evaluation=Evaluation(evaluate, batches), eval_every=1),
+        dict(stop=StopConditions(time_limit=5), kill_switch="STOP"),
+        dict(reading=Reading(every=2), read_seconds=1.0),
+    ]
+    for options in mixed:
+        with pytest.raises(ConfigError, match="not both"):
+            with pytest.warns(DeprecationWarning):
+                eqtrain.fit(fresh_state(), step, batches, num_steps=2, **options)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'eval_evry'"):
+        eqtrain.fit(fresh_state(), step, batches, num_steps=2, eval_evry=1)
+    with pytest.raises(ConfigError, match="read_every"):
+        Reading(every=0)
     with pytest.raises(ConfigError, match="time_limit"):
         StopConditions(time_limit=0)
     with pytest.raises(ConfigError, match="agree_every"):
@@ -288,7 +303,7 @@ def test_a_plain_function_never_makes_the_loop_wait(batches, monkeypatch, declar
         log = eqtrain.metrics_only(eqtrain.uses_state(log))
     eqtrain.fit(
         fresh_state(), step, batches, num_steps=6, hooks=[log],
-        read_every=3, read_seconds=1e9,
+        reading=Reading(every=3, seconds=1e9),
     )  # fmt: skip
     # step k+1 is always dispatched before step k is read: no wait per step
     assert events == [
@@ -319,7 +334,7 @@ def test_a_late_hooks_stop_lands_later_and_says_so(batches, step):
     with pytest.warns(UserWarning, match=r"after step 2.*stops at step 4.*uses_state"):
         result = eqtrain.fit(
             fresh_state(), step, batches, num_steps=12, hooks=[stop_at_2],
-            read_every=3, read_seconds=1e9,
+            reading=Reading(every=3, seconds=1e9),
         )  # fmt: skip
     # steps 1-3 are read once step 4 is dispatched: the run stops after step 4,
     # and the reason names the step the state is at

@@ -251,9 +251,7 @@ def test_plot_of_a_real_run(tmp_path):
         batches,
         num_steps=6,
         hooks=[writer, eqtrain.at_end(writer)],
-        eval_step=evaluate,
-        eval_data=batches[:2],
-        eval_every=3,
+        evaluation=eqtrain.Evaluation(evaluate, batches[:2], every=3),
     )
     writer.close()
     records = read_metrics(tmp_path)

@@ -220,3 +220,17 @@ def test_the_first_signal_is_recorded_by_the_watchdog():
         while guard.received is None and time.monotonic() < deadline:
             time.sleep(0.01)
         assert guard.received == signal.SIGTERM
+
+
+def test_the_first_signal_prints_nothing_from_the_handler(capfd):
+    """Printing from a signal's path can re-enter the stream it interrupted (a
+    second Ctrl-C during compilation crashed so): the handler and the watchdog
+    only record the first signal; `fit`'s loop says it, at a step boundary."""
+    with _signals.guarded() as guard:
+        os.kill(os.getpid(), signal.SIGINT)
+        deadline = time.monotonic() + 10
+        while guard.received is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert guard.received == signal.SIGINT
+        time.sleep(0.1)  # anything the watchdog would write, it has written
+    assert capfd.readouterr() == ("", "")
