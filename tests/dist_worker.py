@@ -52,12 +52,13 @@ def main() -> None:
     state_sh = sharding.state_shardings(
         eqtrain.TrainState.create(model, opt, key=0), mesh, rules, optimizer=opt
     )
-    state, resumed = checkpoint.restore_or_init(
+    start = checkpoint.resume_run(
         args.run_dir,
         lambda: sharding.shard(eqtrain.TrainState.create(model, opt, key=0), state_sh),
         shardings=state_sh,
         data=loader,
     )
+    state, resumed = start.state, start.step
     step = eqtrain.jit(
         eqtrain.train_step(causal_lm_loss, opt), shardings=(state_sh, batch_sh)
     )

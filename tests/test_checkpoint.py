@@ -23,7 +23,6 @@ from eqtrain.checkpoint import (
     list_steps,
     read_manifest,
     restore,
-    restore_or_init,
     resume_run,
 )
 from eqtrain.data import Loader
@@ -208,23 +207,22 @@ def test_resume_policies(tmp_path):
     train(init(), loader, 4, Checkpointer(tmp_path, every_steps=2, data=loader))
     # never: refuses; overwrite: deletes.
     with pytest.raises(CheckpointError, match="resume='never'"):
-        restore_or_init(tmp_path, init, resume="never")
+        resume_run(tmp_path, init, resume="never")
     # a fresh Checkpointer over the old run refuses to mix.
     with pytest.raises(CheckpointError, match="mix two runs"):
         train(init(), make_batches(4), 4, Checkpointer(tmp_path, every_steps=2))
     # auto: continues, with the data position.
     fresh = Loader(rows(), 8, seed=1)
-    state, step = restore_or_init(tmp_path, init, data=fresh)
-    assert step == 4 and int(state.step) == 4 and fresh.position["index"] == 4
+    resumed = resume_run(tmp_path, init, data=fresh)
+    assert resumed.step == 4 and int(resumed.state.step) == 4
+    assert fresh.position["index"] == 4
     # a path: restores from another run's step.
-    state, step = restore_or_init(
-        tmp_path / "other", init, resume=tmp_path / "checkpoints" / "2"
-    )
-    assert step == 2
-    state, step = restore_or_init(tmp_path, init, resume="never", overwrite=True)
-    assert step is None and list_steps(tmp_path) == []
-    state, step = restore_or_init(tmp_path / "new", init)
-    assert step is None and int(state.step) == 0
+    other = resume_run(tmp_path / "other", init, resume=tmp_path / "checkpoints" / "2")
+    assert other.step == 2
+    never = resume_run(tmp_path, init, resume="never", overwrite=True)
+    assert never.step is None and list_steps(tmp_path) == []
+    new = resume_run(tmp_path / "new", init)
+    assert new.step is None and int(new.state.step) == 0
 
 
 def test_torn_save_ignored_and_cleaned(tmp_path):
@@ -265,7 +263,7 @@ def test_nothing_readable_is_an_error(tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", CheckpointWarning)
         with pytest.raises(CheckpointError, match="Refusing to start over"):
-            restore_or_init(tmp_path, init)
+            resume_run(tmp_path, init)
 
 
 def test_incompatible_names_leaves(tmp_path):

@@ -17,7 +17,7 @@ import optax
 import pytest
 
 import eqtrain
-from eqtrain.checkpoint import Checkpointer, list_steps, restore_or_init
+from eqtrain.checkpoint import Checkpointer, list_steps, resume_run
 
 from .conftest import mse_loss
 
@@ -29,7 +29,7 @@ CHILD = textwrap.dedent(
     import sys, time
     import equinox as eqx, jax, jax.numpy as jnp, jax.random as jr, numpy as np, optax
     import eqtrain
-    from eqtrain.checkpoint import Checkpointer, restore_or_init
+    from eqtrain.checkpoint import Checkpointer, resume_run
     from eqtrain.data import Loader
     from tests.conftest import Regressor, mse_loss
 
@@ -73,7 +73,8 @@ CHILD = textwrap.dedent(
     if mode == "straight":
         state = init()
     else:
-        state, start = restore_or_init(run_dir, init, resume="auto", data=loader)
+        resumed = resume_run(run_dir, init, resume="auto", data=loader)
+        state, start = resumed.state, resumed.step
         print(f"START {start or 0}", flush=True)
         ckpt = Announced(run_dir, every_steps=2 if mode == "big" else 3,
                          keep_last=None, data=loader)
@@ -236,13 +237,14 @@ def _kill_during_async_save(tmp_path, size):
         return eqtrain.TrainState.create(model, opt, key=0, trainable=Big(True, False))
 
     if caught_mid_write:
-        state, step = restore_or_init(run, init)
-        assert step == 2 and int(state.step) == 2
+        resumed = resume_run(run, init)
+        state = resumed.state
+        assert resumed.step == 2 and int(state.step) == 2
     # Training continues: new checkpoints go next to the old, the torn one is gone.
     from .conftest import make_batches
 
     result = eqtrain.fit(
-        state if caught_mid_write else restore_or_init(run, init)[0],
+        state if caught_mid_write else resume_run(run, init).state,
         eqtrain.train_step(mse_loss, opt),
         make_batches(4),
         num_steps=int(list_steps(run)[-1]) + 2,

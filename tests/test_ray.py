@@ -153,7 +153,7 @@ def test_worker_arguments_and_environment():
 
 
 def test_unreachable_or_malformed_ray_address(monkeypatch):
-    from eqtrain.ray._launch import _join
+    from eqtrain.ray._connect import _join
 
     class NoInit:  # the address is checked before Ray is asked
         def init(self, **kwargs):
@@ -168,7 +168,7 @@ def test_unreachable_or_malformed_ray_address(monkeypatch):
 
 
 def test_local_ray_that_lacks_the_resources(monkeypatch):
-    from eqtrain.ray._launch import _check_fits
+    from eqtrain.ray._connect import _check_fits
 
     class Ray:
         def cluster_resources(self):
@@ -225,16 +225,17 @@ class _FakeRay:
 
 
 def _watch(actors, first_signal):
-    from eqtrain.ray._launch import _Group, _Signals, _Supervisor
+    from eqtrain.ray._signals import Signals
+    from eqtrain.ray._supervisor import Group, Supervisor
 
     notes, config = [], _load("distributed.processes=2")
     before = signal.getsignal(first_signal)
-    with _Signals(notes.append) as signals:
-        supervisor = _Supervisor(
+    with Signals(notes.append) as signals:
+        supervisor = Supervisor(
             _FakeRay(), plan(config), config, notes.append, {}, signals
         )
         os.kill(os.getpid(), first_signal)  # to the driver: this process
-        exits = supervisor._watch(_Group(None, actors))
+        exits = supervisor._watch(Group(None, actors))
     assert signal.getsignal(first_signal) is before  # handlers restored
     return exits, notes
 

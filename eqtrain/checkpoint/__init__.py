@@ -1,10 +1,11 @@
 """Checkpoints on Orbax: the state's arrays (OCDBT), the data position and a run
 manifest per step, saved asynchronously by `Checkpointer` (for `fit`), restored with
-`restore` / `restore_or_init` into an abstract template, with resharding.
+`restore` / `resume_run` into an abstract template, with resharding.
 
-    state, step = restore_or_init(run_dir, init, resume="auto", data=loader)
-    ckpt = Checkpointer(run_dir, every_steps=500, keep_last=3, data=loader)
-    eqtrain.fit(state, step_fn, loader, num_steps=10_000, checkpointer=ckpt)
+    resumed = resume_run(run_dir, init, resume="auto", data=loader)
+    ckpt = Checkpointer(run_dir, every_steps=500, keep_last=3, data=loader,
+                        run_id=resumed.run_id)
+    eqtrain.fit(resumed.state, step_fn, loader, num_steps=10_000, checkpointer=ckpt)
 """
 
 from ._errors import (
@@ -18,8 +19,10 @@ from ._manager import Checkpointer as Checkpointer
 from ._restore import (
     DamagedCheckpointError as DamagedCheckpointError,
     Restored as Restored,
-    Resumed as Resumed,
     restore as restore,
+)
+from ._resume import (
+    Resumed as Resumed,
     restore_or_init as restore_or_init,
     resume_run as resume_run,
 )

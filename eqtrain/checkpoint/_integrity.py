@@ -41,6 +41,11 @@ def _words(x: jax.Array) -> jax.Array | None:
     return None
 
 
+def _odd(n: int) -> jax.Array:
+    """The weights 1, 3, 5, ...: `2i + 1` for position i, as uint32."""
+    return jnp.arange(n, dtype=jnp.uint32) * jnp.uint32(2) + jnp.uint32(1)
+
+
 def _sums(x: jax.Array) -> jax.Array:
     words = _words(x)
     if words is None:
@@ -52,17 +57,10 @@ def _sums(x: jax.Array) -> jax.Array:
     # the position. Computed as one multiply by a row vector and a reduction over
     # the last axis, then the same over the (small) rest: memory-bound.
     cols = words.shape[-1]
-    col_weight = jnp.arange(cols, dtype=jnp.uint32) * jnp.uint32(2) + jnp.uint32(1)
-    col_weight = col_weight.reshape((1,) * (words.ndim - 1) + (cols,))
-    per_row = jnp.sum(words * col_weight, axis=-1, dtype=jnp.uint32)
-    rows = per_row.reshape(-1)
-    row_weight = jnp.arange(rows.shape[0], dtype=jnp.uint32) * jnp.uint32(2) + 1
-    return jnp.stack(
-        [
-            jnp.sum(words, dtype=jnp.uint32),
-            jnp.sum(rows * row_weight.astype(jnp.uint32), dtype=jnp.uint32),
-        ]
-    )
+    col_weight = _odd(cols).reshape((1,) * (words.ndim - 1) + (cols,))
+    rows = jnp.sum(words * col_weight, axis=-1, dtype=jnp.uint32).reshape(-1)
+    weighted = jnp.sum(rows * _odd(rows.shape[0]), dtype=jnp.uint32)
+    return jnp.stack([jnp.sum(words, dtype=jnp.uint32), weighted])
 
 
 @jax.jit

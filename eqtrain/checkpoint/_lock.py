@@ -65,6 +65,17 @@ def _since(info: dict[str, Any]) -> str:
     return "an unknown time"
 
 
+def _gone(info: dict[str, Any]) -> str:
+    """Why the lock `info` describes is stale."""
+    if not info:
+        return "it was unreadable"
+    return f"PID {info.get('pid')} (since {_since(info)}) is no longer running"
+
+
+def _note(text: str) -> None:
+    print(f"[eqtrain] note: {text}", file=sys.stderr, flush=True)
+
+
 class RunLock:
     """`<run_dir>/.lock`, held from `acquire()` to `release()`.
 
@@ -107,30 +118,46 @@ class RunLock:
         raise RunInUseError(f"could not lock {self.run_dir} (contended {self.path}).")
 
     def _take_over_if_stale(self) -> None:
+        """Take the lock over if its holder is gone; refuse if it is alive;
+        return to try again if it was released or is being written."""
         info = _read(self.path)
         if info is None:
             return  # released meanwhile: try again
+        if info == {} and not self._old_garbage():
+            return
+        if info:
+            self._refuse_if_held(info)
+        self._take_over(info)
+
+    def _old_garbage(self) -> bool:
+        """The unreadable lock file is over a minute old (else it is probably
+        being written: wait a little)."""
+        try:
+            age = time.time() - self.path.stat().st_mtime
+        except FileNotFoundError:
+            return False
+        if age < 60:
+            time.sleep(0.2)  # probably being written
+            return False
+        return True
+
+    def _refuse_if_held(self, info: dict[str, Any]) -> None:
+        """`RunInUseError` if the lock's holder is on another host, or alive."""
         host = info.get("host")
-        if info == {}:
-            try:
-                age = time.time() - self.path.stat().st_mtime
-            except FileNotFoundError:
-                return
-            if age < 60:
-                time.sleep(0.2)  # probably being written
-                return
-        elif host != socket.gethostname():
+        if host != socket.gethostname():
             raise RunInUseError(
                 f"{self.run_dir} is in use by PID {info.get('pid')} on host {host} "
                 f"since {_since(info)} (lock {self.path}); wait for that run to end, "
                 "or delete the lock file if it is no longer running."
             )
-        elif _alive(info):
+        if _alive(info):
             raise RunInUseError(
                 f"{self.run_dir} is in use by PID {info.get('pid')} since "
                 f"{_since(info)}; wait for that run to end or stop it (a second "
                 f"`eqtrain fit` on one run directory would mix the two runs)."
             )
+
+    def _take_over(self, info: dict[str, Any]) -> None:
         # Stale: move it aside under a unique name (only one taker wins the
         # rename), check that it is still the stale lock, then retry O_EXCL.
         aside = self.path.with_name(f"{LOCK}.stale-{self.token}")
@@ -143,16 +170,7 @@ class RunLock:
             os.rename(aside, self.path)  # a fresh lock of another taker: give back
             return
         aside.unlink(missing_ok=True)
-        what = (
-            f"PID {info.get('pid')} (since {_since(info)}) is no longer running"
-            if info
-            else "it was unreadable"
-        )
-        print(
-            f"[eqtrain] note: took over the stale lock {self.path}: {what}.",
-            file=sys.stderr,
-            flush=True,
-        )
+        _note(f"took over the stale lock {self.path}: {_gone(info)}.")
 
     def release(self) -> None:
         if not self.held:

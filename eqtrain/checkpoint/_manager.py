@@ -3,9 +3,7 @@ writes the state's arrays (OCDBT), the data loader's position and a run manifest
 asynchronously; retention is applied by renaming steps away before deleting them."""
 
 import contextlib
-import logging
 import os
-import re
 import time
 import uuid
 from collections.abc import Mapping
@@ -20,46 +18,8 @@ from .._hooks import StepInfo
 from . import _integrity, _manifest, _storage
 from ._errors import CheckpointError
 from ._policy import Policy
-from ._restore import quiet_closed_loop
+from ._quiet import quiet_orbax, write_error
 from ._tree import array_leaves, path_name, to_disk, trained_part
-
-
-def _reason(e: BaseException) -> str:
-    """The innermost cause of a failed write, in one line."""
-    while True:
-        inner = e.__cause__ or e.__context__
-        if inner is None:
-            break
-        e = inner
-    if isinstance(e, OSError) and e.strerror:
-        where = f" writing {e.filename}" if e.filename else ""
-        return f"{e.strerror}{where}"
-    text = str(e)
-    code = re.search(r"os_error_code='(\d+)'", text)  # TensorStore's I/O errors
-    if code:
-        path = re.search(r'Failed (?:writing|to write)[^"]*"([^"]+)"', text)
-        where = f" writing {path.group(1)}" if path else ""
-        return f"{os.strerror(int(code.group(1)))}{where}"
-    lines = text.strip().splitlines()
-    line = (lines[0] if lines else type(e).__name__).split(" [tensorstore_spec")[0]
-    return f"{type(e).__name__}: {line[:300]}"
-
-
-class _QuietOrbaxErrors(logging.Filter):
-    """Orbax logs a failed background save as several ERROR records with full
-    tracebacks; `Checkpointer` reports it itself, in one sentence."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        if record.levelno < logging.ERROR:
-            return True
-        return f"{os.sep}orbax{os.sep}" not in (record.pathname or "")
-
-
-def _quiet_orbax() -> None:
-    logger = logging.getLogger("absl")
-    if not any(isinstance(f, _QuietOrbaxErrors) for f in logger.filters):
-        logger.addFilter(_QuietOrbaxErrors())
-    quiet_closed_loop()
 
 
 def _manager(directory: Path, *, async_save: bool) -> ocp.CheckpointManager:
@@ -75,6 +35,23 @@ def _manager(directory: Path, *, async_save: bool) -> ocp.CheckpointManager:
         _storage.MANIFEST: ocp.JsonCheckpointHandler(filename=_storage.MANIFEST_FILE),
     }
     return ocp.CheckpointManager(directory, options=options, item_handlers=handlers)
+
+
+def _checked_base(base: Mapping[str, Any] | None) -> dict[str, Any] | None:
+    if base is not None and "sha256" not in base:
+        raise ConfigError(
+            "`base` must be a mapping with the base model's content hash under "
+            f"'sha256'; got {base!r}."
+        )
+    return None if base is None else dict(base)
+
+
+def _newest_run_id(manifests: dict[int, dict[str, Any] | None]) -> str | None:
+    """The run identity of the newest step that records one."""
+    for _, manifest in sorted(manifests.items(), reverse=True):
+        if manifest and manifest.get("run_id"):
+            return manifest["run_id"]
+    return None
 
 
 class Checkpointer:
@@ -120,8 +97,8 @@ class Checkpointer:
 
     Raises `CheckpointError` if the directory holds steps of another run (with
     `run_id`), and on the first save if it holds a later step, or the same step
-    with other contents (two runs would be mixed); resume with `resume_run` /
-    `restore_or_init`, or start a new run directory. Saving a step that is
+    with other contents (two runs would be mixed); resume with `resume_run`, or
+    start a new run directory. Saving a step that is
     already on disk with the same arrays (a finished run run again) is a no-op.
 
     A failed background write raises `CheckpointError` ("saving step N failed:
@@ -147,12 +124,7 @@ class Checkpointer:
         base: Mapping[str, Any] | None = None,
         extra: Mapping[str, Any] | None = None,
     ):
-        if base is not None and "sha256" not in base:
-            raise ConfigError(
-                "`base` must be a mapping with the base model's content hash under "
-                f"'sha256'; got {base!r}."
-            )
-        self.base = None if base is None else dict(base)
+        self.base = _checked_base(base)
         self.extra = dict(extra or {})
         self.policy = Policy(
             every_steps=every_steps,
@@ -165,31 +137,11 @@ class Checkpointer:
         )
         self.directory = _storage.checkpoints_dir(run_dir).absolute()  # Orbax wants it
         _storage.check_path(self.directory)
-        _quiet_orbax()
-        self.data = data
-        self.config = config
-        self.async_save = async_save
+        quiet_orbax()
+        self.data, self.config, self.async_save = data, config, async_save
         self.started_from = started_from
-        self.directory.mkdir(parents=True, exist_ok=True)
-        if jax.process_index() == 0:
-            _storage.clean_leftovers(self.directory)
-        self._existing = _storage.steps(self.directory)
-        manifests = {s: self._read_manifest(s) for s in self._existing}
-        if run_id is not None:
-            self._check_identity(run_id, manifests)
-        else:
-            run_id = (
-                next(
-                    (
-                        m["run_id"]
-                        for s, m in sorted(manifests.items(), reverse=True)
-                        if m and m.get("run_id")
-                    ),
-                    None,
-                )
-                or uuid.uuid4().hex
-            )
-        self.run_id = run_id
+        manifests = self._manifests()
+        self.run_id = self._identity(run_id, manifests)
         self._scores = {
             s: self.policy.score((m or {}).get("metrics") or {})
             for s, m in manifests.items()
@@ -200,8 +152,8 @@ class Checkpointer:
         self._last_step: int | None = None
         self._last_time = time.monotonic()
         self.blocking_times: list[float] = []
-        self._deleting: list[Any] = []  # background deletions of pruned steps
         """Seconds each `save` kept the caller (the training loop) waiting."""
+        self._deleting: list[Any] = []  # background deletions of pruned steps
 
     @property
     def saved_steps(self) -> list[int]:
@@ -217,44 +169,15 @@ class Checkpointer:
         if step == self._last_step:
             return
         start = time.perf_counter()
-        state = info.state
-        arrays, leaves = to_disk(state if self.base is None else trained_part(state))
-        paths, stored = array_leaves(arrays)
-        sums = _integrity.checksums([path_name(p) for p in paths], stored)
+        arrays, leaves, sums = self._on_disk(info.state)
         if self._last_step is None and self._check_not_mixing(step, sums):
             self._last_step = step  # this very state is on disk already
             return
         manager = self._open()
         self._wait(manager)  # the previous save is committed: prune now
         self._prune()
-        position = (
-            getattr(self.data, "position", None) if self.data is not None else None
-        )
-        manifest = _manifest.build(
-            run_id=self.run_id,
-            checksums=sums,
-            started_from=self.started_from,
-            step=step,
-            state=state,
-            leaves=leaves,
-            metrics=info.metrics,
-            config=self.config,
-            stop_reason=info.stop_reason,
-            final=final,
-            base=self.base,
-            extra=self.extra,
-        )
-        manager.save(
-            step,
-            args=ocp.args.Composite(
-                **{
-                    _storage.STATE: ocp.args.StandardSave(arrays),
-                    _storage.DATA: ocp.args.JsonSave({"position": position}),
-                    _storage.MANIFEST: ocp.args.JsonSave(manifest),
-                }
-            ),
-            force=True,
-        )
+        manifest = self._manifest(info, leaves, sums, final=final)
+        manager.save(step, args=self._items(arrays, manifest), force=True)
         self._pending = step
         self._scores[step] = self.policy.score(info.metrics)
         self._last_step = step
@@ -284,6 +207,65 @@ class Checkpointer:
             self._deleting.clear()
 
     # -- internals -------------------------------------------------------------
+    def _manifests(self) -> dict[int, dict[str, Any] | None]:
+        """The manifest of every committed step (None: unreadable), after
+        cleaning up what interrupted saves and deletions left behind."""
+        self.directory.mkdir(parents=True, exist_ok=True)
+        if jax.process_index() == 0:
+            _storage.clean_leftovers(self.directory)
+        return {s: self._read_manifest(s) for s in _storage.steps(self.directory)}
+
+    def _identity(
+        self, run_id: str | None, manifests: dict[int, dict[str, Any] | None]
+    ) -> str:
+        """`run_id`, checked against the directory's steps; default: the newest
+        step's run identity, or a new one."""
+        if run_id is not None:
+            self._check_identity(run_id, manifests)
+            return run_id
+        return _newest_run_id(manifests) or uuid.uuid4().hex
+
+    def _on_disk(
+        self, state: Any
+    ) -> tuple[dict[str, Any], dict[str, Any], dict[str, str]]:
+        """The arrays to write (only the trained ones over a frozen base), the
+        leaves' description and the arrays' checksums."""
+        arrays, leaves = to_disk(state if self.base is None else trained_part(state))
+        paths, stored = array_leaves(arrays)
+        sums = _integrity.checksums([path_name(p) for p in paths], stored)
+        return arrays, leaves, sums
+
+    def _manifest(
+        self,
+        info: StepInfo,
+        leaves: dict[str, Any],
+        sums: dict[str, str],
+        *,
+        final: bool,
+    ) -> dict[str, Any]:
+        return _manifest.build(
+            info,
+            run_id=self.run_id,
+            checksums=sums,
+            leaves=leaves,
+            config=self.config,
+            final=final,
+            started_from=self.started_from,
+            base=self.base,
+            extra=self.extra,
+        )
+
+    def _items(self, arrays: dict[str, Any], manifest: dict[str, Any]) -> Any:
+        """Orbax's save arguments: the arrays, the data position, the manifest."""
+        position = getattr(self.data, "position", None)
+        return ocp.args.Composite(
+            **{
+                _storage.STATE: ocp.args.StandardSave(arrays),
+                _storage.DATA: ocp.args.JsonSave({"position": position}),
+                _storage.MANIFEST: ocp.args.JsonSave(manifest),
+            }
+        )
+
     def _open(self) -> ocp.CheckpointManager:
         if self._manager is None:
             self._manager = _manager(self.directory, async_save=self.async_save)
@@ -296,11 +278,11 @@ class Checkpointer:
             manager.wait_until_finished()
         except Exception as e:  # noqa: BLE001 -- Orbax's errors wrap the cause
             self._last_step = None if self._last_step == pending else self._last_step
-            good = _storage.steps(self.directory)
-            good = [s for s in good if s != pending]
+            good = [s for s in _storage.steps(self.directory) if s != pending]
+            last = self.directory / str(good[-1]) if good else "none"
             raise CheckpointError(
-                f"saving step {pending} failed: {_reason(e)}; last good checkpoint: "
-                f"{self.directory / str(good[-1]) if good else 'none'}."
+                f"saving step {pending} failed: {write_error(e)}; last good "
+                f"checkpoint: {last}."
             ) from None
 
     def _check_identity(self, run_id: str, manifests: dict[int, Any]) -> None:

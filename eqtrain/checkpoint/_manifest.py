@@ -12,6 +12,7 @@ from typing import Any
 import jax
 from jax.sharding import NamedSharding
 
+from .._hooks import StepInfo
 from . import _integrity
 from ._tree import array_leaves
 
@@ -78,42 +79,56 @@ def jsonable(value: Any) -> Any:
         return str(value)
 
 
-def build(
-    *,
-    step: int,
-    state: Any,
-    leaves: dict[str, Any],
-    metrics: Mapping[str, Any],
-    config: Mapping[str, Any] | None,
-    stop_reason: Any,
-    final: bool,
-    run_id: str,
-    checksums: dict[str, str],
-    started_from: str | None = None,
-    base: Mapping[str, Any] | None = None,
-    extra: Mapping[str, Any] | None = None,
-) -> dict[str, Any]:
-    out = {
-        "format": FORMAT,
-        "run_id": run_id,
-        "started_from": started_from,
-        "step": step,
-        "time": time.time(),
-        "final": final,
-        "stop_reason": None
-        if stop_reason is None
-        else {
-            "kind": str(stop_reason.kind),
-            "step": stop_reason.step,
-            "message": stop_reason.message,
-        },
-        "metrics": jsonable(dict(metrics)),
-        "config": jsonable(dict(config)) if config is not None else None,
+def _stop_reason(reason: Any) -> dict[str, Any] | None:
+    if reason is None:
+        return None
+    return {"kind": str(reason.kind), "step": reason.step, "message": reason.message}
+
+
+def _environment(state: Any) -> dict[str, Any]:
+    """Where the step was written: versions, git revision, devices, mesh."""
+    return {
         "versions": versions(),
         "git_revision": git_revision(os.getcwd()),
         "devices": jax.device_count(),
         "processes": jax.process_count(),
         "mesh": mesh_shape(state),
+    }
+
+
+def _with_extra(manifest: dict[str, Any], extra: Mapping[str, Any]) -> dict[str, Any]:
+    """`manifest` with the caller's `extra` entries, which may not replace ours."""
+    for name, value in extra.items():
+        if name in manifest:
+            raise ValueError(f"manifest entry {name!r} is eqtrain's own")
+        manifest[name] = jsonable(value)
+    return manifest
+
+
+def build(
+    info: StepInfo,
+    *,
+    run_id: str,
+    checksums: dict[str, str],
+    leaves: dict[str, Any],
+    config: Mapping[str, Any] | None,
+    final: bool,
+    started_from: str | None = None,
+    base: Mapping[str, Any] | None = None,
+    extra: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
+    """The manifest of the checkpoint of `info.state` at `info.step`."""
+    out = {
+        "format": FORMAT,
+        "run_id": run_id,
+        "started_from": started_from,
+        "step": int(info.step),
+        "time": time.time(),
+        "final": final,
+        "stop_reason": _stop_reason(info.stop_reason),
+        "metrics": jsonable(dict(info.metrics)),
+        "config": jsonable(dict(config)) if config is not None else None,
+        **_environment(info.state),
         "leaves": leaves,
         "checksum": _integrity.ALGORITHM,
         "checksums": checksums,
@@ -121,8 +136,4 @@ def build(
     if base is not None:
         # Only the trained leaves are stored; the frozen ones are this base's.
         out["base"] = jsonable(dict(base))
-    for name, value in (extra or {}).items():
-        if name in out:
-            raise ValueError(f"manifest entry {name!r} is eqtrain's own")
-        out[name] = jsonable(value)
-    return out
+    return _with_extra(out, extra or {})

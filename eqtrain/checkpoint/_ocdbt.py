@@ -6,6 +6,7 @@ job (`_integrity`), at restore."""
 
 import os
 from pathlib import Path
+from typing import Any
 
 import tensorstore as ts
 
@@ -31,37 +32,48 @@ def _short(e: BaseException) -> str:
     return text[:200] + ("..." if len(text) > 200 else "")
 
 
-def _extents(state_dir: Path) -> dict[str, tuple[int, list[str]]]:
+Extents = dict[str, tuple[int, list[str]]]  # {file: (bytes needed, arrays in it)}
+
+
+def _need(needed: Extents, location: str, array: str | None) -> None:
+    """Note that the file of `location` must reach its end (and holds `array`)."""
+    path, offset, length = _parse(location)
+    end, arrays = needed.get(path, (0, []))
+    if array is not None and array not in arrays:
+        arrays.append(array)
+    needed[path] = (max(end, offset + length), arrays)
+
+
+def _below(
+    base: Any, level: list[tuple[str, bytes]], needed: Extents
+) -> list[tuple[str, bytes]]:
+    """The B-tree nodes below `level` (with their key prefixes); the values
+    stored in `level`'s leaf entries are noted in `needed`."""
+    nodes = [ts.ocdbt.dump(base, location) for location, _ in level]
+    below = []
+    for (_, prefix), future in zip(level, nodes, strict=True):
+        for entry in future.result()["entries"]:
+            if "location" in entry:  # an interior node: a subtree
+                common = prefix + entry.get("subtree_common_prefix", b"")
+                below.append((entry["location"], common))
+            elif "indirect_value" in entry:
+                _need(needed, entry["indirect_value"], _array(prefix + entry["key"]))
+    return below
+
+
+def _extents(state_dir: Path) -> Extents:
     """`{file: (bytes needed, arrays stored there)}` from the index. Raises what
     TensorStore raises when the index itself is unreadable."""
     base = ts.KvStore.open(f"file://{os.fspath(state_dir)}/").result()
-    manifest = ts.ocdbt.dump(base).result()
-    versions = manifest.get("versions") or []
-    needed: dict[str, tuple[int, list[str]]] = {}
-
-    def need(location: str, array: str | None) -> None:
-        path, offset, length = _parse(location)
-        end, arrays = needed.get(path, (0, []))
-        if array is not None and array not in arrays:
-            arrays.append(array)
-        needed[path] = (max(end, offset + length), arrays)
-
+    versions = ts.ocdbt.dump(base).result().get("versions") or []
+    needed: Extents = {}
     if not versions or "location" not in versions[-1].get("root", {}):
         return needed  # an empty database (or one this check cannot follow)
     level = [(versions[-1]["root"]["location"], b"")]
     while level:
         for location, _ in level:
-            need(location, None)
-        nodes = [ts.ocdbt.dump(base, loc) for loc, _ in level]
-        below = []
-        for (_, prefix), future in zip(level, nodes, strict=True):
-            for entry in future.result()["entries"]:
-                if "location" in entry:  # an interior node: a subtree
-                    common = prefix + entry.get("subtree_common_prefix", b"")
-                    below.append((entry["location"], common))
-                elif "indirect_value" in entry:
-                    need(entry["indirect_value"], _array(prefix + entry["key"]))
-        level = below
+            _need(needed, location, None)
+        level = _below(base, level, needed)
     return needed
 
 
@@ -81,17 +93,27 @@ def problems(state_dir: Path) -> str | None:
     except Exception as e:  # TensorStore reports damage as ValueError and others
         return f"its array index (state/manifest.ocdbt) is unreadable ({_short(e)})"
     for relative, (end, arrays) in sorted(needed.items()):
-        path = state_dir / relative
-        shown = path.relative_to(state_dir.parent)
-        try:
-            size = path.stat().st_size
-        except FileNotFoundError:
-            return f"the array file {shown} is missing (it holds {_named(arrays)})"
-        except OSError as e:
-            return f"the array file {shown} cannot be read ({e.strerror})"
-        if size < end:
-            return (
-                f"the array file {shown} is cut short: {size} bytes where the "
-                f"index needs {end} (it holds {_named(arrays)})"
-            )
+        problem = _file_problem(state_dir, relative, end, arrays)
+        if problem is not None:
+            return problem
+    return None
+
+
+def _file_problem(
+    state_dir: Path, relative: str, end: int, arrays: list[str]
+) -> str | None:
+    """Why the array file `relative` cannot hold its `end` bytes, or None."""
+    path = state_dir / relative
+    shown = path.relative_to(state_dir.parent)
+    try:
+        size = path.stat().st_size
+    except FileNotFoundError:
+        return f"the array file {shown} is missing (it holds {_named(arrays)})"
+    except OSError as e:
+        return f"the array file {shown} cannot be read ({e.strerror})"
+    if size < end:
+        return (
+            f"the array file {shown} is cut short: {size} bytes where the "
+            f"index needs {end} (it holds {_named(arrays)})"
+        )
     return None

@@ -10,6 +10,21 @@ from typing import Any
 from .._errors import ConfigError
 
 
+def _count(value: Any) -> bool:
+    return isinstance(value, int) and value >= 1
+
+
+# (setting, what it must be, the check): the errors name the setting and the value
+_CHECKS = (
+    ("every_steps", "an int >= 1 or None", lambda v: v is None or _count(v)),
+    ("keep_last", "an int >= 1 or None", lambda v: v is None or _count(v)),
+    ("keep_every", "an int >= 1 or None", lambda v: v is None or _count(v)),
+    ("every_minutes", "> 0 or None", lambda v: v is None or v > 0),
+    ("best_mode", "'min' or 'max'", lambda v: v in ("min", "max")),
+    ("keep_best", "an int >= 1", _count),
+)
+
+
 @dataclasses.dataclass(frozen=True)
 class Policy:
     """Save and retention rules (all optional; see `Checkpointer`)."""
@@ -23,24 +38,10 @@ class Policy:
     keep_best: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("every_steps", "keep_last", "keep_every"):
+        for name, want, ok in _CHECKS:
             value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or value < 1):
-                raise ConfigError(
-                    f"`{name}` must be an int >= 1 or None; got {value!r}."
-                )
-        if self.every_minutes is not None and not self.every_minutes > 0:
-            raise ConfigError(
-                f"`every_minutes` must be > 0 or None; got {self.every_minutes!r}."
-            )
-        if self.best_mode not in ("min", "max"):
-            raise ConfigError(
-                f"`best_mode` must be 'min' or 'max'; got {self.best_mode!r}."
-            )
-        if not isinstance(self.keep_best, int) or self.keep_best < 1:
-            raise ConfigError(
-                f"`keep_best` must be an int >= 1; got {self.keep_best!r}."
-            )
+            if not ok(value):
+                raise ConfigError(f"`{name}` must be {want}; got {value!r}.")
 
     def due(self, step: int, last_save_time: float) -> bool:
         if self.every_steps is not None and step % self.every_steps == 0:

@@ -147,8 +147,12 @@ def step_problems(step_dir: Path) -> str | None:
     state = step_dir / STATE
     if not (state / "manifest.ocdbt").is_file():
         return f"{state / 'manifest.ocdbt'} is missing"
-    # Orbax reads these JSON files when they are there (a restore into a
-    # template does without them).
+    return _metadata_problem(state) or _ocdbt.problems(state)
+
+
+def _metadata_problem(state: Path) -> str | None:
+    """An unreadable metadata file of Orbax's, if any. Orbax reads these JSON
+    files when they are there (a restore into a template does without them)."""
     for path in [state / "_METADATA", *sorted(state.glob("array_metadatas/*"))]:
         try:
             with open(path) as f:
@@ -157,7 +161,7 @@ def step_problems(step_dir: Path) -> str | None:
             continue
         except (OSError, ValueError) as e:
             return f"cannot read {path}: {e}"
-    return _ocdbt.problems(state)
+    return None
 
 
 def read_json(step_dir: Path, item: str, filename: str) -> Any:

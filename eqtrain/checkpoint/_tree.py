@@ -96,26 +96,28 @@ def to_disk(state: Any) -> tuple[dict[str, Any], dict[str, Any]]:
     return nest(paths, stored), describe(paths, leaves)
 
 
+def _mismatch(name: str, got: Any, want: Any) -> str | None:
+    """One line on leaf `name`, if the checkpoint's (`got`) and the model's
+    (`want`) descriptions differ."""
+    if want is None:
+        return f"  {name}: in the checkpoint ({_fmt(got)}) but not in the model"
+    if got is None:
+        return f"  {name}: missing in the checkpoint (expected {_fmt(want)})"
+    if got != want:
+        return f"  {name}: checkpoint has {_fmt(got)}, model expects {_fmt(want)}"
+    return None
+
+
+def _mismatches(saved: dict[str, Any], expected: dict[str, Any]) -> list[str]:
+    """The model's leaves first, then those only the checkpoint has."""
+    names = [*expected, *(name for name in saved if name not in expected)]
+    found = (_mismatch(n, saved.get(n), expected.get(n)) for n in names)
+    return [line for line in found if line is not None]
+
+
 def check_compatible(saved: dict[str, Any], template: Any, where: str) -> None:
     """Raise `IncompatibleCheckpointError` naming the first mismatched leaves."""
-    paths, leaves = array_leaves(template)
-    expected = describe(paths, leaves)
-    problems = []
-    for name, want in expected.items():
-        got = saved.get(name)
-        if got is None:
-            problems.append(
-                f"  {name}: missing in the checkpoint (expected {_fmt(want)})"
-            )
-        elif got != want:
-            problems.append(
-                f"  {name}: checkpoint has {_fmt(got)}, model expects {_fmt(want)}"
-            )
-    for name, got in saved.items():
-        if name not in expected:
-            problems.append(
-                f"  {name}: in the checkpoint ({_fmt(got)}) but not in the model"
-            )
+    problems = _mismatches(saved, describe(*array_leaves(template)))
     if problems:
         shown = "\n".join(problems[:5])
         more = f"\n  ... and {len(problems) - 5} more" if len(problems) > 5 else ""

@@ -9,13 +9,8 @@ Ray only places, watches and restarts the workers; JAX's distributed runtime
 (`eqtrain.distributed`) joins them into one mesh, as under SLURM.
 """
 
-from ._launch import (
-    LaunchError as LaunchError,
-    LaunchResult as LaunchResult,
-    fit as fit,
-    import_ray as import_ray,
-    prepare_data as prepare_data,
-)
+from ._connect import import_ray as import_ray
+from ._launch import fit as fit, prepare_data as prepare_data
 from ._plan import (
     Exit as Exit,
     Plan as Plan,
@@ -26,3 +21,4 @@ from ._plan import (
     worker_args as worker_args,
     worker_env as worker_env,
 )
+from ._result import LaunchError as LaunchError, LaunchResult as LaunchResult
