@@ -53,10 +53,8 @@ def data_prepare(
 
 def _prepare(cfg: Any, verify: bool, launcher: str) -> list[dict[str, Any]]:
     """The stores of `cfg`'s sources, prepared by `launcher`."""
+    from .. import job, ray
+
     if launcher == "ray":
-        from ..ray import prepare_data as ray_prepare
-
-        return ray_prepare(cfg, verify=verify, echo=echo_err)
-    from .. import job
-
+        return ray.prepare_data(cfg, verify=verify, echo=echo_err)
     return job.prepare_data(cfg, verify=verify, say=echo_err)

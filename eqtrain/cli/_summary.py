@@ -22,11 +22,7 @@ def print_summary(
 ) -> None:
     """The end of a run: why it stopped, its final metrics and its files
     (`result`: a `job.run` or Ray launcher result)."""
-    final = "  ".join(
-        f"{k} {metrics[k]:.4f}"
-        for k in _FINAL_METRICS
-        if isinstance(metrics.get(k), float)
-    )
+    final = _final(metrics)
     lines = [
         f"stopped: {stop_reason}",
         *([f"final: {final}"] if final else []),
@@ -34,6 +30,12 @@ def print_summary(
         *_files(result.run_dir, result.config, result.export_dir),
     ]
     typer.echo("\n".join(lines))
+
+
+def _final(metrics: dict[str, Any]) -> str:
+    """`loss 1.2345  eval/loss 1.3456`: the final metrics the run logged."""
+    shown = [k for k in _FINAL_METRICS if isinstance(metrics.get(k), float)]
+    return "  ".join(f"{k} {metrics[k]:.4f}" for k in shown)
 
 
 def _files(run_dir: Path, config: Any, export_dir: Path | None) -> list[str]:
@@ -61,22 +63,27 @@ def write_result(path: str, result: Any) -> None:
     """The stop reason and last metrics as JSON, for the launcher."""
     fit_result = result.fit
     stop = fit_result.stop_reason
-    metrics = {}
-    for name, value in fit_result.metrics.items():
-        with contextlib.suppress(TypeError, ValueError):
-            metrics[name] = float(value)
     data = {
         "stop_reason": {
             "kind": str(stop.kind),
             "step": stop.step,
             "message": stop.message,
         },
-        "metrics": metrics,
+        "metrics": _floats(fit_result.metrics),
         "resumed_from": result.resumed_from,
         "trained": bool(fit_result.history),
     }
     # Python reads it back: NaN stays a float in `LaunchResult.metrics`.
     Path(path).write_text(json.dumps(data), encoding="utf-8")
+
+
+def _floats(metrics: dict[str, Any]) -> dict[str, float]:
+    """The metrics that are numbers, as floats."""
+    out = {}
+    for name, value in metrics.items():
+        with contextlib.suppress(TypeError, ValueError):
+            out[name] = float(value)
+    return out
 
 
 def abort_note(cfg: Any) -> str:

@@ -97,10 +97,7 @@ def _flatten(data: Mapping[str, Any], source: str) -> list[tuple[str, Any]]:
     """A file's `{section: {key: value}}` as `(dotted key, value)` pairs."""
     out = []
     for key, value in data.items():
-        if key in SECTIONS:
-            out += _section_items(key, value, source)
-        else:
-            out.append((key, value))
+        out += _section_items(key, value, source) if key in SECTIONS else [(key, value)]
     return out
 
 

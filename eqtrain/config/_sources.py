@@ -50,16 +50,21 @@ def _from_text(item: str) -> Source:
             f"expected `path=weight` entries separated by commas, such as "
             f'"web.jsonl=0.7,code=0.3"; {item!r} has no weight'
         )
-    name = None
-    named = _NAMED_SOURCE.match(path.strip())
-    if named and named.group(1) != "stdlib":
-        name, path = named.group(1), named.group(2)
+    name, path = _named(path.strip())
     try:
         return path.strip(), float(weight), name
     except ValueError:
         raise ValueError(
             f"the weight of {path.strip()!r} is {weight.strip()!r}, not a number"
         ) from None
+
+
+def _named(path: str) -> tuple[str | None, str]:
+    """`("web", "a.jsonl")` for `web:a.jsonl`; no name for `stdlib:...`."""
+    named = _NAMED_SOURCE.match(path)
+    if named and named.group(1) != "stdlib":
+        return named.group(1), named.group(2)
+    return None, path
 
 
 def _from_table(i: int, item: Any) -> Source:
