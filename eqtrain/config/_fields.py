@@ -57,14 +57,14 @@ def schema() -> dict[str, Field]:
 
 
 def _fields_of(cls: type, prefix: str) -> dict[str, Field]:
-    """The keys of one dataclass (a section, or `Config`'s top level)."""
+    """The keys of one dataclass (a section, or `Config`'s top level: not the
+    sections, nor the private `_explicit`)."""
     hints = typing.get_type_hints(cls)
-    out = {}
-    for f in dataclasses.fields(cls):
-        if f.name.startswith("_") or dataclasses.is_dataclass(hints[f.name]):
-            continue
-        out[prefix + f.name] = _field(prefix + f.name, f, hints[f.name])
-    return out
+    return {
+        prefix + f.name: _field(prefix + f.name, f, hints[f.name])
+        for f in dataclasses.fields(cls)
+        if not f.name.startswith("_") and not dataclasses.is_dataclass(hints[f.name])
+    }
 
 
 def _field(key: str, f: dataclasses.Field[Any], hint: Any) -> Field:
