@@ -3,7 +3,6 @@ schedule, masked decoupled weight decay) from flat options, the keys of the CLI'
 `[optim]` table. The learning rate is injected so `train_step` can log it.
 """
 
-import difflib
 import functools
 import re
 from collections.abc import Callable
@@ -15,6 +14,7 @@ import optax
 from jaxtyping import PyTree
 
 from ._errors import ConfigError
+from ._names import did_you_mean
 
 
 OPTIMIZERS = ("adamw", "adam", "lion", "sgd", "adafactor")
@@ -42,11 +42,9 @@ _EXTRAS = {
 def _choice(field: str, value: str, allowed: tuple[str, ...]) -> str:
     if value in allowed:
         return value
-    close = difflib.get_close_matches(value, allowed, n=1)
-    hint = f" Did you mean {close[0]!r}?" if close else ""
     raise ConfigError(
         f"`optim.{field}` must be one of {', '.join(map(repr, allowed))}; "
-        f"got {value!r}.{hint}"
+        f"got {value!r}.{did_you_mean(value, allowed)}"
     )
 
 

@@ -292,9 +292,9 @@ def config_lib_error():
 @pytest.mark.slow  # default-suite time (docs/testing.md)
 def test_cli_export_adapter_and_merged(lora_run, tmp_path):
     root, _, _ = lora_run
-    from eqtrain.cli import _format_info
+    from eqtrain.cli._info import format_info
 
-    info = _format_info(job.run_info(root / "run"))
+    info = format_info(job.run_info(root / "run"))
     assert "(2 layers, hidden 32, vocab 259)" in info  # init_from's architecture
     assert "lora:         rank 4" in info
     job.export_run(root / "run", tmp_path / "adapter")

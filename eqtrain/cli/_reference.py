@@ -64,40 +64,45 @@ def _code(value: str) -> str:
 
 
 # -- commands ---------------------------------------------------------------------
+_COMMANDS_INTRO = (
+    "Every command takes `-h` / `--help`. Errors in the config or the paths "
+    "exit with status 2 and a one-paragraph message."
+)
+
+
 def _commands() -> list[str]:
-    import click
     import typer.main
 
     from . import app
 
     group = typer.main.get_command(app)
+    lines = ["## Commands", "", "```", "eqtrain [OPTIONS] COMMAND [ARGS]...", "```", ""]
+    lines += [_text(group.help), "", _COMMANDS_INTRO, ""]
+    for name, command, ctx in _leaf_commands(group):
+        lines += _command(name, command, ctx)
+    return lines
+
+
+def _leaf_commands(group: Any) -> list[tuple[str, Any, Any]]:
+    """Every visible command with its click context, in the app's order; a
+    group's (`eqtrain data ...`) as `"data prepare"`."""
+    import click
+
     root = click.Context(group, info_name="eqtrain")
-    commands: dict[str, Any] = getattr(group, "commands", {})
-    lines = [
-        "## Commands",
-        "",
-        "```",
-        "eqtrain [OPTIONS] COMMAND [ARGS]...",
-        "```",
-        "",
-        _text(group.help),
-        "",
-        "Every command takes `-h` / `--help`. Errors in the config or the paths "
-        "exit with status 2 and a one-paragraph message.",
-        "",
-    ]
-    for name, command in commands.items():
+    out = []
+    for name, command in getattr(group, "commands", {}).items():
         if command.hidden:
             continue
         ctx = click.Context(command, info_name=name, parent=root)
         subcommands = getattr(command, "commands", None)
         if not subcommands:
-            lines += _command(name, command, ctx)
+            out.append((name, command, ctx))
             continue
-        for sub, subcommand in subcommands.items():  # a group: `eqtrain data ...`
-            inner = click.Context(subcommand, info_name=sub, parent=ctx)
-            lines += _command(f"{name} {sub}", subcommand, inner)
-    return lines
+        out += [
+            (f"{name} {sub}", c, click.Context(c, info_name=sub, parent=ctx))
+            for sub, c in subcommands.items()
+        ]
+    return out
 
 
 def _command(name: str, command: Any, ctx: Any) -> list[str]:
@@ -106,35 +111,34 @@ def _command(name: str, command: Any, ctx: Any) -> list[str]:
     ]
     arguments = [p for p in params if p.param_type_name == "argument"]
     options = [p for p in params if p.param_type_name == "option"]
-    usage = " ".join(
-        ["eqtrain", name, "[OPTIONS]" if options else ""]
-        + [_metavar(p) if p.required else f"[{_metavar(p)}]" for p in arguments]
-    )
-    lines = [f"### `eqtrain {name}`", "", "```", " ".join(usage.split()), "```", ""]
+    usage = _usage(name, arguments, options)
+    lines = [f"### `eqtrain {name}`", "", "```", usage, "```", ""]
     lines += [_text(command.help), ""]
     if arguments:
-        rows = [
-            (
-                _code(_metavar(p)),
-                _value_name(p, ctx),
-                "required" if p.required else "optional",
-                _text(getattr(p, "help", None)),
-            )
-            for p in arguments
-        ]
+        rows = [_argument_row(p, ctx) for p in arguments]
         lines += _table(("Argument", "Value", "Required", "Description"), rows)
     if options:
-        rows = [
-            (
-                _option_names(p),
-                _value_name(p, ctx),
-                _default(p),
-                _option_help(p),
-            )
-            for p in options
-        ]
+        rows = [_option_row(p, ctx) for p in options]
         lines += _table(("Option", "Value", "Default", "Description"), rows)
     return lines
+
+
+def _usage(name: str, arguments: list[Any], options: list[Any]) -> str:
+    """`eqtrain NAME [OPTIONS] ARG [OPTIONAL_ARG]`."""
+    words = ["eqtrain", name, "[OPTIONS]" if options else ""]
+    words += [_metavar(p) if p.required else f"[{_metavar(p)}]" for p in arguments]
+    return " ".join(" ".join(words).split())
+
+
+def _argument_row(param: Any, ctx: Any) -> tuple[str, ...]:
+    required = "required" if param.required else "optional"
+    help_text = _text(getattr(param, "help", None))
+    return (_code(_metavar(param)), _value_name(param, ctx), required, help_text)
+
+
+def _option_row(param: Any, ctx: Any) -> tuple[str, ...]:
+    names = _option_names(param)
+    return (names, _value_name(param, ctx), _default(param), _option_help(param))
 
 
 def _metavar(param: Any) -> str:
@@ -186,24 +190,22 @@ def _option_help(param: Any) -> str:
 
 
 # -- config keys --------------------------------------------------------------------
+_KEYS_INTRO = (
+    "A config is a TOML file with the top-level keys and one table per "
+    "section (`[optim]` holds `lr = 1e-4`); `--set optim.lr=1e-4` sets a key "
+    "from the command line, after the file. Integers may be written `10_000` "
+    "or `1e4`, durations as seconds or `2h30m`, sizes as bytes or `500MB`; "
+    "a list of names as in a file (`--set 'model.remat_save=[\"layer_input\"]'`"
+    ") or comma-separated (`--set model.remat_save=layer_input,query`). "
+    "An optional key is unset when left out; `--set key=none` unsets it, and "
+    'in a file `key = ""` (or `"none"` for a number) does. `eqtrain config` '
+    "prints the resolved config of a file and `--set` overrides."
+)
+
+
 def _config_keys() -> list[str]:
     fields = schema()
-    lines = [
-        "## Config keys",
-        "",
-        "A config is a TOML file with the top-level keys and one table per "
-        "section (`[optim]` holds `lr = 1e-4`); `--set optim.lr=1e-4` sets a key "
-        "from the command line, after the file. Integers may be written `10_000` "
-        "or `1e4`, durations as seconds or `2h30m`, sizes as bytes or `500MB`; "
-        "a list of names as in a file (`--set 'model.remat_save=[\"layer_input\"]'`"
-        ") or comma-separated (`--set model.remat_save=layer_input,query`). "
-        "An optional key is unset when left out; `--set key=none` unsets it, and "
-        'in a file `key = ""` (or `"none"` for a number) does. `eqtrain config` '
-        "prints the resolved config of a file and `--set` overrides.",
-        "",
-        "### Top-level keys",
-        "",
-    ]
+    lines = ["## Config keys", "", _KEYS_INTRO, "", "### Top-level keys", ""]
     lines += _key_table([f for k, f in fields.items() if "." not in k])
     for section in SECTIONS:
         lines += [f"### `[{section}]`", ""]
@@ -225,29 +227,35 @@ def _key_default(field: Field) -> str:
     return "unset" if field.default is None else _code(toml_value(field.default))
 
 
+# What the values of a `duration` or `size` key look like.
+_KIND_HINTS = {
+    "duration": "seconds, or e.g. `90s`, `10m`, `2h30m`, `1d`",
+    "size": "bytes, or e.g. `500MB`, `5GB`",
+}
+
+
 def _allowed(field: Field) -> str:
+    """A key's choices, or how its values are written and bounded."""
     if field.choices is not None:
         return ", ".join(_code(str(c)) for c in field.choices)
-    hints = {
-        "duration": "seconds, or e.g. `90s`, `10m`, `2h30m`, `1d`",
-        "size": "bytes, or e.g. `500MB`, `5GB`",
-    }
-    parts = [hints[field.kind]] if field.kind in hints else []
+    parts = [_KIND_HINTS[field.kind]] if field.kind in _KIND_HINTS else []
     if field.min is not None and field.max is not None:
         return "; ".join([*parts, f"{_number(field.min)} to {_number(field.max)}"])
-    bounds = [
-        f"{sign} {_number(value)}"
-        for sign, value in (
-            (">=", field.min),
-            (">", field.above),
-            ("<=", field.max),
-            ("<", field.below),
-        )
-        if value is not None
-    ]
-    if bounds:
-        parts.append(" and ".join(bounds))
-    return "; ".join(parts)
+    bounds = _bounds(field)
+    return "; ".join([*parts, bounds] if bounds else parts)
+
+
+def _bounds(field: Field) -> str:
+    """`>= 0 and < 1`: a key's bounds, as far as it has any."""
+    signs = (
+        (">=", field.min),
+        (">", field.above),
+        ("<=", field.max),
+        ("<", field.below),
+    )
+    return " and ".join(
+        f"{sign} {_number(value)}" for sign, value in signs if value is not None
+    )
 
 
 def _number(value: float | int) -> str:

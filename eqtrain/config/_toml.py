@@ -10,8 +10,9 @@ import math
 import textwrap
 from typing import Any
 
-from ._parse import schema
-from ._schema import SECTIONS, Config
+from ._config import SECTIONS, Config
+from ._fields import Field, schema
+from ._validate import ARCH_KEYS
 
 
 def to_dict(config: Config) -> dict[str, Any]:
@@ -42,39 +43,47 @@ def toml_value(value: Any) -> str:
 def to_toml(config: Config, *, comments: bool = True) -> str:
     """The config as a TOML document; with `comments`, each key's help text is
     written above it."""
-    from ._validate import ARCH_KEYS
-
     fields = schema()
     data = to_dict(config)
-    lines: list[str] = []
     # With init_from, the architecture comes from its config.json: a resolved
     # config states it as comments, so the file reads back (and validates).
     derived = {f"model.{k}" for k in ARCH_KEYS} if config.model.init_from else set()
-
-    def emit(key: str, name: str, value: Any) -> None:
-        if comments:
-            help_text = fields[key].help
-            if fields[key].choices:
-                help_text += " One of: " + ", ".join(map(str, fields[key].choices))
-            wrapped = textwrap.wrap(help_text, 86)
-            lines.extend("# " + line for line in wrapped)
-        if key in derived:
-            shown = "(unset)" if value is None else toml_value(value)
-            lines.append(f"# {name} = {shown}  (from model.init_from)")
-        elif value is None and fields[key].default is None:
-            lines.append(f"# {name} =  (unset)")
-        elif value is None:  # TOML has no null; these read back as None
-            unset = '""' if fields[key].type is str else '"none"'
-            lines.append(f"{name} = {unset}")
-        else:
-            lines.append(f"{name} = {toml_value(value)}")
-
+    lines: list[str] = []
     for name, value in data.items():
         if name not in SECTIONS:
-            emit(name, name, value)
+            lines += _entry(fields[name], name, value, comments, name in derived)
     for section in SECTIONS:
-        lines.append("")
-        lines.append(f"[{section}]")
+        lines += ["", f"[{section}]"]
         for name, value in data[section].items():
-            emit(f"{section}.{name}", name, value)
+            field = fields[f"{section}.{name}"]
+            lines += _entry(field, name, value, comments, field.key in derived)
     return "\n".join(lines) + "\n"
+
+
+def _entry(
+    field: Field, name: str, value: Any, comments: bool, derived: bool
+) -> list[str]:
+    """The lines of one key: its help (with `comments`) and its value."""
+    return (_comment(field) if comments else []) + [
+        _value_line(field, name, value, derived)
+    ]
+
+
+def _comment(field: Field) -> list[str]:
+    """A key's help text (and its choices) as `# ` lines."""
+    help_text = field.help
+    if field.choices:
+        help_text += " One of: " + ", ".join(map(str, field.choices))
+    return ["# " + line for line in textwrap.wrap(help_text, 86)]
+
+
+def _value_line(field: Field, name: str, value: Any, derived: bool) -> str:
+    if derived:
+        shown = "(unset)" if value is None else toml_value(value)
+        return f"# {name} = {shown}  (from model.init_from)"
+    if value is None and field.default is None:
+        return f"# {name} =  (unset)"
+    if value is None:  # TOML has no null; these read back as None
+        unset = '""' if field.type is str else '"none"'
+        return f"{name} = {unset}"
+    return f"{name} = {toml_value(value)}"

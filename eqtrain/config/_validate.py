@@ -1,13 +1,14 @@
-"""Checks across fields of a `Config`, run before anything is built or compiled."""
-
-from typing import Any
+"""Checks across fields of a `Config`, run before anything is built or compiled.
+Each check names the keys of an inconsistent combination and how to fix it: the
+rules of the model and the task here, those of the rest in `_run_rules`."""
 
 from .. import models
 from .._errors import ConfigError
-from ..losses import CAUSAL_LM_AUX
-from ._parse import _did_you_mean, explicit, schema
-from ._schema import PREFERENCE_TASKS, Config
-from ._units import parse_resources
+from . import _run_rules as run
+from ._config import Config, explicit
+from ._fields import schema
+from ._resolve import data_format, lora_on, reference_mode, rewards_of
+from ._schema import PREFERENCE_TASKS
 
 
 # The [model] keys an HF directory decides (which of them an architecture reads:
@@ -34,280 +35,6 @@ ARCH_KEYS = (
     "shared_expert_size",
     "norm_topk_prob",
 )
-
-
-# What `eval_step(causal_lm_loss)` reports, the loss of lm and sft runs:
-# "eval/" + "loss" and the loss's aux names.
-EVAL_METRICS = ("eval/loss", *(f"eval/{name}" for name in CAUSAL_LM_AUX))
-# What a preference run's evaluations report (`eqtrain.preference`'s metrics).
-PREFERENCE_METRICS = (
-    "rewards/chosen",
-    "rewards/rejected",
-    "rewards/margins",
-    "rewards/accuracies",
-    "logps/chosen",
-    "logps/rejected",
-)
-
-
-def eval_metrics(config: Config) -> tuple[str, ...]:
-    """The metrics the run's evaluations report."""
-    kind = config.task.kind
-    if kind not in PREFERENCE_TASKS:
-        return EVAL_METRICS
-    extra = ("log_odds_ratio",) if kind == "orpo" else ()
-    names = ("loss", *PREFERENCE_METRICS, *extra, "weight")
-    return tuple(f"eval/{name}" for name in names)
-
-
-def data_format(config: Config) -> str:
-    """`data.format`, with `auto` resolved as far as the config alone tells:
-    `text` for lm, `preference` for the preference tasks, and `auto` (the data's
-    columns decide) for sft."""
-    given, kind = config.data.format, config.task.kind
-    if given != "auto":
-        return given
-    if kind == "lm":
-        return "text"
-    return "preference" if kind in PREFERENCE_TASKS else "auto"
-
-
-def reference_mode(config: Config) -> str | None:
-    """`task.reference` resolved: None for the tasks without a reference model,
-    `auto` becomes adapters_off with LoRA, else copy."""
-    kind = config.task.kind
-    if kind not in ("dpo", "ipo") and not (kind == "grpo" and config.task.beta):
-        return None
-    ref = config.task.reference
-    if ref == "auto":
-        return "adapters_off" if lora_on(config) else "copy"
-    return ref
-
-
-def eval_source(config: Config) -> str:
-    """`data.eval` with "auto" resolved: the stdlib split for the stdlib corpus,
-    "none" otherwise."""
-    source = config.data.eval
-    if source == "auto":
-        text = config.task.kind == "lm"
-        return "stdlib" if config.data.train == "stdlib" and text else "none"
-    return source
-
-
-def validate(config: Config) -> None:
-    """Raise `ConfigError` naming the keys of any inconsistent combination."""
-    _model(config)
-    _memory(config)
-    _mesh(config)
-    _batches(config)
-    _loop(config)
-    _lora(config)
-    _task(config)
-    _export(config)
-    _distributed(config)
-
-
-def _memory(config: Config) -> None:
-    """The memory options: remat presets and names, the tiled MLP's pieces."""
-    from ..models import check_remat
-
-    m = config.model
-    check_remat(m.remat, m.remat_save, m.remat_offload, prefix="model.")
-    chunks, seq = m.mlp_chunks, config.data.seq_len
-    if chunks != "auto" and seq % chunks:
-        fits = [d for d in range(2, min(seq, 64) + 1) if seq % d == 0][:6]
-        raise ConfigError(
-            f"`model.mlp_chunks` ({chunks}) must divide `data.seq_len` ({seq}) so "
-            f"that every piece of the sequence has the same length; e.g. "
-            f"{', '.join(map(str, fits)) or 1}, or 'auto'."
-        )
-
-
-def _changed(config: Config) -> frozenset[str]:
-    """The keys a file or `--set` gave a value other than the default. Restating
-    a default does not count: eqtrain's own config.toml and checkpoint manifests
-    state every key, and must read back (e.g. a GPT-2 run's `num_kv_heads`)."""
-    fields = schema()
-    out = set()
-    for key in explicit(config) & fields.keys():
-        value = config
-        for part in key.split("."):
-            value = getattr(value, part)
-        if value != fields[key].default:
-            out.add(key)
-    return frozenset(out)
-
-
-def _model(config: Config) -> None:
-    m, given = config.model, _changed(config)
-    if m.init_from is not None:
-        clash = [k for k in ARCH_KEYS if f"model.{k}" in given]
-        if clash:
-            keys = ", ".join(f"`model.{k}`" for k in clash)
-            raise ConfigError(
-                f"{keys} cannot be set together with `model.init_from` "
-                f"({m.init_from!r}): the architecture comes from its config.json. "
-                "Remove them (runtime options like model.remat, model.param_dtype "
-                "and model.scan_layers may stay)."
-            )
-        return
-    family = models.family(m.arch)
-    wrong = [k for k in ARCH_KEYS if f"model.{k}" in given]
-    wrong = [k for k in wrong if k not in family.section_keys]
-    if wrong:
-        others = sorted(
-            t
-            for f in models.FAMILIES.values()
-            if wrong[0] in f.section_keys
-            for t in f.model_types
-        )
-        raise ConfigError(
-            f"`model.{wrong[0]}` applies to the architectures {others} only; "
-            f"model.arch is {m.arch!r}. Remove it or change the architecture."
-        )
-    heads = m.num_heads
-    if m.head_dim is None and m.hidden_size % heads:
-        raise ConfigError(
-            f"`model.hidden_size` ({m.hidden_size}) must be divisible by "
-            f"`model.num_heads` ({heads}), or set `model.head_dim`."
-        )
-    kv = m.num_kv_heads if "num_kv_heads" in family.section_keys else None
-    if kv is not None and heads % kv:
-        raise ConfigError(
-            f"`model.num_heads` ({heads}) must be a multiple of `model.num_kv_heads` "
-            f"({kv}) (each key/value head serves a group of query heads)."
-        )
-    if m.max_seq_len is not None and m.max_seq_len < config.data.seq_len:
-        raise ConfigError(
-            f"`data.seq_len` ({config.data.seq_len}) exceeds `model.max_seq_len` "
-            f"({m.max_seq_len}); shorten the rows or lengthen the model's positions."
-        )
-
-
-def _mesh(config: Config) -> None:
-    sizes = {"data": config.mesh.data, "fsdp": config.mesh.fsdp}
-    sizes["tensor"] = config.mesh.tensor
-    zero = [k for k, v in sizes.items() if v == 0]
-    if zero:
-        raise ConfigError(
-            f"`mesh.{zero[0]}` must be a device count >= 1, or -1 for the devices "
-            "the other axes leave; got 0."
-        )
-    rest = [k for k, v in sizes.items() if v == -1]
-    if len(rest) > 1:
-        keys = " and ".join(f"`mesh.{k}`" for k in rest)
-        raise ConfigError(f"{keys} are both -1; at most one mesh axis takes the rest.")
-
-
-def _batches(config: Config) -> None:
-    batch, accumulate = config.data.batch_size, config.optim.accumulate
-    if batch % accumulate:
-        raise ConfigError(
-            f"`data.batch_size` ({batch}) must be divisible by `optim.accumulate` "
-            f"({accumulate}): each step splits its batch into that many micro-batches."
-        )
-
-
-def _loop(config: Config) -> None:
-    loop, ckpt = config.loop, config.checkpoint
-    if config.data.eval == "none" and "loop.eval_every" in _changed(config):
-        if loop.eval_every:
-            raise ConfigError(
-                "`loop.eval_every` is set but `data.eval` is 'none': there is "
-                "nothing to evaluate. Set data.eval or loop.eval_every = 0."
-            )
-    if ckpt.best is not None:
-        if not ckpt.best.startswith("eval/"):
-            raise ConfigError(
-                f"`checkpoint.best` ({ckpt.best!r}) must be an evaluation metric "
-                "such as 'eval/loss' (train metrics are too noisy to rank by)."
-            )
-        metrics = eval_metrics(config)
-        if ckpt.best not in metrics:
-            names = ", ".join(f"'{m}'" for m in metrics)
-            raise ConfigError(
-                f"`checkpoint.best` ({ckpt.best!r}) is not a metric this run "
-                f"produces: its evaluations report {names}. A misspelt name would "
-                "keep no best checkpoint at all." + _did_you_mean(ckpt.best, metrics)
-            )
-        if eval_source(config) == "none":
-            raise ConfigError(
-                f"`checkpoint.best` ({ckpt.best!r}) ranks checkpoints by an "
-                f"evaluation metric, but the run has no eval data (data.eval = "
-                f"{config.data.eval!r} with data.train = {config.data.train!r}). "
-                "Set data.eval to a file or directory, or unset checkpoint.best."
-            )
-        if loop.eval_every == 0 or ckpt.every == 0 or ckpt.every % loop.eval_every:
-            raise ConfigError(
-                "`checkpoint.best` ranks checkpoints by an evaluation metric, so "
-                "checkpoints must be saved on evaluation steps: make "
-                f"`checkpoint.every` ({ckpt.every}) a positive multiple of "
-                f"`loop.eval_every` ({loop.eval_every})."
-            )
-
-
-def lora_on(config: Config) -> bool:
-    """Whether the run trains LoRA adapters (`lora.rank` > 0 or an adapter to
-    continue)."""
-    return config.lora.rank > 0 or config.model.adapter_from is not None
-
-
-def _lora(config: Config) -> None:
-    import re
-
-    lora, given = config.lora, _changed(config)
-    if config.model.adapter_from is not None and config.model.init_from is None:
-        raise ConfigError(
-            f"`model.adapter_from` ({config.model.adapter_from!r}) continues a PEFT "
-            "adapter on its base model: set `model.init_from` to that base's "
-            "Hugging Face directory."
-        )
-    if not lora_on(config):
-        other = sorted(k for k in given if k.startswith("lora."))
-        if other:
-            raise ConfigError(
-                f"`{other[0]}` is set but `lora.rank` is 0 (LoRA off): set "
-                "lora.rank (e.g. 8) to train adapters, or remove it."
-            )
-        for key in ("export.adapter", "export.merged"):
-            if getattr(config.export, key.split(".")[1]):
-                raise ConfigError(
-                    f"`{key}` exports LoRA adapters, but LoRA is off (lora.rank = "
-                    "0): set lora.rank, or remove it."
-                )
-        return
-    for key, pattern in (("targets", lora.targets), ("train_also", lora.train_also)):
-        if pattern is None:
-            continue
-        try:
-            re.compile(pattern)
-        except re.error as e:
-            raise ConfigError(
-                f"`lora.{key}` is not a valid regex: {pattern!r} ({e})."
-            ) from None
-    if config.export.adapter is False and not config.export.merged:
-        if config.export.hf is not None and "export.hf" in given:
-            raise ConfigError(
-                "`export.hf` is set, but with LoRA on and export.adapter = false "
-                "and export.merged = false there is nothing to export: set one of "
-                'them, or export.hf = "".'
-            )
-
-
-def _export(config: Config) -> None:
-    export = config.export
-    if export.ema and config.loop.ema is None:
-        raise ConfigError(
-            "`export.ema` exports the EMA weights, but `loop.ema` is unset: set "
-            "loop.ema (e.g. 0.999) or export.ema = false."
-        )
-    if export.every and export.hf is None:
-        raise ConfigError(
-            "`export.every` is set but `export.hf` is empty: name the export "
-            "directory or set export.every = 0."
-        )
-
-
 # The task keys each kind reads; setting one that the kind ignores is a mistake.
 _GRPO_KEYS = (
     "group_size",
@@ -339,17 +66,140 @@ _FORMATS = {
     "grpo": ("chat", "prompt_completion"),  # `messages` or `prompt` (+ columns)
     **{kind: ("preference",) for kind in PREFERENCE_TASKS},
 }
+# The [data] keys of post-training data (an lm run's plain text has none).
+_POST_KEYS = ("data.chat_template", "data.max_prompt_len", "data.pack")
 
 
-def _task(config: Config) -> None:
-    kind, given = config.task.kind, _changed(config)
+def validate(config: Config) -> None:
+    """Raise `ConfigError` naming the keys of any inconsistent combination."""
+    given = _changed(config)
+    for rule in _RULES:
+        rule(config, given)
+
+
+def _changed(config: Config) -> frozenset[str]:
+    """The keys a file or `--set` gave a value other than the default. Restating
+    a default does not count: eqtrain's own config.toml and checkpoint manifests
+    state every key, and must read back (e.g. a GPT-2 run's `num_kv_heads`)."""
+    fields = schema()
+    out = set()
+    for key in explicit(config) & fields.keys():
+        value = config
+        for part in key.split("."):
+            value = getattr(value, part)
+        if value != fields[key].default:
+            out.add(key)
+    return frozenset(out)
+
+
+# Each rule takes the config and the keys `_changed` found, and raises
+# `ConfigError` for one inconsistency.
+
+
+# -- [model] ----------------------------------------------------------------------
+# With `model.init_from`, the architecture keys keep their defaults (the first
+# rule refuses any other), so the rules after it hold for them.
+def _init_from_clash(config: Config, given: frozenset[str]) -> None:
+    """With `model.init_from`, the architecture is its config.json's."""
+    clash = [k for k in ARCH_KEYS if f"model.{k}" in given]
+    if config.model.init_from is not None and clash:
+        keys = ", ".join(f"`model.{k}`" for k in clash)
+        raise ConfigError(
+            f"{keys} cannot be set together with `model.init_from` "
+            f"({config.model.init_from!r}): the architecture comes from its "
+            "config.json. Remove them (runtime options like model.remat, "
+            "model.param_dtype and model.scan_layers may stay)."
+        )
+
+
+def _arch_keys(config: Config, given: frozenset[str]) -> None:
+    """The architecture keys set are ones the architecture's family reads."""
+    family = models.family(config.model.arch)
+    wrong = [k for k in ARCH_KEYS if f"model.{k}" in given]
+    wrong = [k for k in wrong if k not in family.section_keys]
+    if wrong:
+        raise ConfigError(
+            f"`model.{wrong[0]}` applies to the architectures "
+            f"{_archs_reading(wrong[0])} only; model.arch is "
+            f"{config.model.arch!r}. Remove it or change the architecture."
+        )
+
+
+def _archs_reading(key: str) -> list[str]:
+    """The architectures (model types) whose family reads `model.<key>`."""
+    return sorted(
+        t
+        for f in models.FAMILIES.values()
+        if key in f.section_keys
+        for t in f.model_types
+    )
+
+
+def _heads_divide_width(config: Config, given: frozenset[str]) -> None:
+    m = config.model
+    if m.head_dim is None and m.hidden_size % m.num_heads:
+        raise ConfigError(
+            f"`model.hidden_size` ({m.hidden_size}) must be divisible by "
+            f"`model.num_heads` ({m.num_heads}), or set `model.head_dim`."
+        )
+
+
+def _kv_heads_divide_heads(config: Config, given: frozenset[str]) -> None:
+    """Each key/value head serves a group of query heads (Llama family)."""
+    m = config.model
+    kv = (
+        m.num_kv_heads if "num_kv_heads" in models.family(m.arch).section_keys else None
+    )
+    if kv is not None and m.num_heads % kv:
+        raise ConfigError(
+            f"`model.num_heads` ({m.num_heads}) must be a multiple of "
+            f"`model.num_kv_heads` ({kv}) (each key/value head serves a group of "
+            "query heads)."
+        )
+
+
+def _rows_fit_positions(config: Config, given: frozenset[str]) -> None:
+    m, seq_len = config.model, config.data.seq_len
+    if m.max_seq_len is not None and m.max_seq_len < seq_len:
+        raise ConfigError(
+            f"`data.seq_len` ({seq_len}) exceeds `model.max_seq_len` "
+            f"({m.max_seq_len}); shorten the rows or lengthen the model's positions."
+        )
+
+
+def _remat(config: Config, given: frozenset[str]) -> None:
+    """The remat preset, and the names it saves or offloads."""
+    m = config.model
+    models.check_remat(m.remat, m.remat_save, m.remat_offload, prefix="model.")
+
+
+def _mlp_chunks(config: Config, given: frozenset[str]) -> None:
+    """The tiled MLP's pieces divide the sequence."""
+    chunks, seq = config.model.mlp_chunks, config.data.seq_len
+    if chunks != "auto" and seq % chunks:
+        fits = [d for d in range(2, min(seq, 64) + 1) if seq % d == 0][:6]
+        raise ConfigError(
+            f"`model.mlp_chunks` ({chunks}) must divide `data.seq_len` ({seq}) so "
+            f"that every piece of the sequence has the same length; e.g. "
+            f"{', '.join(map(str, fits)) or 1}, or 'auto'."
+        )
+
+
+# -- [task] -----------------------------------------------------------------------
+def _task_keys(config: Config, given: frozenset[str]) -> None:
+    """The task keys set are ones task.kind reads."""
+    kind = config.task.kind
     for key, kinds in _TASK_KEYS.items():
         if f"task.{key}" in given and kind not in kinds:
             raise ConfigError(
                 f"`task.{key}` is set but task.kind = {kind!r} does not use it (it "
                 f"applies to {', '.join(kinds)}); remove it or change task.kind."
             )
-    fmt = data_format(config)
+
+
+def _task_format(config: Config, given: frozenset[str]) -> None:
+    """The data's format is one the task trains on."""
+    kind, fmt = config.task.kind, data_format(config)
     if fmt != "auto" and fmt not in _FORMATS[kind]:
         wants = " or ".join(f"'{f}'" for f in _FORMATS[kind])
         raise ConfigError(
@@ -357,115 +207,124 @@ def _task(config: Config) -> None:
             f"{config.data.format!r}. Set data.format to match the data (or leave "
             "it `auto`), or change task.kind."
         )
+
+
+def _task_data(config: Config, given: frozenset[str]) -> None:
+    """Post-training reads a data file, not the standard library's text."""
+    kind = config.task.kind
     if kind != "lm" and config.data.train == "stdlib":
         raise ConfigError(
             f"task.kind = {kind!r} needs {_FORMATS[kind][0]!r} data, but data.train "
             "is 'stdlib' (plain text). Point data.train at a .jsonl/.json/.parquet "
             "file with the columns the task reads."
         )
+
+
+def _adapters_off_needs_lora(config: Config, given: frozenset[str]) -> None:
     if reference_mode(config) == "adapters_off" and not lora_on(config):
         raise ConfigError(
             "`task.reference` = 'adapters_off' uses the policy with its LoRA "
             "adapters switched off as the reference, but LoRA is off (lora.rank = "
             "0): set lora.rank, or task.reference = 'copy' or 'precomputed'."
         )
-    if kind == "grpo":
-        _grpo(config, given)
-    if kind == "lm":
-        other = sorted(k for k in given if k.startswith("data.") and k in _POST_KEYS)
-        if other:
-            raise ConfigError(
-                f"`{other[0]}` applies to post-training data, but task.kind = 'lm' "
-                "trains on plain text; remove it or set task.kind."
-            )
 
 
-_POST_KEYS = ("data.chat_template", "data.max_prompt_len", "data.pack")
-
-
-def _grpo(config: Config, given: frozenset[str]) -> None:
-    """GRPO's settings together: its rows' budget, the reference, the rewards."""
-    t, data = config.task, config.data
-    if t.max_completion_len >= data.seq_len:
+def _grpo_room_for_prompts(config: Config, given: frozenset[str]) -> None:
+    longest, seq_len = config.task.max_completion_len, config.data.seq_len
+    if config.task.kind == "grpo" and longest >= seq_len:
         raise ConfigError(
-            f"`task.max_completion_len` ({t.max_completion_len}) leaves no room for "
-            f"a prompt in `data.seq_len` ({data.seq_len}) tokens per row (prompt "
+            f"`task.max_completion_len` ({longest}) leaves no room for "
+            f"a prompt in `data.seq_len` ({seq_len}) tokens per row (prompt "
             "and completion); raise data.seq_len or lower task.max_completion_len."
         )
+
+
+def _grpo_data_keys(config: Config, given: frozenset[str]) -> None:
     for key in ("data.max_prompt_len", "data.pack"):
-        if key in given:
+        if config.task.kind == "grpo" and key in given:
             raise ConfigError(
                 f"`{key}` does not apply to task.kind = 'grpo' (its prompts get "
                 "data.seq_len - task.max_completion_len tokens); remove it."
             )
-    if reference_mode(config) == "precomputed":
+
+
+def _grpo_reference(config: Config, given: frozenset[str]) -> None:
+    """GRPO's completions are sampled in training: no precomputed reference."""
+    if config.task.kind == "grpo" and reference_mode(config) == "precomputed":
         raise ConfigError(
             "task.reference = 'precomputed' cannot serve grpo: its completions are "
             "sampled during training. Use 'copy', or 'adapters_off' with [lora]."
         )
-    if config.distributed.processes > 1:
+
+
+def _grpo_one_process(config: Config, given: frozenset[str]) -> None:
+    if config.task.kind == "grpo" and config.distributed.processes > 1:
         raise ConfigError(
             "task.kind = 'grpo' runs in one process for now (each step scores its "
             "completions in a host callback of that process): set "
             "distributed.processes = 1; any number of local devices works."
         )
-    if config.data.eval not in ("auto", "none"):
+
+
+def _grpo_no_eval(config: Config, given: frozenset[str]) -> None:
+    if config.task.kind == "grpo" and config.data.eval not in ("auto", "none"):
         raise ConfigError(
             "task.kind = 'grpo' has no evaluation pass yet: set data.eval = "
             "'none' (the rewards of every step are its measure)."
         )
-    rewards_of(config)
 
 
-def rewards_of(config: Config) -> list[tuple[str, Any, float]]:
-    """`task.rewards` as `(name, function, weight)` triples, each function
-    imported (`eqtrain.rewards.load_reward`); a config error names the key."""
-    from .. import rewards as rewards_lib
+def _grpo_rewards(config: Config, given: frozenset[str]) -> None:
+    """Every reward function of task.rewards imports, with its weight."""
+    if config.task.kind == "grpo":
+        rewards_of(config)
 
-    t = config.task
-    names = [n for n in t.rewards.split(",") if n]
-    weights = [w for w in t.reward_weights.split(",") if w]
-    if not names:
-        raise ConfigError("`task.rewards` is empty: name at least one reward.")
-    if weights and len(weights) != len(names):
+
+def _lm_data_keys(config: Config, given: frozenset[str]) -> None:
+    """Plain text has no post-training data keys."""
+    other = sorted(k for k in given if k in _POST_KEYS)
+    if config.task.kind == "lm" and other:
         raise ConfigError(
-            f"`task.reward_weights` has {len(weights)} weights for the "
-            f"{len(names)} functions of task.rewards ({', '.join(names)}); give "
-            "one each, or none (1 each)."
+            f"`{other[0]}` applies to post-training data, but task.kind = 'lm' "
+            "trains on plain text; remove it or set task.kind."
         )
-    try:
-        values = [float(w) for w in weights] or [1.0] * len(names)
-    except ValueError:
-        raise ConfigError(
-            f"`task.reward_weights` must be numbers; got {t.reward_weights!r}."
-        ) from None
-    out = []
-    for name, weight in zip(names, values, strict=True):
-        if name == "format":
-            if t.format_regex is None:
-                raise ConfigError(
-                    "task.rewards names `format`, which needs task.format_regex "
-                    "(the pattern a completion must match)."
-                )
-            fn = rewards_lib.format_regex(t.format_regex)
-        else:
-            try:
-                fn = rewards_lib.load_reward(name)
-            except ConfigError as e:
-                raise ConfigError(f"`task.rewards`: {e}") from None
-        out.append((name, fn, weight))
-    return out
 
 
-def _distributed(config: Config) -> None:
-    parse_resources(config.distributed.resources_per_worker)
-    address = config.distributed.ray_address
-    if address is None or address == "auto":
-        return
-    host, _, port = address.removeprefix("ray://").rpartition(":")
-    if not host or not port.isdigit():
-        raise ConfigError(
-            f"`distributed.ray_address` must be `auto`, `HOST:PORT` or "
-            f"`ray://HOST:PORT`; got {address!r}. `ray status` on the head node "
-            "prints the address; leave it unset to start a local Ray."
-        )
+# In the order of the checks: the first inconsistency found is the one reported.
+_RULES = (
+    _init_from_clash,
+    _arch_keys,
+    _heads_divide_width,
+    _kv_heads_divide_heads,
+    _rows_fit_positions,
+    _remat,
+    _mlp_chunks,
+    run.mesh_no_zero,
+    run.mesh_one_rest,
+    run.batches_split,
+    run.eval_every_with_eval,
+    run.best_is_eval,
+    run.best_is_reported,
+    run.best_has_eval,
+    run.best_on_eval_steps,
+    run.adapter_has_base,
+    run.lora_keys_need_lora,
+    run.adapter_exports_need_lora,
+    run.lora_patterns,
+    run.lora_exports_something,
+    _task_keys,
+    _task_format,
+    _task_data,
+    _adapters_off_needs_lora,
+    _grpo_room_for_prompts,
+    _grpo_data_keys,
+    _grpo_reference,
+    _grpo_one_process,
+    _grpo_no_eval,
+    _grpo_rewards,
+    _lm_data_keys,
+    run.export_ema,
+    run.export_every,
+    run.resources,
+    run.ray_address,
+)

@@ -23,6 +23,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
 from .._errors import ConfigError
+from .._names import did_you_mean
 
 
 _DTYPES = {
@@ -719,14 +720,6 @@ def names(
                 f"{', '.join(CHECKPOINT_NAMES)}.{did_you_mean(n, CHECKPOINT_NAMES)}"
             )
     return out
-
-
-def did_you_mean(name: str, options: Any) -> str:
-    """` Did you mean 'x'?` for the closest of `options`, or ``."""
-    import difflib
-
-    close = difflib.get_close_matches(name, list(options), n=1)
-    return f" Did you mean {close[0]!r}?" if close else ""
 
 
 def check_remat(

@@ -1,0 +1,101 @@
+"""`[data]`: what the run trains and evaluates on, and how it becomes rows."""
+
+import dataclasses
+
+from ._schema import (
+    DATA_FORMATS,
+    setting,
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+    train: str = setting(
+        "stdlib",
+        "Training text: `stdlib` (the Python standard library's sources, built "
+        "in), a directory of text files, or a file (.txt, .json/.jsonl, .parquet, "
+        ".csv).",
+        kind="path",
+    )
+    eval: str = setting(
+        "auto",
+        "Evaluation text, as `train`; `auto`: the standard library's held-out "
+        "files when train = `stdlib`, else none; `none`: no evaluation.",
+        kind="path",
+    )
+    format: str = setting(
+        "auto",
+        "What the data files hold: `text` (plain text, for task.kind = lm), "
+        "`chat` (a `messages` column of role/content turns), `prompt_completion` "
+        "(`prompt` and `completion` columns) or `preference` (`prompt`, `chosen`, "
+        "`rejected`); strings or message lists. `auto`: text for lm, else read "
+        "from the columns.",
+        choices=DATA_FORMATS,
+    )
+    text_column: str = setting(
+        "text", "Column holding the text in .json/.jsonl/.parquet/.csv files."
+    )
+    chat_template: str = setting(
+        "auto",
+        "How conversations become tokens: a `.jinja` file, `builtin` (eqtrain's "
+        "own template), or `auto`: the tokenizer directory's template "
+        "(chat_template.jinja, or tokenizer_config.json's chat_template) when it "
+        "has one, else builtin.",
+        kind="path",
+    )
+    max_prompt_len: int | None = setting(
+        None,
+        "Prompts longer than this many tokens keep only their end; a row whose "
+        "prompt and completion still exceed seq_len + 1 tokens is skipped. Unset: "
+        "data.seq_len // 2.",
+        min=1,
+    )
+    pack: bool = setting(
+        True,
+        "SFT: pack several examples into each row (segment ids keep attention and "
+        "loss within each); false: one example per row, padded.",
+    )
+    pattern: str = setting(
+        "**/*.txt", "Glob of the files read from a directory of text files."
+    )
+    tokenizer: str = setting(
+        "auto",
+        "`byte` (UTF-8 bytes + 3 specials, 259 ids), a `tokenizer.json` file or a "
+        "directory holding one; `auto`: init_from's tokenizer.json when it has "
+        "one, else `byte`.",
+        kind="path",
+    )
+    seq_len: int = setting(128, "Tokens per training row.", min=2)
+    batch_size: int = setting(
+        16,
+        "Rows per optimizer step (the global batch; split into optim.accumulate "
+        "micro-batches).",
+        min=1,
+    )
+    eval_rows: int = setting(
+        128, "At most this many rows of the eval text are evaluated.", min=1
+    )
+    sources: str = setting(
+        "",
+        "A mixture for task.kind = lm, in place of `train`: several sources with "
+        "weights, as `[[data.sources]]` tables with `path` and `weight` (and an "
+        'optional `name`), or `--set data.sources="web.jsonl=0.7,code=0.3"`. '
+        "Each batch's rows follow the weights; each source repeats or is read "
+        "partially as its weight asks.",
+        kind="sources",
+    )
+    cache: str = setting(
+        "auto",
+        "Where tokenized stores are kept (one per source, named by the content of "
+        "the files, the tokenizer and the settings; reused by later runs). `auto`: "
+        "$EQTRAIN_DATA_CACHE, else ~/.cache/eqtrain/data. For task.kind = lm.",
+        kind="path",
+    )
+    workers: int | str = setting(
+        "auto",
+        "Processes that tokenize when a store is prepared; `auto`: the CPU count.",
+        min=1,
+        kind="auto_int",
+    )
+    shuffle: bool = setting(True, "Shuffle the training rows every epoch.")
+    prefetch: int = setting(2, "Batches prepared ahead in a background thread.", min=0)

@@ -1,0 +1,120 @@
+"""What a `Config` means where a key says `auto` or depends on others: the eval
+metrics a run reports, its data format, reference model, eval data, whether LoRA
+is on, and its reward functions."""
+
+from typing import Any
+
+from .. import rewards as rewards_lib
+from .._errors import ConfigError
+from ..losses import CAUSAL_LM_AUX
+from ._config import Config
+from ._schema import PREFERENCE_TASKS
+
+
+# What `eval_step(causal_lm_loss)` reports, the loss of lm and sft runs:
+# "eval/" + "loss" and the loss's aux names.
+EVAL_METRICS = ("eval/loss", *(f"eval/{name}" for name in CAUSAL_LM_AUX))
+# What a preference run's evaluations report (`eqtrain.preference`'s metrics).
+PREFERENCE_METRICS = (
+    "rewards/chosen",
+    "rewards/rejected",
+    "rewards/margins",
+    "rewards/accuracies",
+    "logps/chosen",
+    "logps/rejected",
+)
+
+
+def eval_metrics(config: Config) -> tuple[str, ...]:
+    """The metrics the run's evaluations report."""
+    kind = config.task.kind
+    if kind not in PREFERENCE_TASKS:
+        return EVAL_METRICS
+    extra = ("log_odds_ratio",) if kind == "orpo" else ()
+    names = ("loss", *PREFERENCE_METRICS, *extra, "weight")
+    return tuple(f"eval/{name}" for name in names)
+
+
+def data_format(config: Config) -> str:
+    """`data.format`, with `auto` resolved as far as the config alone tells:
+    `text` for lm, `preference` for the preference tasks, and `auto` (the data's
+    columns decide) for sft."""
+    given, kind = config.data.format, config.task.kind
+    if given != "auto":
+        return given
+    if kind == "lm":
+        return "text"
+    return "preference" if kind in PREFERENCE_TASKS else "auto"
+
+
+def reference_mode(config: Config) -> str | None:
+    """`task.reference` resolved: None for the tasks without a reference model,
+    `auto` becomes adapters_off with LoRA, else copy."""
+    kind = config.task.kind
+    if kind not in ("dpo", "ipo") and not (kind == "grpo" and config.task.beta):
+        return None
+    ref = config.task.reference
+    if ref == "auto":
+        return "adapters_off" if lora_on(config) else "copy"
+    return ref
+
+
+def eval_source(config: Config) -> str:
+    """`data.eval` with "auto" resolved: the stdlib split for the stdlib corpus,
+    "none" otherwise."""
+    source = config.data.eval
+    if source == "auto":
+        text = config.task.kind == "lm"
+        return "stdlib" if config.data.train == "stdlib" and text else "none"
+    return source
+
+
+def lora_on(config: Config) -> bool:
+    """Whether the run trains LoRA adapters (`lora.rank` > 0 or an adapter to
+    continue)."""
+    return config.lora.rank > 0 or config.model.adapter_from is not None
+
+
+def rewards_of(config: Config) -> list[tuple[str, Any, float]]:
+    """`task.rewards` as `(name, function, weight)` triples, each function
+    imported (`eqtrain.rewards.load_reward`); a config error names the key."""
+    names = [n for n in config.task.rewards.split(",") if n]
+    if not names:
+        raise ConfigError("`task.rewards` is empty: name at least one reward.")
+    weights = _reward_weights(config.task.reward_weights, names)
+    return [
+        (name, _reward(name, config.task.format_regex), weight)
+        for name, weight in zip(names, weights, strict=True)
+    ]
+
+
+def _reward_weights(text: str, names: list[str]) -> list[float]:
+    """`task.reward_weights`, one per reward (1 each when empty)."""
+    weights = [w for w in text.split(",") if w]
+    if weights and len(weights) != len(names):
+        raise ConfigError(
+            f"`task.reward_weights` has {len(weights)} weights for the "
+            f"{len(names)} functions of task.rewards ({', '.join(names)}); give "
+            "one each, or none (1 each)."
+        )
+    try:
+        return [float(w) for w in weights] or [1.0] * len(names)
+    except ValueError:
+        raise ConfigError(
+            f"`task.reward_weights` must be numbers; got {text!r}."
+        ) from None
+
+
+def _reward(name: str, format_regex: str | None) -> Any:
+    """The reward function `name` of `task.rewards`."""
+    if name == "format":
+        if format_regex is None:
+            raise ConfigError(
+                "task.rewards names `format`, which needs task.format_regex "
+                "(the pattern a completion must match)."
+            )
+        return rewards_lib.format_regex(format_regex)
+    try:
+        return rewards_lib.load_reward(name)
+    except ConfigError as e:
+        raise ConfigError(f"`task.rewards`: {e}") from None
