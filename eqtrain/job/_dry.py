@@ -66,17 +66,21 @@ def _task_lines(job: _build.Job) -> list[str]:
         return []
     line = f"task         {task.kind}"
     if task.kind == "grpo":
-        t = task
-        line += (
-            f": {t.group_size} completions of up to {t.max_completion_len} tokens "
-            f"per prompt, temperature {t.temperature:g}, rewards {t.rewards}, "
-            f"loss {t.loss_type}, {t.passes} pass(es)"
-        )
+        line += _grpo_summary(task)
     if job.reference is not None:
         line += f", reference {job.reference}"
     if job.template is not None:
         line += f"; chat template {type(job.template).__name__}"
     return [line, *(f"skipped      {note}" for note in job.notes)]
+
+
+def _grpo_summary(t: Any) -> str:
+    """What a GRPO step samples and how it learns from it."""
+    return (
+        f": {t.group_size} completions of up to {t.max_completion_len} tokens "
+        f"per prompt, temperature {t.temperature:g}, rewards {t.rewards}, "
+        f"loss {t.loss_type}, {t.passes} pass(es)"
+    )
 
 
 def _samples_lines(job: _build.Job, found: _samples.Prompts | None) -> list[str]:

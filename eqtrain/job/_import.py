@@ -29,7 +29,19 @@ def import_hf(
     out = Path(os.path.abspath(out_dir))
     _check_out(out, overwrite)
     hf_dir = os.path.abspath(hf_dir)
-    base = config or Config()
+    job = _imported_job(config or Config(), hf_dir, out)
+    _rundir.check_writable(out)
+    if overwrite:
+        shutil.rmtree(out / "checkpoints", ignore_errors=True)
+    resolved = _run_config(job, hf_dir, out)
+    _save_step_zero(job, resolved, out)
+    _rundir.write_config(resolved, out)
+    return out
+
+
+def _imported_job(base: Config, hf_dir: str, out: Path) -> _build.Job:
+    """The job of `base` starting from `hf_dir` in `out` (LoRA refused: its
+    base stays outside the run)."""
     model = dataclasses.replace(base.model, init_from=hf_dir)
     job = _build.build(dataclasses.replace(base, model=model, run_dir=str(out)))
     if job.lora is not None:
@@ -39,13 +51,7 @@ def import_hf(
             f"name the base by content): set model.init_from = {hf_dir!r} in a "
             "config with [lora] and run `eqtrain fit` on it instead."
         )
-    _rundir.check_writable(out)
-    if overwrite:
-        shutil.rmtree(out / "checkpoints", ignore_errors=True)
-    resolved = _run_config(job, hf_dir, out)
-    _save_step_zero(job, resolved, out)
-    _rundir.write_config(resolved, out)
-    return out
+    return job
 
 
 def _check_out(out: Path, overwrite: bool) -> None:

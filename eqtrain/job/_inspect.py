@@ -73,16 +73,23 @@ def export_run(
             "adapters (lora.rank = 0); drop --merged."
         )
     state = _open.restore(Path(path), job, _place.placement(job)).state
-    if ema and state.ema is None:
-        raise ConfigError(
-            f"the run at {path} keeps no EMA weights (loop.ema was unset); drop --ema."
-        )
-    model = job.exported(state.ema_model if ema else state.model)
+    model = job.exported(_weights(state, ema, path))
     if job.lora is not None and not merged:
         return _export_adapter(job, state, model, out_dir, overwrite)
     if merged:
         model = lora.merge(model)
     return _export_model(job, model, out_dir, dtype=dtype, overwrite=overwrite)
+
+
+def _weights(state: Any, ema: bool, path: Any) -> Any:
+    """The state's model, or with `ema` its EMA weights (which the run must keep)."""
+    if not ema:
+        return state.model
+    if state.ema is None:
+        raise ConfigError(
+            f"the run at {path} keeps no EMA weights (loop.ema was unset); drop --ema."
+        )
+    return state.ema_model
 
 
 def _export_adapter(

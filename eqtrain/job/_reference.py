@@ -165,20 +165,37 @@ def _compute(
     batch = _pass_batch(job, placement)
     logps = _logprobs(job)
     say(f"computing the reference log-probs of {n:,} pairs ({path.name}) ...")
-    parts = []
-    for start in range(0, n, PART_ROWS):
-        stop = min(start + PART_ROWS, n)
-        part_path = path.with_name(f"{path.stem}.part-{start}.safetensors")
-        part = _read(part_path, key, stop - start)
-        if part is None:
-            part = _part(logps, model, rows, start, stop, batch, placement)
-            if writer:
-                _write(part_path, part, key)
-        parts.append((part_path, part))
+
+    def compute(start: int, stop: int) -> Rows:
+        return _part(logps, model, rows, start, stop, batch, placement)
+
+    parts = [
+        _cached_part(path, key, start, min(start + PART_ROWS, n), compute, writer)
+        for start in range(0, n, PART_ROWS)
+    ]
     values = {k: np.concatenate([p[k] for _, p in parts]) for k in OUT_KEYS}
     if writer:
         _write_whole(path, values, key, [part_path for part_path, _ in parts])
     return values
+
+
+def _cached_part(
+    path: Path,
+    key: str,
+    start: int,
+    stop: int,
+    compute: Callable[[int, int], Rows],
+    writer: bool,
+) -> tuple[Path, Rows]:
+    """Pairs `start:stop`'s values: their part file when a killed pass left it,
+    else computed (and written, by the writer)."""
+    part_path = path.with_name(f"{path.stem}.part-{start}.safetensors")
+    part = _read(part_path, key, stop - start)
+    if part is None:
+        part = compute(start, stop)
+        if writer:
+            _write(part_path, part, key)
+    return part_path, part
 
 
 def _logprobs(job: _build.Job) -> Callable[..., Any]:

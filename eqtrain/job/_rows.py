@@ -200,11 +200,7 @@ def _post_identity(job: Job, path: Path) -> dict[str, Any]:
         "kind": "post",
         "source": data_lib.fingerprint(path),
         "tokenizer": data_lib.tokenizer_identity(job.tokenizer),
-        "template": [
-            type(template).__name__,
-            getattr(template, "source", None),
-            getattr(template, "special_tokens", None),
-        ],
+        "template": _template_identity(template),
         "eqtrain": _version(),  # the rows follow eqtrain's pipelines
         "settings": [
             config.task.kind,
@@ -214,6 +210,15 @@ def _post_identity(job: Job, path: Path) -> dict[str, Any]:
             config.data.pack,
         ],
     }
+
+
+def _template_identity(template: Any) -> list[Any]:
+    """What the rows depend on of a chat template (None: plain text)."""
+    return [
+        type(template).__name__,
+        getattr(template, "source", None),
+        getattr(template, "special_tokens", None),
+    ]
 
 
 def _skip_note(where: str, report: data_lib.SkipReport) -> str:
