@@ -266,9 +266,10 @@ def _pieces(config: Config, recorded: Path | None) -> Job:
         dataclasses.replace(model_config, vocab_size=padded),
         model_type,
         _resolve.optimizer(config),
-        lora=_resolve.lora_spec(config) if lora_on(config) else None,
+        # in the order their errors are said: reference, template, LoRA
         reference=reference_mode(config),
         template=None if kind == "lm" else _resolve.chat_template(config, source),
+        lora=_resolve.lora_spec(config) if lora_on(config) else None,
         vocab_size=None if padded == vocab else vocab,
         grpo=_grpo.Online() if kind == "grpo" else None,
     )
