@@ -149,7 +149,7 @@ def mlp_part(seqs, rounds, calls):
 
 
 def budget_part(budget: int, quick: bool):
-    from eqtrain.job import _memory, _place
+    from eqtrain.job import _memory, _plan
 
     base = {
         "model": {
@@ -177,7 +177,7 @@ def budget_part(budget: int, quick: bool):
         raw = json.loads(json.dumps(base))
         raw["model"].update(opts)
         config = config_lib.from_dict(raw)
-        rows = _place.plan(config).rows
+        rows = _plan.plan(config).rows
         fit = _memory.longest_seq_len(
             config, budget, rows, max_compiles=6 if quick else 12
         )

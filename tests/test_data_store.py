@@ -425,16 +425,16 @@ def test_post_training_rows_are_made_once_then_mapped(
     import shutil
 
     from eqtrain import config as config_lib
-    from eqtrain.job import _build
+    from eqtrain.job import _build, _rows
 
-    real = _build._post_rows
+    real = _rows._post_rows
     calls = []
 
     def counted(*args):
         calls.append(args)
         return real(*args)
 
-    monkeypatch.setattr(_build, "_post_rows", counted)
+    monkeypatch.setattr(_rows, "_post_rows", counted)
     data = tmp_path / name
     shutil.copy(EXAMPLES / name, data)
     overrides = [
@@ -442,18 +442,18 @@ def test_post_training_rows_are_made_once_then_mapped(
         "data.seq_len=128",
     ]
     job = _build.build(config_lib.load(overrides=overrides))
-    first = _build.post_rows(job, str(data), "data.train")
-    again = _build.post_rows(job, str(data), "data.train")
+    first = _rows.post_rows(job, str(data), "data.train")
+    again = _rows.post_rows(job, str(data), "data.train")
     assert len(calls) == 1  # the second is mapped from the cache
     assert all(isinstance(v, np.memmap) for v in again.values())
     _assert_rows_equal({k: np.asarray(v) for k, v in again.items()}, first)
     longer = config_lib.load(overrides=[*overrides, "data.seq_len=160"])
-    _build.post_rows(_build.build(longer), str(data), "data.train")
+    _rows.post_rows(_build.build(longer), str(data), "data.train")
     assert len(calls) == 2  # another seq_len: other rows
     # a damaged column file is found (sha256) and the rows are made again
     for path in (tmp_path / "cache").glob("rows-*/*.npy"):
         _damage(path, at=path.stat().st_size - 1)
-    _build.post_rows(job, str(data), "data.train")
+    _rows.post_rows(job, str(data), "data.train")
     assert len(calls) == 3
 
 

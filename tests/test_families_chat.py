@@ -26,7 +26,7 @@ import numpy as np
 import pytest
 
 from eqtrain import ConfigError, config as config_lib, data, job
-from eqtrain.job import _build
+from eqtrain.job import _build, _rows
 
 from . import _hf_families as fam
 
@@ -392,7 +392,7 @@ def test_sft_then_dpo_with_the_familys_chat_template(name, tmp_path):
     unpacked = _config(
         tmp_path / "rows", chats, base, "task.kind=sft", "data.pack=false"
     )
-    rows = _build.train_rows(_build.build(unpacked))
+    rows = _rows.train_rows(_build.build(unpacked))
     for i, row in enumerate(_chats(4, family.turns)):
         runs = _learned_runs(rows["targets"][i], rows["loss_mask"][i], built.tokenizer)
         answers = [
@@ -407,7 +407,7 @@ def test_sft_then_dpo_with_the_familys_chat_template(name, tmp_path):
     # DPO from the SFT export, its template again
     pairs = _write(tmp_path / "pairs.jsonl", _pairs(16))
     dpo = (tmp_path / "dpo", pairs, out, "task.kind=dpo", "loop.steps=2")
-    rows = _build.train_rows(_build.build(_config(*dpo)))
+    rows = _rows.train_rows(_build.build(_config(*dpo)))
     first = _pairs(1)[0]
     prompt = _ids(hub.apply_chat_template(first["prompt"], add_generation_prompt=True))
     assert rows["chosen_tokens"][0][: len(prompt)].tolist() == prompt
@@ -445,7 +445,7 @@ def test_gemma_template_refuses_system_messages_before_any_work(tmp_path):
         tmp_path / "mixed", mixed, base, "task.kind=sft", "data.pack=false"
     )
     built = _build.build(config)
-    rows = _build.train_rows(built)
+    rows = _rows.train_rows(built)
     assert len(rows["tokens"]) == 8 and rows["loss_mask"].sum() > 0
     (note,) = built.notes
     assert "2 of 10 rows skipped" in note and "System role not supported" in note

@@ -185,7 +185,7 @@ CONSUMERS = {
     "data.batch_size": ("data.batch_size=16", lambda p: p.loader.batch_size == 16),
     "data.eval_rows": (
         "data.eval_rows=8",
-        lambda p: p.fit_kwargs["eval_data"].num_batches == 1,
+        lambda p: p.fit_kwargs["evaluation"].data.num_batches == 1,
     ),
     "data.shuffle": ("data.shuffle=false", lambda p: p.loader.shuffle is False),
     "data.prefetch": ("data.prefetch=0", lambda p: p.loader.prefetch == 0),
@@ -203,18 +203,21 @@ CONSUMERS = {
         lambda p: micro_batches(p) == {(2, 8, 16)},
     ),
     "loop.steps": ("loop.steps=7", lambda p: p.fit_kwargs["num_steps"] == 7),
-    "loop.eval_every": ("loop.eval_every=3", lambda p: p.fit_kwargs["eval_every"] == 3),
+    "loop.eval_every": (
+        "loop.eval_every=3",
+        lambda p: p.fit_kwargs["evaluation"].every == 3,
+    ),
     "loop.eval_at_end": (
         "loop.eval_at_end=false",
-        lambda p: p.fit_kwargs["eval_at_end"] is False,
+        lambda p: p.fit_kwargs["evaluation"].at_end is False,
     ),
     "loop.time_limit": (
         "loop.time_limit=1h",
-        lambda p: p.fit_kwargs["time_limit"] == 3600.0,
+        lambda p: p.fit_kwargs["stop"].time_limit == 3600.0,
     ),
     "loop.kill_switch": (
         "loop.kill_switch=HALT",
-        lambda p: p.fit_kwargs["kill_switch"].name == "HALT",
+        lambda p: p.fit_kwargs["stop"].kill_switch.name == "HALT",
     ),
     "checkpoint.every": (
         "checkpoint.every=3",
@@ -554,7 +557,7 @@ def test_data_sources(text_dirs, tmp_path):
         "data.eval=none",
         "loop.eval_every=0",
     )
-    assert p.fit_kwargs["eval_data"] is None
+    assert p.fit_kwargs["evaluation"] is None
     assert p.loader.num_batches > 0
     with pytest.raises(eqtrain.EqtrainError, match="body2"):
         prepared(text_dirs, tmp_path, f"data.train={jsonl}", "data.text_column=body2")

@@ -15,7 +15,7 @@ import pytest
 
 import eqtrain
 from eqtrain import config as config_lib, job, losses
-from eqtrain.job import _build, _memory, _place
+from eqtrain.job import _build, _memory, _place, _plan, _steps
 from eqtrain.models import GPT2, REMAT_PRESETS, GPT2Config, Llama, LlamaConfig, _layers
 
 
@@ -330,7 +330,7 @@ def test_dry_run_reports_the_compiled_step(tmp_path):
     assert "loss chunked, 256 tokens (auto)" in text
     # XLA's own figures for the step a run of this config compiles, on a batch
     # of its shapes (independently of the report's StepMemory)
-    planned = _place.plan(config)
+    planned = _plan.plan(config)
     rows, size = planned.rows, config.data.batch_size
     batch = {
         k: jax.ShapeDtypeStruct((size, *v.shape[1:]), v.dtype)
@@ -338,7 +338,7 @@ def test_dry_run_reports_the_compiled_step(tmp_path):
     }
 
     def analysis(built):
-        step = _place.train_step(built, planned.placement)
+        step = _steps.train_step(built, planned.placement)
         return step.lower(built.abstract_state(), batch).compile().memory_analysis()
 
     chunked = analysis(planned.job)
@@ -370,7 +370,7 @@ def _is_struct(x):
 @pytest.mark.slow  # default-suite time: the dry run's report is tested by default
 def test_memory_budget_finds_the_longest_seq_len(tmp_path):
     config = _config(tmp_path)
-    rows = _place.plan(config).rows
+    rows = _plan.plan(config).rows
     peaks = {}
     for length in (64, 128):
         data = dataclasses.replace(config.data, seq_len=length)

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from eqtrain import ConfigError, config as config_lib, data, hf, job, preference
-from eqtrain.job import _build, _reference
+from eqtrain.job import _build, _reference, _rows
 from eqtrain.losses import causal_lm_loss
 from eqtrain.models import Llama, LlamaConfig
 
@@ -173,7 +173,7 @@ def test_precomputed_reference_equals_the_copy_and_survives_resume(files, tmp_pa
 
     values = load_file(stored)
     built = _build.build(whole)
-    rows = _build.train_rows(built)
+    rows = _rows.train_rows(built)
     initial = built.new_model()
     chosen, rejected = jax.jit(preference.pair_logprobs)(
         initial, {k: rows[k] for k in _reference.PAIR_KEYS}
@@ -378,7 +378,7 @@ def test_task_keys_reach_the_loss(key, value, expected, files, tmp_path, monkeyp
 
 def test_task_kind_and_data_keys_reach_the_rows(files, tmp_path):
     def rows(train, *extra):
-        return _build.train_rows(_build.build(load(tmp_path, train, *extra)))
+        return _rows.train_rows(_build.build(load(tmp_path, train, *extra)))
 
     sft = rows(files["chat"], "task.kind=sft")
     assert 0 < sft["loss_mask"].mean() < 0.5  # answers only

@@ -29,7 +29,7 @@ from eqtrain import config as config_lib, hf, lora, models
 from eqtrain.cli import app
 from eqtrain.config import schema
 from eqtrain.config._validate import _GRPO_KEYS as GRPO_KEYS
-from eqtrain.job import _build
+from eqtrain.job import _rows
 
 
 FIELDS = schema()
@@ -457,7 +457,7 @@ def fit(root, run, sets, monkeypatch, *, train):
     """`eqtrain fit` with `sets` on the tiny run, in-process. Without `train` the
     data is never read (`DataRead` is raised where it would be)."""
     reads = []
-    real = _build.train_rows
+    real = _rows.train_rows
 
     def spy(job):
         reads.append(job.config.data.train)
@@ -465,7 +465,7 @@ def fit(root, run, sets, monkeypatch, *, train):
             raise DataRead
         return real(job)
 
-    monkeypatch.setattr(_build, "train_rows", spy)
+    monkeypatch.setattr(_rows, "train_rows", spy)
     args = ["fit"]
     for item in overrides(root, run, sets):
         args += ["--set", item]
@@ -581,7 +581,7 @@ def test_lora_on_an_imported_run_asks_for_init_from(root, tmp_path, monkeypatch)
     done = CliRunner().invoke(app, ["import", str(root / "hf"), str(run)])
     assert done.exit_code == 0, done.output
     reads = []
-    monkeypatch.setattr(_build, "train_rows", lambda job: reads.append(1) or {})
+    monkeypatch.setattr(_rows, "train_rows", lambda job: reads.append(1) or {})
     args = ["fit", str(run / "config.toml"), "--set", "lora.rank=4"]
     args += ["--set", f"data.train={root / 'train'}", "--set", "log.progress=none"]
     result = CliRunner().invoke(app, args)

@@ -19,14 +19,13 @@ from ._generate import (
     prompt_tokens as prompt_tokens,
     stream_text as stream_text,
 )
+from ._import import import_hf as import_hf
 from ._inspect import (
     evaluate_run as evaluate_run,
     export_run as export_run,
-    import_hf as import_hf,
-    open_run as open_run,
-    restore_run as restore_run,
     run_info as run_info,
 )
+from ._open import open_run as open_run, restore_run as restore_run
 from ._preflight import (
     check_outputs as check_outputs,
     export_targets as export_targets,
@@ -34,9 +33,5 @@ from ._preflight import (
     last_checkpoint_note as last_checkpoint_note,
     write_error_message as write_error_message,
 )
-from ._run import (
-    Prepared as Prepared,
-    RunResult as RunResult,
-    prepare as prepare,
-    run as run,
-)
+from ._prepare import Prepared as Prepared, prepare as prepare
+from ._run import RunResult as RunResult, run as run

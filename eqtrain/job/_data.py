@@ -7,8 +7,8 @@ from typing import Any
 
 from .. import data as data_lib
 from .._errors import ConfigError
-from ..config import Config, validate
-from . import _build
+from ..config import Config, eval_source, validate
+from . import _build, _rows
 
 
 def prepare_data(
@@ -36,56 +36,76 @@ def prepare_data(
             f"'lm'; task.kind = {config.task.kind!r} reads its records at the start "
             "of the run (they are tokenized with the chat template then)."
         )
-    job = _build.build(config)
-    cache = config.data.cache
-    workers = config.data.workers
-    settings = dict(
-        cache_dir=None if cache == "auto" else str(Path(cache).absolute()),
-        workers=None if workers == "auto" else workers,
-        text_column=config.data.text_column,
-        pattern=config.data.pattern,
-        executor=executor,
-        verify=verify,
-    )
-    if say is not None:
-        settings["say"] = say
-    jobs = [
-        ("train", name, path, key) for name, path, _, key in _build.text_sources(config)
-    ]
-    eval_source = _eval_source(config)
-    if eval_source is not None:
-        jobs.append(("eval", "eval", eval_source, "data.eval"))
+    tokenizer = _build.build(config).tokenizer
+    settings = _store_settings(config, executor=executor, verify=verify, say=say)
     out = []
-    for split, name, path, key in jobs:
-        source = path
-        if path == "stdlib":
-            source = "stdlib" if split == "train" else "stdlib:eval"
-        elif not Path(path).exists():
-            raise ConfigError(f"`{key}` names {path!r}, which does not exist.")
-        else:
-            source = str(Path(path).absolute())
-        try:
-            store = data_lib.prepare(source, job.tokenizer, **settings)
-        except data_lib.DataError as e:
-            raise ConfigError(f"`{key}` ({path}): {e}") from None
-        out.append(
-            {
-                "split": split,
-                "name": name,
-                "source": path,
-                "store": str(store.directory),
-                "documents": store.num_documents,
-                "tokens": store.num_tokens,
-                "parts": store.num_parts,
-            }
-        )
+    for split, name, path, key in _stores_of(config):
+        source = _store_source(split, path, key)
+        store = _prepare_store(source, tokenizer, settings, key, path)
+        out.append(_summary(split, name, path, store))
     return out
 
 
+def _summary(split: str, name: str, path: str, store: data_lib.Store) -> dict[str, Any]:
+    """What `prepare_data` says of one store."""
+    return {
+        "split": split,
+        "name": name,
+        "source": path,
+        "store": str(store.directory),
+        "documents": store.num_documents,
+        "tokens": store.num_tokens,
+        "parts": store.num_parts,
+    }
+
+
+def _store_settings(config: Config, **options: Any) -> dict[str, Any]:
+    """`data.prepare`'s settings from `[data]` (and `options`; `say` if given)."""
+    data = config.data
+    settings = dict(
+        cache_dir=None if data.cache == "auto" else str(Path(data.cache).absolute()),
+        workers=None if data.workers == "auto" else data.workers,
+        text_column=data.text_column,
+        pattern=data.pattern,
+        **options,
+    )
+    if settings.get("say") is None:
+        settings.pop("say", None)
+    return settings
+
+
+def _stores_of(config: Config) -> list[tuple[str, str, str, str]]:
+    """`(split, name, path, key)` of every store the config reads."""
+    stores = [
+        ("train", name, path, key) for name, path, _, key in _rows.text_sources(config)
+    ]
+    eval_source = _eval_source(config)
+    if eval_source is not None:
+        stores.append(("eval", "eval", eval_source, "data.eval"))
+    return stores
+
+
+def _store_source(split: str, path: str, key: str) -> str:
+    """What `data.prepare` reads: the built-in corpus's split, or the absolute
+    path of an existing source."""
+    if path == "stdlib":
+        return "stdlib" if split == "train" else "stdlib:eval"
+    if not Path(path).exists():
+        raise ConfigError(f"`{key}` names {path!r}, which does not exist.")
+    return str(Path(path).absolute())
+
+
+def _prepare_store(
+    source: str, tokenizer: Any, settings: dict[str, Any], key: str, path: str
+) -> data_lib.Store:
+    try:
+        return data_lib.prepare(source, tokenizer, **settings)
+    except data_lib.DataError as e:
+        raise ConfigError(f"`{key}` ({path}): {e}") from None
+
+
 def _eval_source(config: Config) -> str | None:
-    source = config.data.eval
-    if source == "auto":
-        source = "stdlib" if config.data.train == "stdlib" else "none"
+    source = eval_source(config)  # task.kind = lm here
     if source == "none" or config.loop.eval_every == 0 and not config.loop.eval_at_end:
         return None
     return source
@@ -145,15 +165,29 @@ def source_tokens(config: Config, steps: int) -> list[dict[str, Any]] | None:
     or when a source's store is gone: nothing is tokenized to answer)."""
     if not config.data.sources or config.task.kind != "lm":
         return None
-    job = _build.build(config)
-    cache = config.data.cache
-    sources = _build.text_sources(config)
-    parts = []
-    for _, path, _, _ in sources:
+    sources = _rows.text_sources(config)
+    parts = _existing_rows(config, [path for _, path, _, _ in sources])
+    if parts is None:
+        return None
+    weights, names = [w for _, _, w, _ in sources], [n for n, *_ in sources]
+    mixture = data_lib.Mixture(parts, weights, names=names)
+    tokens = tokens_per_source(mixture, steps, config.data.batch_size)
+    return [
+        {"name": name, "path": path, "weight": weight, "tokens": tokens.get(name, 0)}
+        for name, path, weight, _ in sources
+    ]
+
+
+def _existing_rows(config: Config, paths: list[str]) -> list[Any] | None:
+    """The LM rows of each source's store, opened (never built); None if one
+    is gone or unreadable."""
+    tokenizer = _build.build(config).tokenizer
+    cache, parts = config.data.cache, []
+    for path in paths:
         try:
             store = data_lib.prepare(
                 path if path == "stdlib" else str(Path(path).absolute()),
-                job.tokenizer,
+                tokenizer,
                 cache_dir=None if cache == "auto" else cache,
                 text_column=config.data.text_column,
                 pattern=config.data.pattern,
@@ -164,11 +198,4 @@ def source_tokens(config: Config, steps: int) -> list[dict[str, Any]] | None:
         if store is None:
             return None
         parts.append(store.lm_rows(config.data.seq_len))
-    mixture = data_lib.Mixture(
-        parts, [w for _, _, w, _ in sources], names=[n for n, *_ in sources]
-    )
-    tokens = tokens_per_source(mixture, steps, config.data.batch_size)
-    return [
-        {"name": name, "path": path, "weight": weight, "tokens": tokens.get(name, 0)}
-        for name, path, weight, _ in sources
-    ]
+    return parts

@@ -11,7 +11,7 @@ import jax
 from .. import lora, models, sharding
 from .._state import TrainState
 from ..config import Config
-from . import _build, _memory, _place, _samples
+from . import _build, _memory, _plan, _rows, _samples
 
 
 def _bytes(tree: Any) -> int:
@@ -31,20 +31,27 @@ def _lora_lines(job: _build.Job, abstract: Any) -> list[str]:
     total = models.num_params(abstract.model)
     trained = models.num_params(abstract.params)
     layers = len(lora.adapter_paths(abstract.model))
-    full = eqx.filter_eval_shape(
-        lambda m: TrainState.create(m, job.optimizer, key=0), abstract.model
-    )
-    ours, theirs = _bytes(abstract.opt_state), _bytes(full.opt_state)
-    fmt = sharding.format_bytes
     return [
         f"lora         rank {spec.rank}, scale {spec.scale:g}"
         f"{' (rsLoRA)' if spec.rslora else ''}, dropout {spec.dropout:g}, on "
         f"{layers} linear layer groups (targets {spec.targets!r})",
         f"trainable    {trained:,} of {total:,} parameters "
         f"({100 * trained / total:.2f}%); frozen {total - trained:,}",
-        f"opt. state   {fmt(ours)} (full fine-tuning: {fmt(theirs)}; saved "
-        f"{fmt(theirs - ours)})",
+        _opt_state_line(job, abstract),
     ]
+
+
+def _opt_state_line(job: _build.Job, abstract: Any) -> str:
+    """The adapters' optimizer state against full fine-tuning's."""
+    full = eqx.filter_eval_shape(
+        lambda m: TrainState.create(m, job.optimizer, key=0), abstract.model
+    )
+    ours, theirs = _bytes(abstract.opt_state), _bytes(full.opt_state)
+    fmt = sharding.format_bytes
+    return (
+        f"opt. state   {fmt(ours)} (full fine-tuning: {fmt(theirs)}; saved "
+        f"{fmt(theirs - ours)})"
+    )
 
 
 def _unit(rows: Any) -> str:
@@ -59,12 +66,7 @@ def _task_lines(job: _build.Job) -> list[str]:
         return []
     line = f"task         {task.kind}"
     if task.kind == "grpo":
-        t = task
-        line += (
-            f": {t.group_size} completions of up to {t.max_completion_len} tokens "
-            f"per prompt, temperature {t.temperature:g}, rewards {t.rewards}, "
-            f"loss {t.loss_type}, {t.passes} pass(es)"
-        )
+        line += _grpo_summary(task)
     if job.reference is not None:
         line += f", reference {job.reference}"
     if job.template is not None:
@@ -72,9 +74,17 @@ def _task_lines(job: _build.Job) -> list[str]:
     return [line, *(f"skipped      {note}" for note in job.notes)]
 
 
-def _samples_lines(job: _build.Job) -> list[str]:
+def _grpo_summary(t: Any) -> str:
+    """What a GRPO step samples and how it learns from it."""
+    return (
+        f": {t.group_size} completions of up to {t.max_completion_len} tokens "
+        f"per prompt, temperature {t.temperature:g}, rewards {t.rewards}, "
+        f"loss {t.loss_type}, {t.passes} pass(es)"
+    )
+
+
+def _samples_lines(job: _build.Job, found: _samples.Prompts | None) -> list[str]:
     """`[log] samples`: the hook that generates during training."""
-    found = _samples.prompts_of(job)
     if found is None:
         return []
     log = job.config.log
@@ -101,33 +111,36 @@ def _sequence_lines(config: Config, ways: int) -> list[str]:
 
 def report(config: Config) -> str:
     """The dry-run report of `config` (nothing is trained, allocated or written)."""
-    planned = _place.plan(config)
+    planned = _plan.plan(config)
     job, placement = planned.job, planned.placement
-    rows, eval_rows = planned.rows, planned.eval_rows
-    config = job.config
     abstract = job.abstract_state()
     table = sharding.describe(abstract, placement.state_shardings)
-    mesh = placement.mesh
-    params = [t for t in table if t.path.startswith("model.")]
-    opt = [t for t in table if t.path.startswith("opt_state.")]
-    num = models.num_params(abstract.model)
-    p_bytes = sum(t.bytes_per_device for t in params)
-    o_bytes = sum(t.bytes_per_device for t in opt)
-    rest = sum(t.bytes_per_device for t in table) - p_bytes - o_bytes
-    seq_ways = mesh.shape["sequence"]
-    memory = _memory.step_memory(job, placement, _memory.abstract_batch(job, rows))
+    batch = _memory.abstract_batch(job, planned.rows)
+    memory = _memory.step_memory(job, placement, batch)
     lines = [
+        *_run_lines(planned, abstract),
+        "",
+        sharding.format_table(table),
+        "",
+        *_memory_section(memory, abstract, table),
+    ]
+    return "\n".join(lines)
+
+
+def _run_lines(planned: _plan.Plan, abstract: Any) -> list[str]:
+    """The report's head: run directory, model, task, data, steps, compute,
+    devices and memory options."""
+    job, mesh = planned.job, planned.placement.mesh
+    config = job.config
+    num = models.num_params(abstract.model)
+    return [
         f"run_dir      {config.run_dir} (nothing written: dry run)",
         f"model        {job.model_type}, {num:,} parameters "
         f"({config.model.param_dtype}){_experts(abstract.model)}",
         *_lora_lines(job, abstract),
         *_task_lines(job),
-        *_samples_lines(job),
-        f"data         {_build.num_rows(rows):,} train {_unit(rows)} x "
-        f"{config.data.seq_len} tokens; "
-        f"{0 if eval_rows is None else _build.num_rows(eval_rows):,} eval "
-        f"{_unit(eval_rows)}; "
-        f"tokenizer {type(job.tokenizer).__name__} ({job.tokenizer.vocab_size} ids)",
+        *_samples_lines(job, planned.samples),
+        _data_line(job, planned.rows, planned.eval_rows),
         f"steps        {config.loop.steps} x batch {config.data.batch_size} "
         f"(accumulate {config.optim.accumulate}); optimizer {config.optim.name}, "
         f"lr {config.optim.lr:g} {config.optim.schedule}",
@@ -135,14 +148,30 @@ def report(config: Config) -> str:
         f"(forward + backward, data.seq_len {config.data.seq_len})",
         f"devices      {mesh.devices.size} x {mesh.devices.flat[0].platform}; mesh "
         + ", ".join(f"{k}={v}" for k, v in mesh.shape.items()),
-        *_sequence_lines(config, seq_ways),
+        *_sequence_lines(config, mesh.shape["sequence"]),
         _options_line(job),
-        "",
-        sharding.format_table(table),
-        "",
-        *memory_lines(memory, p_bytes, o_bytes, rest, _grad_bytes(abstract, params)),
     ]
-    return "\n".join(lines)
+
+
+def _data_line(job: _build.Job, rows: Any, eval_rows: Any) -> str:
+    evals = 0 if eval_rows is None else _rows.num_rows(eval_rows)
+    return (
+        f"data         {_rows.num_rows(rows):,} train {_unit(rows)} x "
+        f"{job.config.data.seq_len} tokens; {evals:,} eval {_unit(eval_rows)}; "
+        f"tokenizer {type(job.tokenizer).__name__} ({job.tokenizer.vocab_size} ids)"
+    )
+
+
+def _memory_section(
+    memory: _memory.StepMemory, abstract: Any, table: list[Any]
+) -> list[str]:
+    """`memory_lines` with the state's bytes per device from the sharding table."""
+    params = [t for t in table if t.path.startswith("model.")]
+    p_bytes = sum(t.bytes_per_device for t in params)
+    o_bytes = sum(t.bytes_per_device for t in table if t.path.startswith("opt_state."))
+    rest = sum(t.bytes_per_device for t in table) - p_bytes - o_bytes
+    grads = _grad_bytes(abstract, params)
+    return memory_lines(memory, p_bytes, o_bytes, rest, grads)
 
 
 def _options_line(job: _build.Job) -> str:
@@ -207,7 +236,7 @@ def memory_lines(
 def budget_report(config: Config, budget: int, label: str | None = None) -> str:
     """`--memory-budget`: the longest `data.seq_len` whose step fits `budget`
     bytes per device, found by compiling a few lengths."""
-    planned = _place.plan(config)
+    planned = _plan.plan(config)
     fmt = sharding.format_bytes
     lines = [
         f"longest data.seq_len within {fmt(budget)} per device (compiled, not run):"
@@ -215,18 +244,21 @@ def budget_report(config: Config, budget: int, label: str | None = None) -> str:
     fit = _memory.longest_seq_len(
         planned.job.config, budget, planned.rows, say=lines.append
     )
+    lines.append(_verdict(fit))
+    return "\n".join(lines)
+
+
+def _verdict(fit: _memory.Fit) -> str:
+    """The search's last line: the length found, or what to change."""
+    fmt = sharding.format_bytes
     if fit.seq_len is None:
         shortest = min(n for n, _ in fit.tried)
-        lines.append(
+        return (
             f"none: even seq_len {shortest} needs "
             f"{fmt(dict(fit.tried)[shortest])} per device. Lower data.batch_size, "
             "raise optim.accumulate, turn on model.remat / mlp_chunks / loss_chunk, "
             "or shard with mesh.fsdp."
         )
-    else:
-        assert fit.peak is not None
-        note = f" (stopped at {fit.limit})" if fit.limit else ""
-        lines.append(
-            f"-> data.seq_len = {fit.seq_len} ({fmt(fit.peak)} per device){note}"
-        )
-    return "\n".join(lines)
+    assert fit.peak is not None
+    note = f" (stopped at {fit.limit})" if fit.limit else ""
+    return f"-> data.seq_len = {fit.seq_len} ({fmt(fit.peak)} per device){note}"

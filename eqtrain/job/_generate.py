@@ -15,7 +15,7 @@ import numpy as np
 from .. import checkpoint, data as data_lib, hf
 from .._errors import ConfigError
 from ..generate import Sampling, generate, left_pad, stream
-from . import _build
+from . import _open, _resolve
 
 
 # End-of-turn tokens that chat templates write after an answer; a template that
@@ -66,17 +66,18 @@ def open_model(source: str | os.PathLike[str], *, step: int | None = None) -> Ge
             f"{path} is not a directory; pass an eqtrain run directory or a "
             "Hugging Face model directory (config.json + safetensors)."
         )
-    if (path / "config.json").is_file():
-        if step is not None:
-            raise ConfigError(
-                f"--step picks a checkpoint of a run, but {path} is a Hugging Face "
-                "directory (it has one set of weights); drop --step."
-            )
-        return _hf_model(path)
-    return _run_model(path, step)
+    if not (path / "config.json").is_file():
+        return _run_model(path, step)
+    if step is not None:
+        raise ConfigError(
+            f"--step picks a checkpoint of a run, but {path} is a Hugging Face "
+            "directory (it has one set of weights); drop --step."
+        )
+    return _hf_model(path)
 
 
 def _hf_model(path: Path) -> Generator:
+    """A Hugging Face directory's model, tokenizer, end ids and chat template."""
     try:
         name = hf.tokenizer_for(path)
         model, _ = hf.load(path)
@@ -87,9 +88,13 @@ def _hf_model(path: Path) -> Generator:
     tokenizer = _tokenizer(name)
     _check_vocab(path, tokenizer, model.config.vocab_size)
     stops = _ids(tokenizer.eos_id, *hf.generation_eos(path))
+    return Generator(model, tokenizer, stops, path, _template(path), _positions(model))
+
+
+def _template(path: Path) -> Any:
+    """The directory's chat template, or None."""
     text = data_lib.read_chat_template(path)
-    template = None if text is None else data_lib.chat_template(path)
-    return Generator(model, tokenizer, stops, path, template, _positions(model))
+    return None if text is None else data_lib.chat_template(path)
 
 
 def _check_vocab(path: Path, tokenizer: Any, vocab: int) -> None:
@@ -113,15 +118,13 @@ def _tokenizer(name: str) -> Any:
 
 
 def _run_model(path: Path, step: int | None) -> Generator:
-    from ._inspect import restore_run  # _inspect builds on _run, which uses us
-
     if step is not None:
         path = _step_dir(path, step)
-    job, state = restore_run(path)
+    job, state = _open.restore_run(path)
     model = job.exported(state.model)  # the policy, at its real vocabulary
     template = job.template
     if template is None:
-        template = _build.chat_template_of(job.config)
+        template = _resolve.chat_template_of(job.config)
     stops = _ids(job.tokenizer.eos_id)
     return Generator(model, job.tokenizer, stops, path, template, _positions(model))
 
@@ -282,6 +285,14 @@ def stream_text(
         key=jr.fold_in(jr.key(options.seed), 0), sampling=options.sampling,
         stop_ids=options.stop_ids, multiple=multiple,
     )  # fmt: skip
+    yield from _decoded(m, pieces, options)
+
+
+def _decoded(
+    m: Generator, pieces: Iterator[np.ndarray], options: Options
+) -> Iterator[str | Completion]:
+    """The new text after each piece of tokens (held back in the middle of a
+    character), then the rest and the whole `Completion`."""
     ids = np.zeros(0, np.int32)
     shown = ""
     for piece in pieces:

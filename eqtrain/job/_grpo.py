@@ -8,6 +8,7 @@ the file). The prompts' text (a string, or a chat's messages) and the file's oth
 columns stay on the host: the reward functions read them by `index`.
 """
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -19,11 +20,22 @@ from ..config import Config, rewards_of
 from ..generate import Sampling
 
 
+@dataclasses.dataclass(frozen=True)
 class Prompts:
     """The host side of GRPO's rows: each record's prompt and other columns."""
 
-    def __init__(self, prompts: list[Any], columns: dict[str, list[Any]]):
-        self.prompts, self.columns = prompts, columns
+    prompts: list[Any]
+    columns: dict[str, list[Any]]
+
+
+@dataclasses.dataclass
+class Online:
+    """What a GRPO run learns on the host as it goes: the prompts `rows` read
+    (the reward functions score completions of them), and the `Rollout` the
+    compiled step samples with (it records a reward function's failure)."""
+
+    prompts: Prompts | None = None
+    rollout: rollout_lib.Rollout | None = None
 
 
 def prompt_width(config: Config) -> int:
@@ -82,37 +94,48 @@ def _records(path: Path, key: str) -> tuple[Any, bool]:
 
 def rows(job: Any, source: str, key: str) -> dict[str, np.ndarray]:
     """The prompt rows of the record file `source`; prompts longer than the
-    width are skipped (noted in `job.notes`); sets `job.prompts`."""
+    width are skipped (noted in `job.notes`); sets `job.grpo.prompts`."""
     path = Path(source)
     if not path.is_file():
         raise ConfigError(f"`{key}` names {source!r}, which is not a file.")
     records, chat = _records(path, key)
-    width, pad = prompt_width(job.config), pad_id(job.tokenizer)
-    kept, ids = [], []
-    for i, record in enumerate(records):
-        try:
-            encoded = _encode(record, chat, job)
-        except data_lib.DataError as e:
-            raise ConfigError(f"`{key}` ({path}), record {i}: {e}") from None
-        if 0 < len(encoded) <= width:
-            kept.append(i)
-            ids.append(encoded)
+    width = prompt_width(job.config)
+    kept, ids = _fitting(records, chat, job, width, f"`{key}` ({path})")
     if len(kept) < len(records):
         job.notes.append(
             f"{key} ({path.name}): skipped {len(records) - len(kept)} of "
             f"{len(records)} prompts longer than {width} tokens (data.seq_len - "
             "task.max_completion_len)"
         )
-    prompt_col = "messages" if chat else "prompt"
     columns = {c: [records[i][c] for i in kept] for c in records.column_names}
-    job.prompts = Prompts(columns.pop(prompt_col), columns)
+    job.grpo.prompts = Prompts(columns.pop("messages" if chat else "prompt"), columns)
+    return _prompt_rows(ids, width, pad_id(job.tokenizer))
+
+
+def _fitting(
+    records: Any, chat: bool, job: Any, width: int, where: str
+) -> tuple[list[int], list[np.ndarray]]:
+    """The records whose prompts fit `width` tokens, and their token ids."""
+    kept, ids = [], []
+    for i, record in enumerate(records):
+        try:
+            encoded = _encode(record, chat, job)
+        except data_lib.DataError as e:
+            raise ConfigError(f"{where}, record {i}: {e}") from None
+        if 0 < len(encoded) <= width:
+            kept.append(i)
+            ids.append(encoded)
+    return kept, ids
+
+
+def _prompt_rows(ids: list[np.ndarray], width: int, pad: int) -> dict[str, np.ndarray]:
+    """The prompts left-padded to `width`, their lengths and their indices."""
     out = np.full((len(ids), width), pad, np.int32)
     for r, p in enumerate(ids):
         out[r, width - len(p) :] = p
-    lengths = np.array([len(p) for p in ids], np.int32)
     return {
         "prompt": out,
-        "prompt_len": lengths,
+        "prompt_len": np.array([len(p) for p in ids], np.int32),
         "index": np.arange(len(ids), dtype=np.int32),
     }
 
@@ -139,7 +162,7 @@ def stop_ids(job: Any) -> tuple[int, ...]:
 def reward_failure(job: Any) -> ConfigError | None:
     """The config error of a reward function's failure during training, if any
     (`Rollout.failures`: the step stopped the run there)."""
-    rollout = getattr(job, "rollout", None)
+    rollout = None if job.grpo is None else job.grpo.rollout
     if rollout is None or not rollout.failures:
         return None
     error = rollout.failures[0]
@@ -154,25 +177,31 @@ def reward_failure(job: Any) -> ConfigError | None:
 def make_rollout(job: Any) -> rollout_lib.Rollout:
     """The run's `Rollout`: sampling from `[task]`, scoring with `task.rewards` on
     the prompts `rows` read (call it after them)."""
-    t = job.config.task
-    if job.prompts is None:
+    prompts = job.grpo.prompts
+    if prompts is None:
         raise RuntimeError("make_rollout before the prompt rows were read")
     rewards = rewards_of(job.config)
-    score = rollout_lib.text_scorer(
-        job.tokenizer, job.prompts.prompts, job.prompts.columns, rewards
+    job.grpo.rollout = rollout_lib.Rollout(
+        score=rollout_lib.text_scorer(
+            job.tokenizer, prompts.prompts, prompts.columns, rewards
+        ),
+        reward_names=tuple(name for name, _, _ in rewards),
+        stop_ids=stop_ids(job),
+        pad_id=pad_id(job.tokenizer),
+        vocab_size=job.vocab_size,
+        **_sampling(job.config.task),
     )
-    job.rollout = rollout_lib.Rollout(
+    return job.grpo.rollout
+
+
+def _sampling(t: Any) -> dict[str, Any]:
+    """The `Rollout` settings of the `[task]` section `t`."""
+    return dict(
         group_size=t.group_size,
         max_new_tokens=t.max_completion_len,
-        score=score,
-        reward_names=tuple(name for name, _, _ in rewards),
         sampling=Sampling(
             temperature=t.temperature, top_k=t.top_k, top_p=t.top_p, min_p=t.min_p
         ),
-        stop_ids=stop_ids(job),
-        pad_id=pad_id(job.tokenizer),
         scale=t.scale_rewards,
         passes=t.passes,
-        vocab_size=job.vocab_size,
     )
-    return job.rollout

@@ -14,7 +14,7 @@ import numpy as np
 from .. import sharding
 from .._errors import ConfigError
 from ..config import Config
-from . import _build, _place
+from . import _build, _place, _rows, _steps
 from ._reference import OUT_KEYS
 
 
@@ -77,7 +77,7 @@ def abstract_batch(
 
     out = {
         k: jax.ShapeDtypeStruct((size, *map(resized, v.shape[1:])), v.dtype)
-        for k, v in _build.first_rows(rows, 1).items()
+        for k, v in _rows.first_rows(rows, 1).items()
     }
     if job.reference == "precomputed":
         for k in OUT_KEYS:
@@ -90,7 +90,7 @@ def step_memory(
 ) -> StepMemory:
     """`StepMemory` of `job`'s training step on `placement` for `batch` (abstract
     shapes): traced and compiled, not run."""
-    step = _place.train_step(job, placement)
+    step = _steps.train_step(job, placement)
     return StepMemory.of(step.lower(job.abstract_state(), batch).compile())
 
 
@@ -147,55 +147,83 @@ def longest_seq_len(
     doubling from `data.seq_len` (or halving, if it does not fit), then
     bisected to a multiple of `_granularity`; at most `max_compiles` compiles.
     `rows`: the run's rows at `data.seq_len` (their columns' layout)."""
-    step = _granularity(config)
-    tried: dict[int, int] = {}
+    search = _Search(config, budget, rows, say, max_compiles)
+    low, high, limit = search.bracket()
+    low = search.bisect(low, high)
+    order = list(search.tried.items())
+    return Fit(low, None if low is None else search.tried[low], order, limit)
 
-    def peak(length: int) -> int:
-        if length not in tried:
-            data = dataclasses.replace(config.data, seq_len=length)
-            job = _build.build(dataclasses.replace(config, data=data))
-            placement = _place.placement(job)
-            batch = abstract_batch(job, rows, config.data.seq_len)
-            tried[length] = step_memory(job, placement, batch).peak
-            say(
-                f"  seq_len {length:>7,}: {sharding.format_bytes(tried[length])} "
-                "per device"
-            )
-        return tried[length]
 
-    first = _build.build(config)
-    cap = _position_limit(first)
-    limit = None
-    start = max(step, config.data.seq_len // step * step)
-    if cap is not None:
-        start = min(start, cap)
-    low, high = None, None  # largest known fit, smallest known misfit
-    length = start
-    while len(tried) < max_compiles:
-        if peak(length) <= budget:
-            low = length
-            if high is not None:
+class _Search:
+    """`longest_seq_len`'s search: each length's peak, compiled once."""
+
+    def __init__(
+        self,
+        config: Config,
+        budget: int,
+        rows: Any,
+        say: Callable[[str], None],
+        max_compiles: int,
+    ):
+        self.config, self.budget, self.rows, self.say = config, budget, rows, say
+        self.max_compiles = max_compiles
+        self.step = _granularity(config)
+        self.cap = _position_limit(_build.build(config))
+        self.tried: dict[int, int] = {}
+
+    def fits(self, length: int) -> bool:
+        """Whether the step at `length` fits the budget (compiled once)."""
+        if length not in self.tried:
+            self.tried[length] = self._peak(length)
+            bytes_ = sharding.format_bytes(self.tried[length])
+            self.say(f"  seq_len {length:>7,}: {bytes_} per device")
+        return self.tried[length] <= self.budget
+
+    def _peak(self, length: int) -> int:
+        config = self.config
+        data = dataclasses.replace(config.data, seq_len=length)
+        job = _build.build(dataclasses.replace(config, data=data))
+        batch = abstract_batch(job, self.rows, config.data.seq_len)
+        return step_memory(job, _place.placement(job), batch).peak
+
+    def _start(self) -> int:
+        step = self.step
+        start = max(step, self.config.data.seq_len // step * step)
+        return start if self.cap is None else min(start, self.cap)
+
+    def bracket(self) -> tuple[int | None, int | None, str | None]:
+        """`(low, high, limit)`: the largest length known to fit and the smallest
+        known not to, doubling up or halving down from `data.seq_len`; `limit`
+        says why the search stopped going up, if not the budget."""
+        low, high, step, cap = None, None, self.step, self.cap
+        length = self._start()
+        while len(self.tried) < self.max_compiles:
+            if self.fits(length):
+                low = length
+                if high is not None:
+                    break
+                if cap is not None and length >= cap:
+                    return low, high, f"the model's {cap} learned positions"
+                length = length * 2 if cap is None else min(length * 2, cap)
+            else:
+                high = length
+                if low is not None or length <= step:
+                    break
+                length = max(step, length // 2 // step * step)
+        return low, high, None
+
+    def bisect(self, low: int | None, high: int | None) -> int | None:
+        """The longest fitting length between `low` and `high`, to a multiple
+        of the granularity (within the compile budget)."""
+        step = self.step
+        while low is not None and high is not None and high - low > step:
+            if len(self.tried) >= self.max_compiles:
                 break
-            if cap is not None and length >= cap:
-                limit = f"the model's {cap} learned positions"
+            mid = (low + high) // 2 // step * step
+            if mid in (low, high):
                 break
-            length = length * 2 if cap is None else min(length * 2, cap)
-        else:
-            high = length
-            if low is not None:
-                break
-            if length <= step:
-                break
-            length = max(step, length // 2 // step * step)
-    while low is not None and high is not None and high - low > step:
-        if len(tried) >= max_compiles:
-            break
-        mid = (low + high) // 2 // step * step
-        if mid in (low, high):
-            break
-        if peak(mid) <= budget:
-            low = mid
-        else:
-            high = mid
-    order = list(tried.items())
-    return Fit(low, None if low is None else tried[low], order, limit)
+            if self.fits(mid):
+                low = mid
+            else:
+                high = mid
+        return low

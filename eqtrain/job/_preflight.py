@@ -51,28 +51,37 @@ def check_outputs(config: Config, *, writer: bool = True) -> None:
     log nor export) checks the run directory only.
     """
     run_dir = Path(config.run_dir)
-    where = "choose another place with --run-dir or `run_dir`"
-    _check_dir(run_dir, "the run directory", where, create=True)
-    _probe(run_dir, "the run directory", where)
-    for name, what in (
-        ("config.toml", "the run's config file"),
-        ("metrics.jsonl", "the metrics log"),
-        ("plot.png", "the plot `eqtrain plot` writes"),
-    ):
-        _check_file(run_dir / name, what)
-    _check_dir(run_dir / "checkpoints", "the checkpoint directory", where)
+    _check_run_dir(run_dir)
     if not writer:
         return
     if config.log.tensorboard:
-        tb = run_dir / "tb"
-        # Its place is fixed (`<run_dir>/tb`); log.tensorboard only turns it on.
-        where = (
-            "choose another run directory (--run-dir), or set log.tensorboard = false"
-        )
-        _check_dir(tb, "the TensorBoard directory", where, create=True)
-        _probe(tb, "the TensorBoard directory", where)
+        _check_tensorboard(run_dir / "tb")
     for target in export_targets(config, run_dir).values():
         _check_export(target, bool(config.export.every))
+
+
+_RUN_FILES = (
+    ("config.toml", "the run's config file"),
+    ("metrics.jsonl", "the metrics log"),
+    ("plot.png", "the plot `eqtrain plot` writes"),
+)
+
+
+def _check_run_dir(run_dir: Path) -> None:
+    """The run directory (created and probed), its files and checkpoints/."""
+    where = "choose another place with --run-dir or `run_dir`"
+    _check_dir(run_dir, "the run directory", where, create=True)
+    _probe(run_dir, "the run directory", where)
+    for name, what in _RUN_FILES:
+        _check_file(run_dir / name, what)
+    _check_dir(run_dir / "checkpoints", "the checkpoint directory", where)
+
+
+def _check_tensorboard(tb: Path) -> None:
+    # Its place is fixed (`<run_dir>/tb`); log.tensorboard only turns it on.
+    where = "choose another run directory (--run-dir), or set log.tensorboard = false"
+    _check_dir(tb, "the TensorBoard directory", where, create=True)
+    _probe(tb, "the TensorBoard directory", where)
 
 
 def export_targets(config: Any, run_dir: Path) -> dict[str, Path]:
@@ -196,14 +205,19 @@ def _check_export(target: Path, per_step: bool) -> None:
     _check_dir(parent, "the export's parent directory", where, create=True)
     _probe(parent, "the export's parent directory", where)
     if per_step:
-        steps = steps_export_dir(target)
-        what = "the per-step export directory (export.every)"
-        if steps.is_dir() and not _holds_step_exports(steps):
-            raise _fail(steps, what, "holds files other than step_<k> exports", fix)
-        _check_dir(steps, what, where, create=True)
-        for step in steps.glob("step_*") if steps.is_dir() else ():
-            if _STEP_DIR.fullmatch(step.name) and step.is_dir():
-                _check_no_user_files(step, what, fix)
+        _check_step_exports(steps_export_dir(target), fix, where)
+
+
+def _check_step_exports(steps: Path, fix: str, where: str) -> None:
+    """`export.every`'s directory holds only its `step_<k>` exports, none of
+    which holds a user's files."""
+    what = "the per-step export directory (export.every)"
+    if steps.is_dir() and not _holds_step_exports(steps):
+        raise _fail(steps, what, "holds files other than step_<k> exports", fix)
+    _check_dir(steps, what, where, create=True)
+    for step in steps.glob("step_*") if steps.is_dir() else ():
+        if _STEP_DIR.fullmatch(step.name) and step.is_dir():
+            _check_no_user_files(step, what, fix)
 
 
 def _check_no_user_files(export: Path, what: str, fix: str) -> None:
@@ -314,21 +328,15 @@ def out_of_memory_error(error: BaseException, prepared: Any) -> ConfigError:
     """A `ConfigError` for a run that ran out of device memory: the step that
     failed (as `fit` found it), the dry run's figure for the compiled step's
     peak per device, and the settings that lower it with their values."""
-    config = prepared.job.config
+    c = prepared.job.config
     first = next((ln for ln in str(error).splitlines() if ln.strip()), "")[:200]
     where = failed_at(error)
     when = "" if where is None else f" {where}"
-    try:
-        peak = compiled_peak(prepared)
-        estimate = f"puts the compiled training step's peak at {peak} per device"
-    except Exception:  # noqa: BLE001 -- the advice matters more than the figure
-        estimate = "gives the compiled training step's peak memory per device"
-    c = config
     micro = c.data.batch_size // c.optim.accumulate
     return ConfigError(
         f"training ran out of device memory{when} ({first}). The dry run "
-        f"(`eqtrain fit CONFIG --dry-run`) {estimate}. Lower it with: a smaller "
-        f"data.batch_size ({c.data.batch_size}) or a larger optim.accumulate "
+        f"(`eqtrain fit CONFIG --dry-run`) {_peak_estimate(prepared)}. Lower it with: "
+        f"a smaller data.batch_size ({c.data.batch_size}) or a larger optim.accumulate "
         f"({c.optim.accumulate}; micro-batches of {micro} rows), a shorter "
         f"data.seq_len ({c.data.seq_len}), model.remat = 'full' (now "
         f"{c.model.remat!r}), model.attention_chunk = 512 (now "
@@ -339,6 +347,16 @@ def out_of_memory_error(error: BaseException, prepared: Any) -> ConfigError:
         "and optimizer state; `--memory-budget SIZE` finds the longest "
         "data.seq_len that fits."
     )
+
+
+def _peak_estimate(prepared: Any) -> str:
+    """What the dry run says of the compiled step's peak (the figure, when it
+    can be had)."""
+    try:
+        peak = compiled_peak(prepared)
+    except Exception:  # noqa: BLE001 -- the advice matters more than the figure
+        return "gives the compiled training step's peak memory per device"
+    return f"puts the compiled training step's peak at {peak} per device"
 
 
 def compiled_peak(prepared: Any) -> str:

@@ -94,19 +94,21 @@ def attach(
     the initial model, else computed (with `initial`, the run's initial model on
     the mesh, when the caller has it; else rebuilt) and written."""
     model_id = identity(job)
-    model = initial
+    models: list[Any] = [initial]  # built at most once, when a split needs it
+
+    def model() -> Any:
+        if models[0] is None:
+            models[0] = _initial_model(job, placement)
+        return models[0]
+
     out = {}
     for name, rows in splits.items():
-        if rows is None:
-            continue
-        key = rows_key(rows, model_id)
-        path = run_dir / DIR / f"{name}.safetensors"
-        values = _read(path, key)
-        if values is None:
-            if model is None:
-                model = _initial_model(job, placement)
-            values = _compute(model, rows, job, placement, path, key, writer, say)
-        out[name] = values
+        if rows is not None:
+            path = run_dir / DIR / f"{name}.safetensors"
+            key = rows_key(rows, model_id)
+            out[name] = _read(path, key) or _compute(
+                model(), rows, job, placement, path, key, writer, say
+            )
     return out
 
 
@@ -161,30 +163,58 @@ def _compute(
 ) -> Rows:
     n = len(rows["chosen_tokens"])
     batch = _pass_batch(job, placement)
-    logps = eqx.filter_jit(
+    logps = _logprobs(job)
+    say(f"computing the reference log-probs of {n:,} pairs ({path.name}) ...")
+
+    def compute(start: int, stop: int) -> Rows:
+        return _part(logps, model, rows, start, stop, batch, placement)
+
+    parts = [
+        _cached_part(path, key, start, min(start + PART_ROWS, n), compute, writer)
+        for start in range(0, n, PART_ROWS)
+    ]
+    values = {k: np.concatenate([p[k] for _, p in parts]) for k in OUT_KEYS}
+    if writer:
+        _write_whole(path, values, key, [part_path for part_path, _ in parts])
+    return values
+
+
+def _cached_part(
+    path: Path,
+    key: str,
+    start: int,
+    stop: int,
+    compute: Callable[[int, int], Rows],
+    writer: bool,
+) -> tuple[Path, Rows]:
+    """Pairs `start:stop`'s values: their part file when a killed pass left it,
+    else computed (and written, by the writer)."""
+    part_path = path.with_name(f"{path.stem}.part-{start}.safetensors")
+    part = _read(part_path, key, stop - start)
+    if part is None:
+        part = compute(start, stop)
+        if writer:
+            _write(part_path, part, key)
+    return part_path, part
+
+
+def _logprobs(job: _build.Job) -> Callable[..., Any]:
+    """The compiled pair log-probs of `job`'s model (its real vocabulary and
+    loss chunk)."""
+    return eqx.filter_jit(
         functools.partial(
             preference.pair_logprobs,
             vocab_size=job.vocab_size,
             chunk=job.loss_chunk or None,
         )
     )
-    say(f"computing the reference log-probs of {n:,} pairs ({path.name}) ...")
-    parts = []
-    for start in range(0, n, PART_ROWS):
-        stop = min(start + PART_ROWS, n)
-        part_path = path.with_name(f"{path.stem}.part-{start}.safetensors")
-        part = _read(part_path, key, stop - start)
-        if part is None:
-            part = _part(logps, model, rows, start, stop, batch, placement)
-            if writer:
-                _write(part_path, part, key)
-        parts.append((part_path, part))
-    values = {k: np.concatenate([p[k] for _, p in parts]) for k in OUT_KEYS}
-    if writer:
-        _write(path, values, key)
-        for part_path, _ in parts:
-            part_path.unlink(missing_ok=True)
-    return values
+
+
+def _write_whole(path: Path, values: Rows, key: str, parts: list[Path]) -> None:
+    """The whole split's file, and then its parts deleted."""
+    _write(path, values, key)
+    for part_path in parts:
+        part_path.unlink(missing_ok=True)
 
 
 def _pass_batch(job: _build.Job, placement: Any) -> int:

@@ -13,7 +13,7 @@ from .._errors import ConfigError
 from .._hooks import at_end, every
 from ..config import data_format
 from ..generate import Sampling
-from . import _build
+from . import _build, _resolve
 from ._generate import Generator, Options, chat_stop_ids, check_fits, prompt_tokens
 
 
@@ -78,12 +78,8 @@ def prompts_of(job: _build.Job) -> Prompts | None:
         )
     prompts = read_prompts(Path(log.samples))
     model = _generator(job)
-    chat = data_format(job.config) == "chat"
     try:
-        tokens = [
-            prompt_tokens(model, p, chat=chat or not isinstance(p, str))
-            for p in prompts
-        ]
+        tokens = _tokens(job, model, prompts)
         multiple = check_fits(model, tokens, Options(log.samples_max_new_tokens))
     except ConfigError as e:
         raise ConfigError(f"`log.samples` ({log.samples}): {e}") from None
@@ -91,11 +87,20 @@ def prompts_of(job: _build.Job) -> Prompts | None:
     return Prompts(prompts, tokens, stops, multiple)
 
 
+def _tokens(job: _build.Job, model: Generator, prompts: list[Any]) -> list[Any]:
+    """Each prompt's tokens: strings chat-templated when `data.format = "chat"`,
+    messages always."""
+    chat = data_format(job.config) == "chat"
+    return [
+        prompt_tokens(model, p, chat=chat or not isinstance(p, str)) for p in prompts
+    ]
+
+
 def _generator(job: _build.Job) -> Generator:
     """What tokenizing the prompts needs of a `Generator` (no model yet)."""
     template = job.template
     if template is None and job.config.task.kind != "lm":
-        template = _build.chat_template_of(job.config)
+        template = _resolve.chat_template_of(job.config)
     positions = getattr(job.model_config, "n_positions", None)
     eos = job.tokenizer.eos_id
     stops = () if eos is None else (int(eos),)
@@ -103,15 +108,22 @@ def _generator(job: _build.Job) -> Generator:
     return Generator(None, job.tokenizer, stops, source, template, positions)
 
 
-def samples_hooks(job: _build.Job, mesh: Any, start: int) -> list[Any]:
-    """The run's `SamplesWriter`, every `log.samples_every` steps and at the
-    end (none without `log.samples`)."""
-    found = prompts_of(job)
+def samples_hooks(
+    job: _build.Job, found: Prompts | None, mesh: Any, start: int
+) -> list[Any]:
+    """The run's `SamplesWriter` of the prompts `found` (`prompts_of`), every
+    `log.samples_every` steps and at the end (none without `log.samples`)."""
     if found is None:
         return []
+    hook = _writer(job, found, mesh, start)
+    return [every(job.config.log.samples_every, hook), at_end(hook)]
+
+
+def _writer(
+    job: _build.Job, found: Prompts, mesh: Any, start: int
+) -> hooks_lib.SamplesWriter:
     log, run_dir = job.config.log, Path(job.config.run_dir)
-    tensorboard = run_dir / "tb" if log.tensorboard else None
-    hook = hooks_lib.SamplesWriter(
+    return hooks_lib.SamplesWriter(
         found.prompts,
         found.tokens,
         decode=job.tokenizer.decode,
@@ -124,8 +136,7 @@ def samples_hooks(job: _build.Job, mesh: Any, start: int) -> list[Any]:
         vocab_size=job.vocab_size,
         mesh=mesh,
         multiple=found.multiple,
-        tensorboard=tensorboard,
+        tensorboard=run_dir / "tb" if log.tensorboard else None,
         start=start,
         write=jax.process_index() == 0,
     )
-    return [every(log.samples_every, hook), at_end(hook)]

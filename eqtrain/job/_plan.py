@@ -1,0 +1,61 @@
+"""A run planned: its job built, its data read and tokenized, its arrays placed
+on the mesh and its `[log] samples` prompts read, every check that can fail
+done before the run touches its directory or compiles anything."""
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import jax
+
+from .._errors import ConfigError
+from ..config import Config
+from . import _build, _place, _rows, _samples
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """Everything a run needs before it touches its directory or a device:
+    the built job, its rows, where its arrays go and its samples' prompts."""
+
+    job: _build.Job
+    rows: Any  # a dict of arrays, or a row source (LM stores)
+    eval_rows: _rows.Rows | None
+    placement: _place.Placement
+    samples: _samples.Prompts | None = None
+
+
+def plan(config: Config, *, recorded: Path | None = None) -> Plan:
+    """Build `config`'s job (with `recorded`, the run's record of
+    `model.init_from`, see `_build.build`), read and tokenize its data, and place
+    it on the mesh: every check that can fail does so here, before any
+    compilation."""
+    job = _build.build(config, recorded=recorded)
+    _place.check_sequence(job)
+    placed = _place.placement(job)  # the mesh and the batch split: before any data
+    _rows.check_sources(job.config)  # every source exists: before reading any
+    samples = _samples.prompts_of(job)  # log.samples: read and tokenized
+    rows = _place.sequence_rows(job, _rows.train_rows(job))
+    eval_rows = _rows.eval_rows(job)
+    if eval_rows is not None:
+        eval_rows = _place.sequence_rows(job, eval_rows)
+    return Plan(job, rows, eval_rows, placed, samples)
+
+
+def refuse_multi_process(job: _build.Job, *, export: bool) -> None:
+    """What a multi-process run cannot do yet: an HF export written during the
+    run, and the precomputed reference's pass."""
+    if jax.process_count() == 1:
+        return
+    if job.config.export.hf is not None and export:
+        raise ConfigError(
+            "`export.hf` is not supported in a multi-process run yet (the export "
+            'would need every process\'s shards); set export.hf = "" and export '
+            "the checkpoint afterwards with `eqtrain export RUN_DIR OUT`."
+        )
+    if job.reference == "precomputed":
+        raise ConfigError(
+            "task.reference = 'precomputed' is not supported in a multi-process run "
+            "yet (its pass runs in one process); use task.reference = 'copy', or "
+            "'adapters_off' with [lora]."
+        )

@@ -1,0 +1,116 @@
+"""The hooks of a run: progress, the metrics writers (JSONL, TensorBoard,
+wandb), a mixture's per-source token counts, the Hugging Face exports and the
+`[log] samples` writer."""
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import jax
+
+from .. import hf, hooks as hooks_lib
+from .._hooks import at_end, every
+from ..config import Config, explicit, to_dict
+from . import _build, _data, _preflight, _samples
+
+
+def run_hooks(
+    job: _build.Job,
+    samples: _samples.Prompts | None,
+    mesh: Any,
+    *,
+    exports: bool = True,
+    start: int = 0,
+    rows: Any = None,
+) -> list[Any]:
+    """Every hook of the run: process 0's progress, logs and exports (the logs
+    start at step `start`, the resumed one: the redone steps' earlier lines and
+    events are replaced), and every process's samples writer."""
+    out: list[Any] = []
+    if jax.process_index() == 0:  # process 0 logs and exports for the run
+        out += _logging_hooks(job.config, start, rows)
+        if exports:
+            out += _export_hooks(job)
+    return out + _samples.samples_hooks(job, samples, mesh, start=start)
+
+
+def _progress_hooks(config: Config) -> list[Any]:
+    """`bar`: a live bar; `lines`: a line every `log.every` steps; `auto`: the bar
+    on a terminal, else a line about every 5% of the run (and at evaluations;
+    every `log.every` steps when that key is set), so that a log file stays
+    short."""
+    mode = config.log.progress
+    if mode == "none":
+        return []
+    if mode == "lines":
+        return [every(config.log.every, hooks_lib.ConsoleLogger(stream=sys.stderr))]
+    if mode == "auto" and not sys.stderr.isatty():
+        period = config.log.every if "log.every" in explicit(config) else None
+        return [hooks_lib.ProgressBar(plain_every=period, force_terminal=False)]
+    return [hooks_lib.ProgressBar(force_terminal=True)]
+
+
+def _logging_hooks(config: Config, start: int, rows: Any) -> list[Any]:
+    """Progress, then per-source tokens (before the writers), then the writers."""
+    log = config.log
+    out = _progress_hooks(config)
+    if _data.mixture_of(rows) is not None:
+        out.append(every(log.every, _data.SourceTokens(rows, config.data.batch_size)))
+    for writer in _writers(config, start):
+        out += [every(log.every, writer), at_end(writer)]
+    return out
+
+
+def _writers(config: Config, start: int) -> list[Any]:
+    """metrics.jsonl, and TensorBoard and wandb where `[log]` asks for them."""
+    log, run_dir = config.log, Path(config.run_dir)
+    writers: list[Any] = [hooks_lib.JsonlWriter(run_dir / "metrics.jsonl", start=start)]
+    if log.tensorboard:
+        writers.append(hooks_lib.TensorBoardWriter(run_dir / "tb", start=start))
+    if log.wandb_project is not None:
+        writers.append(
+            hooks_lib.WandbLogger(
+                project=log.wandb_project,
+                name=log.wandb_name,
+                mode=log.wandb_mode,
+                dir=str(run_dir),
+                config=to_dict(config),
+            )
+        )
+    return writers
+
+
+def _export_hooks(job: _build.Job) -> list[Any]:
+    """The final export to each target of `export.hf`, and with `export.every`
+    the per-step exports beside it (the final one replaces its target whole)."""
+    export = job.config.export
+    if export.hf is None:
+        return []
+    kwargs, out = _export_kwargs(job), []
+    run_dir = Path(job.config.run_dir)
+    for form, target in _preflight.export_targets(job.config, run_dir).items():
+        if export.every:
+            steps = _preflight.steps_export_dir(target)
+            hook = hf.export_hook(steps, form=form, **kwargs)
+            out.append(every(export.every, hook))
+        out.append(at_end(hf.export_hook(target, per_step=False, form=form, **kwargs)))
+    return out
+
+
+def _export_kwargs(job: _build.Job) -> dict[str, Any]:
+    """What every export of the run writes besides the weights."""
+    export = job.config.export
+    kwargs: dict[str, Any] = dict(
+        dtype=export.dtype,
+        max_shard_size=export.max_shard_size,
+        tokenizer=job.tokenizer,
+        model_type=job.model_type,
+        which="ema" if export.ema else "model",
+        pick=job.exported,  # the policy, at its real vocabulary
+    )
+    template = getattr(job.template, "source", None)  # a Jinja chat template
+    if template is not None:
+        kwargs["chat_template"] = template
+    if job.lora is not None:
+        kwargs["spec"] = job.lora
+    return kwargs

@@ -1,0 +1,76 @@
+"""A run's compiled steps on its placement: the training step (`[optim]`
+accumulation, `[loop]` precision, non-finite guard and EMA; GRPO's rollout) and
+the evaluation step with its loader."""
+
+from typing import Any
+
+from .. import models, rollout
+from .._jit import Jitted, jit
+from .._loop import Evaluation
+from ..config import Config
+from ..data import Loader
+from ..step import eval_step, train_step as _train_step
+from . import _build, _grpo, _place, _rows
+
+
+def _precision(config: Config) -> str | None:
+    return "bf16" if config.loop.precision == "bf16" else None
+
+
+def train_step(job: _build.Job, placement: _place.Placement) -> Jitted:
+    """The run's compiled training step (the `[optim]` accumulation and the
+    `[loop]` precision, non-finite guard and EMA), on `placement`, traced under
+    its mesh (sequence-parallel attention reads the mesh from context)."""
+    config = job.config
+    step = _train_step(
+        job.loss_fn,
+        job.optimizer,
+        accumulate=config.optim.accumulate,
+        precision=_precision(config),
+        nonfinite=config.loop.nonfinite,
+        ema=config.loop.ema,
+    )
+    if config.task.kind == "grpo":
+        step = rollout.grpo_step(step, _grpo.make_rollout(job))
+    return jit(models.under_mesh(step, placement.mesh), shardings=placement.shardings)
+
+
+def evaluation(
+    job: _build.Job, placement: _place.Placement, rows: _rows.Rows | None
+) -> tuple[Loader | None, Any]:
+    """The eval loader over `rows` and the compiled eval step (None, None without
+    rows)."""
+    if rows is None:
+        return None, None
+    loader = Loader(
+        rows,
+        _rows.eval_batch_size(rows, job.config),
+        mode="eval",
+        sharding=placement.batch_sharding,
+    )
+    evaluator = jit(
+        models.under_mesh(
+            eval_step(job.loss_fn, precision=_precision(job.config)), placement.mesh
+        ),
+        donate=False,
+        shardings=placement.shardings,
+    )
+    return loader, evaluator
+
+
+def fit_evaluation(
+    job: _build.Job, placement: _place.Placement, rows: _rows.Rows | None
+) -> Evaluation | None:
+    """What `fit` evaluates, and when (None without eval rows: the default
+    loop.eval_every then has nothing to evaluate; an explicit one with
+    data.eval = none is refused by the config's checks, before any data)."""
+    loader, evaluator = evaluation(job, placement, rows)
+    if loader is None:
+        return None
+    loop = job.config.loop
+    return Evaluation(
+        step=evaluator,
+        data=loader,
+        every=loop.eval_every or None,
+        at_end=loop.eval_at_end,
+    )
