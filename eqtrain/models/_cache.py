@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from jax import lax
 from jaxtyping import Array, Bool, Float, Int
 
-from ._layers import _MASKED, position_mask
+from ._attention import _MASKED, position_mask
 
 
 class KVCache(eqx.Module):

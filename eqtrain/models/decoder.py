@@ -24,6 +24,9 @@ from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from .._errors import ConfigError
 from .._rows import vmap_rows
+from ._attention import (
+    default_positions,
+)
 from ._cache import (
     KVCache,
     cache_attention,
@@ -34,26 +37,16 @@ from ._cache import (
 )
 from ._layers import (
     ACTIVATIONS,
-    RUNTIME_OPTIONS,
     AnyLinear,
     Embedding,
     LayerNorm,
     Linear,
-    Numbered,
     RMSNorm,
-    RuntimeFields,
-    RuntimeOptions,
     as_dtype,
-    check_runtime,
-    default_positions,
     fused_linears,
     head_weight,
-    name_activation,
-    run_layers,
     split_key,
-    stack_layers,
     tiled,
-    with_config_options,
 )
 from ._moe import (
     AUX_KEYS,
@@ -64,8 +57,21 @@ from ._moe import (
     empty_aux,
     router_terms,
 )
+from ._options import (
+    RUNTIME_OPTIONS,
+    RuntimeFields,
+    RuntimeOptions,
+    check_runtime,
+    with_config_options,
+)
 from ._rope import Rope, apply_rope, rope_cos_sin
 from ._sequence import attend
+from ._stack import (
+    Numbered,
+    name_activation,
+    run_layers,
+    stack_layers,
+)
 
 
 NORMS = ("rms", "rms_one", "layer")

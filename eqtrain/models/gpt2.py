@@ -17,6 +17,9 @@ from jax.sharding import PartitionSpec
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from .._errors import ConfigError
+from ._attention import (
+    default_positions,
+)
 from ._cache import (
     KVCache,
     cache_attention,
@@ -27,27 +30,30 @@ from ._cache import (
 )
 from ._layers import (
     ACTIVATIONS,
-    RUNTIME_OPTIONS,
     AnyLinear,
     Embedding,
     LayerNorm,
     Linear,
-    Numbered,
+    as_dtype,
+    head_weight,
+    residual_scale,
+    split_key,
+    tiled,
+)
+from ._options import (
+    RUNTIME_OPTIONS,
     RuntimeFields,
     RuntimeOptions,
-    as_dtype,
     check_runtime,
-    default_positions,
-    head_weight,
-    name_activation,
-    residual_scale,
-    run_layers,
-    split_key,
-    stack_layers,
-    tiled,
     with_config_options,
 )
 from ._sequence import attend
+from ._stack import (
+    Numbered,
+    name_activation,
+    run_layers,
+    stack_layers,
+)
 
 
 """Every parameter-free `activation_function` of transformers' `ACT2FN`, as

@@ -12,7 +12,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from ..._errors import ConfigError
-from .._layers import RUNTIME_OPTIONS
+from .._options import RUNTIME_OPTIONS
 from .._rope import Rope, rope_from_hf
 from ..decoder import MOE_OPTIONS, DecoderConfig
 
