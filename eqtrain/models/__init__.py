@@ -55,9 +55,11 @@ from ._sequence import (
     check_sequence as check_sequence,
     position_mask as position_mask,
     sequence_attention as sequence_attention,
-    sequence_rows as sequence_rows,
     sequence_ways as sequence_ways,
     under_mesh as under_mesh,
+)
+from ._sequence_rows import (
+    sequence_rows as sequence_rows,
     zigzag_order as zigzag_order,
 )
 from ._stack import (

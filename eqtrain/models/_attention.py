@@ -8,6 +8,8 @@ Sequence-parallel attention (`_sequence`) and the KV cache's (`_cache`) build on
 these masks and kernels.
 """
 
+from typing import Any
+
 import jax
 import jax.lax as lax
 import jax.numpy as jnp
@@ -68,41 +70,37 @@ def attention(
     `scale` multiplies the scores (default `head_dim ** -0.5`); `softcap` caps
     them as `softcap * tanh(scores / softcap)` before the mask (Gemma 2).
     """
-    extra = dict(scale=scale, softcap=softcap)
-    if 0 < query_chunk < q.shape[0] and implementation != "cudnn":
-        return blocked_attention(
-            q,
-            k,
-            v,
-            segment_ids=segment_ids,
-            sliding_window=sliding_window,
-            implementation=implementation,
-            query_chunk=query_chunk,
-            **extra,
-        )
-    if implementation != "cudnn" and q.shape[0] > CAUSAL_BLOCK_MIN:
-        return causal_blocks(
-            q,
-            k,
-            v,
-            segment_ids=segment_ids,
-            sliding_window=sliding_window,
-            implementation=implementation,
-            **extra,
-        )
+    common = dict(
+        segment_ids=segment_ids, sliding_window=sliding_window,
+        implementation=implementation, scale=scale, softcap=softcap,
+    )  # fmt: skip
+    if implementation == "cudnn":  # the fused kernel takes the whole sequence
+        return one_call_attention(q, k, v, **common)
+    if 0 < query_chunk < q.shape[0]:
+        return blocked_attention(q, k, v, query_chunk=query_chunk, **common)
+    if q.shape[0] > CAUSAL_BLOCK_MIN:
+        return causal_blocks(q, k, v, **common)
+    return one_call_attention(q, k, v, **common)
+
+
+def one_call_attention(
+    q: Float[Array, "seq heads head_dim"],
+    k: Float[Array, "seq kv_heads head_dim"],
+    v: Float[Array, "seq kv_heads head_dim"],
+    *,
+    segment_ids: Int[Array, " seq"] | None,
+    sliding_window: int | None,
+    **kernel: Any,
+) -> Float[Array, "seq heads head_dim"]:
+    """`attention` as one `dot_attention` over the whole sequence: its causal
+    mask and window, and the segments' mask (`kernel`: `implementation`,
+    `scale`, `softcap`)."""
     mask = None
     if segment_ids is not None:
         mask = segment_mask(segment_ids)[None]
     window = None if sliding_window is None else (sliding_window - 1, 0)
     return dot_attention(
-        q,
-        k,
-        v,
-        mask=mask,
-        is_causal=True,
-        local_window_size=window,
-        implementation=implementation,
-        **extra,
+        q, k, v, mask=mask, is_causal=True, local_window_size=window, **kernel
     )
 
 
@@ -141,13 +139,60 @@ def dot_attention(
             "attention soft-capping (attn_logit_softcapping, Gemma 2) has no "
             "cuDNN kernel; use attention_impl = None or 'xla'."
         )
+    keep = _grouped_mask(q, k, mask, is_causal, local_window_size)
+    return capped_attention(q, k, v, keep, scale=scale, softcap=softcap)
+
+
+def capped_attention(
+    q: Float[Array, "q heads head_dim"],
+    k: Float[Array, "k kv_heads head_dim"],
+    v: Float[Array, "k kv_heads head_dim"],
+    keep: Bool[Array, "#kv_heads #group q k"],
+    *,
+    scale: float | None,
+    softcap: float,
+) -> Float[Array, "q heads head_dim"]:
+    """The soft-capped attention written out, per key/value head and its group
+    of query heads: f32 scores `q . k * scale` capped at `softcap *
+    tanh(scores / softcap)`, those not in `keep` masked, softmax in f32, cast
+    to `q`'s dtype, times `v`."""
     t, heads, d = q.shape
-    s, kv_heads = k.shape[0], k.shape[1]
+    kv_heads = k.shape[1]
     scale = d**-0.5 if scale is None else scale
     qg = q.reshape(t, kv_heads, heads // kv_heads, d)
     scores = jnp.einsum("tkgd,skd->kgts", qg, k, preferred_element_type=jnp.float32)
     scores = scores * jnp.float32(scale)
     scores = jnp.float32(softcap) * jnp.tanh(scores / jnp.float32(softcap))
+    scores = jnp.where(keep, scores, _MASKED)
+    probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
+    out = jnp.einsum("kgts,skd->tkgd", probs, v)
+    return out.reshape(t, heads, d)
+
+
+def _grouped_mask(
+    q: Array,
+    k: Array,
+    mask: Array | None,
+    is_causal: bool,
+    local_window_size: tuple[int, int] | None,
+) -> Array:
+    """`dot_attention`'s mask as `[kv_heads or 1, group or 1, q, k]`: causal
+    and windowed by index, and `mask` (`[1 or heads, q, k]`) with its heads
+    grouped as `capped_attention` groups them."""
+    (t, heads, _), (s, kv_heads) = q.shape, k.shape[:2]
+    full = _index_mask(t, s, is_causal, local_window_size)[None, None]
+    if mask is not None:
+        m = jnp.broadcast_to(mask, (mask.shape[0], t, s))
+        groups = (kv_heads, heads // kv_heads) if m.shape[0] > 1 else (1, 1)
+        full = full & m.reshape(*groups, t, s)
+    return full
+
+
+def _index_mask(
+    t: int, s: int, is_causal: bool, local_window_size: tuple[int, int] | None
+) -> Array:
+    """`[t, s]`: query `i` sees key `j` (causal: `j <= i`; a window `(left,
+    right)`: `i - left <= j <= i + right`)."""
     keep = jnp.ones((t, s), bool)
     if is_causal or local_window_size is not None:
         diff = jnp.arange(t)[:, None] - jnp.arange(s)[None, :]
@@ -156,15 +201,7 @@ def dot_attention(
         if local_window_size is not None:
             left, right = local_window_size
             keep = keep & (diff <= left) & (-diff <= right)
-    full = keep[None, None]
-    if mask is not None:  # [1 or heads, q, k]
-        m = jnp.broadcast_to(mask, (mask.shape[0], t, s))
-        groups = (kv_heads, heads // kv_heads) if m.shape[0] > 1 else (1, 1)
-        full = full & m.reshape(*groups, t, s)
-    scores = jnp.where(full, scores, _MASKED)
-    probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
-    out = jnp.einsum("kgts,skd->tkgd", probs, v)
-    return out.reshape(t, heads, d)
+    return keep
 
 
 CAUSAL_BLOCK_MIN = 128
@@ -203,6 +240,7 @@ def causal_blocks(
     size = causal_block_size(seq)
     segs = jnp.zeros((seq,), jnp.int32) if segment_ids is None else segment_ids
     pos = jnp.arange(seq, dtype=jnp.int32)
+    kernel = dict(implementation=implementation, scale=scale, softcap=softcap)
     outs = []
     for start in range(0, seq, size):
         end = min(start + size, seq)
@@ -211,17 +249,8 @@ def causal_blocks(
             pos[start:end], segs[start:end], pos[first:end], segs[first:end],
             sliding_window,
         )  # fmt: skip
-        outs.append(
-            dot_attention(
-                q[start:end],
-                k[first:end],
-                v[first:end],
-                mask=mask[None],
-                implementation=implementation,
-                scale=scale,
-                softcap=softcap,
-            )
-        )
+        block = (q[start:end], k[first:end], v[first:end])
+        outs.append(dot_attention(*block, mask=mask[None], **kernel))
     return jnp.concatenate(outs, axis=0)
 
 
@@ -262,32 +291,34 @@ def blocked_attention(
     recomputing each block's scores in the backward pass. The sequence is padded
     to a multiple of `query_chunk` (the padded queries are cut off)."""
     seq = q.shape[0]
+    k_pos = jnp.arange(seq, dtype=jnp.int32)
+    segs = jnp.zeros((seq,), jnp.int32) if segment_ids is None else segment_ids
+    kernel = dict(implementation=implementation, scale=scale, softcap=softcap)
+
+    def block(qb: Array, qp: Array, qs_: Array) -> Array:
+        mask = position_mask(qp, qs_, k_pos, segs, sliding_window)
+        return dot_attention(qb, k, v, mask=mask[None], **kernel)
+
+    run = jax.checkpoint(block, prevent_cse=False)
+    out = lax.map(lambda xs: run(*xs), _query_blocks(q, segs, query_chunk))
+    return out.reshape(-1, *q.shape[1:])[:seq]
+
+
+def _query_blocks(
+    q: Array, segs: Array, query_chunk: int
+) -> tuple[Array, Array, Array]:
+    """`(queries, positions, segment ids)` in blocks of `query_chunk` (`[blocks,
+    query_chunk, ...]`), the sequence padded to whole blocks; the padded queries
+    join the last segment (and are cut off afterwards)."""
+    seq = q.shape[0]
     blocks = -(-seq // query_chunk)
     pad = blocks * query_chunk - seq
     qs = jnp.pad(q, [(0, pad), (0, 0), (0, 0)]).reshape(
         blocks, query_chunk, *q.shape[1:]
     )
     q_pos = jnp.arange(blocks * query_chunk, dtype=jnp.int32).reshape(blocks, -1)
-    k_pos = jnp.arange(seq, dtype=jnp.int32)
-    segs = jnp.zeros((seq,), jnp.int32) if segment_ids is None else segment_ids
-    # padded queries join the last segment (then are cut off)
     q_segs = jnp.pad(segs, (0, pad), mode="edge").reshape(blocks, -1)
-
-    def block(qb: Array, qp: Array, qs_: Array) -> Array:
-        mask = position_mask(qp, qs_, k_pos, segs, sliding_window)
-        return dot_attention(
-            qb,
-            k,
-            v,
-            mask=mask[None],
-            implementation=implementation,
-            scale=scale,
-            softcap=softcap,
-        )
-
-    run = jax.checkpoint(block, prevent_cse=False)
-    out = lax.map(lambda xs: run(*xs), (qs, q_pos, q_segs))
-    return out.reshape(blocks * query_chunk, *q.shape[1:])[:seq]
+    return qs, q_pos, q_segs
 
 
 def segment_mask(segment_ids: Int[Array, " seq"]) -> Bool[Array, "seq seq"]:

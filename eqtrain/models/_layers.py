@@ -82,10 +82,7 @@ class Linear(eqx.Module):
         self.bias = jnp.zeros((out_features,), dtype) if use_bias else None
 
     def __call__(
-        self,
-        x: Float[Array, "*batch in_features"],
-        *,
-        key: PRNGKeyArray | None = None,
+        self, x: Float[Array, "*batch in_features"], *, key: PRNGKeyArray | None = None
     ) -> Float[Array, "*batch out_features"]:
         """`x @ weight.T + bias`; `key` is unused (a `LoRALinear` takes one)."""
         del key
@@ -120,16 +117,19 @@ def fused_linears(
         return [layer(x, key=k) for layer, k in zip(layers, keys, strict=True)]
     weight = jnp.concatenate([layer.weight for layer in layers], axis=0)
     cuts = list(itertools.accumulate(layer.weight.shape[0] for layer in layers))
-    outs = []
-    for layer, y, k in zip(
-        layers, jnp.split(_matmul_t(x, weight), cuts[:-1], axis=-1), keys, strict=True
-    ):
-        if isinstance(layer, LoRALinear):
-            y = layer.adapted(x, y, key=k)
-        if layer.bias is not None:
-            y = y + _broadcast_last(layer.bias, y.ndim)
-        outs.append(y)
-    return outs
+    products = jnp.split(_matmul_t(x, weight), cuts[:-1], axis=-1)
+    return [
+        _completed(layer, x, y, k)
+        for layer, y, k in zip(layers, products, keys, strict=True)
+    ]
+
+
+def _completed(layer: Any, x: Array, y: Array, key: PRNGKeyArray | None) -> Array:
+    """A layer's output from its base product `y = x @ weight.T`: with its
+    adapter's update (a `LoRALinear`) and its bias."""
+    if isinstance(layer, LoRALinear):
+        y = layer.adapted(x, y, key=key)
+    return _add_bias(y, layer.bias)
 
 
 def _matmul_t(x: Array, w: Array) -> Array:
@@ -138,10 +138,12 @@ def _matmul_t(x: Array, w: Array) -> Array:
 
 
 def _affine(x: Array, weight: Array, bias: Array | None) -> Array:
-    y = _matmul_t(x, weight)
-    if bias is not None:
-        y = y + _broadcast_last(bias, y.ndim)
-    return y
+    return _add_bias(_matmul_t(x, weight), bias)
+
+
+def _add_bias(y: Array, bias: Array | None) -> Array:
+    """`y + bias` over the last dimension (`y` without a bias)."""
+    return y if bias is None else y + _broadcast_last(bias, y.ndim)
 
 
 class LoRALinear(eqx.Module):
@@ -172,17 +174,12 @@ class LoRALinear(eqx.Module):
     enabled: bool = eqx.field(static=True, default=True)
 
     def __call__(
-        self,
-        x: Float[Array, "*batch in_features"],
-        *,
-        key: PRNGKeyArray | None = None,
+        self, x: Float[Array, "*batch in_features"], *, key: PRNGKeyArray | None = None
     ) -> Float[Array, "*batch out_features"]:
         if not self.enabled:
             return _affine(x, self.weight, self.bias)
         y = self.adapted(x, _matmul_t(x, self.weight), key=key)
-        if self.bias is not None:
-            y = y + _broadcast_last(self.bias, y.ndim)
-        return y
+        return _add_bias(y, self.bias)
 
     def adapted(self, x: Array, y: Array, *, key: PRNGKeyArray | None) -> Array:
         """`y` (the base product `x @ weight.T`, without bias) plus the adapter's

@@ -5,7 +5,6 @@ how a model computes, never its arrays; their validation, the per-call
 
 import copy
 import dataclasses
-from collections.abc import Sequence
 from typing import Any, TypeVar
 
 import equinox as eqx
@@ -33,17 +32,7 @@ def check_mlp_chunks(chunks: Any) -> None:
         )
 
 
-def check_options(
-    *,
-    attention_impl: str | None,
-    remat: str,
-    param_dtype: Any,
-    remat_save: Sequence[str] = (),
-    remat_offload: Sequence[str] = (),
-    mlp_chunks: Any = 1,
-    attention_chunk: Any = 0,
-) -> None:
-    """Validate the runtime options the model configs share."""
+def check_attention_chunk(attention_chunk: Any) -> None:
     if (
         not isinstance(attention_chunk, int)
         or isinstance(attention_chunk, bool)
@@ -53,13 +42,6 @@ def check_options(
             f"`attention_chunk` must be an int >= 0 (queries per block; 0: off); "
             f"got {attention_chunk!r}."
         )
-    if attention_impl not in (None, "xla", "cudnn"):
-        raise ConfigError(
-            f"`attention_impl` must be None, 'xla' or 'cudnn'; got {attention_impl!r}."
-        )
-    check_remat(remat, remat_save, remat_offload)
-    check_mlp_chunks(mlp_chunks)
-    as_dtype(param_dtype)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,19 +91,27 @@ class RuntimeOptions:
             moe=getattr(config, "moe_options", None),
         )
 
+    def on_one_device(self) -> "RuntimeOptions":
+        """These options without sequence parallelism (generation's: the cache
+        holds whole rows)."""
+        return dataclasses.replace(self, sequence_parallel=None)
+
 
 def check_runtime(config: Any) -> None:
     """Validate a model config's runtime options (`RUNTIME_OPTIONS`)."""
     check_scheme(config.sequence_parallel, config.sequence_layout)
-    check_options(
-        attention_impl=config.attention_impl,
-        remat=config.remat,
-        param_dtype=config.param_dtype,
-        remat_save=config.remat_save,
-        remat_offload=config.remat_offload,
-        mlp_chunks=config.mlp_chunks,
-        attention_chunk=config.attention_chunk,
-    )
+    check_attention_chunk(config.attention_chunk)
+    check_attention_impl(config.attention_impl)
+    check_remat(config.remat, config.remat_save, config.remat_offload)
+    check_mlp_chunks(config.mlp_chunks)
+    as_dtype(config.param_dtype)
+
+
+def check_attention_impl(attention_impl: Any) -> None:
+    if attention_impl not in (None, "xla", "cudnn"):
+        raise ConfigError(
+            f"`attention_impl` must be None, 'xla' or 'cudnn'; got {attention_impl!r}."
+        )
 
 
 ModuleT = TypeVar("ModuleT", bound=eqx.Module)

@@ -92,6 +92,16 @@ def check_remat(
         )
     save = names(save, field="remat_save", prefix=p)
     offload = names(offload, field="remat_offload", prefix=p)
+    _check_named(name, save, offload, p)
+    if offload or name == "offload_layer_input":
+        check_offload()
+
+
+def _check_named(
+    name: str, save: tuple[str, ...], offload: tuple[str, ...], p: str
+) -> None:
+    """Names saved or offloaded with `"custom"` only (and at least one there),
+    none both saved and offloaded."""
     if name != "custom" and (save or offload):
         raise ConfigError(
             f"`{p}remat_save` / `{p}remat_offload` apply only to {p}remat = "
@@ -109,23 +119,26 @@ def check_remat(
             f"{both} are both saved (`{p}remat_save`) and offloaded "
             f"(`{p}remat_offload`); name each activation in one of them."
         )
-    if offload or name == "offload_layer_input":
-        check_offload()
 
 
 def check_offload() -> None:
     """Raise unless the default device has a `pinned_host` memory to offload to."""
     device = jax.devices()[0]
-    try:
-        kinds = {m.kind for m in device.addressable_memories()}
-    except Exception:  # noqa: BLE001 -- a backend without memories API
-        kinds = set()
+    kinds = _memory_kinds(device)
     if "pinned_host" not in kinds:
         raise ConfigError(
             f"activation offloading needs a device with host memory ('pinned_host'); "
             f"this {device.platform} backend has {sorted(kinds) or 'no memory kinds'}."
             " Use a remat preset without offload (e.g. 'full')."
         )
+
+
+def _memory_kinds(device: Any) -> set[str]:
+    """The kinds of memory `device` addresses (none known without the API)."""
+    try:
+        return {m.kind for m in device.addressable_memories()}
+    except Exception:  # noqa: BLE001 -- a backend without memories API
+        return set()
 
 
 def remat_policy(
@@ -137,24 +150,34 @@ def remat_policy(
         return False, None
     if name in ("full", "nothing_saveable"):
         return True, None
-    if name == "dots":
-        return True, jax.checkpoint_policies.checkpoint_dots
-    if name == "dots_no_batch":
-        return True, jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims
+    if name in _DOTS_POLICIES:
+        return True, getattr(jax.checkpoint_policies, _DOTS_POLICIES[name])
     if name == "custom":
         keep = names(save, field="remat_save")
         move = names(offload, field="remat_offload")
     else:
         keep, move = _PRESET_NAMES[name]
+    return True, _names_policy(keep, move)
+
+
+_DOTS_POLICIES = {
+    "dots": "checkpoint_dots",
+    "dots_no_batch": "checkpoint_dots_with_no_batch_dims",
+}
+"""The presets that are one of `jax.checkpoint_policies`' (by its name)."""
+
+
+def _names_policy(keep: tuple[str, ...], move: tuple[str, ...]) -> Callable[..., Any]:
+    """The policy that saves the activations named `keep` on the device and
+    offloads those named `move` to host memory."""
     if not move:
-        return True, jax.checkpoint_policies.save_only_these_names(*keep)
-    policy = jax.checkpoint_policies.save_and_offload_only_these_names(
+        return jax.checkpoint_policies.save_only_these_names(*keep)
+    return jax.checkpoint_policies.save_and_offload_only_these_names(
         names_which_can_be_saved=list(keep),
         names_which_can_be_offloaded=list(move),
         offload_src="device",
         offload_dst="pinned_host",
     )
-    return True, policy
 
 
 def name_activation(x: Array, name: str) -> Array:
@@ -202,53 +225,111 @@ def run_layers(
     runs over groups of `p` layers, each group unrolled inside, and the layers
     after the last whole group unrolled after it.
     """
-    on, policy = remat_policy(remat, remat_save, remat_offload)
+    remat_on = remat_policy(remat, remat_save, remat_offload)
     dynamic, static = eqx.partition(layers, eqx.is_array)
     num = jtu.tree_leaves(dynamic)[0].shape[0]
     keys = jr.split(key, num) if key is not None and uses_key(layers) else None
+    kinds = _checked_kinds(kinds, num)
+    body = _layer_body(static, call, kinds is not None)
+    unrolled, scanned = _rematerialised(body, *remat_on)
+    period = 1 if kinds is None else _period(kinds)
+    xs = (dynamic, keys)
+    if scan and period == 1:
+        first = None if kinds is None else kinds[0]
+        return lax.scan(lambda h, p: (scanned(h, p, first), None), x, xs)[0]
+    groups = num // period if scan else 0
+    done = 0
+    if groups > 1:
+        x = _scan_groups(scanned, x, xs, kinds, groups, period)
+        done = groups * period
+    for i in range(done, num):
+        layer_xs = jtu.tree_map(lambda a, i=i: a[i], xs)
+        x = unrolled(x, layer_xs, None if kinds is None else kinds[i])
+    return x
+
+
+def _checked_kinds(kinds: Sequence[Any] | None, num: int) -> tuple[Any, ...] | None:
+    """`kinds` as a tuple of one per layer (or None)."""
     kinds = None if kinds is None else tuple(kinds)
     if kinds is not None and len(kinds) != num:
         raise ConfigError(f"{len(kinds)} layer kinds for {num} layers.")
+    return kinds
+
+
+def _layer_body(
+    static: Any, call: Callable[..., Any], with_kinds: bool
+) -> Callable[..., Any]:
+    """`body(h, (params, key), kind)`: `call` on one layer, with its input
+    named `"layer_input"` (the activations, first of `h` when it is a tuple)."""
 
     def body(h: Any, xs: Any, kind: Any = None) -> Any:
         params, k = xs
         layer = eqx.combine(params, static)
-        if isinstance(h, tuple):  # (activations, statistics carried along)
-            h = (name_activation(h[0], "layer_input"), *h[1:])
-        else:
-            h = name_activation(h, "layer_input")
-        return call(layer, h, k) if kinds is None else call(layer, h, k, kind)
+        h = _named_input(h)
+        return call(layer, h, k, kind) if with_kinds else call(layer, h, k)
 
-    unrolled = scanned = body
-    if on:
-        # prevent_cse stops XLA from merging the recomputation with the forward pass
-        # (undoing the remat); inside `scan` that cannot happen and it only costs.
-        remat_ = lambda cse: jax.checkpoint(
-            body, policy=policy, prevent_cse=cse, static_argnums=(2,)
-        )
-        unrolled, scanned = remat_(True), remat_(False)
-    period = 1 if kinds is None else _period(kinds)
-    first = None if kinds is None else kinds[0]
-    if scan and period == 1:
-        step = lambda h, p: (scanned(h, p, first), None)
-        x, _ = lax.scan(step, x, (dynamic, keys))
-        return x
-    groups = num // period if scan else 0
-    done = 0
-    if groups > 1:
-        cut = lambda a: a[: groups * period].reshape(groups, period, *a.shape[1:])
+    return body
 
-        def group(h: Any, xs: Any) -> tuple[Any, None]:
-            for j in range(period):
-                h = scanned(h, jtu.tree_map(lambda a, j=j: a[j], xs), kinds[j])
-            return h, None
 
-        x, _ = lax.scan(group, x, jtu.tree_map(cut, (dynamic, keys)))
-        done = groups * period
-    for i in range(done, num):
-        xs = jtu.tree_map(lambda a, i=i: a[i], (dynamic, keys))
-        x = unrolled(x, xs, None if kinds is None else kinds[i])
-    return x
+def _named_input(h: Any) -> Any:
+    """`h` named `"layer_input"` (its activations, when it is a tuple of them
+    and statistics carried along)."""
+    if isinstance(h, tuple):
+        return (name_activation(h[0], "layer_input"), *h[1:])
+    return name_activation(h, "layer_input")
+
+
+def _rematerialised(
+    body: Callable[..., Any], on: bool, policy: Callable[..., Any] | None
+) -> tuple[Callable[..., Any], Callable[..., Any]]:
+    """`(unrolled, scanned)`: `body` under `jax.checkpoint` with `policy` for
+    an unrolled layer and for one inside `scan` (or `body` itself, remat off)."""
+    if not on:
+        return body, body
+    # prevent_cse stops XLA from merging the recomputation with the forward pass
+    # (undoing the remat); inside `scan` that cannot happen and it only costs.
+    remat_ = lambda cse: jax.checkpoint(
+        body, policy=policy, prevent_cse=cse, static_argnums=(2,)
+    )
+    return remat_(True), remat_(False)
+
+
+def _scan_groups(
+    scanned: Callable[..., Any],
+    x: Any,
+    xs: Any,
+    kinds: Any,
+    groups: int,
+    period: int,
+) -> Any:
+    """`x` through the first `groups * period` layers of `xs`: a `scan` over
+    groups of `period` layers, each group unrolled with the kinds' pattern."""
+    cut = lambda a: a[: groups * period].reshape(groups, period, *a.shape[1:])
+
+    def group(h: Any, xs: Any) -> tuple[Any, None]:
+        for j in range(period):
+            h = scanned(h, jtu.tree_map(lambda a, j=j: a[j], xs), kinds[j])
+        return h, None
+
+    return lax.scan(group, x, jtu.tree_map(cut, xs))[0]
+
+
+def run_configured(
+    layers: LayerT,
+    x: Any,
+    call: Callable[..., Any],
+    config: Any,
+    *,
+    key: PRNGKeyArray | None = None,
+    kinds: Sequence[Any] | None = None,
+) -> Any:
+    """`run_layers` with a model config's `scan_layers`, `remat`, `remat_save`
+    and `remat_offload`."""
+    return run_layers(
+        layers, x, call, scan=config.scan_layers, remat=config.remat, key=key,
+        remat_save=config.remat_save, remat_offload=config.remat_offload,
+        kinds=kinds,
+    )  # fmt: skip
 
 
 class Numbered(eqx.Module):
