@@ -25,7 +25,8 @@ from eqtrain.models import (
     mlp,
     num_params,
 )
-from eqtrain.models._layers import apply_rope, attention, rope_cos_sin
+from eqtrain.models._attention import attention
+from eqtrain.models._layers import apply_rope, rope_cos_sin
 
 
 TINY = LlamaConfig(
@@ -681,7 +682,7 @@ def test_causal_blocks_equal_one_shot_attention(window):
     """Past 128 tokens `attention` runs in causal blocks (keys after a block never
     multiplied): the same outputs and gradients as one masked attention, with
     packed segments, GQA, a window, and a last block shorter than the others."""
-    from eqtrain.models import _layers
+    from eqtrain.models import _attention
 
     seq, heads, kv, dim = 300, 4, 2, 8
     q, k, v = (
@@ -692,7 +693,7 @@ def test_causal_blocks_equal_one_shot_attention(window):
 
     def one_shot(q, k, v):
         pos = jnp.arange(seq)
-        mask = _layers.position_mask(pos, segs, pos, segs, window)
+        mask = _attention.position_mask(pos, segs, pos, segs, window)
         return jax.nn.dot_product_attention(q, k, v, mask=mask[None])
 
     def blocked(q, k, v):
@@ -700,8 +701,8 @@ def test_causal_blocks_equal_one_shot_attention(window):
             q, k, v, segment_ids=segs, sliding_window=window, implementation=None
         )
 
-    assert _layers.causal_block_size(seq) == 128
-    assert [_layers.causal_block_size(n) for n in (2048, 2049, 4096)] == [128, 136, 256]
+    assert _attention.causal_block_size(seq) == 128
+    assert [_attention.causal_block_size(n) for n in (2048, 2049, 4096)] == [128, 136, 256]
     loss = lambda fn: jax.jit(
         jax.value_and_grad(lambda *a: jnp.sum(fn(*a) ** 2), (0, 1, 2))
     )  # noqa: E731
@@ -720,7 +721,7 @@ def test_soft_capped_scaled_attention_in_every_kernel(window):
     through the one-shot, causal-block (past 128 tokens) and query-chunked
     kernels equals a plain NumPy computation of it, with packed segments, GQA
     and a window; values and gradients agree between the kernels."""
-    from eqtrain.models import _layers
+    from eqtrain.models import _attention
 
     seq, heads, kv, dim, scale, cap = 300, 4, 2, 8, 0.2, 5.0
     q, k, v = (
@@ -729,7 +730,7 @@ def test_soft_capped_scaled_attention_in_every_kernel(window):
     )
     segs = jnp.array([1] * 70 + [2] * 200 + [0] * 30)
     pos = jnp.arange(seq)
-    mask = np.asarray(_layers.position_mask(pos, segs, pos, segs, window))
+    mask = np.asarray(_attention.position_mask(pos, segs, pos, segs, window))
     s = np.einsum("qhd,khd->hqk", q, np.repeat(np.asarray(k), heads // kv, 1)) * scale
     s = np.where(mask[None], cap * np.tanh(s / cap), -np.inf)
     p = np.exp(s - s.max(-1, keepdims=True))
@@ -759,4 +760,4 @@ def test_soft_capped_scaled_attention_in_every_kernel(window):
     no_cap = attention(q, k, v, **kw | {"softcap": None, "scale": None})
     np.testing.assert_array_equal(plain, no_cap)
     with pytest.raises(ConfigError, match="soft-capping"):
-        _layers.dot_attention(q, k, v, implementation="cudnn", softcap=cap)
+        _attention.dot_attention(q, k, v, implementation="cudnn", softcap=cap)

@@ -20,7 +20,7 @@ import eqtrain
 from eqtrain import losses, models, sharding
 from eqtrain._errors import ConfigError
 from eqtrain.models import Decoder, DecoderConfig, SparseMoE, load_balancing_loss
-from eqtrain.models._moe import MoEOptions, blocked_matmul
+from eqtrain.models._experts import MoEOptions, blocked_matmul
 
 
 def _config(**changes):

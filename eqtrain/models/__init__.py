@@ -26,14 +26,10 @@ section both ways, FLOPs, tensor-parallel rules and the Hugging Face names of ev
 
 from . import gpt2 as gpt2, llama as llama, mlp as mlp
 from ._layers import (
-    CHECKPOINT_NAMES as CHECKPOINT_NAMES,
-    REMAT_PRESETS as REMAT_PRESETS,
     Linear as Linear,
     LoRALinear as LoRALinear,
     as_dtype as as_dtype,
-    check_remat as check_remat,
     num_params as num_params,
-    remat_policy as remat_policy,
 )
 from ._moe import (
     AUX_KEYS as AUX_KEYS,
@@ -59,10 +55,18 @@ from ._sequence import (
     check_sequence as check_sequence,
     position_mask as position_mask,
     sequence_attention as sequence_attention,
-    sequence_rows as sequence_rows,
     sequence_ways as sequence_ways,
     under_mesh as under_mesh,
+)
+from ._sequence_rows import (
+    sequence_rows as sequence_rows,
     zigzag_order as zigzag_order,
+)
+from ._stack import (
+    CHECKPOINT_NAMES as CHECKPOINT_NAMES,
+    REMAT_PRESETS as REMAT_PRESETS,
+    check_remat as check_remat,
+    remat_policy as remat_policy,
 )
 from ._vocab import resize_vocab as resize_vocab
 from .decoder import Decoder as Decoder, DecoderConfig as DecoderConfig

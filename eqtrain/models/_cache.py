@@ -17,6 +17,7 @@ The models fill it in two ways (`Decoder.cached_features`, `GPT2.cached_features
   attend to every filled slot of their row (`cache_attention`).
 """
 
+import dataclasses
 from typing import Any
 
 import equinox as eqx
@@ -25,7 +26,8 @@ import jax.numpy as jnp
 from jax import lax
 from jaxtyping import Array, Bool, Float, Int
 
-from ._layers import _MASKED, position_mask
+from ._attention import _MASKED, position_mask
+from ._sequence import attend
 
 
 class KVCache(eqx.Module):
@@ -125,12 +127,62 @@ def cache_attention(
     scale = d**-0.5 if scale is None else scale
     qg = q.reshape(rows, t, kv_heads, heads // kv_heads, d)
     k, v = keys.astype(q.dtype), values.astype(q.dtype)
-    scores = jnp.einsum("rtkgd,rkld->rkgtl", qg, k, preferred_element_type=jnp.float32)
-    scores = scores * jnp.float32(scale)
-    if softcap is not None:
-        scores = jnp.float32(softcap) * jnp.tanh(scores / jnp.float32(softcap))
+    scores = _scores(qg, k, scale, softcap)
     mask = jax.vmap(lambda pad: cache_mask(pad, slot, t, length, window))(pads)
     scores = jnp.where(mask[:, None, None], scores, _MASKED)
     probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
     out = jnp.einsum("rkgtl,rkld->rtkgd", probs, v)
     return out.reshape(rows, t, heads, d)
+
+
+def _scores(qg: Array, k: Array, scale: float, softcap: float | None) -> Array:
+    """f32 scores `[rows, kv_heads, group, t, length]` of grouped queries
+    against the cached keys, scaled and soft-capped."""
+    scores = jnp.einsum("rtkgd,rkld->rkgtl", qg, k, preferred_element_type=jnp.float32)
+    scores = scores * jnp.float32(scale)
+    if softcap is not None:
+        scores = jnp.float32(softcap) * jnp.tanh(scores / jnp.float32(softcap))
+    return scores
+
+
+def cached_attention(
+    q: Float[Array, "rows t heads head_dim"],
+    k: Float[Array, "rows t kv_heads head_dim"],
+    v: Float[Array, "rows t kv_heads head_dim"],
+    cache: tuple[Array, Array],
+    *,
+    layer: Int[Array, ""],
+    step: "CacheStep",
+    window: int | None = None,
+    scale: float | None = None,
+    softcap: float | None = None,
+) -> Float[Array, "rows t heads head_dim"]:
+    """The attention of `t` new tokens per row (queries `q`; keys `k` and
+    values `v`, already written into `cache`): with `step.prefill`, the prompt
+    among itself with the models' training attention (`attend`), else against
+    every filled slot of layer `layer` of `cache` (`cache_attention`)."""
+    if step.prefill:
+        one = lambda qi, ki, vi, si: attend(
+            qi, ki, vi, step.options, segment_ids=si, positions=None,
+            sliding_window=window, scale=scale, softcap=softcap,
+        )  # fmt: skip
+        return jax.vmap(one)(q, k, v, step.segment_ids)
+    keys, values = layer_of(cache, layer)
+    return cache_attention(
+        q, keys, values, pads=step.pads, slot=step.slot, window=window,
+        scale=scale, softcap=softcap,
+    )  # fmt: skip
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheStep:
+    """What every layer of one cached forward pass shares (the models'
+    `cached_features`): the slot the new tokens go to, the rows' left padding,
+    the new tokens' segment ids (0: padding), the runtime options and whether
+    it is the prefill."""
+
+    slot: Int[Array, ""] | int
+    pads: Int[Array, " rows"]
+    segment_ids: Int[Array, "rows t"]
+    options: Any
+    prefill: bool

@@ -175,7 +175,20 @@ def _decoder_from_section(
     spec = DECODER_ARCHS.get(arch)
     if not m.num_experts:
         check_dense(m)
-    fields: dict[str, Any] = dict(
+    fields = {
+        **_section_shape(m, vocab_size, max_seq_len),
+        **_section_experts(m, arch),
+        **runtime_options(m),
+    }
+    if spec is not None and arch != "llama":
+        fields.update(_arch_fields(spec, arch, fields, given))
+    return decoder.DecoderConfig(**fields)
+
+
+def _section_shape(m: Any, vocab_size: int, max_seq_len: int) -> dict[str, Any]:
+    """The `DecoderConfig` fields of a `[model]` section's sizes and dense
+    switches."""
+    return dict(
         vocab_size=vocab_size,
         hidden_size=m.hidden_size,
         intermediate_size=m.intermediate_size or 4 * m.hidden_size,
@@ -192,6 +205,12 @@ def _decoder_from_section(
         max_position_embeddings=max_seq_len,
         initializer_range=m.init_std,
         param_dtype=m.param_dtype,
+    )
+
+
+def _section_experts(m: Any, arch: str) -> dict[str, Any]:
+    """The `DecoderConfig` fields of a `[model]` section's experts."""
+    fields = dict(
         num_experts=m.num_experts,
         num_experts_per_tok=m.experts_per_token,
         moe_intermediate_size=m.expert_size,
@@ -201,18 +220,22 @@ def _decoder_from_section(
             0.001 if m.router_aux_loss_coef is None else m.router_aux_loss_coef
         ),
         **{k: getattr(m, k) for k in MOE_RUNTIME},
-        **runtime_options(m),
     )
     if m.num_experts and arch in ("llama", "mixtral") and m.expert_size is not None:
         # Every MLP is sparse, so the experts' width is Mixtral's intermediate_size.
         fields.update(intermediate_size=m.expert_size, moe_intermediate_size=None)
-    if spec is not None and arch != "llama":
-        # the architecture's switches, unless the section set that key itself
-        section_keys = {_SECTION_KEYS.get(k, k) for k in given}
-        fixed = spec.fixed(decoder.DecoderConfig(**_sizes(fields)))
-        fields.update({k: v for k, v in fixed.items() if k not in section_keys})
-        fields.update(model_type=arch, hidden_act=spec.act[1])
-    return decoder.DecoderConfig(**fields)
+    return fields
+
+
+def _arch_fields(
+    spec: Any, arch: str, fields: dict[str, Any], given: Collection[str]
+) -> dict[str, Any]:
+    """The switches of architecture `arch`, but those the section set itself
+    (`given`), with its `model_type` and activation."""
+    section_keys = {_SECTION_KEYS.get(k, k) for k in given}
+    fixed = spec.fixed(decoder.DecoderConfig(**_sizes(fields)))
+    out = {k: v for k, v in fixed.items() if k not in section_keys}
+    return {**out, "model_type": arch, "hidden_act": spec.act[1]}
 
 
 # `[model]` keys under their `DecoderConfig` names, where they differ

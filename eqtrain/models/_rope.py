@@ -118,24 +118,28 @@ def _check(rope: Rope) -> None:
         raise _FieldError("theta", f"expected a positive number; got {rope.theta!r}.")
     if rope.dim < 0 or rope.dim % 2 or (t == "dynamic" and rope.dim == 2):
         raise _FieldError("dim", f"expected an even number; got {rope.dim}.")
-    required, read = _REQUIRED[t], _REQUIRED[t] + _OPTIONAL.get(t, ())
     for name in (f.name for f in dataclasses.fields(rope)[4:]):
-        value = getattr(rope, name)
-        if name in required and value is None:
-            hint = _HINTS.get(name, "a positive integer")
-            raise _FieldError(
-                name, f"rope_type {t!r} needs it ({hint}); it is missing."
-            )
-        if name not in read and value is not None:
-            raise _FieldError(name, f"rope_type {t!r} does not read it; remove it.")
-        lists = ("short_factor", "long_factor")
-        if name in lists and value and rope.dim and len(value) != rope.dim // 2:
-            raise _FieldError(
-                name,
-                f"expected {rope.dim // 2} numbers, one per frequency (rotary dim "
-                f"{rope.dim} / 2); got {len(value)}. Check head_dim and "
-                "partial_rotary_factor against the checkpoint.",
-            )
+        _check_field(rope, name)
+
+
+def _check_field(rope: Rope, name: str) -> None:
+    """One of the type-specific fields: present if the type needs it, absent if
+    it does not read it, and the factor lists one number per frequency."""
+    t, value = rope.rope_type, getattr(rope, name)
+    required, read = _REQUIRED[t], _REQUIRED[t] + _OPTIONAL.get(t, ())
+    if name in required and value is None:
+        hint = _HINTS.get(name, "a positive integer")
+        raise _FieldError(name, f"rope_type {t!r} needs it ({hint}); it is missing.")
+    if name not in read and value is not None:
+        raise _FieldError(name, f"rope_type {t!r} does not read it; remove it.")
+    lists = ("short_factor", "long_factor")
+    if name in lists and value and rope.dim and len(value) != rope.dim // 2:
+        raise _FieldError(
+            name,
+            f"expected {rope.dim // 2} numbers, one per frequency (rotary dim "
+            f"{rope.dim} / 2); got {len(value)}. Check head_dim and "
+            "partial_rotary_factor against the checkpoint.",
+        )
 
 
 def rope_from_hf(
@@ -175,20 +179,49 @@ def rope_from_hf(
     """
     t = params.get("rope_type", params.get("type", "default"))
     label = lambda key: f"`{name}.{key}` in {where}"
+    _check_text_only(params, label)
+    prf = _read(params, "partial_rotary_factor", label)
+    prf = partial_rotary_factor if prf is None else prf
+    fields = _read_fields(params, t, _rotary_dim(head_dim, prf, label), prf, label)
+    _resolve_lengths(
+        fields, params, t, max_position_embeddings, original_max_position_embeddings
+    )
+    try:
+        return Rope(**fields)
+    except _FieldError as e:
+        key = {"theta": "rope_theta", "dim": "partial_rotary_factor"}.get(e.field)
+        raise ConfigError(f"{label(key or e.field)}: {e.problem}") from None
+
+
+def _check_text_only(params: Mapping[str, Any], label: Callable[[str], str]) -> None:
+    """Refuse multimodal RoPE's keys."""
     for key in _UNSUPPORTED_KEYS:
         if params.get(key) is not None:
             raise ConfigError(
                 f"{label(key)}: multimodal RoPE is not supported; remove the key "
                 "for a text-only model."
             )
-    prf = _read(params, "partial_rotary_factor", label)
-    prf = partial_rotary_factor if prf is None else prf
+
+
+def _rotary_dim(head_dim: int, prf: float, label: Callable[[str], str]) -> int:
+    """The rotating features of a head: `head_dim * prf`, even."""
     dim = int(head_dim * prf)
     if dim < 2 or dim % 2:
         raise ConfigError(
             f"{label('partial_rotary_factor')}: head_dim {head_dim} * {prf} gives "
             f"{dim} rotary features; expected an even number. Check both values."
         )
+    return dim
+
+
+def _read_fields(
+    params: Mapping[str, Any],
+    t: str,
+    dim: int,
+    prf: float,
+    label: Callable[[str], str],
+) -> dict[str, Any]:
+    """`Rope`'s fields as `params` gives them for rope type `t`."""
     fields: dict[str, Any] = {"rope_type": t, "dim": dim, "partial_rotary_factor": prf}
     theta = _read(params, "rope_theta", label)
     fields["theta"] = 10000.0 if theta is None else theta
@@ -196,19 +229,26 @@ def rope_from_hf(
         fields[key] = _read(params, key, label)
     if "truncate" in fields and "truncate" in params:  # transformers: null is False
         fields["truncate"] = bool(fields["truncate"])
+    return fields
+
+
+def _resolve_lengths(
+    fields: dict[str, Any],
+    params: Mapping[str, Any],
+    t: str,
+    longest: int,
+    original: int | None,
+) -> None:
+    """Fill in `fields`' lengths as transformers does: dynamic's model length,
+    the original length (the top-level one wins, else `params`', else
+    `longest`), and longrope's (and a null yarn's) `factor` from them."""
     if t == "dynamic":
-        fields["max_position_embeddings"] = max_position_embeddings
+        fields["max_position_embeddings"] = longest
     if _ORIGINAL in fields:
-        original = original_max_position_embeddings or fields[_ORIGINAL]
-        fields[_ORIGINAL] = original or max_position_embeddings
+        fields[_ORIGINAL] = (original or fields[_ORIGINAL]) or longest
     derive = t == "longrope" or (t == "yarn" and "factor" in params)
     if derive and fields["factor"] is None:
-        fields["factor"] = max_position_embeddings / fields[_ORIGINAL]
-    try:
-        return Rope(**fields)
-    except _FieldError as e:
-        key = {"theta": "rope_theta", "dim": "partial_rotary_factor"}.get(e.field)
-        raise ConfigError(f"{label(key or e.field)}: {e.problem}") from None
+        fields["factor"] = longest / fields[_ORIGINAL]
 
 
 def _is_number(v: Any) -> bool:

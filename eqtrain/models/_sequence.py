@@ -12,20 +12,20 @@ permutation of the rows' tokens (and their positions), applied to the data by
 `sequence_rows`.
 """
 
+import dataclasses
 import functools
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.lax as lax
 import jax.numpy as jnp
-import numpy as np
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float, Int
 
 from .._errors import ConfigError
-from ._layers import attention, dot_attention, position_mask, segment_positions
+from ._attention import attention, dot_attention, position_mask, segment_positions
 
 
 SCHEMES = ("ulysses", "ring", "all_gather")
@@ -71,6 +71,13 @@ def check_sequence(
             f"mesh.sequence is {ways} but model.sequence_parallel is unset; set it "
             f"to one of {list(SCHEMES)} (or mesh.sequence = 1)."
         )
+    _check_seq_len(seq_len, ways, layout)
+    if scheme == "ulysses" and heads is not None:
+        _check_ulysses_heads(heads, ways, tensor)
+
+
+def _check_seq_len(seq_len: int, ways: int, layout: str) -> None:
+    """`seq_len` splits into the layout's equal chunks over `ways` devices."""
     chunks = 2 * ways if layout == "zigzag" else ways
     if seq_len % chunks:
         twice = " (twice mesh.sequence for the zigzag layout)" if chunks > ways else ""
@@ -79,7 +86,11 @@ def check_sequence(
             f"{twice} over mesh.sequence = {ways}; use a data.seq_len that is a "
             f"multiple of {chunks}."
         )
-    if scheme == "ulysses" and heads is not None and (heads // tensor) % ways:
+
+
+def _check_ulysses_heads(heads: int, ways: int, tensor: int) -> None:
+    """Each `tensor` device's heads split over the `ways` sequence devices."""
+    if (heads // tensor) % ways:
         raise ConfigError(
             f"model.sequence_parallel = 'ulysses' splits the heads over "
             f"mesh.sequence = {ways}, but model.num_heads {heads} gives "
@@ -174,49 +185,50 @@ def sequence_attention(
         positions = segment_positions(segs)
     mesh = jax.sharding.get_abstract_mesh() if mesh is None else mesh
     n = sequence_ways(mesh)
+    if n == 1 and layout == "contiguous":
+        return attention(
+            q, k, v, segment_ids=segment_ids, sliding_window=sliding_window,
+            implementation=implementation, **score,
+        )  # fmt: skip
     if n == 1:
-        if layout == "contiguous":
-            return attention(
-                q,
-                k,
-                v,
-                segment_ids=segment_ids,
-                sliding_window=sliding_window,
-                implementation=implementation,
-                **score,
-            )
         return _dense(
             q, k, v, positions, segs, positions, segs, sliding_window, None, **score
         )
+    _check_chunks(seq, n, layout)
+    local = functools.partial(
+        _BODIES[scheme], n=n, window=sliding_window, layout=layout,
+        implementation=implementation, score=score,
+    )  # fmt: skip
+    return _over_sequence(local, mesh, q, k, v, positions, segs)
+
+
+def _check_chunks(seq: int, n: int, layout: str) -> None:
+    """A sequence of `seq` tokens splits into the layout's chunks over `n`."""
     chunks = 2 * n if layout == "zigzag" else n
     if seq % chunks:
         raise ConfigError(
             f"a sequence of {seq} tokens does not split into {chunks} equal chunks "
             f"over the `sequence` axis of size {n}; use a multiple of {chunks}."
         )
-    body = _BODIES[scheme]
-    local = lambda q, k, v, p, s: body(
-        q,
-        k,
-        v,
-        p,
-        s,
-        n=n,
-        window=sliding_window,
-        layout=layout,
-        implementation=implementation,
-        score=score,
-    )
+
+
+def _over_sequence(
+    local: Callable[..., Array],
+    mesh: Any,
+    q: Array,
+    k: Array,
+    v: Array,
+    positions: Array,
+    segs: Array,
+) -> Array:
+    """`local(q, k, v, positions, segs)` on each device's block of the sequence
+    (a `shard_map` over every mesh axis)."""
     # Every mesh axis is manual: the rows' axes come from the `vmap` around the
     # model (`spmd_axis_name`, see `eqtrain._rows.vmap_rows`), whole heads lie on
     # `tensor` as the tensor-parallel rules put them, and `sequence` is ours.
     # (With only `sequence` manual, XLA gathered the rows of Ulysses and
     # all-gather across `data`.)
-    tensor = _size(mesh, "tensor")
-    split = tensor > 1 and q.shape[1] % tensor == 0  # else heads are gathered
-    if split and k.shape[1] % tensor:  # too few kv heads to split: repeat them
-        k, v = (jnp.repeat(x, q.shape[1] // k.shape[1], axis=1) for x in (k, v))
-    heads = P(AXIS, "tensor" if split else None)
+    k, v, heads = _tensor_heads(_size(mesh, "tensor"), q, k, v)
     mapped = jax.shard_map(
         local,
         mesh=mesh,
@@ -226,6 +238,18 @@ def sequence_attention(
         check_vma=False,
     )
     return mapped(q, k, v, positions.astype(jnp.int32), segs.astype(jnp.int32))
+
+
+def _tensor_heads(
+    tensor: int, q: Array, k: Array, v: Array
+) -> tuple[Array, Array, Any]:
+    """`(k, v, spec)`: the heads' partition spec, whole heads on `tensor` when
+    it divides the query heads (else gathered), and the key/value heads
+    repeated when too few to split."""
+    split = tensor > 1 and q.shape[1] % tensor == 0
+    if split and k.shape[1] % tensor:
+        k, v = (jnp.repeat(x, q.shape[1] // k.shape[1], axis=1) for x in (k, v))
+    return k, v, P(AXIS, "tensor" if split else None)
 
 
 def _size(mesh: Any, axis: str) -> int:
@@ -251,16 +275,9 @@ def _ulysses(q, k, v, pos, seg, *, n, window, layout, implementation, score):
     to_heads = lambda x: lax.all_to_all(x, AXIS, 1, 0, tiled=True)
     q, k, v = to_heads(q), to_heads(k), to_heads(v)
     pos, seg = _gather(pos), _gather(seg)
+    kernel = dict(implementation=implementation, **score)
     if layout == "contiguous":  # rows in order: the kernel's own causal mask
-        out = attention(
-            q,
-            k,
-            v,
-            segment_ids=seg,
-            sliding_window=window,
-            implementation=implementation,
-            **score,
-        )
+        out = attention(q, k, v, segment_ids=seg, sliding_window=window, **kernel)
     else:
         out = _dense(q, k, v, pos, seg, pos, seg, window, implementation, **score)
     return lax.all_to_all(out, AXIS, 0, 1, tiled=True)
@@ -327,64 +344,87 @@ def _blocks(q, kv, block, *, n, window, layout, scale=None, softcap=None):
     scale = 1.0 / math.sqrt(d) if scale is None else scale
     qg = (q * scale).astype(q.dtype)
     qg = qg.reshape(s, kv_heads, heads // kv_heads, d)
-    me = lax.axis_index(AXIS)
-    half = s // 2
+    local = _LocalQueries(qg, pos, seg, window, softcap, lax.axis_index(AXIS))
+    # Rematerialise each block: the backward keeps only its inputs (accumulators
+    # and the travelling block), not the [q, heads, k] scores and probabilities.
+    # With `lax.cond` (contiguous) the branch is checkpointed too: with either
+    # checkpoint alone, a step's temp memory measured twice as large.
+    diagonal = jax.checkpoint(local.diagonal, prevent_cse=False)
+    other = jax.checkpoint(
+        local.zigzag if layout == "zigzag" else local.contiguous, prevent_cse=False
+    )
 
-    def merge(acc, lo, size, kv, k_lo, k_size):
+    def step(carry, t):
+        acc, kv = carry
+        src = (local.me - t) % n
+        kv = block(kv, src)
+        return (other(acc, kv, src), kv), None
+
+    acc = diagonal(_no_keys((s, kv_heads, heads // kv_heads), d), kv)
+    (acc, _), _ = lax.scan(step, (acc, kv), jnp.arange(1, n))
+    out, _, total = acc
+    out = out / total[..., None]
+    return out.reshape(s, heads, d).astype(q.dtype)
+
+
+def _no_keys(shape: tuple[int, ...], d: int) -> tuple[Array, Array, Array]:
+    """The online softmax's accumulators before any key block (`_merge`)."""
+    return (
+        jnp.zeros((*shape, d), jnp.float32),
+        jnp.full(shape, _NEG, jnp.float32),
+        jnp.zeros(shape, jnp.float32),
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class _LocalQueries:
+    """One device's queries in `_blocks` (scaled, grouped by key/value head:
+    `[s, kv_heads, group, d]`) with their positions and segment ids, and the
+    ways a key block folds into their accumulators."""
+
+    q: Array
+    pos: Array
+    seg: Array
+    window: int | None
+    softcap: float | None
+    me: Array  # this device's index on the sequence axis
+
+    def merge(self, acc: Any, lo: Any, size: int, kv: Any, k_lo: Any, k_size: int):
         """Fold keys `[k_lo, k_lo + k_size)` of `kv` into query rows `[lo, lo +
         size)` (offsets may be traced)."""
         cut = lambda x, at, n: lax.dynamic_slice_in_dim(x, at, n)
         rows = tuple(cut(a, lo, size) for a in acc)
         keys = tuple(cut(x, k_lo, k_size) for x in kv)
-        q_, p_, s_ = cut(qg, lo, size), cut(pos, lo, size), cut(seg, lo, size)
-        part = _merge(rows, q_, p_, s_, *keys, window, softcap)
+        q_, p_, s_ = (
+            cut(self.q, lo, size),
+            cut(self.pos, lo, size),
+            cut(self.seg, lo, size),
+        )
+        part = _merge(rows, q_, p_, s_, *keys, self.window, self.softcap)
         return tuple(
             lax.dynamic_update_slice_in_dim(a, b, lo, 0)
             for a, b in zip(acc, part, strict=True)
         )
 
-    def diagonal(acc, kv):  # my own block: every query against every key
-        return merge(acc, 0, s, kv, 0, s)
+    def diagonal(self, acc: Any, kv: Any):
+        """My own block: every query against every key."""
+        s = self.q.shape[0]
+        return self.merge(acc, 0, s, kv, 0, s)
 
-    def contiguous(acc, kv, src):  # a block from after me is masked by causality
-        seen = jax.checkpoint(lambda a, kv: merge(a, 0, s, kv, 0, s), prevent_cse=False)
-        return lax.cond(src < me, seen, lambda a, kv: a, acc, kv)
+    def contiguous(self, acc: Any, kv: Any, src: Any):
+        """A block from after me is masked by causality."""
+        seen = jax.checkpoint(self.diagonal, prevent_cse=False)
+        return lax.cond(src < self.me, seen, lambda a, kv: a, acc, kv)
 
-    def zigzag(acc, kv, src):
-        # Device i holds chunks (i, 2n-1-i). A source before me: both my query
-        # halves see its first key half. After me: my second query half sees both
-        # of its key halves. Both cases are two quarter blocks, one of them
-        # (second query half, first key half) common: no branch at all.
-        acc = merge(acc, half, half, kv, 0, half)
-        h = jnp.where(src > me, half, 0)
-        return merge(acc, h, half, kv, h, half)
-
-    # Rematerialise each block: the backward keeps only its inputs (accumulators
-    # and the travelling block), not the [q, heads, k] scores and probabilities.
-    # With `lax.cond` (contiguous) the branch is checkpointed too: with either
-    # checkpoint alone, a step's temp memory measured twice as large.
-    diagonal = jax.checkpoint(diagonal, prevent_cse=False)
-    other = jax.checkpoint(
-        zigzag if layout == "zigzag" else contiguous, prevent_cse=False
-    )
-
-    def step(carry, t):
-        acc, kv = carry
-        src = (me - t) % n
-        kv = block(kv, src)
-        return (other(acc, kv, src), kv), None
-
-    shape = (s, kv_heads, heads // kv_heads)
-    acc = (
-        jnp.zeros((*shape, d), jnp.float32),
-        jnp.full(shape, _NEG, jnp.float32),
-        jnp.zeros(shape, jnp.float32),
-    )
-    acc = diagonal(acc, kv)
-    (acc, _), _ = lax.scan(step, (acc, kv), jnp.arange(1, n))
-    out, _, total = acc
-    out = out / total[..., None]
-    return out.reshape(s, heads, d).astype(q.dtype)
+    def zigzag(self, acc: Any, kv: Any, src: Any):
+        """Device i holds chunks (i, 2n-1-i). A source before me: both my query
+        halves see its first key half. After me: my second query half sees
+        both of its key halves. Both cases are two quarter blocks, one of them
+        (second query half, first key half) common: no branch at all."""
+        half = self.q.shape[0] // 2
+        acc = self.merge(acc, half, half, kv, 0, half)
+        h = jnp.where(src > self.me, half, 0)
+        return self.merge(acc, h, half, kv, h, half)
 
 
 _BODIES = {"ulysses": _ulysses, "ring": _ring, "all_gather": _all_gather}
@@ -405,75 +445,13 @@ def attend(
     """The models' attention under their `RuntimeOptions` (`options`): `attention`
     (one device's whole sequence, rows in order; `options.query_chunk`: blocked,
     see `attention`), or `sequence_attention` with a `sequence_parallel` scheme."""
+    common = dict(
+        segment_ids=segment_ids, sliding_window=sliding_window,
+        implementation=options.implementation, scale=scale, softcap=softcap,
+    )  # fmt: skip
     if options.sequence_parallel is None:
-        return attention(
-            q,
-            k,
-            v,
-            segment_ids=segment_ids,
-            sliding_window=sliding_window,
-            implementation=options.implementation,
-            query_chunk=options.query_chunk,
-            scale=scale,
-            softcap=softcap,
-        )
+        return attention(q, k, v, query_chunk=options.query_chunk, **common)
     return sequence_attention(
-        q,
-        k,
-        v,
-        scheme=options.sequence_parallel,
-        positions=positions,
-        segment_ids=segment_ids,
-        sliding_window=sliding_window,
-        layout=options.sequence_layout,
-        implementation=options.implementation,
-        scale=scale,
-        softcap=softcap,
-    )
-
-
-# -- the data side: positions and the zigzag layout --------------------------------
-def zigzag_order(seq_len: int, ways: int) -> np.ndarray:
-    """The permutation of a row's positions that lays it out zigzag over `ways`
-    devices: `2 * ways` chunks, device `i` holding chunks `i` and `2*ways - 1 - i`
-    (Striped/zigzag ring attention's load balance for causal masks)."""
-    if seq_len % (2 * ways):
-        raise ConfigError(
-            f"the zigzag layout splits a row into 2 x {ways} chunks; a row of "
-            f"{seq_len} tokens does not split. Use a multiple of {2 * ways}."
-        )
-    chunks = np.arange(seq_len).reshape(2 * ways, -1)
-    pairs = [(chunks[i], chunks[2 * ways - 1 - i]) for i in range(ways)]
-    return np.concatenate([c for pair in pairs for c in pair])
-
-
-def row_positions(rows: Mapping[str, np.ndarray]) -> np.ndarray:
-    """`positions` of LM rows: restarting in every segment with `segment_ids`,
-    else `0 .. seq_len - 1` (as the models' default)."""
-    tokens = np.asarray(rows["tokens"])
-    if "segment_ids" not in rows:
-        return np.broadcast_to(np.arange(tokens.shape[1], dtype=np.int32), tokens.shape)
-    seg = np.asarray(rows["segment_ids"])
-    index = np.arange(seg.shape[1], dtype=np.int32)[None, :]
-    starts = np.concatenate(
-        [np.ones((seg.shape[0], 1), bool), seg[:, 1:] != seg[:, :-1]], axis=1
-    )
-    first = np.maximum.accumulate(np.where(starts, index, 0), axis=1)
-    return (index - first).astype(np.int32)
-
-
-def sequence_rows(
-    rows: Mapping[str, np.ndarray], *, layout: str = "contiguous", ways: int = 1
-) -> dict[str, np.ndarray]:
-    """LM rows (`tokens`, `targets`, ... all `[N, seq_len]`) with `positions`
-    added and, for `layout="zigzag"`, every column permuted by `zigzag_order`.
-
-    The losses are token-weighted means, so permuting the tokens of a row (with
-    their targets, masks, segment ids and positions) changes no result."""
-    check_scheme(None, layout)
-    out = {k: np.asarray(v) for k, v in rows.items()}
-    out["positions"] = np.ascontiguousarray(row_positions(out))
-    if layout == "zigzag" and ways > 1:
-        order = zigzag_order(out["tokens"].shape[1], ways)
-        out = {k: np.ascontiguousarray(v[:, order]) for k, v in out.items()}
-    return out
+        q, k, v, scheme=options.sequence_parallel, positions=positions,
+        layout=options.sequence_layout, **common,
+    )  # fmt: skip

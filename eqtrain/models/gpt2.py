@@ -7,6 +7,7 @@ Builds on the layers in `eqtrain.models._layers`.
 
 import dataclasses
 import math
+from collections.abc import Callable
 from typing import Any
 
 import equinox as eqx
@@ -17,37 +18,42 @@ from jax.sharding import PartitionSpec
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from .._errors import ConfigError
+from ._attention import default_positions
 from ._cache import (
+    CacheStep,
     KVCache,
-    cache_attention,
+    cached_attention,
     empty_cache,
-    layer_of,
     slot_positions,
     write,
 )
 from ._layers import (
     ACTIVATIONS,
-    RUNTIME_OPTIONS,
     AnyLinear,
     Embedding,
     LayerNorm,
     Linear,
-    Numbered,
+    as_dtype,
+    head_weight,
+    residual_scale,
+    split_key,
+    tiled,
+)
+from ._options import (
+    RUNTIME_OPTIONS,
     RuntimeFields,
     RuntimeOptions,
-    as_dtype,
     check_runtime,
-    default_positions,
-    head_weight,
-    name_activation,
-    residual_scale,
-    run_layers,
-    split_key,
-    stack_layers,
-    tiled,
     with_config_options,
 )
 from ._sequence import attend
+from ._stack import (
+    Numbered,
+    name_activation,
+    run_configured,
+    run_layers,
+    stack_layers,
+)
 
 
 """Every parameter-free `activation_function` of transformers' `ACT2FN`, as
@@ -119,6 +125,23 @@ class GPT2Config(RuntimeFields):
         return self.n_inner or 4 * self.n_embd
 
 
+def _linear(
+    config: GPT2Config,
+    d_in: int,
+    d_out: int,
+    key: PRNGKeyArray,
+    *,
+    residual: bool = False,
+) -> Linear:
+    """A block's projection (with a bias); a `residual` output projection
+    starts smaller (`residual_scale`), as GPT-2's."""
+    std = config.initializer_range
+    if residual:
+        std = std * residual_scale(config.n_layer)
+    dtype = as_dtype(config.param_dtype)
+    return Linear(d_in, d_out, use_bias=True, std=std, dtype=dtype, key=key)
+
+
 class GPT2Attention(eqx.Module):
     """Causal self-attention with fused q/k/v (`attn` in HF)."""
 
@@ -128,11 +151,9 @@ class GPT2Attention(eqx.Module):
 
     def __init__(self, config: GPT2Config, key: PRNGKeyArray):
         ka, kp = jr.split(key)
-        d, std = config.n_embd, config.initializer_range
-        dtype = as_dtype(config.param_dtype)
-        self.c_attn = Linear(d, 3 * d, use_bias=True, std=std, dtype=dtype, key=ka)
-        std_out = std * residual_scale(config.n_layer)
-        self.c_proj = Linear(d, d, use_bias=True, std=std_out, dtype=dtype, key=kp)
+        d = config.n_embd
+        self.c_attn = _linear(config, d, 3 * d, ka)
+        self.c_proj = _linear(config, d, d, kp, residual=True)
         self.n_head = config.n_head
 
     def __call__(
@@ -184,11 +205,9 @@ class GPT2MLP(eqx.Module):
 
     def __init__(self, config: GPT2Config, key: PRNGKeyArray):
         kf, kp = jr.split(key)
-        d, f, std = config.n_embd, config.inner_size, config.initializer_range
-        dtype = as_dtype(config.param_dtype)
-        self.c_fc = Linear(d, f, use_bias=True, std=std, dtype=dtype, key=kf)
-        std_out = std * residual_scale(config.n_layer)
-        self.c_proj = Linear(f, d, use_bias=True, std=std_out, dtype=dtype, key=kp)
+        d, f = config.n_embd, config.inner_size
+        self.c_fc = _linear(config, d, f, kf)
+        self.c_proj = _linear(config, f, d, kp, residual=True)
         self.activation = config.activation_function
 
     def __call__(
@@ -240,28 +259,16 @@ class GPT2Block(eqx.Module):
         cache: tuple[Array, Array],
         *,
         layer: Int[Array, ""],
-        slot: Int[Array, ""] | int,
-        pads: Int[Array, " rows"],
-        segment_ids: Int[Array, "rows t"],
-        options: RuntimeOptions,
-        prefill: bool,
+        step: CacheStep,
         query_scale: Array | float | None,
     ) -> tuple[Array, tuple[Array, Array]]:
         """The block on `t` new tokens per row, writing their keys and values
         into `cache` (as `DecoderLayer.cached`)."""
         attn = self.attn
-        q, k, v = jax.vmap(lambda a: attn.project(a, query_scale))(
-            jax.vmap(self.ln_1)(x)
-        )
-        new = write(cache, layer, slot, k, v)
-        if prefill:
-            one = lambda qi, ki, vi, si: attend(
-                qi, ki, vi, options, segment_ids=si, positions=None
-            )
-            out = jax.vmap(one)(q, k, v, segment_ids)
-        else:
-            keys, values = layer_of(new, layer)
-            out = cache_attention(q, keys, values, pads=pads, slot=slot, window=None)
+        h = jax.vmap(self.ln_1)(x)
+        q, k, v = jax.vmap(lambda a: attn.project(a, query_scale))(h)
+        new = write(cache, layer, step.slot, k, v)
+        out = cached_attention(q, k, v, new, layer=layer, step=step)
         x = x + jax.vmap(attn.output)(out)
         h = self.mlp(self.ln_2(x).reshape(-1, x.shape[-1])).reshape(x.shape)
         return x + h, new
@@ -333,40 +340,27 @@ class GPT2(eqx.Module):
         """The final-normed hidden states (`ln_f`'s output) that `__call__` feeds
         its head; arguments as for `__call__`."""
         config = self.config
-        if (
-            segment_ids is None
-            and positions is None
-            and (tokens.shape[0] > config.n_positions)
-        ):
-            raise ConfigError(
-                f"a sequence of {tokens.shape[0]} tokens is longer than GPT-2's "
-                f"{config.n_positions} learned positions (`n_positions`). Truncate "
-                "it, or build the model with a larger `n_positions`."
-            )
+        if segment_ids is None and positions is None:
+            _check_length(tokens.shape[0], config)
         positions = default_positions(tokens.shape[0], segment_ids, positions)
         x = self.wte(tokens) + self.wpe(positions)
         options = RuntimeOptions.of(config, tokens.shape[0], config.n_embd)
         attn = dict(options=options, segment_ids=segment_ids, positions=positions)
+        layers, call = self._layer_calls(attn)
+        return self.ln_f(run_configured(layers, x, call, config, key=key))
+
+    def _layer_calls(self, attn: dict[str, Any]) -> tuple[Any, Callable[..., Any]]:
+        """The stack `run_layers` goes over and the call of one block (`attn`:
+        its attention's keywords), with each block's query scale."""
+        config = self.config
         if config.scale_attn_by_inverse_layer_idx:
             # The layer index travels with the layers, so `lax.scan` slices it too.
-            layers: Any = Numbered(self.h, jnp.arange(config.n_layer))
             call = lambda layer, h, k: layer.block(
                 h, key=k, query_scale=query_scale(config, layer.index), **attn
             )
-        else:
-            layers, scale = self.h, query_scale(config, None)
-            call = lambda block, h, k: block(h, key=k, query_scale=scale, **attn)
-        x = run_layers(
-            layers,
-            x,
-            call,
-            scan=config.scan_layers,
-            remat=config.remat,
-            key=key,
-            remat_save=config.remat_save,
-            remat_offload=config.remat_offload,
-        )
-        return self.ln_f(x)
+            return Numbered(self.h, jnp.arange(config.n_layer)), call
+        scale = query_scale(config, None)
+        return self.h, lambda block, h, k: block(h, key=k, query_scale=scale, **attn)
 
     def init_cache(self, rows: int, length: int, pads: Int[Array, " rows"]) -> KVCache:
         """An empty `KVCache` (see `Decoder.init_cache`)."""
@@ -378,14 +372,9 @@ class GPT2(eqx.Module):
                 "shorten the prompt or `max_new_tokens`."
             )
         return empty_cache(
-            layers=c.n_layer,
-            rows=rows,
-            length=length,
-            kv_heads=c.n_head,
-            head_dim=c.n_embd // c.n_head,
-            dtype=self.wte.weight.dtype,
-            pads=pads,
-        )
+            layers=c.n_layer, rows=rows, length=length, kv_heads=c.n_head,
+            head_dim=c.n_embd // c.n_head, dtype=self.wte.weight.dtype, pads=pads,
+        )  # fmt: skip
 
     def cached_features(
         self,
@@ -401,16 +390,15 @@ class GPT2(eqx.Module):
         positions, segments = slot_positions(cache.pads, slot, tokens.shape[1])
         x = jax.vmap(self.wte)(tokens) + jax.vmap(self.wpe)(positions)
         options = RuntimeOptions.of(config, tokens.shape[1], config.n_embd)
-        options = dataclasses.replace(options, sequence_parallel=None)
+        step = CacheStep(slot, cache.pads, segments, options.on_one_device(), prefill)
         index = config.scale_attn_by_inverse_layer_idx
 
         def call(layer: Numbered, carry: Any, k: Any) -> Any:
             h, kv = carry
+            scale = query_scale(config, layer.index if index else None)
             return layer.block.cached(
-                h, kv, layer=layer.index, slot=slot, pads=cache.pads,
-                segment_ids=segments, options=options, prefill=prefill,
-                query_scale=query_scale(config, layer.index if index else None),
-            )  # fmt: skip
+                h, kv, layer=layer.index, step=step, query_scale=scale
+            )
 
         layers = Numbered(self.h, jnp.arange(config.n_layer))
         x, (k, v) = run_layers(
@@ -436,6 +424,16 @@ class GPT2(eqx.Module):
         `remat_offload`, `mlp_chunks`, `attention_chunk`, `scan_layers`,
         `attention_impl`, `sequence_parallel`, `sequence_layout`)."""
         return with_config_options(self, RUNTIME_OPTIONS, **changes)
+
+
+def _check_length(seq: int, config: GPT2Config) -> None:
+    """A sequence no longer than the learned positions."""
+    if seq > config.n_positions:
+        raise ConfigError(
+            f"a sequence of {seq} tokens is longer than GPT-2's "
+            f"{config.n_positions} learned positions (`n_positions`). Truncate "
+            "it, or build the model with a larger `n_positions`."
+        )
 
 
 def query_scale(config: GPT2Config, layer: Array | None) -> Array | float | None:

@@ -3,17 +3,18 @@
 Mistral, Qwen2 and the other Llama-like families are the same classes with other
 switches (their Hugging Face mappings: `eqtrain.models.archs`)."""
 
-from ._layers import head_weight as head_weight
-from .decoder import (
-    RUNTIME_OPTIONS as RUNTIME_OPTIONS,
+from ._decoder_blocks import (
     Attention as LlamaAttention,
-    Decoder as Llama,
-    DecoderConfig as LlamaConfig,
     DecoderLayer as LlamaDecoderLayer,
     GatedMLP as LlamaMLP,
-    flops_per_token as flops_per_token,
-    tensor_parallel_rules as tensor_parallel_rules,
 )
+from ._decoder_config import (
+    DecoderConfig as LlamaConfig,
+    flops_per_token as flops_per_token,
+)
+from ._layers import head_weight as head_weight
+from ._options import RUNTIME_OPTIONS as RUNTIME_OPTIONS
+from .decoder import Decoder as Llama, tensor_parallel_rules as tensor_parallel_rules
 
 
 __all__ = [

@@ -12,9 +12,9 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from ..._errors import ConfigError
-from .._layers import RUNTIME_OPTIONS
+from .._decoder_config import MOE_OPTIONS, DecoderConfig
+from .._options import RUNTIME_OPTIONS
 from .._rope import Rope, rope_from_hf
-from ..decoder import MOE_OPTIONS, DecoderConfig
 
 
 class HFConfigError(ConfigError):
@@ -176,21 +176,39 @@ def read_common(r: Reader, arch: Arch) -> dict[str, Any]:
     heads = int(r.need("num_attention_heads"))
     hidden = int(r.need("hidden_size"))
     kv = int(r.get("num_key_value_heads") or heads)
-    default = arch.defaults.get
-    head_dim = r.get("head_dim", default("head_dim"))
-    # Values equal to their defaults are written as `None`, as a hand-written
-    # config would have them, so that a round trip gives an equal config.
-    if head_dim is not None and hidden % heads == 0 and head_dim == hidden // heads:
-        head_dim = None
-    layers = int(r.need("num_hidden_layers"))
-    out: dict[str, Any] = dict(
-        vocab_size=int(r.need("vocab_size")),
+    head_dim = _read_head_dim(r, arch, hidden, heads)
+    out = _read_shape(r, arch)
+    out.update(
         hidden_size=hidden,
-        intermediate_size=int(r.need("intermediate_size")),
-        num_hidden_layers=layers,
         num_attention_heads=heads,
         num_key_value_heads=None if kv == heads else kv,
         head_dim=None if head_dim is None else int(head_dim),
+    )
+    size = head_dim or hidden // heads
+    out.update(read_rope(r, arch, size))
+    key, default = arch.act
+    out["hidden_act"] = r.get(key, default)
+    return out
+
+
+def _read_head_dim(r: Reader, arch: Arch, hidden: int, heads: int) -> Any:
+    """`head_dim`, None when it is the default `hidden // heads`: values equal
+    to their defaults are written as `None`, as a hand-written config would
+    have them, so that a round trip gives an equal config."""
+    head_dim = r.get("head_dim", arch.defaults.get("head_dim"))
+    if head_dim is not None and hidden % heads == 0 and head_dim == hidden // heads:
+        return None
+    return head_dim
+
+
+def _read_shape(r: Reader, arch: Arch) -> dict[str, Any]:
+    """The sizes and options besides the heads' that every config.json gives."""
+    default = arch.defaults.get
+    layers = int(r.need("num_hidden_layers"))
+    return dict(
+        vocab_size=int(r.need("vocab_size")),
+        intermediate_size=int(r.need("intermediate_size")),
+        num_hidden_layers=layers,
         rms_norm_eps=float(r.get("rms_norm_eps", default("rms_norm_eps", 1e-6))),
         tie_word_embeddings=bool(
             r.get("tie_word_embeddings", default("tie_word_embeddings", False))
@@ -201,11 +219,6 @@ def read_common(r: Reader, arch: Arch) -> dict[str, Any]:
         initializer_range=float(r.get("initializer_range", 0.02)),
         model_type=arch.model_type,
     )
-    size = head_dim or hidden // heads
-    out.update(read_rope(r, arch, size))
-    key, default = arch.act
-    out["hidden_act"] = r.get(key, default)
-    return out
 
 
 def read_rope(
@@ -214,6 +227,28 @@ def read_rope(
     """`rope_theta`/`rope`/`partial_rotary_factor` from `rope_parameters`
     (transformers 5; Gemma 3's per layer type with `layer_type`), else from
     `rope_scaling` and `rope_theta` (4.x files)."""
+    params, name = _rope_source(r, layer_type)
+    params = _rope_params(r, arch, params, layer_type)
+    partial = float(
+        params.get("partial_rotary_factor", r.get("partial_rotary_factor", 1.0))
+    )
+    original = None
+    if arch.original_default is not None:
+        original = int(r.get("original_max_position_embeddings", arch.original_default))
+    longest = r.get(
+        "max_position_embeddings", arch.defaults.get("max_position_embeddings", 2048)
+    )
+    rope = rope_from_hf(
+        params, head_dim=head_dim, max_position_embeddings=int(longest),
+        partial_rotary_factor=partial, original_max_position_embeddings=original,
+        where=r.path, name=name,
+    )  # fmt: skip
+    return _rope_fields(rope, partial, head_dim)
+
+
+def _rope_source(r: Reader, layer_type: str | None) -> tuple[Any, str]:
+    """The rotary parameters as the file gives them, and their key's name:
+    `rope_parameters` (Gemma 3's for `layer_type`), else `rope_scaling`."""
     params, name = r.get("rope_parameters"), "rope_parameters"
     scaling = r.get("rope_scaling") or {}
     if layer_type is not None:
@@ -225,6 +260,15 @@ def read_rope(
             params, name = {**params, **scaling}, "rope_scaling"
     elif not isinstance(params, Mapping):
         params, name = scaling, "rope_scaling"
+    return params, name
+
+
+def _rope_params(
+    r: Reader, arch: Arch, params: Any, layer_type: str | None
+) -> dict[str, Any]:
+    """`params` with the architecture's rope type names resolved and its
+    `rope_theta` (the file's top-level one, or Gemma 3's local base frequency
+    for sliding layers) filled in."""
     params = dict(params)
     kind = params.get("rope_type", params.get("type"))
     if kind in arch.rope_aliases:
@@ -234,24 +278,12 @@ def read_rope(
         params["rope_theta"] = r.get(
             "rope_local_base_freq" if local else "rope_theta", arch.theta
         )
-    partial = float(
-        params.get("partial_rotary_factor", r.get("partial_rotary_factor", 1.0))
-    )
-    original = None
-    if arch.original_default is not None:
-        original = int(r.get("original_max_position_embeddings", arch.original_default))
-    longest = r.get(
-        "max_position_embeddings", arch.defaults.get("max_position_embeddings", 2048)
-    )
-    rope = rope_from_hf(
-        params,
-        head_dim=head_dim,
-        max_position_embeddings=int(longest),
-        partial_rotary_factor=partial,
-        original_max_position_embeddings=original,
-        where=r.path,
-        name=name,
-    )
+    return params
+
+
+def _rope_fields(rope: Rope, partial: float, head_dim: int) -> dict[str, Any]:
+    """The `DecoderConfig` fields of a rotary embedding: `rope_theta`, and
+    `partial_rotary_factor` and `rope` where they are not the defaults."""
     out: dict[str, Any] = {"rope_theta": float(rope.theta)}
     if partial != 1.0:
         out["partial_rotary_factor"] = partial

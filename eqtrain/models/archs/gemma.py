@@ -5,7 +5,7 @@ sliding pattern and a local rotary base on its sliding layers."""
 
 from typing import Any
 
-from ..decoder import DecoderConfig
+from .._decoder_config import DecoderConfig
 from ._common import (
     Arch,
     Reader,

@@ -4,7 +4,7 @@ defaults, with biases or sliding windows."""
 from collections.abc import Callable
 from typing import Any
 
-from ..decoder import DecoderConfig
+from .._decoder_config import DecoderConfig
 from ._common import Arch, Reader, layer_types, read_layer_types
 
 

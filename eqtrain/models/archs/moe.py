@@ -11,7 +11,7 @@ config is refused by name (every released Qwen-MoE checkpoint has none).
 
 from typing import Any
 
-from ..decoder import DecoderConfig
+from .._decoder_config import DecoderConfig
 from ._common import Arch, Reader, layer_types
 from .llama import _windows, write_windows
 

@@ -1,0 +1,326 @@
+"""Attention kernels and their masks: causal attention of one sequence
+(`attention`), dispatching to one fused call (`dot_attention`), causal query
+blocks (`causal_blocks`) or rematerialised query chunks (`blocked_attention`);
+masks from positions and segment ids. A new kernel (e.g. a flash attention with
+an online softmax over key blocks) belongs here, beside `blocked_attention`.
+
+Sequence-parallel attention (`_sequence`) and the KV cache's (`_cache`) build on
+these masks and kernels.
+"""
+
+from typing import Any
+
+import jax
+import jax.lax as lax
+import jax.numpy as jnp
+from jaxtyping import Array, Bool, Float, Int
+
+from .._errors import ConfigError
+
+
+def segment_positions(segment_ids: Int[Array, " seq"]) -> Int[Array, " seq"]:
+    """Position of each token within its segment: 0 at every segment's first token.
+
+    Segments are runs of equal ids (packed examples 1, 2, 3, ...; padding 0).
+    """
+    index = jnp.arange(segment_ids.shape[0], dtype=jnp.int32)
+    starts = jnp.concatenate(
+        [jnp.ones((1,), bool), segment_ids[1:] != segment_ids[:-1]]
+    )
+    first = lax.cummax(jnp.where(starts, index, 0), axis=0)
+    return index - first
+
+
+def default_positions(
+    seq_len: int,
+    segment_ids: Int[Array, " seq"] | None,
+    positions: Int[Array, " seq"] | None,
+) -> Int[Array, " seq"]:
+    """Explicit `positions`, else positions restarting per segment, else `arange`."""
+    if positions is not None:
+        return positions
+    if segment_ids is not None:
+        return segment_positions(segment_ids)
+    return jnp.arange(seq_len, dtype=jnp.int32)
+
+
+def attention(
+    q: Float[Array, "seq heads head_dim"],
+    k: Float[Array, "seq kv_heads head_dim"],
+    v: Float[Array, "seq kv_heads head_dim"],
+    *,
+    segment_ids: Int[Array, " seq"] | None,
+    sliding_window: int | None,
+    implementation: str | None,
+    query_chunk: int = 0,
+    scale: float | None = None,
+    softcap: float | None = None,
+) -> Float[Array, "seq heads head_dim"]:
+    """Causal attention with `jax.nn.dot_product_attention` (`dot_attention`).
+
+    Query head `h` reads key/value head `h // (heads // kv_heads)` (grouped-query
+    attention, heads grouped contiguously as Hugging Face's `repeat_kv`). A position
+    attends to earlier-or-same positions with the same segment id, and, with a
+    sliding window `w`, only to the last `w` of them (itself included), as Mistral.
+
+    `query_chunk > 0` (and shorter than the sequence): the queries go through in
+    blocks of that many (`blocked_attention`), so that the `[heads, seq, seq]`
+    scores never exist at once, in the backward pass either.
+
+    `scale` multiplies the scores (default `head_dim ** -0.5`); `softcap` caps
+    them as `softcap * tanh(scores / softcap)` before the mask (Gemma 2).
+    """
+    common = dict(
+        segment_ids=segment_ids, sliding_window=sliding_window,
+        implementation=implementation, scale=scale, softcap=softcap,
+    )  # fmt: skip
+    if implementation == "cudnn":  # the fused kernel takes the whole sequence
+        return one_call_attention(q, k, v, **common)
+    if 0 < query_chunk < q.shape[0]:
+        return blocked_attention(q, k, v, query_chunk=query_chunk, **common)
+    if q.shape[0] > CAUSAL_BLOCK_MIN:
+        return causal_blocks(q, k, v, **common)
+    return one_call_attention(q, k, v, **common)
+
+
+def one_call_attention(
+    q: Float[Array, "seq heads head_dim"],
+    k: Float[Array, "seq kv_heads head_dim"],
+    v: Float[Array, "seq kv_heads head_dim"],
+    *,
+    segment_ids: Int[Array, " seq"] | None,
+    sliding_window: int | None,
+    **kernel: Any,
+) -> Float[Array, "seq heads head_dim"]:
+    """`attention` as one `dot_attention` over the whole sequence: its causal
+    mask and window, and the segments' mask (`kernel`: `implementation`,
+    `scale`, `softcap`)."""
+    mask = None
+    if segment_ids is not None:
+        mask = segment_mask(segment_ids)[None]
+    window = None if sliding_window is None else (sliding_window - 1, 0)
+    return dot_attention(
+        q, k, v, mask=mask, is_causal=True, local_window_size=window, **kernel
+    )
+
+
+_MASKED = -1e30  # a masked score: finite, so a fully masked row never gives NaN
+
+
+def dot_attention(
+    q: Float[Array, "q heads head_dim"],
+    k: Float[Array, "k kv_heads head_dim"],
+    v: Float[Array, "k kv_heads head_dim"],
+    *,
+    mask: Bool[Array, "#heads q k"] | None = None,
+    is_causal: bool = False,
+    local_window_size: tuple[int, int] | None = None,
+    implementation: str | None = None,
+    scale: float | None = None,
+    softcap: float | None = None,
+) -> Float[Array, "q heads head_dim"]:
+    """`jax.nn.dot_product_attention`, or, with a `softcap`, the same computation
+    written out (no fused kernel caps scores): f32 scores `q . k * scale`,
+    `softcap * tanh(scores / softcap)`, masked, softmax in f32, cast to `q`'s
+    dtype, times `v`. Grouped-query heads as `attention`."""
+    if softcap is None:
+        return jax.nn.dot_product_attention(
+            q,
+            k,
+            v,
+            mask=mask,
+            is_causal=is_causal,
+            local_window_size=local_window_size,
+            implementation=implementation,  # pyright: ignore[reportArgumentType]
+            scale=scale,
+        )
+    if implementation == "cudnn":
+        raise ConfigError(
+            "attention soft-capping (attn_logit_softcapping, Gemma 2) has no "
+            "cuDNN kernel; use attention_impl = None or 'xla'."
+        )
+    keep = _grouped_mask(q, k, mask, is_causal, local_window_size)
+    return capped_attention(q, k, v, keep, scale=scale, softcap=softcap)
+
+
+def capped_attention(
+    q: Float[Array, "q heads head_dim"],
+    k: Float[Array, "k kv_heads head_dim"],
+    v: Float[Array, "k kv_heads head_dim"],
+    keep: Bool[Array, "#kv_heads #group q k"],
+    *,
+    scale: float | None,
+    softcap: float,
+) -> Float[Array, "q heads head_dim"]:
+    """The soft-capped attention written out, per key/value head and its group
+    of query heads: f32 scores `q . k * scale` capped at `softcap *
+    tanh(scores / softcap)`, those not in `keep` masked, softmax in f32, cast
+    to `q`'s dtype, times `v`."""
+    t, heads, d = q.shape
+    kv_heads = k.shape[1]
+    scale = d**-0.5 if scale is None else scale
+    qg = q.reshape(t, kv_heads, heads // kv_heads, d)
+    scores = jnp.einsum("tkgd,skd->kgts", qg, k, preferred_element_type=jnp.float32)
+    scores = scores * jnp.float32(scale)
+    scores = jnp.float32(softcap) * jnp.tanh(scores / jnp.float32(softcap))
+    scores = jnp.where(keep, scores, _MASKED)
+    probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
+    out = jnp.einsum("kgts,skd->tkgd", probs, v)
+    return out.reshape(t, heads, d)
+
+
+def _grouped_mask(
+    q: Array,
+    k: Array,
+    mask: Array | None,
+    is_causal: bool,
+    local_window_size: tuple[int, int] | None,
+) -> Array:
+    """`dot_attention`'s mask as `[kv_heads or 1, group or 1, q, k]`: causal
+    and windowed by index, and `mask` (`[1 or heads, q, k]`) with its heads
+    grouped as `capped_attention` groups them."""
+    (t, heads, _), (s, kv_heads) = q.shape, k.shape[:2]
+    full = _index_mask(t, s, is_causal, local_window_size)[None, None]
+    if mask is not None:
+        m = jnp.broadcast_to(mask, (mask.shape[0], t, s))
+        groups = (kv_heads, heads // kv_heads) if m.shape[0] > 1 else (1, 1)
+        full = full & m.reshape(*groups, t, s)
+    return full
+
+
+def _index_mask(
+    t: int, s: int, is_causal: bool, local_window_size: tuple[int, int] | None
+) -> Array:
+    """`[t, s]`: query `i` sees key `j` (causal: `j <= i`; a window `(left,
+    right)`: `i - left <= j <= i + right`)."""
+    keep = jnp.ones((t, s), bool)
+    if is_causal or local_window_size is not None:
+        diff = jnp.arange(t)[:, None] - jnp.arange(s)[None, :]
+        if is_causal:
+            keep = keep & (diff >= 0)
+        if local_window_size is not None:
+            left, right = local_window_size
+            keep = keep & (diff <= left) & (-diff <= right)
+    return keep
+
+
+CAUSAL_BLOCK_MIN = 128
+"""`attention` splits longer sequences into causal blocks (`causal_blocks`)."""
+CAUSAL_BLOCKS_MAX = 16
+
+
+def causal_block_size(seq: int) -> int:
+    """Queries per block of `causal_blocks`: 128, or `seq / 16` (rounded up to a
+    multiple of 8) for sequences longer than 2048, so that a layer has at most 16
+    blocks (its compiled size grows with their number)."""
+    per_block = -(-seq // CAUSAL_BLOCKS_MAX)
+    return max(CAUSAL_BLOCK_MIN, -(-per_block // 8) * 8)
+
+
+def causal_blocks(
+    q: Float[Array, "seq heads head_dim"],
+    k: Float[Array, "seq kv_heads head_dim"],
+    v: Float[Array, "seq kv_heads head_dim"],
+    *,
+    segment_ids: Int[Array, " seq"] | None,
+    sliding_window: int | None,
+    implementation: str | None,
+    scale: float | None = None,
+    softcap: float | None = None,
+) -> Float[Array, "seq heads head_dim"]:
+    """Causal attention as `attention`, block by block of queries, each against
+    only the keys it can see: block `[i, j)` attends to keys `[0, j)` (from
+    `i - sliding_window + 1` with a window). The keys after a block, masked out
+    anyway, are never multiplied, so the work (scores, softmax and their
+    backward) is about half of the full `[seq, seq]` one, in pieces that stay in
+    cache: on the CPU a layer's attention runs 1.3x (256 tokens) to 3x (4096)
+    faster (docs/performance.md). Plain autodiff, nothing recomputed; the blocks
+    are unrolled (`causal_block_size`)."""
+    seq = q.shape[0]
+    size = causal_block_size(seq)
+    segs = jnp.zeros((seq,), jnp.int32) if segment_ids is None else segment_ids
+    pos = jnp.arange(seq, dtype=jnp.int32)
+    kernel = dict(implementation=implementation, scale=scale, softcap=softcap)
+    outs = []
+    for start in range(0, seq, size):
+        end = min(start + size, seq)
+        first = 0 if sliding_window is None else max(0, start - sliding_window + 1)
+        mask = position_mask(
+            pos[start:end], segs[start:end], pos[first:end], segs[first:end],
+            sliding_window,
+        )  # fmt: skip
+        block = (q[start:end], k[first:end], v[first:end])
+        outs.append(dot_attention(*block, mask=mask[None], **kernel))
+    return jnp.concatenate(outs, axis=0)
+
+
+def position_mask(
+    q_pos: Int[Array, " q"],
+    q_seg: Int[Array, " q"],
+    k_pos: Int[Array, " k"],
+    k_seg: Int[Array, " k"],
+    sliding_window: int | None,
+) -> Bool[Array, "q k"]:
+    """Causal (and windowed) attention within a segment, from global positions:
+    query `i` sees key `j` of its segment with `pos[j] <= pos[i]` (and
+    `pos[i] - pos[j] < sliding_window`). Positions must increase along a row
+    within each segment, as `segment_positions` (or `arange`) gives them."""
+    diff = q_pos[:, None] - k_pos[None, :]
+    mask = (q_seg[:, None] == k_seg[None, :]) & (diff >= 0)
+    if sliding_window is not None:
+        mask = mask & (diff < sliding_window)
+    return mask
+
+
+def blocked_attention(
+    q: Float[Array, "seq heads head_dim"],
+    k: Float[Array, "seq kv_heads head_dim"],
+    v: Float[Array, "seq kv_heads head_dim"],
+    *,
+    segment_ids: Int[Array, " seq"] | None,
+    sliding_window: int | None,
+    implementation: str | None,
+    query_chunk: int,
+    scale: float | None = None,
+    softcap: float | None = None,
+) -> Float[Array, "seq heads head_dim"]:
+    """`attention`, one block of `query_chunk` queries at a time against all keys
+    (a `lax.map` of a rematerialised block), each block's mask built from the
+    queries' and keys' positions and segment ids: the scores held at once are
+    `[heads, query_chunk, seq]`, forward and backward, for the price of
+    recomputing each block's scores in the backward pass. The sequence is padded
+    to a multiple of `query_chunk` (the padded queries are cut off)."""
+    seq = q.shape[0]
+    k_pos = jnp.arange(seq, dtype=jnp.int32)
+    segs = jnp.zeros((seq,), jnp.int32) if segment_ids is None else segment_ids
+    kernel = dict(implementation=implementation, scale=scale, softcap=softcap)
+
+    def block(qb: Array, qp: Array, qs_: Array) -> Array:
+        mask = position_mask(qp, qs_, k_pos, segs, sliding_window)
+        return dot_attention(qb, k, v, mask=mask[None], **kernel)
+
+    run = jax.checkpoint(block, prevent_cse=False)
+    out = lax.map(lambda xs: run(*xs), _query_blocks(q, segs, query_chunk))
+    return out.reshape(-1, *q.shape[1:])[:seq]
+
+
+def _query_blocks(
+    q: Array, segs: Array, query_chunk: int
+) -> tuple[Array, Array, Array]:
+    """`(queries, positions, segment ids)` in blocks of `query_chunk` (`[blocks,
+    query_chunk, ...]`), the sequence padded to whole blocks; the padded queries
+    join the last segment (and are cut off afterwards)."""
+    seq = q.shape[0]
+    blocks = -(-seq // query_chunk)
+    pad = blocks * query_chunk - seq
+    qs = jnp.pad(q, [(0, pad), (0, 0), (0, 0)]).reshape(
+        blocks, query_chunk, *q.shape[1:]
+    )
+    q_pos = jnp.arange(blocks * query_chunk, dtype=jnp.int32).reshape(blocks, -1)
+    q_segs = jnp.pad(segs, (0, pad), mode="edge").reshape(blocks, -1)
+    return qs, q_pos, q_segs
+
+
+def segment_mask(segment_ids: Int[Array, " seq"]) -> Bool[Array, "seq seq"]:
+    """`mask[i, j]`: query `i` and key `j` belong to the same segment."""
+    return segment_ids[:, None] == segment_ids[None, :]

@@ -1,0 +1,124 @@
+"""Expert parallelism: a sparse layer's experts split over the mesh's `expert`
+axis, the tokens sent to their experts' devices and back with `all_to_all`
+inside a `shard_map` (`expert_parallel`).
+"""
+
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.lax as lax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+from jaxtyping import Array, Bool, Float, PRNGKeyArray
+
+from .._errors import ConfigError
+from ._experts import MoEOptions, arrival_rank, grouped_ffn, router_stats
+from ._layers import split_key
+
+
+def expert_axis_size() -> int:
+    """The `expert` axis of the mesh in context (1 without one)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    sizes = dict(zip(mesh.axis_names, mesh.axis_sizes, strict=True))
+    return int(sizes.get("expert", 1))
+
+
+def token_axes() -> tuple[str, ...]:
+    """The mesh axes a batch's tokens are split over (`eqtrain.sharding`'s batch
+    axes present in the mesh in context)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return tuple(a for a in ("data", "fsdp", "expert") if a in mesh.axis_names)
+
+
+def expert_parallel(
+    layer: eqx.Module,
+    x: Float[Array, "tokens hidden"],
+    valid: Bool[Array, " tokens"] | None,
+    options: MoEOptions,
+    key: PRNGKeyArray | None,
+) -> tuple[Array, dict[str, Array]]:
+    """`layer(x)` (a `SparseMoE`) with the experts split over the mesh's `expert`
+    axis: each device routes its own tokens, sends every assignment to the
+    device holding its expert (`all_to_all`, buffers of the worst case, so
+    nothing is dropped), runs its experts on what it received, and sends the
+    results back. The router, the shared expert and the statistics stay with
+    the tokens."""
+    ways = expert_axis_size()
+    _check_ways(ways, layer.experts.num)
+    axes = token_axes()
+    tokens = P(axes)
+    dynamic, static = eqx.partition(layer, eqx.is_array)
+    valid = jnp.ones(x.shape[:1], bool) if valid is None else valid
+
+    def body(x: Array, valid: Array, params: Any, key: Any) -> Any:
+        local = eqx.combine(params, static)
+        y, aux = _local_expert_parallel(local, x, valid, options, ways, key)
+        return y, {name: lax.psum(v, axes) for name, v in aux.items()}
+
+    fn = jax.shard_map(
+        body,
+        mesh=jax.sharding.get_abstract_mesh(),
+        in_specs=(tokens, tokens, _expert_specs(dynamic), P()),
+        out_specs=(tokens, P()),
+        check_vma=False,
+    )
+    return fn(x, valid, dynamic, key)
+
+
+def _check_ways(ways: int, num: int) -> None:
+    if num % ways:
+        raise ConfigError(
+            f"mesh.expert = {ways} must divide the number of experts ({num}); use "
+            f"a divisor of {num}."
+        )
+
+
+def _expert_specs(dynamic: Any) -> Any:
+    """The layer's partition specs: the experts' arrays split over `expert`,
+    everything else replicated."""
+    specs = jax.tree.map(lambda _: P(), dynamic)
+    on_experts = jax.tree.map(lambda _: P("expert"), dynamic.experts)
+    return eqx.tree_at(lambda m: m.experts, specs, on_experts)
+
+
+def _local_expert_parallel(
+    layer: Any,
+    x: Array,
+    valid: Array,
+    options: MoEOptions,
+    ways: int,
+    key: PRNGKeyArray | None,
+) -> tuple[Array, dict[str, Array]]:
+    """One device's part of `expert_parallel` (inside the `shard_map`)."""
+    kr, ks, kg = split_key(key, 3)
+    logits, weights, ids = layer.route(x, kr)
+    tokens, k = ids.shape
+    local = layer.experts.num  # experts on this device
+    flat = ids.reshape(-1)
+    slot, cap = _send_slots(flat // local, ways)
+    source = jnp.arange(tokens * k) // k  # the token of each assignment
+    send_x = jnp.zeros((ways * cap, x.shape[-1]), x.dtype).at[slot].set(x[source])
+    # local expert id, and `local` (a group of no expert) for an empty slot
+    send_e = jnp.full((ways * cap,), local, jnp.int32).at[slot].set(flat % local)
+    recv_x, recv_e = _exchange(send_x, ways), _exchange(send_e, ways)
+    out = grouped_ffn(layer.experts, recv_x, recv_e, local, options)
+    ys = _exchange(out, ways)[slot] * weights.reshape(-1)[:, None]
+    y = jnp.zeros_like(x).at[source].add(ys)
+    return layer.add_shared(x, y, ks, kg), router_stats(logits, ids, valid, None)
+
+
+def _send_slots(owner: Array, ways: int) -> tuple[Array, int]:
+    """Each assignment's slot in the send buffer and the buffer's slots per
+    device (`cap`): per destination device, its assignments in order. The
+    buffers hold every assignment of this device (the worst case: all to one
+    device)."""
+    cap = owner.shape[0]
+    return owner * cap + arrival_rank(owner, ways), cap
+
+
+def _exchange(x: Array, ways: int) -> Array:
+    """`x` (`[ways * cap, ...]`, block `i` for device `i`) swapped over the
+    `expert` axis: block `i` of the result came from device `i`."""
+    blocks = x.reshape(ways, x.shape[0] // ways, *x.shape[1:])
+    return lax.all_to_all(blocks, "expert", 0, 0, tiled=False).reshape(x.shape)
