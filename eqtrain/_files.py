@@ -1,6 +1,7 @@
 """Files that eqtrain writes where others may read or keep files: the mode a new
-file gets under the user's umask, and which files make up an export directory
-(anything else there is a user's and must survive replacing it)."""
+file gets under the user's umask, the durable rename of a finished file, and
+which files make up an export directory (anything else there is a user's and
+must survive replacing it)."""
 
 import os
 import re
@@ -27,6 +28,23 @@ def set_default_mode(path: str | os.PathLike[str]) -> None:
     leave 0600/0700, so others on a shared machine could not read an export."""
     base = 0o777 if os.path.isdir(path) else 0o666
     os.chmod(path, base & ~umask())
+
+
+def replace_durably(
+    tmp: str | os.PathLike[str], path: str | os.PathLike[str], *, sync_dir: bool = False
+) -> None:
+    """Flush `tmp`'s bytes to the disk and rename it onto `path` (atomic: a
+    reader sees the old file or the new one, whole); with `sync_dir`, the rename
+    is flushed too, so it survives a power cut."""
+    with open(tmp, "rb") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    if sync_dir:
+        fd = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 _EXPORT_NAMES = frozenset(

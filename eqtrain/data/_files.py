@@ -9,6 +9,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from .._files import replace_durably
 from ._errors import DataError
 
 
@@ -36,9 +37,7 @@ def write_json(path: Path, value: Any, tmp: Path | None = None) -> None:
     tmp = tmp or path.with_name(f"{path.name}.tmp{os.getpid()}")
     with open(tmp, "w", encoding="utf-8") as f:
         f.write(json.dumps(value, indent=1, sort_keys=True) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    replace_durably(tmp, path)
 
 
 def file_sha256(path: Path) -> str:

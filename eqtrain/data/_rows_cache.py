@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from .._files import replace_durably
 from ._errors import DataError, PathLike
 from ._files import (
     BuildLock,
@@ -91,9 +92,7 @@ def _save(path: Path, array: np.ndarray) -> dict[str, Any]:
     tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
     with open(tmp, "wb") as f:
         np.save(f, array, allow_pickle=False)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    replace_durably(tmp, path)
     return {"sha256": file_sha256(path), "shape": list(array.shape)}
 
 

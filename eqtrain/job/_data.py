@@ -30,12 +30,7 @@ def prepare_data(
             malformed.
     """
     validate(config)
-    if config.task.kind != "lm":
-        raise ConfigError(
-            f"`eqtrain data prepare` builds stores of plain text for task.kind = "
-            f"'lm'; task.kind = {config.task.kind!r} reads its records at the start "
-            "of the run (they are tokenized with the chat template then)."
-        )
+    _check_plain_text(config)
     tokenizer = _build.build(config).tokenizer
     settings = _store_settings(config, executor=executor, verify=verify, say=say)
     out = []
@@ -72,6 +67,17 @@ def _store_settings(config: Config, **options: Any) -> dict[str, Any]:
     if settings.get("say") is None:
         settings.pop("say", None)
     return settings
+
+
+def _check_plain_text(config: Config) -> None:
+    """Stores are of plain text: post-training records are read at the start of
+    the run, with the chat template."""
+    if config.task.kind != "lm":
+        raise ConfigError(
+            f"`eqtrain data prepare` builds stores of plain text for task.kind = "
+            f"'lm'; task.kind = {config.task.kind!r} reads its records at the start "
+            "of the run (they are tokenized with the chat template then)."
+        )
 
 
 def _stores_of(config: Config) -> list[tuple[str, str, str, str]]:

@@ -127,6 +127,23 @@ def report(config: Config) -> str:
     return "\n".join(lines)
 
 
+def _steps_line(config: Config) -> str:
+    """Steps, batch, accumulation, optimizer and schedule."""
+    optim = config.optim
+    return (
+        f"steps        {config.loop.steps} x batch {config.data.batch_size} "
+        f"(accumulate {optim.accumulate}); optimizer {optim.name}, "
+        f"lr {optim.lr:g} {optim.schedule}"
+    )
+
+
+def _devices_line(mesh: Any) -> str:
+    """The devices and the mesh's axes."""
+    axes = ", ".join(f"{k}={v}" for k, v in mesh.shape.items())
+    platform = mesh.devices.flat[0].platform
+    return f"devices      {mesh.devices.size} x {platform}; mesh {axes}"
+
+
 def _run_lines(planned: _plan.Plan, abstract: Any) -> list[str]:
     """The report's head: run directory, model, task, data, steps, compute,
     devices and memory options."""
@@ -141,13 +158,10 @@ def _run_lines(planned: _plan.Plan, abstract: Any) -> list[str]:
         *_task_lines(job),
         *_samples_lines(job, planned.samples),
         _data_line(job, planned.rows, planned.eval_rows),
-        f"steps        {config.loop.steps} x batch {config.data.batch_size} "
-        f"(accumulate {config.optim.accumulate}); optimizer {config.optim.name}, "
-        f"lr {config.optim.lr:g} {config.optim.schedule}",
+        _steps_line(config),
         f"compute      {job.flops_per_token():,.0f} training FLOPs per token "
         f"(forward + backward, data.seq_len {config.data.seq_len})",
-        f"devices      {mesh.devices.size} x {mesh.devices.flat[0].platform}; mesh "
-        + ", ".join(f"{k}={v}" for k, v in mesh.shape.items()),
+        _devices_line(mesh),
         *_sequence_lines(config, mesh.shape["sequence"]),
         _options_line(job),
     ]

@@ -67,11 +67,7 @@ def export_run(
     format to `out_dir`. A LoRA run's export is its adapter in PEFT's format, or
     with `merged` the full model with the adapters folded in."""
     job = _open.open_job(path, _open.open_run(path, overrides))
-    if merged and job.lora is None:
-        raise ConfigError(
-            f"--merged merges LoRA adapters, but the run at {path} trains no "
-            "adapters (lora.rank = 0); drop --merged."
-        )
+    _check_merged(job, merged, path)
     state = _open.restore(Path(path), job, _place.placement(job)).state
     model = job.exported(_weights(state, ema, path))
     if job.lora is not None and not merged:
@@ -79,6 +75,15 @@ def export_run(
     if merged:
         model = lora.merge(model)
     return _export_model(job, model, out_dir, dtype=dtype, overwrite=overwrite)
+
+
+def _check_merged(job: _build.Job, merged: bool, path: Any) -> None:
+    """`--merged` needs a run that trains adapters."""
+    if merged and job.lora is None:
+        raise ConfigError(
+            f"--merged merges LoRA adapters, but the run at {path} trains no "
+            "adapters (lora.rank = 0); drop --merged."
+        )
 
 
 def _weights(state: Any, ema: bool, path: Any) -> Any:
@@ -135,11 +140,7 @@ def run_info(path: str | os.PathLike[str]) -> dict[str, Any]:
     run_dir = _open.run_dir_of(p)
     config = _with_architecture(_open.open_run(p), _open.record_of(p))
     directory = run_dir / "checkpoints"
-    checkpoints = [
-        _checkpoint_info(run_dir, step) for step in checkpoint.list_steps(run_dir)
-    ]
-    readable = [c["step"] for c in checkpoints if "error" not in c]
-    trained = readable[-1] if readable else 0
+    checkpoints, trained = _checkpoints(run_dir)
     return {
         "run_dir": str(run_dir),
         # the newest step a resume would start from (damaged ones do not count)
@@ -153,6 +154,13 @@ def run_info(path: str | os.PathLike[str]) -> dict[str, Any]:
         "export": _export_of(config, run_dir),
         "config": to_dict(config),
     }
+
+
+def _checkpoints(run_dir: Path) -> tuple[list[dict[str, Any]], int]:
+    """Every checkpoint's info, and the newest readable step (0 without one)."""
+    found = [_checkpoint_info(run_dir, s) for s in checkpoint.list_steps(run_dir)]
+    readable = [c["step"] for c in found if "error" not in c]
+    return found, readable[-1] if readable else 0
 
 
 def _checkpoint_info(run_dir: Path, step: int) -> dict[str, Any]:

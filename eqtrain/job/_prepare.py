@@ -252,17 +252,9 @@ def fit_kwargs(planned: _plan.Plan, start: Start, export: bool) -> dict[str, Any
     # the checkpointer before the hooks: it refuses a directory holding another
     # run's steps before any log there is touched
     checkpointer = _checkpointer(config, start)
-    hooks = _run_hooks.run_hooks(
-        job,
-        planned.samples,
-        placement.mesh,
-        exports=export,
-        start=done,
-        rows=start.loader.source,
-    )
     return dict(
         num_steps=config.loop.steps,
-        hooks=hooks,
+        hooks=_hooks(planned, start, export),
         evaluation=evaluation,
         checkpointer=checkpointer,
         stop=_stop_conditions(config),
@@ -270,6 +262,15 @@ def fit_kwargs(planned: _plan.Plan, start: Start, export: bool) -> dict[str, Any
         peak_flops=_peak_flops(config, placement.mesh),
         tokens_seen=done * config.data.batch_size * job.tokens_per_row,
     )
+
+
+def _hooks(planned: _plan.Plan, start: Start, export: bool) -> list[Any]:
+    """The run's hooks: progress, logs, samples, per-step exports."""
+    done = start.resumed or 0
+    return _run_hooks.run_hooks(
+        planned.job, planned.samples, planned.placement.mesh,
+        exports=export, start=done, rows=start.loader.source,
+    )  # fmt: skip
 
 
 def _checkpointer(config: Config, start: Start) -> checkpoint.Checkpointer:

@@ -26,7 +26,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
 from .. import preference, sharding
-from .._files import set_default_mode
+from .._files import replace_durably, set_default_mode
 from . import _build
 
 
@@ -141,14 +141,7 @@ def _write(path: Path, values: Rows, key: str) -> None:
         {k: np.ascontiguousarray(v) for k, v in values.items()}, str(tmp), {"key": key}
     )
     set_default_mode(tmp)  # save_file leaves 0600
-    with open(tmp, "rb") as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    replace_durably(tmp, path, sync_dir=True)
 
 
 def _compute(

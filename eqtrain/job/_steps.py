@@ -48,14 +48,14 @@ def evaluation(
         mode="eval",
         sharding=placement.batch_sharding,
     )
-    evaluator = jit(
-        models.under_mesh(
-            eval_step(job.loss_fn, precision=_precision(job.config)), placement.mesh
-        ),
-        donate=False,
-        shardings=placement.shardings,
-    )
-    return loader, evaluator
+    return loader, _eval_step(job, placement)
+
+
+def _eval_step(job: _build.Job, placement: _place.Placement) -> Any:
+    """The compiled eval step: the task's loss, without gradients or donation."""
+    step = eval_step(job.loss_fn, precision=_precision(job.config))
+    under = models.under_mesh(step, placement.mesh)
+    return jit(under, donate=False, shardings=placement.shardings)
 
 
 def fit_evaluation(
