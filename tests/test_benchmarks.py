@@ -190,3 +190,22 @@ def test_generate_quick():
     for side in ("eqtrain", "transformers"):
         assert record[side]["prefill_tokens_per_s"] > 0 and record[side]["total_s"] > 0
     assert set(record["ratio"]) == {"prefill", "decode", "total"}
+
+
+@pytest.mark.slow  # the default suite's time: `nox -s slow`
+def test_job_walk():
+    env = dict(os.environ, XLA_FLAGS="", JAX_PLATFORMS="cpu")
+    script = BENCHMARKS / "job_walk.py"
+    proc = subprocess.run(
+        [sys.executable, str(script)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    record = json.loads(proc.stdout.splitlines()[-1])
+    assert (
+        record["rooms"] > 5 and record["entries"] == record["rooms"] + record["returns"]
+    )
+    assert proc.stdout.startswith("_run -> _prepare")
