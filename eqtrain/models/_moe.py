@@ -4,27 +4,8 @@ selection, experts as stacked weights, and the ways to send tokens to them.
 A `SparseMoE` works on all the tokens of a batch at once (`x: [tokens, hidden]`,
 see `Decoder.batch_features`): routing is per token, but grouping tokens by
 expert pays off over the whole batch, and the load-balancing loss is a batch
-statistic. The dispatch (`MOE_IMPLS`, in `_experts`):
-
-- `"sorted"` (dropless): the `tokens * k` assignments sorted by expert, cut into
-  blocks of rows that all go to one expert (each expert's rows padded to a whole
-  block), one `[block, hidden] @ [hidden, ff]` product per block in a
-  `lax.scan`; blocks past the last expert's are skipped. Exact; each expert
-  pads less than one block. The default on CPU and GPU.
-- `"ragged"` (dropless): the sorted rows through `jax.lax.ragged_dot`, XLA's
-  grouped matrix product. The default on TPU. XLA:CPU computes every group
-  densely, and on an H200 (jax 0.11.2) one `ragged_dot` ran 6.2x the time of a
-  dense product of the same rows (docs/performance.md, "Mixture of experts").
-- `"dense"`: every expert on every token, weighted by the routing (the
-  reference; `experts / k` times the FLOPs).
-- with a `capacity_factor`: each expert takes at most
-  `ceil(capacity_factor * tokens * k / experts)` assignments (first choices
-  before second ones, then in token order); the rest are dropped (their weight
-  is 0) and counted in `moe/dropped`.
-
-Under a mesh with an `expert` axis larger than 1, the experts' weights are
-split over it and the tokens travel to their experts' devices and back with
-`all_to_all` inside a `shard_map` (`expert_parallel`).
+statistic. The dispatch (`MOE_IMPLS`: sorted, ragged, dense, and the
+capacity limit) is described in `_experts`, where it lives.
 """
 
 from collections.abc import Callable
