@@ -206,6 +206,9 @@ def test_job_walk():
     assert proc.returncode == 0, proc.stderr[-3000:]
     record = json.loads(proc.stdout.splitlines()[-1])
     assert (
-        record["rooms"] > 5 and record["entries"] == record["rooms"] + record["returns"]
+        record["rooms"] > 5 and record["visits"] == record["rooms"] + record["returns"]
     )
-    assert proc.stdout.startswith("_run -> _prepare")
+    assert proc.stdout.startswith("_run -> _prepare -> _resumable -> _plan")
+    # the phases never walk back into one another: the only returns are calls
+    # of the frozen values' methods (Job, Placement, Prepared)
+    assert record["returns_outside_values"] == 0, proc.stdout

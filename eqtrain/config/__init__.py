@@ -21,9 +21,11 @@ from ._resolve import (
     data_format as data_format,
     eval_metrics as eval_metrics,
     eval_source as eval_source,
+    export_targets as export_targets,
     lora_on as lora_on,
     reference_mode as reference_mode,
     rewards_of as rewards_of,
+    steps_export_dir as steps_export_dir,
 )
 from ._run import (
     DistributedConfig as DistributedConfig,

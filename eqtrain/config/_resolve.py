@@ -1,7 +1,8 @@
 """What a `Config` means where a key says `auto` or depends on others: the eval
 metrics a run reports, its data format, reference model, eval data, whether LoRA
-is on, and its reward functions."""
+is on, its reward functions, and where it exports."""
 
+from pathlib import Path
 from typing import Any
 
 from .. import rewards as rewards_lib
@@ -118,3 +119,28 @@ def _reward(name: str, format_regex: str | None) -> Any:
         return rewards_lib.load_reward(name)
     except ConfigError as e:
         raise ConfigError(f"`task.rewards`: {e}") from None
+
+
+def export_targets(config: Config, run_dir: Path) -> dict[str, Path]:
+    """What a run exports where, by form: `{"full": <hf>}` without LoRA; with
+    LoRA `{"adapter": <hf>}` (PEFT files; unless export.adapter = false) and,
+    with export.merged, `{"merged": <hf>-merged}` (<hf> itself without the
+    adapter)."""
+    export = config.export
+    if export.hf is None:
+        return {}
+    target = run_dir / export.hf
+    if not lora_on(config):
+        return {"full": target}
+    out: dict[str, Path] = {}
+    if export.adapter is not False:
+        out["adapter"] = target
+    if export.merged:
+        out["merged"] = target.with_name(target.name + "-merged") if out else target
+    return out
+
+
+def steps_export_dir(target: Path) -> Path:
+    """Where `export.every` puts its `step_<k>` exports: `<hf>-steps`, beside the
+    final export (which replaces `<hf>` whole, so it cannot hold them)."""
+    return target.with_name(target.name + "-steps")

@@ -48,6 +48,8 @@ class Job:
             (`model.loss_chunk` resolved), 0: the plain loss over full logits.
         grpo: task.kind = "grpo": its prompts and rollout, learnt as the run
             reads its rows and builds its step (`_grpo.Online`), else None.
+        abstract: the state's structure, shapes and dtypes (`abstract_state`),
+            traced once by `build`: the phases after it read this field.
     """
 
     config: Config
@@ -63,6 +65,7 @@ class Job:
     vocab_size: int | None = None
     loss_chunk: int = 0
     grpo: _grpo.Online | None = None
+    abstract: Any = None
 
     def head_dropout(self) -> bool:
         """Whether the run's LoRA puts an adapter with dropout on the output head
@@ -180,7 +183,10 @@ class Job:
         return self._state(self.new_model(mesh), self.config.seed)
 
     def abstract_state(self) -> TrainState:
-        """The state's structure, shapes and dtypes, without reading weights."""
+        """The state's structure, shapes and dtypes, without reading weights
+        (`abstract`, when `build` has traced it)."""
+        if self.abstract is not None:
+            return self.abstract
 
         def init() -> TrainState:
             base = self.family.model(self.model_config, jr.key(0))
@@ -248,7 +254,7 @@ def build(config: Config, *, recorded: Path | None = None) -> Job:
     directory itself: an existing run's architecture is the one it was trained
     with, and the base directory may be gone (its weights are still needed to
     start a run, and by a LoRA run's frozen base)."""
-    return _with_loss(_checked_lora(_pieces(config, recorded)))
+    return _with_loss(_traced(_pieces(config, recorded)))
 
 
 def _pieces(config: Config, recorded: Path | None) -> Job:
@@ -275,14 +281,15 @@ def _pieces(config: Config, recorded: Path | None) -> Job:
     )
 
 
-def _checked_lora(job: Job) -> Job:
-    """`job`, once its LoRA targets, rank and train_also fit the model."""
-    if job.lora is not None:
-        try:
-            job.abstract_state()
-        except ConfigError as e:
-            raise ConfigError(f"[lora]: {e}") from None
-    return job
+def _traced(job: Job) -> Job:
+    """`job` with its abstract state traced (where its LoRA targets, rank and
+    train_also are checked against the model)."""
+    try:
+        return dataclasses.replace(job, abstract=job.abstract_state())
+    except ConfigError as e:
+        if job.lora is None:
+            raise
+        raise ConfigError(f"[lora]: {e}") from None
 
 
 def _with_loss(job: Job) -> Job:

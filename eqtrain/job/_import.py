@@ -11,7 +11,7 @@ from .. import checkpoint
 from .._errors import ConfigError
 from .._hooks import StepInfo
 from ..config import Config, to_dict
-from . import _build, _place, _rundir
+from . import _build, _claim, _place, _rundir
 
 
 def import_hf(
@@ -30,7 +30,7 @@ def import_hf(
     _check_out(out, overwrite)
     hf_dir = os.path.abspath(hf_dir)
     job = _imported_job(config or Config(), hf_dir, out)
-    _rundir.check_writable(out)
+    _claim.check_writable(out)
     if overwrite:
         shutil.rmtree(out / "checkpoints", ignore_errors=True)
     resolved = _run_config(job, hf_dir, out)

@@ -4,10 +4,10 @@ shardings from the partition rules, and the batch sharding."""
 import dataclasses
 from typing import Any
 
-from .. import data as data_lib, models, sharding
+from .. import models, sharding
 from .._errors import ConfigError
 from ..config import eval_source
-from . import _build, _rows
+from . import _build
 
 
 @dataclasses.dataclass(frozen=True)
@@ -17,11 +17,6 @@ class Placement:
     mesh: Any
     state_shardings: Any
     batch_sharding: Any
-
-    @property
-    def shardings(self) -> tuple[Any, Any]:
-        """`(state, batch)` shardings, as `eqtrain.jit(..., shardings=)` takes."""
-        return (self.state_shardings, self.batch_sharding)
 
     def place(self, state: Any) -> Any:
         """`state` copied onto its shardings."""
@@ -65,22 +60,6 @@ def _heads(model_config: Any) -> int | None:
     )
 
 
-def sequence_rows(job: _build.Job, rows: Any) -> Any:
-    """LM rows with the global `positions` a sequence-parallel model reads, in the
-    configured layout (`eqtrain.models.sequence_rows`); other rows unchanged."""
-    m = job.config.model
-    if m.sequence_parallel is None or "tokens" not in _rows.first_rows(rows, 1):
-        return rows
-    ways = job.config.mesh.sequence
-
-    def positioned(rows: _rows.Rows) -> _rows.Rows:
-        return models.sequence_rows(rows, layout=m.sequence_layout, ways=ways)
-
-    if hasattr(rows, "take"):  # a row source: each batch as it is read
-        return data_lib.MappedRows(rows, positioned)
-    return positioned(rows)
-
-
 def check_eval_batch(config: Any, parallel: int) -> None:
     """An eval batch (`data.batch_size` rows, or `data.eval_rows` when fewer) must
     split over the data axes too; said before any data is read."""
@@ -121,7 +100,7 @@ def placement(job: _build.Job) -> Placement:
     check_micro_batch(job.config, parallel)
     check_eval_batch(job.config, parallel)
     check_experts(m.expert, job.model_config)
-    abstract = job.abstract_state()
+    abstract = job.abstract
     rules = sharding.rules_for(abstract.model, mesh)
     state_sh = sharding.state_shardings(abstract, mesh, rules, optimizer=job.optimizer)
     batch_sh = sharding.batch_sharding(mesh, sequence=m.sequence > 1)

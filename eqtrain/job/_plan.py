@@ -6,9 +6,6 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
-import jax
-
-from .._errors import ConfigError
 from ..config import Config
 from . import _build, _place, _rows, _samples
 
@@ -33,29 +30,6 @@ def plan(config: Config, *, recorded: Path | None = None) -> Plan:
     job = _build.build(config, recorded=recorded)
     _place.check_sequence(job)
     placed = _place.placement(job)  # the mesh and the batch split: before any data
-    _rows.check_sources(job.config)  # every source exists: before reading any
     samples = _samples.prompts_of(job)  # log.samples: read and tokenized
-    rows = _place.sequence_rows(job, _rows.train_rows(job))
-    eval_rows = _rows.eval_rows(job)
-    if eval_rows is not None:
-        eval_rows = _place.sequence_rows(job, eval_rows)
+    rows, eval_rows = _rows.planned(job)  # every source checked, then read
     return Plan(job, rows, eval_rows, placed, samples)
-
-
-def refuse_multi_process(job: _build.Job, *, export: bool) -> None:
-    """What a multi-process run cannot do yet: an HF export written during the
-    run, and the precomputed reference's pass."""
-    if jax.process_count() == 1:
-        return
-    if job.config.export.hf is not None and export:
-        raise ConfigError(
-            "`export.hf` is not supported in a multi-process run yet (the export "
-            'would need every process\'s shards); set export.hf = "" and export '
-            "the checkpoint afterwards with `eqtrain export RUN_DIR OUT`."
-        )
-    if job.reference == "precomputed":
-        raise ConfigError(
-            "task.reference = 'precomputed' is not supported in a multi-process run "
-            "yet (its pass runs in one process); use task.reference = 'copy', or "
-            "'adapters_off' with [lora]."
-        )

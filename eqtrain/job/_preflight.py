@@ -17,7 +17,7 @@ from typing import Any
 from .._errors import ConfigError
 from .._files import describe_names, foreign_files
 from .._loop import failed_at
-from ..config import Config, lora_on
+from ..config import Config, export_targets, steps_export_dir
 
 
 PROBE_BYTES = 64 * 1024
@@ -42,9 +42,10 @@ WRITE_ERRNOS = frozenset(
 _fsync = os.fsync  # module-level, so a test can simulate a full disk here
 
 
-def check_outputs(config: Config, *, writer: bool = True) -> None:
+def check_outputs(config: Config, *, writer: bool = True) -> dict[str, Path]:
     """Check every output target of the run `config` describes, or raise
-    `ConfigError` naming the target and what to change.
+    `ConfigError` naming the target and what to change; returns the export
+    targets (`eqtrain.config.export_targets`, none for `writer=False`).
 
     Creates the run directory and proves it writable by writing (and fsyncing)
     `PROBE_BYTES` there. `writer=False` (processes other than 0, which neither
@@ -53,11 +54,13 @@ def check_outputs(config: Config, *, writer: bool = True) -> None:
     run_dir = Path(config.run_dir)
     _check_run_dir(run_dir)
     if not writer:
-        return
+        return {}
     if config.log.tensorboard:
         _check_tensorboard(run_dir / "tb")
-    for target in export_targets(config, run_dir).values():
+    targets = export_targets(config, run_dir)
+    for target in targets.values():
         _check_export(target, bool(config.export.every))
+    return targets
 
 
 _RUN_FILES = (
@@ -82,25 +85,6 @@ def _check_tensorboard(tb: Path) -> None:
     where = "choose another run directory (--run-dir), or set log.tensorboard = false"
     _check_dir(tb, "the TensorBoard directory", where, create=True)
     _probe(tb, "the TensorBoard directory", where)
-
-
-def export_targets(config: Any, run_dir: Path) -> dict[str, Path]:
-    """What a run exports where, by form: `{"full": <hf>}` without LoRA; with
-    LoRA `{"adapter": <hf>}` (PEFT files; unless export.adapter = false) and,
-    with export.merged, `{"merged": <hf>-merged}` (<hf> itself without the
-    adapter)."""
-    export = config.export
-    if export.hf is None:
-        return {}
-    target = run_dir / export.hf
-    if not lora_on(config):
-        return {"full": target}
-    out: dict[str, Path] = {}
-    if export.adapter is not False:
-        out["adapter"] = target
-    if export.merged:
-        out["merged"] = target.with_name(target.name + "-merged") if out else target
-    return out
 
 
 def _fail(path: Path, what: str, why: str, fix: str) -> ConfigError:
@@ -163,12 +147,6 @@ def _probe(directory: Path, what: str, where: str) -> None:
 
 
 _STEP_DIR = re.compile(r"step_\d+(_ema)?")
-
-
-def steps_export_dir(target: Path) -> Path:
-    """Where `export.every` puts its `step_<k>` exports: `<hf>-steps`, beside the
-    final export (which replaces `<hf>` whole, so it cannot hold them)."""
-    return target.with_name(target.name + "-steps")
 
 
 def _is_export(path: Path) -> bool:

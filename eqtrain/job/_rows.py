@@ -1,5 +1,6 @@
 """A run's rows: the tokenized stores of its text sources (task.kind = lm), the
-SFT, preference or prompt rows of its record files, and its eval rows. Each
+SFT, preference or prompt rows of its record files, its eval rows, and the
+positions a sequence-parallel model reads (`planned`: all of them). Each
 reader names the config key of a source that is missing or malformed."""
 
 import dataclasses
@@ -8,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from .. import data as data_lib
+from .. import data as data_lib, models
 from .._errors import ConfigError
 from ..config import PREFERENCE_TASKS, Config, eval_source, parse_sources
 from . import _grpo
@@ -319,6 +320,28 @@ def _eval_text_rows(job: Job, source: str) -> Any:
         raise ConfigError(f"`data.eval` ({source}): {e}") from None
 
 
-def eval_batch_size(rows: Rows, config: Config) -> int:
-    """The eval batch: `data.batch_size`, or all rows when there are fewer."""
-    return min(config.data.batch_size, num_rows(rows))
+def planned(job: Job) -> tuple[Any, Rows | None]:
+    """The run's training and eval rows (None without evaluation), with the
+    positions a sequence-parallel model reads: every source checked to exist
+    before any is read."""
+    check_sources(job.config)
+    train, evals = train_rows(job), eval_rows(job)
+    return sequence_rows(job, train), None if evals is None else sequence_rows(
+        job, evals
+    )
+
+
+def sequence_rows(job: Job, rows: Any) -> Any:
+    """LM rows with the global `positions` a sequence-parallel model reads, in the
+    configured layout (`eqtrain.models.sequence_rows`); other rows unchanged."""
+    m = job.config.model
+    if m.sequence_parallel is None or "tokens" not in first_rows(rows, 1):
+        return rows
+    ways = job.config.mesh.sequence
+
+    def positioned(rows: Rows) -> Rows:
+        return models.sequence_rows(rows, layout=m.sequence_layout, ways=ways)
+
+    if hasattr(rows, "take"):  # a row source: each batch as it is read
+        return data_lib.MappedRows(rows, positioned)
+    return positioned(rows)

@@ -10,8 +10,9 @@ import jax
 
 from .. import hf, hooks as hooks_lib
 from .._hooks import at_end, every
-from ..config import Config, explicit, to_dict
-from . import _build, _data, _preflight, _samples
+from ..config import Config, explicit, steps_export_dir, to_dict
+from ..generate import Sampling
+from . import _build, _data, _samples
 
 
 def run_hooks(
@@ -19,19 +20,19 @@ def run_hooks(
     samples: _samples.Prompts | None,
     mesh: Any,
     *,
-    exports: bool = True,
+    targets: dict[str, Path],
     start: int = 0,
     rows: Any = None,
 ) -> list[Any]:
-    """Every hook of the run: process 0's progress, logs and exports (the logs
-    start at step `start`, the resumed one: the redone steps' earlier lines and
-    events are replaced), and every process's samples writer."""
+    """Every hook of the run: process 0's progress, logs and exports to
+    `targets` (`eqtrain.config.export_targets`; none: no export), the logs
+    starting at step `start`, the resumed one (the redone steps' earlier lines
+    and events are replaced); and every process's samples writer."""
     out: list[Any] = []
     if jax.process_index() == 0:  # process 0 logs and exports for the run
         out += _logging_hooks(job.config, start, rows)
-        if exports:
-            out += _export_hooks(job)
-    return out + _samples.samples_hooks(job, samples, mesh, start=start)
+        out += _export_hooks(job, targets)
+    return out + samples_hooks(job, samples, mesh, start=start)
 
 
 def _progress_hooks(config: Config) -> list[Any]:
@@ -80,17 +81,16 @@ def _writers(config: Config, start: int) -> list[Any]:
     return writers
 
 
-def _export_hooks(job: _build.Job) -> list[Any]:
-    """The final export to each target of `export.hf`, and with `export.every`
+def _export_hooks(job: _build.Job, targets: dict[str, Path]) -> list[Any]:
+    """The final export to each of `targets` (by form), and with `export.every`
     the per-step exports beside it (the final one replaces its target whole)."""
     export = job.config.export
-    if export.hf is None:
+    if not targets:
         return []
     kwargs, out = _export_kwargs(job), []
-    run_dir = Path(job.config.run_dir)
-    for form, target in _preflight.export_targets(job.config, run_dir).items():
+    for form, target in targets.items():
         if export.every:
-            steps = _preflight.steps_export_dir(target)
+            steps = steps_export_dir(target)
             hook = hf.export_hook(steps, form=form, **kwargs)
             out.append(every(export.every, hook))
         out.append(at_end(hf.export_hook(target, per_step=False, form=form, **kwargs)))
@@ -114,3 +114,37 @@ def _export_kwargs(job: _build.Job) -> dict[str, Any]:
     if job.lora is not None:
         kwargs["spec"] = job.lora
     return kwargs
+
+
+def samples_hooks(
+    job: _build.Job, found: _samples.Prompts | None, mesh: Any, start: int
+) -> list[Any]:
+    """The run's `SamplesWriter` of the prompts `found` (`prompts_of`), every
+    `log.samples_every` steps and at the end (none without `log.samples`)."""
+    if found is None:
+        return []
+    hook = _writer(job, found, mesh, start)
+    return [every(job.config.log.samples_every, hook), at_end(hook)]
+
+
+def _writer(
+    job: _build.Job, found: _samples.Prompts, mesh: Any, start: int
+) -> hooks_lib.SamplesWriter:
+    log, run_dir = job.config.log, Path(job.config.run_dir)
+    return hooks_lib.SamplesWriter(
+        found.prompts,
+        found.tokens,
+        decode=job.tokenizer.decode,
+        path=run_dir / "samples.jsonl",
+        max_new_tokens=log.samples_max_new_tokens,
+        stop_ids=found.stop_ids,
+        sampling=Sampling(temperature=log.samples_temperature),
+        seed=job.config.seed,
+        pick=job.policy,
+        vocab_size=job.vocab_size,
+        mesh=mesh,
+        multiple=found.multiple,
+        tensorboard=run_dir / "tb" if log.tensorboard else None,
+        start=start,
+        write=jax.process_index() == 0,
+    )

@@ -1,5 +1,5 @@
 """`[log] samples`: the prompts file read and tokenized (checked before any data
-is read), and the `SamplesWriter` hook of a run."""
+is read); `_run_hooks` makes the run's `SamplesWriter` of them."""
 
 import dataclasses
 import json
@@ -8,11 +8,8 @@ from typing import Any
 
 import jax
 
-from .. import hooks as hooks_lib
 from .._errors import ConfigError
-from .._hooks import at_end, every
 from ..config import data_format
-from ..generate import Sampling
 from . import _build, _resolve
 from ._generate import Generator, Options, chat_stop_ids, check_fits, prompt_tokens
 
@@ -106,37 +103,3 @@ def _generator(job: _build.Job) -> Generator:
     stops = () if eos is None else (int(eos),)
     source = Path(job.config.run_dir)
     return Generator(None, job.tokenizer, stops, source, template, positions)
-
-
-def samples_hooks(
-    job: _build.Job, found: Prompts | None, mesh: Any, start: int
-) -> list[Any]:
-    """The run's `SamplesWriter` of the prompts `found` (`prompts_of`), every
-    `log.samples_every` steps and at the end (none without `log.samples`)."""
-    if found is None:
-        return []
-    hook = _writer(job, found, mesh, start)
-    return [every(job.config.log.samples_every, hook), at_end(hook)]
-
-
-def _writer(
-    job: _build.Job, found: Prompts, mesh: Any, start: int
-) -> hooks_lib.SamplesWriter:
-    log, run_dir = job.config.log, Path(job.config.run_dir)
-    return hooks_lib.SamplesWriter(
-        found.prompts,
-        found.tokens,
-        decode=job.tokenizer.decode,
-        path=run_dir / "samples.jsonl",
-        max_new_tokens=log.samples_max_new_tokens,
-        stop_ids=found.stop_ids,
-        sampling=Sampling(temperature=log.samples_temperature),
-        seed=job.config.seed,
-        pick=job.policy,
-        vocab_size=job.vocab_size,
-        mesh=mesh,
-        multiple=found.multiple,
-        tensorboard=run_dir / "tb" if log.tensorboard else None,
-        start=start,
-        write=jax.process_index() == 0,
-    )

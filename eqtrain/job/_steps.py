@@ -10,11 +10,24 @@ from .._loop import Evaluation
 from ..config import Config
 from ..data import Loader
 from ..step import eval_step, train_step as _train_step
-from . import _build, _grpo, _place, _rows
+from . import _build, _grpo, _place
+from ._rows import Rows
+
+
+def steps(
+    job: _build.Job, placement: _place.Placement, eval_rows: Rows | None
+) -> tuple[Jitted, Evaluation | None]:
+    """The run's training step and what `fit` evaluates (`fit_evaluation`)."""
+    return train_step(job, placement), fit_evaluation(job, placement, eval_rows)
 
 
 def _precision(config: Config) -> str | None:
     return "bf16" if config.loop.precision == "bf16" else None
+
+
+def _shardings(placement: _place.Placement) -> tuple[Any, Any]:
+    """`(state, batch)` shardings, as `eqtrain.jit(..., shardings=)` takes."""
+    return (placement.state_shardings, placement.batch_sharding)
 
 
 def train_step(job: _build.Job, placement: _place.Placement) -> Jitted:
@@ -32,11 +45,11 @@ def train_step(job: _build.Job, placement: _place.Placement) -> Jitted:
     )
     if config.task.kind == "grpo":
         step = rollout.grpo_step(step, _grpo.make_rollout(job))
-    return jit(models.under_mesh(step, placement.mesh), shardings=placement.shardings)
+    return jit(models.under_mesh(step, placement.mesh), shardings=_shardings(placement))
 
 
 def evaluation(
-    job: _build.Job, placement: _place.Placement, rows: _rows.Rows | None
+    job: _build.Job, placement: _place.Placement, rows: Rows | None
 ) -> tuple[Loader | None, Any]:
     """The eval loader over `rows` and the compiled eval step (None, None without
     rows)."""
@@ -44,22 +57,28 @@ def evaluation(
         return None, None
     loader = Loader(
         rows,
-        _rows.eval_batch_size(rows, job.config),
+        _eval_batch_size(rows, job.config),
         mode="eval",
         sharding=placement.batch_sharding,
     )
     return loader, _eval_step(job, placement)
 
 
+def _eval_batch_size(rows: Rows, config: Config) -> int:
+    """The eval batch: `data.batch_size`, or all rows when there are fewer (eval
+    rows are a dict of arrays, or of a preference pair's arrays)."""
+    return min(config.data.batch_size, len(next(iter(rows.values()))))
+
+
 def _eval_step(job: _build.Job, placement: _place.Placement) -> Any:
     """The compiled eval step: the task's loss, without gradients or donation."""
     step = eval_step(job.loss_fn, precision=_precision(job.config))
     under = models.under_mesh(step, placement.mesh)
-    return jit(under, donate=False, shardings=placement.shardings)
+    return jit(under, donate=False, shardings=_shardings(placement))
 
 
 def fit_evaluation(
-    job: _build.Job, placement: _place.Placement, rows: _rows.Rows | None
+    job: _build.Job, placement: _place.Placement, rows: Rows | None
 ) -> Evaluation | None:
     """What `fit` evaluates, and when (None without eval rows: the default
     loop.eval_every then has nothing to evaluate; an explicit one with
