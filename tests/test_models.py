@@ -682,7 +682,7 @@ def test_causal_blocks_equal_one_shot_attention(window):
     """Past 128 tokens `attention` runs in causal blocks (keys after a block never
     multiplied): the same outputs and gradients as one masked attention, with
     packed segments, GQA, a window, and a last block shorter than the others."""
-    from eqtrain.models import _attention
+    from eqtrain.models import _attention, _masks
 
     seq, heads, kv, dim = 300, 4, 2, 8
     q, k, v = (
@@ -693,7 +693,7 @@ def test_causal_blocks_equal_one_shot_attention(window):
 
     def one_shot(q, k, v):
         pos = jnp.arange(seq)
-        mask = _attention.position_mask(pos, segs, pos, segs, window)
+        mask = _masks.position_mask(pos, segs, pos, segs, window)
         return jax.nn.dot_product_attention(q, k, v, mask=mask[None])
 
     def blocked(q, k, v):
@@ -725,7 +725,7 @@ def test_soft_capped_scaled_attention_in_every_kernel(window):
     through the one-shot, causal-block (past 128 tokens) and query-chunked
     kernels equals a plain NumPy computation of it, with packed segments, GQA
     and a window; values and gradients agree between the kernels."""
-    from eqtrain.models import _attention
+    from eqtrain.models import _attention, _masks
 
     seq, heads, kv, dim, scale, cap = 300, 4, 2, 8, 0.2, 5.0
     q, k, v = (
@@ -734,7 +734,7 @@ def test_soft_capped_scaled_attention_in_every_kernel(window):
     )
     segs = jnp.array([1] * 70 + [2] * 200 + [0] * 30)
     pos = jnp.arange(seq)
-    mask = np.asarray(_attention.position_mask(pos, segs, pos, segs, window))
+    mask = np.asarray(_masks.position_mask(pos, segs, pos, segs, window))
     s = np.einsum("qhd,khd->hqk", q, np.repeat(np.asarray(k), heads // kv, 1)) * scale
     s = np.where(mask[None], cap * np.tanh(s / cap), -np.inf)
     p = np.exp(s - s.max(-1, keepdims=True))

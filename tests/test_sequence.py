@@ -23,7 +23,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import eqtrain
 from eqtrain import config as config_lib, job, losses, models
 from eqtrain._rows import vmap_rows
-from eqtrain.models._attention import attention, segment_positions
+from eqtrain.models._attention import attention
+from eqtrain.models._masks import segment_positions
 from eqtrain.sharding import make_mesh
 
 

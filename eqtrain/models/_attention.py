@@ -1,8 +1,9 @@
 """Attention kernels and their masks: causal attention of one sequence
 (`attention`), dispatching to one fused call (`dot_attention`), causal query
 blocks (`causal_blocks`) or rematerialised query chunks (`blocked_attention`);
-masks from positions and segment ids. A new kernel (e.g. a flash attention with
-an online softmax over key blocks) belongs here, beside `blocked_attention`.
+or flash blocks (`_flash.flash_attention`, `implementation="flash"`); the
+masks come from positions and segment ids (`_masks`). A new kernel belongs
+beside these.
 
 Sequence-parallel attention (`_sequence`) and the KV cache's (`_cache`) build on
 these masks and kernels.
@@ -16,32 +17,8 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
 from .._errors import ConfigError
-
-
-def segment_positions(segment_ids: Int[Array, " seq"]) -> Int[Array, " seq"]:
-    """Position of each token within its segment: 0 at every segment's first token.
-
-    Segments are runs of equal ids (packed examples 1, 2, 3, ...; padding 0).
-    """
-    index = jnp.arange(segment_ids.shape[0], dtype=jnp.int32)
-    starts = jnp.concatenate(
-        [jnp.ones((1,), bool), segment_ids[1:] != segment_ids[:-1]]
-    )
-    first = lax.cummax(jnp.where(starts, index, 0), axis=0)
-    return index - first
-
-
-def default_positions(
-    seq_len: int,
-    segment_ids: Int[Array, " seq"] | None,
-    positions: Int[Array, " seq"] | None,
-) -> Int[Array, " seq"]:
-    """Explicit `positions`, else positions restarting per segment, else `arange`."""
-    if positions is not None:
-        return positions
-    if segment_ids is not None:
-        return segment_positions(segment_ids)
-    return jnp.arange(seq_len, dtype=jnp.int32)
+from ._flash import flash_attention
+from ._masks import position_mask, segment_mask
 
 
 def attention(
@@ -67,6 +44,11 @@ def attention(
     blocks of that many (`blocked_attention`), so that the `[heads, seq, seq]`
     scores never exist at once, in the backward pass either.
 
+    `implementation="flash"`: flash blocks (`flash_attention`: an online
+    softmax over key blocks, the probabilities recomputed in the backward pass),
+    so that no `[heads, block, seq]` scores exist either; "cudnn": one fused
+    GPU kernel; None or "xla": XLA's.
+
     `scale` multiplies the scores (default `head_dim ** -0.5`); `softcap` caps
     them as `softcap * tanh(scores / softcap)` before the mask (Gemma 2).
     """
@@ -76,11 +58,18 @@ def attention(
     )  # fmt: skip
     if implementation == "cudnn":  # the fused kernel takes the whole sequence
         return one_call_attention(q, k, v, **common)
+    if implementation == "flash":
+        return flash_attention(q, k, v, **_flash_args(common))
     if 0 < query_chunk < q.shape[0]:
         return blocked_attention(q, k, v, query_chunk=query_chunk, **common)
     if q.shape[0] > CAUSAL_BLOCK_MIN:
         return causal_blocks(q, k, v, **common)
     return one_call_attention(q, k, v, **common)
+
+
+def _flash_args(common: dict[str, Any]) -> dict[str, Any]:
+    """`attention`'s keywords as `flash_attention` takes them."""
+    return {k: v for k, v in common.items() if k != "implementation"}
 
 
 def one_call_attention(
@@ -123,6 +112,8 @@ def dot_attention(
     written out (no fused kernel caps scores): f32 scores `q . k * scale`,
     `softcap * tanh(scores / softcap)`, masked, softmax in f32, cast to `q`'s
     dtype, times `v`. Grouped-query heads as `attention`."""
+    if implementation == "flash":  # a kernel of `attention`; one call is XLA's
+        implementation = None
     if softcap is None:
         return jax.nn.dot_product_attention(
             q,
@@ -254,24 +245,6 @@ def causal_blocks(
     return jnp.concatenate(outs, axis=0)
 
 
-def position_mask(
-    q_pos: Int[Array, " q"],
-    q_seg: Int[Array, " q"],
-    k_pos: Int[Array, " k"],
-    k_seg: Int[Array, " k"],
-    sliding_window: int | None,
-) -> Bool[Array, "q k"]:
-    """Causal (and windowed) attention within a segment, from global positions:
-    query `i` sees key `j` of its segment with `pos[j] <= pos[i]` (and
-    `pos[i] - pos[j] < sliding_window`). Positions must increase along a row
-    within each segment, as `segment_positions` (or `arange`) gives them."""
-    diff = q_pos[:, None] - k_pos[None, :]
-    mask = (q_seg[:, None] == k_seg[None, :]) & (diff >= 0)
-    if sliding_window is not None:
-        mask = mask & (diff < sliding_window)
-    return mask
-
-
 def blocked_attention(
     q: Float[Array, "seq heads head_dim"],
     k: Float[Array, "seq kv_heads head_dim"],
@@ -319,8 +292,3 @@ def _query_blocks(
     q_pos = jnp.arange(blocks * query_chunk, dtype=jnp.int32).reshape(blocks, -1)
     q_segs = jnp.pad(segs, (0, pad), mode="edge").reshape(blocks, -1)
     return qs, q_pos, q_segs
-
-
-def segment_mask(segment_ids: Int[Array, " seq"]) -> Bool[Array, "seq seq"]:
-    """`mask[i, j]`: query `i` and key `j` belong to the same segment."""
-    return segment_ids[:, None] == segment_ids[None, :]

@@ -26,7 +26,8 @@ import jax.numpy as jnp
 from jax import lax
 from jaxtyping import Array, Bool, Float, Int
 
-from ._attention import _MASKED, position_mask
+from ._attention import _MASKED
+from ._masks import position_mask
 from ._sequence import attend
 
 

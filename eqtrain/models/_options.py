@@ -107,10 +107,15 @@ def check_runtime(config: Any) -> None:
     as_dtype(config.param_dtype)
 
 
+ATTENTION_IMPLS = (None, "xla", "flash", "cudnn")
+"""The attention kernels (`attention`'s `implementation`)."""
+
+
 def check_attention_impl(attention_impl: Any) -> None:
-    if attention_impl not in (None, "xla", "cudnn"):
+    if attention_impl not in ATTENTION_IMPLS:
         raise ConfigError(
-            f"`attention_impl` must be None, 'xla' or 'cudnn'; got {attention_impl!r}."
+            "`attention_impl` must be None, 'xla', 'flash' or 'cudnn'; got "
+            f"{attention_impl!r}."
         )
 
 

@@ -25,7 +25,8 @@ from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float, Int
 
 from .._errors import ConfigError
-from ._attention import attention, dot_attention, position_mask, segment_positions
+from ._attention import attention, dot_attention
+from ._masks import position_mask, segment_positions
 
 
 SCHEMES = ("ulysses", "ring", "all_gather")

@@ -24,7 +24,6 @@ import jax.random as jr
 from jax.sharding import PartitionSpec
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
-from ._attention import default_positions
 from ._cache import CacheStep, KVCache, empty_cache, slot_positions
 from ._decoder_blocks import (
     AnyNorm,
@@ -48,6 +47,7 @@ from ._decoder_config import (
     flops_per_token as flops_per_token,
 )
 from ._layers import AnyLinear, Embedding, as_dtype, head_weight
+from ._masks import default_positions
 from ._moe import AUX_KEYS, MOE_IMPLS as MOE_IMPLS, empty_aux, router_terms
 from ._options import (
     RUNTIME_OPTIONS as RUNTIME_OPTIONS,

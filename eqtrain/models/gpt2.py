@@ -18,7 +18,6 @@ from jax.sharding import PartitionSpec
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from .._errors import ConfigError
-from ._attention import default_positions
 from ._cache import (
     CacheStep,
     KVCache,
@@ -39,6 +38,7 @@ from ._layers import (
     split_key,
     tiled,
 )
+from ._masks import default_positions
 from ._options import (
     RUNTIME_OPTIONS,
     RuntimeFields,
