@@ -13,7 +13,7 @@ warmed up before timing; rounds alternate (ABBA) in one process. It prints one
 JSON line:
 
     {"config", "params", "batch", "seq", "threads", "remat", "scan_layers",
-     "steps", "rounds",
+     "attention", "cpu_settings", "steps", "rounds",
      "eqtrain_tokens_per_s", "torch_tokens_per_s", "ratio", "first_loss_diff"}
 
 with the median tokens/s of each and `ratio` = the median over rounds of
@@ -24,7 +24,8 @@ Usage (CPU; needs `pip install torch==2.13.0 transformers`):
 
     JAX_PLATFORMS=cpu .venv/bin/python benchmarks/models.py [--steps 8]
         [--rounds 3] [--batch 16] [--seq 256] [--threads 2] [--remat none]
-        [--no-scan-layers] [--quick] [--family MODEL_TYPE|all]
+        [--no-scan-layers] [--attention xla|flash] [--quick]
+        [--family MODEL_TYPE|all]
 
 `--family` (one Hugging Face `model_type` of `eqtrain.models.archs.ARCHS`, several
 separated by commas, or `all`) measures the decoder families instead, each at the
@@ -234,7 +235,12 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any]:
 
     torch.set_num_threads(args.threads)
     base = QUICK if args.quick else CONFIG
-    cfg = dataclasses.replace(base, remat=args.remat, scan_layers=args.scan_layers)
+    cfg = dataclasses.replace(
+        base,
+        remat=args.remat,
+        scan_layers=args.scan_layers,
+        attention_impl=args.attention,
+    )
     model = Llama(cfg, jr.key(0))
     batches = make_batches(cfg, args.steps, args.batch, args.seq)
     runners = {
@@ -305,7 +311,12 @@ def family_models(
     hf_cfg = transformers.AutoConfig.for_model(model_type, **sizes, **extras)
     reader = Reader(hf_cfg.to_dict(), f"transformers' {type(hf_cfg).__name__}")
     cfg = ARCHS[model_type].from_hf(reader, "float32")
-    cfg = dataclasses.replace(cfg, remat=args.remat, scan_layers=args.scan_layers)
+    cfg = dataclasses.replace(
+        cfg,
+        remat=args.remat,
+        scan_layers=args.scan_layers,
+        attention_impl=args.attention,
+    )
     model = Llama(cfg, jr.key(0))
     transformers.utils.logging.disable_progress_bar()  # "Loading weights"
     with tempfile.TemporaryDirectory() as tmp:
@@ -374,6 +385,7 @@ def _settings(args: argparse.Namespace, model: Any) -> dict[str, Any]:
         "threads": args.threads,
         "remat": args.remat,
         "scan_layers": args.scan_layers,
+        "attention": args.attention or "xla",
         "cpu_settings": args.cpu_settings,
         "steps": args.steps,
         "rounds": args.rounds,
@@ -402,6 +414,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="eqtrain.tune_cpu() first, as the eqtrain command does (--no-tune-cpu: "
         "XLA's and glibc's defaults)",
     )
+    parser.add_argument(
+        "--attention",
+        choices=["xla", "flash"],
+        default="xla",
+        help="eqtrain's attention kernel (the model's attention_impl): XLA's "
+        "causal blocks, or flash blocks (eqtrain.models._flash)",
+    )
     parser.add_argument("--quick", action="store_true", help="tiny smoke test")
     parser.add_argument(
         "--family",
@@ -413,6 +432,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     args = parser.parse_args(argv)
     args.families = None if args.family is None else families(args.family)
+    args.attention = None if args.attention == "xla" else args.attention
     args.cpu_settings = []
     args.steps = args.steps or (3 if args.quick else 8)
     args.rounds = args.rounds or (2 if args.quick else 3)

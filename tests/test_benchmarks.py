@@ -212,3 +212,11 @@ def test_job_walk():
     # the phases never walk back into one another: the only returns are calls
     # of the frozen values' methods (Job, Placement, Prepared)
     assert record["returns_outside_values"] == 0, proc.stdout
+
+
+@pytest.mark.slow  # the default suite's time: `nox -s slow`
+def test_attention_quick():
+    (record,), _ = _quick("attention.py")
+    assert record["seq"] == 160
+    assert all(record[f"{k}_ms"] > 0 for k in ("blocks", "flash", "one_call"))
+    assert record["flash_vs_blocks"] > 0 and record["one_call_vs_blocks"] > 0

@@ -1,0 +1,114 @@
+"""One layer's causal attention, forward and backward, by kernel: XLA's causal
+blocks (the default past 128 tokens), flash blocks (`attention_impl="flash"`,
+`eqtrain.models._flash`) and one masked XLA call over the whole sequence, at
+several sequence lengths, with the heads of `benchmarks/models.py`'s Llama
+(4 heads of 64; a batch of rows `vmap`ped as the losses do).
+
+Rounds alternate the kernels in one process (the machine's noise hits all of
+them alike); it prints one JSON line per sequence length:
+
+    {"seq", "batch", "blocks_ms", "flash_ms", "one_call_ms",
+     "flash_vs_blocks", "one_call_vs_blocks", "rounds"}
+
+with each kernel's median time of `jax.grad` of the summed squares (ms per
+call) and the ratios of the blocks' time to the others' (> 1: faster than the
+causal blocks).
+
+    JAX_PLATFORMS=cpu .venv/bin/python benchmarks/attention.py [--seqs 256,1024]
+        [--batch 4] [--rounds 5] [--quick]
+"""
+
+import argparse
+import json
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import jax.random as jr
+from _machine import print_machine
+
+import eqtrain
+from eqtrain.models._attention import attention
+
+
+HEADS, KV_HEADS, HEAD_DIM = 4, 4, 64
+KERNELS = {"blocks": None, "flash": "flash", "one_call": "one_call"}
+
+
+def _kernel(impl: str | None, seq: int) -> Callable[..., Any]:
+    """`jax.grad` of one layer's attention over a batch, jitted."""
+    kw = dict(segment_ids=None, sliding_window=None)
+
+    def one(q: Any, k: Any, v: Any) -> Any:
+        if impl == "one_call":  # the whole sequence as one query chunk
+            return attention(q, k, v, implementation=None, query_chunk=seq, **kw)
+        return attention(q, k, v, implementation=impl, **kw)
+
+    def loss(q: Any, k: Any, v: Any) -> Any:
+        return jnp.sum(jax.vmap(one)(q, k, v) ** 2)
+
+    return jax.jit(jax.grad(loss, (0, 1, 2)))
+
+
+def _inputs(batch: int, seq: int) -> tuple[Any, ...]:
+    keys = jr.split(jr.key(0), 3)
+    shapes = [(batch, seq, h, HEAD_DIM) for h in (HEADS, KV_HEADS, KV_HEADS)]
+    return tuple(jr.normal(key, shape) for key, shape in zip(keys, shapes, strict=True))
+
+
+def _time(fn: Callable[..., Any], args: tuple[Any, ...], calls: int) -> float:
+    """Milliseconds per call (the device waited for once at the end)."""
+    start = time.perf_counter()
+    for _ in range(calls):
+        out = fn(*args)
+    jax.block_until_ready(out)
+    return (time.perf_counter() - start) * 1e3 / calls
+
+
+def measure(seq: int, args: argparse.Namespace) -> dict[str, Any]:
+    inputs = _inputs(args.batch, seq)
+    fns = {name: _kernel(impl, seq) for name, impl in KERNELS.items()}
+    for fn in fns.values():  # compile and warm up
+        jax.block_until_ready(fn(*inputs))
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for r in range(args.rounds):
+        order = list(fns) if r % 2 == 0 else list(reversed(fns))
+        for name in order:
+            times[name].append(_time(fns[name], inputs, args.calls))
+    ms = {name: statistics.median(t) for name, t in times.items()}
+    return {
+        "seq": seq, "batch": args.batch,
+        **{f"{name}_ms": round(t, 2) for name, t in ms.items()},
+        "flash_vs_blocks": round(ms["blocks"] / ms["flash"], 3),
+        "one_call_vs_blocks": round(ms["blocks"] / ms["one_call"], 3),
+        "rounds": args.rounds,
+    }  # fmt: skip
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seqs", default="256,1024,2048", help="sequence lengths")
+    parser.add_argument("--batch", type=int, default=4, help="rows per call")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--calls", type=int, default=3, help="calls per timing")
+    parser.add_argument("--quick", action="store_true", help="tiny smoke test")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.seqs, args.batch, args.rounds, args.calls = "160", 1, 1, 1
+    args.seqs = [int(s) for s in args.seqs.split(",")]
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    eqtrain.tune_cpu()
+    print_machine()
+    for seq in args.seqs:
+        print(json.dumps(measure(seq, args)), flush=True)
+
+
+if __name__ == "__main__":
+    main()
