@@ -9,14 +9,20 @@ Two settings, both for this process only:
   large trim threshold keep them in the heap, as the environment variables
   `MALLOC_MMAP_THRESHOLD_` / `MALLOC_TRIM_THRESHOLD_` would at start-up;
   `mallopt` sets the same two parameters in a running process.
-- **XLA's dot library**: `--xla_cpu_experimental_ynn_fusion_type=` (empty) makes
-  XLA:CPU run matrix products with Eigen, split over all of its threads, instead of
-  YNNPACK fusions that run each product on one thread. It has to be in `XLA_FLAGS`
-  before JAX starts its CPU backend.
+- **XLA's flags**, chosen by measurement (`_cpu_tuning`): Eigen's products
+  (`--xla_cpu_experimental_ynn_fusion_type=`, empty: split over all of XLA's
+  threads, where YNNPACK fusions run each product on one thread), XLA's own
+  defaults, or Eigen's with 512-bit vectors on AVX-512, whichever trained a
+  probe step fastest on this processor (measured once, cached). They have to
+  be in `XLA_FLAGS` before JAX starts its CPU backend. The same measurement
+  says whether layers train faster scanned or unrolled here
+  (`layers_scanned`, which `model.scan_layers = "auto"` follows).
 
 `tune_cpu()` applies both unless the user chose otherwise (either variable set,
-any `ynn_fusion_type` in `XLA_FLAGS`, or `EQTRAIN_CPU_TUNING=0`). The CLI calls it
-first; a script calls it before its first JAX computation.
+XLA flags of its own for the products or the vector width, or
+`EQTRAIN_CPU_TUNING=0`). `EQTRAIN_CPU_TUNING=fixed` applies the settings
+without measuring (Eigen's products, unrolled layers). The CLI calls it first;
+a script calls it before its first JAX computation.
 """
 
 import ctypes
@@ -24,17 +30,21 @@ import ctypes.util
 import os
 import sys
 import warnings
-from collections.abc import MutableMapping
+from collections.abc import Callable, MutableMapping
+
+from . import _cpu_tuning
 
 
 ALLOCATOR_ENV = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")
 """The environment variables that set glibc's two thresholds at start-up."""
-XLA_CPU_FLAG = "--xla_cpu_experimental_ynn_fusion_type="
+XLA_CPU_FLAG = _cpu_tuning.EIGEN_DOTS
+USER_FLAGS = ("ynn_fusion_type", "prefer_vector_width")
+"""Any of these in `XLA_FLAGS`: the user chose XLA's CPU flags (never replaced)."""
 OPT_OUT = "EQTRAIN_CPU_TUNING"
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters
 _THRESHOLD = 2**31 - 1  # mallopt takes an int: ~2 GB (the variables' 4e9 in spirit)
 
-_state = {"allocator": False, "hinted": False}
+_state: dict[str, object] = {"allocator": False, "hinted": False, "choice": None}
 
 
 class CPUPerformanceWarning(UserWarning):
@@ -61,6 +71,36 @@ def _opted_out(environ: MutableMapping[str, str]) -> bool:
     return environ.get(OPT_OUT, "1").strip().lower() in ("0", "false", "no", "off")
 
 
+def _fixed(environ: MutableMapping[str, str]) -> bool:
+    return environ.get(OPT_OUT, "").strip().lower() == "fixed"
+
+
+def _choice(
+    environ: MutableMapping[str, str], say: Callable[[str], None] | None
+) -> _cpu_tuning.Choice:
+    """This processor's measured (or cached) choice; the fixed one with
+    `EQTRAIN_CPU_TUNING=fixed`."""
+    if _fixed(environ):
+        flags = _cpu_tuning.CANDIDATES[_cpu_tuning.FALLBACK]
+        return _cpu_tuning.Choice(_cpu_tuning.FALLBACK, flags, False, {}, "fixed")
+    return _cpu_tuning.choose(say=say)
+
+
+def layers_scanned() -> bool:
+    """Whether `model.scan_layers = "auto"` scans the layers on the CPU: as this
+    process's measured choice says (`tune_cpu`), else unrolled."""
+    choice = _state["choice"]
+    return isinstance(choice, _cpu_tuning.Choice) and choice.scan_layers
+
+
+def describe() -> str:
+    """What `tune_cpu` chose for XLA in this process, in one line."""
+    choice = _state["choice"]
+    if isinstance(choice, _cpu_tuning.Choice):
+        return choice.describe()
+    return str(choice or "none (eqtrain.tune_cpu was not called)")
+
+
 def allocator_tuned(environ: MutableMapping[str, str] | None = None) -> bool:
     """Whether glibc's thresholds were set: by `tune_cpu` or in the environment."""
     environ = os.environ if environ is None else environ
@@ -68,19 +108,27 @@ def allocator_tuned(environ: MutableMapping[str, str] | None = None) -> bool:
 
 
 def tune_cpu(
-    environ: MutableMapping[str, str] | None = None, *, dots: bool = True
+    environ: MutableMapping[str, str] | None = None,
+    *,
+    dots: bool = True,
+    say: Callable[[str], None] | None = None,
 ) -> list[str]:
     """Apply eqtrain's CPU settings to this process; return what was applied.
 
     Sets glibc's mmap and trim thresholds with `mallopt` (unless
     `MALLOC_MMAP_THRESHOLD_` or `MALLOC_TRIM_THRESHOLD_` is set: the user's
-    choice stands) and appends `--xla_cpu_experimental_ynn_fusion_type=` to
-    `XLA_FLAGS` (unless the flags already name `ynn_fusion_type`, or JAX's
-    backends have started, when it could no longer take effect).
-    `EQTRAIN_CPU_TUNING=0` turns both off. Both settings only speed up the CPU
-    backend; on a GPU or TPU host they change nothing the device runs.
-    Products computed by Eigen round differently from YNNPACK's (within f32
-    tolerances), so a CPU result changes in its last bits with the flag.
+    choice stands) and appends this processor's XLA flags to `XLA_FLAGS`:
+    the fastest of `_cpu_tuning.CANDIDATES` on a probe training step, measured
+    the first time this processor and JAX version are met (about 30 s, said
+    through `say`) and cached in the user's cache directory
+    (`_cpu_tuning.cache_path`). Not when the flags already set the products or
+    the vector width (the user's choice stands), nor once JAX's backends have
+    started (too late to take effect). `EQTRAIN_CPU_TUNING=fixed` applies
+    Eigen's products without measuring; `EQTRAIN_CPU_TUNING=0` turns
+    everything off. `describe()` says what was chosen. The settings only speed
+    up the CPU backend; on a GPU or TPU host they change nothing the device
+    runs. Products computed by Eigen round differently from YNNPACK's (within
+    f32 tolerances), so a CPU result changes in its last bits with the flags.
     `dots=False` leaves XLA's dots alone (the allocator only): generation's
     one-row-per-prompt products ran 3x faster with YNNPACK than with Eigen
     (docs/generation.md), so `eqtrain generate` does so.
@@ -91,7 +139,16 @@ def tune_cpu(
     """
     environ = os.environ if environ is None else environ
     if _opted_out(environ):
+        _state["choice"] = f"off ({OPT_OUT}=0)"
         return []
+    applied = _tune_allocator(environ)
+    if dots and _set_xla_flags(environ, say):
+        applied.append("xla_flags")
+    return applied
+
+
+def _tune_allocator(environ: MutableMapping[str, str]) -> list[str]:
+    """glibc's thresholds by `mallopt`, unless the environment sets them."""
     applied = []
     if not _state["allocator"] and not any(n in environ for n in ALLOCATOR_ENV):
         libc = _glibc()
@@ -101,11 +158,26 @@ def tune_cpu(
             if ok:
                 _state["allocator"] = True
                 applied.append("allocator")
-    flags = environ.get("XLA_FLAGS", "")
-    if dots and "ynn_fusion_type" not in flags and not _backends_started():
-        environ["XLA_FLAGS"] = f"{flags} {XLA_CPU_FLAG}".strip()
-        applied.append("xla_flags")
     return applied
+
+
+def _set_xla_flags(
+    environ: MutableMapping[str, str], say: Callable[[str], None] | None
+) -> bool:
+    """Add the chosen XLA flags to `XLA_FLAGS`, unless the user set their own
+    or JAX's backends have started (too late to take effect)."""
+    flags = environ.get("XLA_FLAGS", "")
+    if any(name in flags for name in USER_FLAGS):
+        _state["choice"] = "yours (XLA_FLAGS sets the CPU's products)"
+        return False
+    if _backends_started():
+        _state["choice"] = "none (JAX had started: call tune_cpu first)"
+        return False
+    choice = _choice(environ, say)
+    _state["choice"] = choice
+    if choice.flags:
+        environ["XLA_FLAGS"] = f"{flags} {choice.flags}".strip()
+    return True
 
 
 def hint_cpu_settings() -> None:

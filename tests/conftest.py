@@ -3,6 +3,10 @@ import os
 
 # Must happen before JAX touches a device: 8 simulated CPU devices for sharding tests.
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+# The CLI's CPU settings without measuring them (tests/test_cpu.py measures):
+# every test process, the `eqtrain` ones started by tests included, computes
+# alike whatever this processor would choose.
+os.environ.setdefault("EQTRAIN_CPU_TUNING", "fixed")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # Tokenized stores go to one directory per test session (never ~/.cache); keyed
 # by content, so the tests share the built-in corpus's store.

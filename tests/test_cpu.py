@@ -1,5 +1,8 @@
-"""`eqtrain.tune_cpu`: the CPU settings the CLI applies to itself, and the hint."""
+"""`eqtrain.tune_cpu`: the CPU settings the CLI applies to itself, chosen by
+measurement once per processor and cached; and the hint."""
 
+import json
+import os
 import subprocess
 import sys
 import warnings
@@ -7,16 +10,52 @@ import warnings
 import pytest
 
 import eqtrain
-from eqtrain import _cpu
+from eqtrain import _cpu, _cpu_tuning
+
+
+# What the fake probe reports per candidate: Eigen's products fastest, unrolled.
+TIMES = {
+    "eigen_dots": {"scanned_ms": 50.0, "unrolled_ms": 40.0},
+    "xla_default": {"scanned_ms": 70.0, "unrolled_ms": 60.0},
+    "eigen_dots_512": {"scanned_ms": 55.0, "unrolled_ms": 45.0},
+}
+
+
+class FakeProbe:
+    """`_cpu_tuning.probe` without processes: `times` by flag set, counted."""
+
+    def __init__(self, times=TIMES):
+        self.times, self.calls = times, []
+
+    def __call__(self, flags):
+        name = next(n for n, f in _cpu_tuning.CANDIDATES.items() if f == flags)
+        self.calls.append(name)
+        return dict(self.times[name])
+
+
+def _reset(monkeypatch):
+    monkeypatch.setattr(
+        _cpu, "_state", {"allocator": False, "hinted": False, "choice": None}
+    )
 
 
 @pytest.fixture
-def fresh(monkeypatch):
-    """A process state in which nothing was applied or hinted yet."""
-    monkeypatch.setattr(_cpu, "_state", {"allocator": False, "hinted": False})
+def probe(monkeypatch, tmp_path):
+    """A fresh process state, a cache directory of its own and a fake probe."""
+    _reset(monkeypatch)
     monkeypatch.setattr(_cpu, "_backends_started", lambda: False)
     for name in (*_cpu.ALLOCATOR_ENV, _cpu.OPT_OUT):
         monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("EQTRAIN_CACHE_DIR", str(tmp_path / "cache"))
+    fake = FakeProbe()
+    monkeypatch.setattr(_cpu_tuning, "probe", fake)
+    return fake
+
+
+@pytest.fixture
+def fresh(probe):
+    """A process state in which nothing was applied or hinted yet."""
+    return probe
 
 
 def test_applies_both_settings_once(fresh):
@@ -56,7 +95,7 @@ def test_hint_once_on_cpu(fresh, monkeypatch):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         _cpu.hint_cpu_settings()  # once per process
-        monkeypatch.setattr(_cpu, "_state", {"allocator": False, "hinted": False})
+        _reset(monkeypatch)
         monkeypatch.setenv(_cpu.OPT_OUT, "0")
         _cpu.hint_cpu_settings()  # the user opted out: no hint
         monkeypatch.delenv(_cpu.OPT_OUT)
@@ -81,6 +120,7 @@ def test_the_cli_tunes_its_process_before_jax_starts():
         "print('SUM', float((jnp.ones((64, 64)) @ jnp.ones((64, 64))).sum()))\n"
     )
     env = {"PATH": "/usr/bin:/bin", "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
+    env[_cpu.OPT_OUT] = "fixed"  # measuring: test_the_cli_measures_once_...
     done = subprocess.run(
         [sys.executable, "-c", code],
         capture_output=True,
@@ -108,3 +148,135 @@ def test_scan_layers_auto_unrolls_on_the_cpu():
         )
     with pytest.raises(ConfigError, match="scan_layers"):
         config.load(None, ["model.scan_layers=maybe"])
+
+
+def _cache(tmp_path):
+    return json.loads((tmp_path / "cache" / "cpu_tuning.json").read_text())
+
+
+def test_measures_once_per_processor_then_reads_the_cache(probe, monkeypatch, tmp_path):
+    said = []
+    env = {"XLA_FLAGS": ""}
+    assert eqtrain.tune_cpu(env, say=said.append) == ["allocator", "xla_flags"]
+    expected = set(_cpu_tuning.candidates(_cpu_tuning.processor()))
+    assert set(probe.calls) == expected and len(said) == 1
+    assert env["XLA_FLAGS"] == _cpu_tuning.CANDIDATES["eigen_dots"]
+    assert "eigen_dots, unrolled layers (measured" in _cpu.describe()
+    entry = _cache(tmp_path)["choices"][_cpu_tuning.cache_key()]
+    assert entry["name"] == "eigen_dots" and entry["measured"]["xla_default"]
+    # a new process on the same processor: the cache, no probe, no note
+    _reset(monkeypatch)
+    probe.calls.clear()
+    env = {"XLA_FLAGS": ""}
+    assert "xla_flags" in eqtrain.tune_cpu(env, say=said.append)
+    assert probe.calls == [] and len(said) == 1
+    assert env["XLA_FLAGS"] == _cpu_tuning.CANDIDATES["eigen_dots"]
+    assert "(cached;" in _cpu.describe()
+
+
+def test_the_fastest_candidate_wins_and_says_scanned_or_unrolled(probe, monkeypatch):
+    from eqtrain import config, models
+
+    probe.times = {
+        "eigen_dots": {"scanned_ms": 50.0, "unrolled_ms": 52.0},
+        "xla_default": {"scanned_ms": 30.0, "unrolled_ms": 35.0},
+        "eigen_dots_512": {"scanned_ms": 55.0, "unrolled_ms": 45.0},
+    }
+    env = {"XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+    eqtrain.tune_cpu(env)
+    # XLA's defaults: nothing added to the flags
+    assert env["XLA_FLAGS"] == "--xla_force_host_platform_device_count=8"
+    assert _cpu.describe().startswith("xla_default, scanned layers")
+    section = config.load(None, []).model  # scan_layers = "auto"
+    assert models.runtime_options(section)["scan_layers"] is True
+    _reset(monkeypatch)  # without a measured choice: unrolled on the CPU
+    assert models.runtime_options(section)["scan_layers"] is False
+
+
+def test_the_cache_key_holds_processor_cores_versions_and_candidates(monkeypatch):
+    cpu = {"cpu": "Some CPU", "family": "6", "model": "143", "isa": ["avx2", "fma"]}
+    key = _cpu_tuning.cache_key(cpu, cores=8)
+    assert "Some CPU" in key and "6/143" in key and "avx2+fma" in key
+    assert "8 cores" in key and "candidates eigen_dots,xla_default " in key + " "
+    others = [
+        _cpu_tuning.cache_key({**cpu, "model": "85"}, cores=8),
+        _cpu_tuning.cache_key({**cpu, "isa": ["avx2", "fma", "avx512f"]}, cores=8),
+        _cpu_tuning.cache_key(cpu, cores=16),
+    ]
+    real = _cpu_tuning._version
+    monkeypatch.setattr(
+        _cpu_tuning, "_version", lambda n: "9.9" if n == "jax" else real(n)
+    )
+    others.append(_cpu_tuning.cache_key(cpu, cores=8))
+    assert len({key, *others}) == 5
+
+
+def test_a_stale_cache_entry_is_measured_again(probe, tmp_path):
+    """An entry for another processor or JAX version, or a file of another
+    cache version, is never used: the processor is measured again."""
+    path = tmp_path / "cache" / "cpu_tuning.json"
+    path.parent.mkdir(parents=True)
+    other = {"name": "xla_default", "flags": "", "scan_layers": True, "measured": {}}
+    key = _cpu_tuning.cache_key().replace("jax ", "jax 0.0.1-was-")
+    path.write_text(json.dumps({"version": 1, "choices": {key: other}}))
+    assert _cpu_tuning.choose().source == "measured" and probe.calls
+    assert set(_cache(tmp_path)["choices"]) == {key, _cpu_tuning.cache_key()}
+    probe.calls.clear()
+    path.write_text(json.dumps({"version": 0, "choices": _cache(tmp_path)["choices"]}))
+    assert _cpu_tuning.choose().source == "measured" and probe.calls
+
+
+def test_explicit_settings_win_over_the_measurement(probe):
+    for flags in (
+        "--xla_cpu_experimental_ynn_fusion_type=individual_dot",
+        "--xla_cpu_prefer_vector_width=256",
+    ):
+        env = {"XLA_FLAGS": flags}
+        eqtrain.tune_cpu(env)
+        assert env == {"XLA_FLAGS": flags} and probe.calls == []
+        assert _cpu.describe().startswith("yours")
+
+
+def test_fixed_applies_the_settings_without_measuring(probe):
+    env = {_cpu.OPT_OUT: "fixed", "XLA_FLAGS": ""}
+    assert eqtrain.tune_cpu(env) == ["allocator", "xla_flags"]
+    assert env["XLA_FLAGS"] == _cpu.XLA_CPU_FLAG and probe.calls == []
+    assert _cpu.describe() == "eigen_dots (not measured: fixed)"
+
+
+def test_a_failing_probe_falls_back_and_caches_nothing(probe, tmp_path):
+    def broken(flags):
+        raise RuntimeError("no CPU backend")
+
+    choice = _cpu_tuning.choose(run=broken)
+    assert choice.name == _cpu_tuning.FALLBACK and "no CPU backend" in choice.source
+    assert not (tmp_path / "cache" / "cpu_tuning.json").exists()
+
+
+@pytest.mark.slow  # two real probes of ~10 s, then `eqtrain fit --dry-run` twice
+def test_the_cli_measures_once_and_the_dry_run_says_what_it_chose(tmp_path):
+    env = {
+        **os.environ,
+        "EQTRAIN_CACHE_DIR": str(tmp_path / "cache"),
+        "XLA_FLAGS": "",
+        "JAX_PLATFORMS": "cpu",
+    }
+    env.pop(_cpu.OPT_OUT, None)
+    argv = [sys.executable, "-m", "eqtrain.cli", "fit", "--dry-run"]
+    runs = [
+        subprocess.run(argv + ["--run-dir", str(tmp_path / f"run{i}")], env=env,
+                       capture_output=True, text=True, timeout=400)
+        for i in range(2)
+    ]  # fmt: skip
+    for done in runs:
+        assert done.returncode == 0, done.stderr[-3000:]
+    assert "measuring the CPU settings" in runs[0].stderr
+    assert "measuring" not in runs[1].stderr
+    entry = _cache(tmp_path)["choices"][_cpu_tuning.cache_key()]
+    assert set(entry["measured"]) == set(
+        _cpu_tuning.candidates(_cpu_tuning.processor())
+    )
+    for name, times in entry["measured"].items():
+        assert times["scanned_ms"] > 0 and times["unrolled_ms"] > 0, name
+    lines = [ln for ln in runs[1].stdout.splitlines() if ln.startswith("cpu ")]
+    assert len(lines) == 1 and entry["name"] in lines[0] and "cached" in lines[0]

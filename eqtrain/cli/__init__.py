@@ -46,11 +46,13 @@ app.add_typer(data_app, name="data")
 
 def main() -> None:
     """The console entry point. It first applies eqtrain's CPU settings to its own
-    process (`eqtrain.tune_cpu`: glibc's allocator thresholds and Eigen dots, but
-    not the dots for `eqtrain generate`, whose decode they slow down;
-    `EQTRAIN_CPU_TUNING=0` opts out), before JAX starts a backend."""
+    process (`eqtrain.tune_cpu`: glibc's allocator thresholds and the XLA flags
+    measured fastest on this processor, but not XLA's flags for `eqtrain
+    generate`, whose decode Eigen's products slow down; `EQTRAIN_CPU_TUNING=0`
+    opts out), before JAX starts a backend."""
     from .._cpu import tune_cpu
 
-    tune_cpu(dots=sys.argv[1:2] != ["generate"])
+    say = lambda text: print(text, file=sys.stderr, flush=True)
+    tune_cpu(dots=sys.argv[1:2] != ["generate"], say=say)
     _fit.owns_process = True
     app(prog_name="eqtrain")

@@ -1,10 +1,12 @@
 """`eqtrain info`: a run's steps, checkpoints, metrics, export and config
-(`eqtrain.job.run_info`), as text or JSON."""
+(`eqtrain.job.run_info`), as text or JSON; the text ends with the CPU settings
+this process chose (`eqtrain.tune_cpu`)."""
 
 from typing import Annotated, Any
 
 import typer
 
+from .._cpu import describe as describe_cpu
 from ._shared import RunPath, errors, json_text
 
 
@@ -45,6 +47,7 @@ def format_info(data: dict[str, Any]) -> str:
         lines.append(f"last logged:  {json_text(shown)}")
     lines += _checkpoint_lines(data["checkpoints"], data.get("damaged") or [])
     lines.append(f"HF export:    {data['export'] or '(none)'}")
+    lines.append(f"CPU settings: {describe_cpu()}")
     return "\n".join(lines)
 
 

@@ -9,6 +9,7 @@ import equinox as eqx
 import jax
 
 from .. import lora, models, sharding
+from .._cpu import describe as describe_cpu
 from .._state import TrainState
 from ..config import Config
 from . import _build, _memory, _plan, _rows, _samples
@@ -144,6 +145,13 @@ def _devices_line(mesh: Any) -> str:
     return f"devices      {mesh.devices.size} x {platform}; mesh {axes}"
 
 
+def _cpu_lines(mesh: Any) -> list[str]:
+    """On the CPU, the XLA settings `eqtrain.tune_cpu` chose for it."""
+    if mesh.devices.flat[0].platform != "cpu":
+        return []
+    return [f"cpu          {describe_cpu()}"]
+
+
 def _run_lines(planned: _plan.Plan, abstract: Any) -> list[str]:
     """The report's head: run directory, model, task, data, steps, compute,
     devices and memory options."""
@@ -162,6 +170,7 @@ def _run_lines(planned: _plan.Plan, abstract: Any) -> list[str]:
         f"compute      {job.flops_per_token():,.0f} training FLOPs per token "
         f"(forward + backward, data.seq_len {config.data.seq_len})",
         _devices_line(mesh),
+        *_cpu_lines(mesh),
         *_sequence_lines(config, mesh.shape["sequence"]),
         _options_line(job),
     ]

@@ -15,6 +15,7 @@ from typing import Any
 
 from jax.sharding import PartitionSpec
 
+from .._cpu import layers_scanned
 from .._errors import ConfigError
 from . import decoder, gpt2
 from .archs import ARCHS as DECODER_ARCHS
@@ -95,12 +96,13 @@ class Family:
 
 
 def scan_layers(value: bool | str) -> bool:
-    """`model.scan_layers`: `"auto"` is False (unrolled) on the CPU backend, where
-    unrolled layers train faster (docs/performance.md), and True elsewhere."""
+    """`model.scan_layers`: `"auto"` scans on GPUs and TPUs; on the CPU it
+    follows what `eqtrain.tune_cpu` measured on this processor (unrolled
+    without a measurement: faster on the processors of docs/performance.md)."""
     if value == "auto":
         import jax
 
-        return jax.default_backend() != "cpu"
+        return jax.default_backend() != "cpu" or layers_scanned()
     return bool(value)
 
 

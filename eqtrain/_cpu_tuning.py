@@ -1,0 +1,235 @@
+"""CPU settings chosen by measurement: the first time `eqtrain.tune_cpu` meets
+a processor and JAX version, it times each candidate set of XLA flags on a
+small training step (`_cpu_probe`, one process per candidate: XLA reads its
+flags once), keeps the fastest, and caches the choice in the user's cache
+directory, keyed by the processor (model name, family/model, the instruction
+sets that change XLA's kernels, cores) and the jax/jaxlib versions. A new
+processor, JAX version or candidate list measures again; a cached key never
+does.
+
+The choice also says whether a model's layers train faster scanned or
+unrolled here (`model.scan_layers = "auto"` on the CPU follows it).
+
+Where the cache lives: `$EQTRAIN_CACHE_DIR`, else `$XDG_CACHE_HOME/eqtrain`,
+else `~/.cache/eqtrain`; the file is `cpu_tuning.json` (plain JSON).
+"""
+
+import dataclasses
+import importlib.metadata
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+
+ISA = (
+    "avx2",
+    "fma",
+    "avx512f",
+    "avx512bw",
+    "avx512vl",
+    "avx512_vnni",
+    "avx512_bf16",
+    "amx_tile",
+    "amx_bf16",
+    "amx_int8",
+)
+"""The CPU flags that decide which kernels XLA, oneDNN and torch pick."""
+
+EIGEN_DOTS = "--xla_cpu_experimental_ynn_fusion_type="
+CANDIDATES = {
+    "eigen_dots": EIGEN_DOTS,  # products by Eigen, over all of XLA's threads
+    "xla_default": "",  # XLA's own choice (YNNPACK fusions)
+    "eigen_dots_512": f"{EIGEN_DOTS} --xla_cpu_prefer_vector_width=512",
+}
+"""The XLA flag sets measured, by name. `eigen_dots_512` only where the
+processor has AVX-512."""
+FALLBACK = "eigen_dots"  # what is applied when nothing can be measured
+CACHE_VERSION = 1
+PROBE_TIMEOUT_S = 180
+
+Probe = Callable[[str], dict[str, float]]
+
+
+def processor(text: str | None = None) -> dict[str, Any]:
+    """Model name, family, model and ISA flags from `/proc/cpuinfo` (or `text`)."""
+    if text is None:
+        try:
+            with open("/proc/cpuinfo", encoding="utf-8") as f:
+                text = f.read()
+        except OSError:
+            text = ""
+    fields: dict[str, str] = {}
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        fields.setdefault(key.strip(), value.strip())
+    flags = set(fields.get("flags", "").split())
+    return {
+        "cpu": fields.get("model name") or platform.processor() or "unknown",
+        "family": fields.get("cpu family"),
+        "model": fields.get("model"),
+        "isa": [name for name in ISA if name in flags],
+    }
+
+
+def _version(name: str) -> str:
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return "none"
+
+
+def candidates(cpu: Mapping[str, Any]) -> dict[str, str]:
+    """The flag sets worth measuring on `cpu` (`processor()`)."""
+    if "avx512f" in cpu["isa"]:
+        return dict(CANDIDATES)
+    return {k: v for k, v in CANDIDATES.items() if k != "eigen_dots_512"}
+
+
+def cache_key(cpu: Mapping[str, Any] | None = None, cores: int | None = None) -> str:
+    """What a choice holds for: the processor, its cores, jax and jaxlib, and
+    the candidates (a new candidate measures again)."""
+    cpu = processor() if cpu is None else cpu
+    parts = [
+        cpu["cpu"], f"{cpu['family']}/{cpu['model']}", "+".join(cpu["isa"]),
+        f"{os.cpu_count() if cores is None else cores} cores",
+        f"jax {_version('jax')}", f"jaxlib {_version('jaxlib')}",
+        "candidates " + ",".join(candidates(cpu)), f"v{CACHE_VERSION}",
+    ]  # fmt: skip
+    return " | ".join(parts)
+
+
+def cache_path() -> Path:
+    """`cpu_tuning.json` in eqtrain's cache directory (see the module's doc)."""
+    environ = os.environ
+    if environ.get("EQTRAIN_CACHE_DIR"):
+        root = Path(environ["EQTRAIN_CACHE_DIR"])
+    elif environ.get("XDG_CACHE_HOME"):
+        root = Path(environ["XDG_CACHE_HOME"]) / "eqtrain"
+    else:
+        root = Path.home() / ".cache" / "eqtrain"
+    return root / "cpu_tuning.json"
+
+
+@dataclasses.dataclass(frozen=True)
+class Choice:
+    """The settings chosen for this processor.
+
+    Attributes:
+        name: the chosen flag set (a key of `CANDIDATES`).
+        flags: its XLA flags.
+        scan_layers: whether scanned layers trained faster than unrolled ones.
+        measured: each candidate's probe (`{"scanned_ms", "unrolled_ms"}`),
+            empty when nothing was measured (`FALLBACK`).
+        source: "measured", "cached" or "default" (nothing could be measured).
+    """
+
+    name: str
+    flags: str
+    scan_layers: bool
+    measured: dict[str, dict[str, float]]
+    source: str
+
+    def describe(self) -> str:
+        """One line for `eqtrain info` and the dry run."""
+        if not self.measured:
+            return f"{self.name} (not measured: {self.source})"
+        ms = {n: min(m.values()) for n, m in self.measured.items()}
+        times = ", ".join(f"{n} {t:.0f} ms" for n, t in sorted(ms.items()))
+        layers = "scanned" if self.scan_layers else "unrolled"
+        return f"{self.name}, {layers} layers ({self.source}; a probe step: {times})"
+
+
+def _best(measured: Mapping[str, Mapping[str, float]]) -> tuple[str, bool]:
+    """The fastest flag set (by its faster layer form) and whether that form
+    is the scanned one."""
+    name = min(measured, key=lambda n: min(measured[n].values()))
+    timings = measured[name]
+    return name, timings["scanned_ms"] < timings["unrolled_ms"]
+
+
+def probe(flags: str) -> dict[str, float]:
+    """`_cpu_probe` run in a fresh process under `flags` (run as a file, so
+    that it imports JAX and nothing of eqtrain's)."""
+    script = Path(__file__).with_name("_cpu_probe.py")
+    env = {**os.environ, "XLA_FLAGS": flags, "JAX_PLATFORMS": "cpu"}
+    done = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True,
+        timeout=PROBE_TIMEOUT_S, env=env,
+    )  # fmt: skip
+    if done.returncode != 0:
+        raise RuntimeError(done.stderr.strip().splitlines()[-1:] or "probe failed")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _read(path: Path) -> dict[str, Any]:
+    """The cache file's choices, or {} (missing, unreadable or another version)."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    ok = isinstance(data, dict) and data.get("version") == CACHE_VERSION
+    return data.get("choices", {}) if ok else {}
+
+
+def _write(path: Path, key: str, entry: dict[str, Any]) -> None:
+    """Add `entry` under `key` to the cache file, atomically (best effort: an
+    unwritable cache only means measuring again next time)."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        choices = {**_read(path), key: entry}
+        text = json.dumps({"version": CACHE_VERSION, "choices": choices}, indent=1)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".cpu_tuning-")
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except OSError:
+        pass
+
+
+def _from_entry(entry: Mapping[str, Any], source: str) -> Choice | None:
+    """A cached entry as a `Choice` (None if it names an unknown flag set)."""
+    name = entry.get("name")
+    if name not in CANDIDATES or not isinstance(entry.get("measured"), dict):
+        return None
+    scan = bool(entry.get("scan_layers", False))
+    return Choice(name, CANDIDATES[name], scan, dict(entry["measured"]), source)
+
+
+def measure(cpu: Mapping[str, Any], run: Probe | None = None) -> Choice:
+    """Probe every candidate of `cpu` (`run(flags)`, default `probe`) and
+    choose the fastest."""
+    run = probe if run is None else run
+    measured = {name: run(flags) for name, flags in candidates(cpu).items()}
+    name, scan = _best(measured)
+    return Choice(name, CANDIDATES[name], scan, measured, "measured")
+
+
+def choose(
+    *, run: Probe | None = None, say: Callable[[str], None] | None = None
+) -> Choice:
+    """The cached choice for this processor, or a new one measured (`run`)
+    and cached; `FALLBACK` if measuring fails (nothing is cached then)."""
+    path, cpu = cache_path(), processor()
+    key = cache_key(cpu)
+    cached = _read(path).get(key)
+    found = _from_entry(cached, "cached") if cached else None
+    if found is not None:
+        return found
+    if say is not None:
+        say(f"eqtrain: measuring the CPU settings for this processor, once "
+            f"(about 30 s; cached in {path})")  # fmt: skip
+    try:
+        choice = measure(cpu, run)
+    except (OSError, RuntimeError, ValueError, subprocess.SubprocessError) as e:
+        reason = f"the probe failed: {e}"
+        return Choice(FALLBACK, CANDIDATES[FALLBACK], False, {}, reason)
+    entry = dataclasses.asdict(choice) | {"measured_at": time.strftime("%Y-%m-%d")}
+    _write(path, key, {k: v for k, v in entry.items() if k != "source"})
+    return choice
