@@ -5,7 +5,8 @@ keeps its tables per processor), so each benchmark prints this first, as one
 JSON line `{"machine": {...}}`: the CPU's model name, family and model, its
 cores, the instruction-set extensions that change XLA's and torch's kernels,
 the library versions, and the CPU settings in force (`XLA_FLAGS`, glibc's
-allocator thresholds, `EQTRAIN_CPU_TUNING`) and the load when it started.
+allocator thresholds, `EQTRAIN_CPU_TUNING`, what `eqtrain.tune_cpu` chose) and
+the load when it started.
 
     from _machine import print_machine
     print_machine()  # first thing in main(), after the CPU settings are chosen
@@ -14,45 +15,19 @@ allocator thresholds, `EQTRAIN_CPU_TUNING`) and the load when it started.
 import importlib.metadata
 import json
 import os
-import platform
 from typing import Any
 
+from eqtrain._cpu import describe
+from eqtrain._cpu_tuning import processor
 
-ISA = (
-    "avx2",
-    "fma",
-    "avx512f",
-    "avx512bw",
-    "avx512vl",
-    "avx512_vnni",
-    "avx512_bf16",
-    "amx_tile",
-    "amx_bf16",
-    "amx_int8",
-)
-"""The CPU flags that decide which kernels XLA, oneDNN and torch pick."""
+
 LIBRARIES = ("jax", "jaxlib", "equinox", "torch", "transformers")
 
 
 def cpuinfo(text: str | None = None) -> dict[str, Any]:
-    """Model name, family, model and ISA flags from `/proc/cpuinfo` (or `text`)."""
-    if text is None:
-        try:
-            with open("/proc/cpuinfo", encoding="utf-8") as f:
-                text = f.read()
-        except OSError:
-            text = ""
-    fields: dict[str, str] = {}
-    for line in text.splitlines():
-        key, _, value = line.partition(":")
-        fields.setdefault(key.strip(), value.strip())
-    flags = set(fields.get("flags", "").split())
-    return {
-        "cpu": fields.get("model name") or platform.processor() or "unknown",
-        "family": fields.get("cpu family"),
-        "model": fields.get("model"),
-        "isa": [name for name in ISA if name in flags],
-    }
+    """Model name, family, model and ISA flags from `/proc/cpuinfo` (or `text`),
+    as `eqtrain.tune_cpu` keys its choices."""
+    return processor(text)
 
 
 def versions() -> dict[str, str]:
@@ -74,7 +49,8 @@ def settings() -> dict[str, str]:
         "MALLOC_MMAP_THRESHOLD_",
         "MALLOC_TRIM_THRESHOLD_",
     )
-    return {n: os.environ[n] for n in names if n in os.environ}
+    found = {n: os.environ[n] for n in names if n in os.environ}
+    return found | {"tune_cpu": describe()}
 
 
 def machine() -> dict[str, Any]:
