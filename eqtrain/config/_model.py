@@ -186,8 +186,9 @@ class ModelConfig:
     scan_layers: bool | str = setting(
         "auto",
         "Run the blocks with `lax.scan` (compile time flat in depth) or unrolled "
-        "(false); `auto`: unrolled on the CPU, where it trains 3-6% faster, "
-        "scanned on GPUs and TPUs.",
+        "(false); `auto`: scanned on GPUs and TPUs; on the CPU as `eqtrain` "
+        "measured faster on this processor (tune_cpu; unrolled without a "
+        "measurement).",
         kind="auto_bool",
     )
     sequence_parallel: str | None = setting(
