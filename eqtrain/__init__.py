@@ -12,7 +12,11 @@ from . import (
     sharding as sharding,
     step as step,
 )
-from ._cpu import CPUPerformanceWarning as CPUPerformanceWarning, tune_cpu as tune_cpu
+from ._cpu import (
+    CPUPerformanceWarning as CPUPerformanceWarning,
+    describe as cpu_settings,
+    tune_cpu as tune_cpu,
+)
 from ._errors import (
     ConfigError as ConfigError,
     DonatedStateError as DonatedStateError,
