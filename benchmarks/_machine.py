@@ -17,7 +17,7 @@ import json
 import os
 from typing import Any
 
-from eqtrain._cpu import describe
+from eqtrain._cpu import cpu_settings
 from eqtrain._cpu_tuning import processor
 
 
@@ -50,7 +50,7 @@ def settings() -> dict[str, str]:
         "MALLOC_TRIM_THRESHOLD_",
     )
     found = {n: os.environ[n] for n in names if n in os.environ}
-    return found | {"tune_cpu": describe()}
+    return found | {"tune_cpu": cpu_settings()}
 
 
 def machine() -> dict[str, Any]:

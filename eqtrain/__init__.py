@@ -14,7 +14,7 @@ from . import (
 )
 from ._cpu import (
     CPUPerformanceWarning as CPUPerformanceWarning,
-    describe as cpu_settings,
+    cpu_settings as cpu_settings,
     tune_cpu as tune_cpu,
 )
 from ._errors import (

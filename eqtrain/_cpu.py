@@ -93,7 +93,7 @@ def layers_scanned() -> bool:
     return isinstance(choice, _cpu_tuning.Choice) and choice.scan_layers
 
 
-def describe() -> str:
+def cpu_settings() -> str:
     """What `tune_cpu` chose for XLA in this process, in one line."""
     choice = _state["choice"]
     if isinstance(choice, _cpu_tuning.Choice):
@@ -119,7 +119,7 @@ def tune_cpu(
     `MALLOC_MMAP_THRESHOLD_` or `MALLOC_TRIM_THRESHOLD_` is set: the user's
     choice stands) and appends this processor's XLA flags to `XLA_FLAGS`:
     the fastest of `_cpu_tuning.CANDIDATES` on a probe training step, measured
-    the first time this processor and JAX version are met (about 30 s, said
+    the first time this processor and JAX version are met (about a minute, said
     through `say`) and cached in the user's cache directory
     (`_cpu_tuning.cache_path`). Not when the flags already set the products or
     the vector width (the user's choice stands), nor once JAX's backends have

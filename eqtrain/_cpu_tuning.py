@@ -5,7 +5,8 @@ flags once), keeps the fastest, and caches the choice in the user's cache
 directory, keyed by the processor (model name, family/model, the instruction
 sets that change XLA's kernels, cores) and the jax/jaxlib versions. A new
 processor, JAX version or candidate list measures again; a cached key never
-does.
+does. The default (Eigen's products, unrolled layers) stays unless another
+candidate is faster by more than `MARGIN`.
 
 The choice also says whether a model's layers train faster scanned or
 unrolled here (`model.scan_layers = "auto"` on the CPU follows it).
@@ -146,12 +147,28 @@ class Choice:
         return f"{self.name}, {layers} layers ({self.source}; a probe step: {times})"
 
 
+MARGIN = 0.05
+"""How much faster a candidate must be than the default (`FALLBACK`, unrolled
+layers) to be chosen: one probe's step varies by 3-5% on a shared 2-core
+machine, and a choice made on noise would flip from one measurement to the
+next."""
+
+
+def _faster(a: float, b: float) -> bool:
+    """Whether `a` ms beats `b` ms by more than `MARGIN`."""
+    return a < b * (1 - MARGIN)
+
+
 def _best(measured: Mapping[str, Mapping[str, float]]) -> tuple[str, bool]:
-    """The fastest flag set (by its faster layer form) and whether that form
-    is the scanned one."""
+    """The fastest flag set (by its faster layer form), unless the default is
+    within `MARGIN` of it; and whether scanned layers beat unrolled ones by
+    more than `MARGIN` under it."""
     name = min(measured, key=lambda n: min(measured[n].values()))
+    if FALLBACK in measured:
+        fallback, best = min(measured[FALLBACK].values()), min(measured[name].values())
+        name = name if _faster(best, fallback) else FALLBACK
     timings = measured[name]
-    return name, timings["scanned_ms"] < timings["unrolled_ms"]
+    return name, _faster(timings["scanned_ms"], timings["unrolled_ms"])
 
 
 def probe(flags: str) -> dict[str, float]:
@@ -224,7 +241,7 @@ def choose(
         return found
     if say is not None:
         say(f"eqtrain: measuring the CPU settings for this processor, once "
-            f"(about 30 s; cached in {path})")  # fmt: skip
+            f"(about a minute; cached in {path})")  # fmt: skip
     try:
         choice = measure(cpu, run)
     except (OSError, RuntimeError, ValueError, subprocess.SubprocessError) as e:

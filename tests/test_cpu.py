@@ -161,7 +161,7 @@ def test_measures_once_per_processor_then_reads_the_cache(probe, monkeypatch, tm
     expected = set(_cpu_tuning.candidates(_cpu_tuning.processor()))
     assert set(probe.calls) == expected and len(said) == 1
     assert env["XLA_FLAGS"] == _cpu_tuning.CANDIDATES["eigen_dots"]
-    assert "eigen_dots, unrolled layers (measured" in _cpu.describe()
+    assert "eigen_dots, unrolled layers (measured" in _cpu.cpu_settings()
     entry = _cache(tmp_path)["choices"][_cpu_tuning.cache_key()]
     assert entry["name"] == "eigen_dots" and entry["measured"]["xla_default"]
     # a new process on the same processor: the cache, no probe, no note
@@ -171,7 +171,7 @@ def test_measures_once_per_processor_then_reads_the_cache(probe, monkeypatch, tm
     assert "xla_flags" in eqtrain.tune_cpu(env, say=said.append)
     assert probe.calls == [] and len(said) == 1
     assert env["XLA_FLAGS"] == _cpu_tuning.CANDIDATES["eigen_dots"]
-    assert "(cached;" in _cpu.describe()
+    assert "(cached;" in _cpu.cpu_settings()
 
 
 def test_the_fastest_candidate_wins_and_says_scanned_or_unrolled(probe, monkeypatch):
@@ -186,7 +186,7 @@ def test_the_fastest_candidate_wins_and_says_scanned_or_unrolled(probe, monkeypa
     eqtrain.tune_cpu(env)
     # XLA's defaults: nothing added to the flags
     assert env["XLA_FLAGS"] == "--xla_force_host_platform_device_count=8"
-    assert _cpu.describe().startswith("xla_default, scanned layers")
+    assert _cpu.cpu_settings().startswith("xla_default, scanned layers")
     section = config.load(None, []).model  # scan_layers = "auto"
     assert models.runtime_options(section)["scan_layers"] is True
     _reset(monkeypatch)  # without a measured choice: unrolled on the CPU
@@ -234,14 +234,14 @@ def test_explicit_settings_win_over_the_measurement(probe):
         env = {"XLA_FLAGS": flags}
         eqtrain.tune_cpu(env)
         assert env == {"XLA_FLAGS": flags} and probe.calls == []
-        assert _cpu.describe().startswith("yours")
+        assert _cpu.cpu_settings().startswith("yours")
 
 
 def test_fixed_applies_the_settings_without_measuring(probe):
     env = {_cpu.OPT_OUT: "fixed", "XLA_FLAGS": ""}
     assert eqtrain.tune_cpu(env) == ["allocator", "xla_flags"]
     assert env["XLA_FLAGS"] == _cpu.XLA_CPU_FLAG and probe.calls == []
-    assert _cpu.describe() == "eigen_dots (not measured: fixed)"
+    assert _cpu.cpu_settings() == "eigen_dots (not measured: fixed)"
 
 
 def test_a_failing_probe_falls_back_and_caches_nothing(probe, tmp_path):
@@ -280,3 +280,16 @@ def test_the_cli_measures_once_and_the_dry_run_says_what_it_chose(tmp_path):
         assert times["scanned_ms"] > 0 and times["unrolled_ms"] > 0, name
     lines = [ln for ln in runs[1].stdout.splitlines() if ln.startswith("cpu ")]
     assert len(lines) == 1 and entry["name"] in lines[0] and "cached" in lines[0]
+
+
+def test_the_default_stays_within_the_margin_of_noise(probe):
+    """A candidate a little faster than Eigen's products (less than
+    `MARGIN`, one probe's noise) does not replace them; scanned layers
+    likewise need to beat unrolled ones by more than that."""
+    probe.times = {
+        "eigen_dots": {"scanned_ms": 99.0, "unrolled_ms": 100.0},
+        "xla_default": {"scanned_ms": 98.0, "unrolled_ms": 97.0},
+        "eigen_dots_512": {"scanned_ms": 98.5, "unrolled_ms": 99.0},
+    }
+    choice = _cpu_tuning.choose()
+    assert (choice.name, choice.scan_layers) == ("eigen_dots", False)

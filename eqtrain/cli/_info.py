@@ -6,7 +6,7 @@ from typing import Annotated, Any
 
 import typer
 
-from .._cpu import describe as describe_cpu
+from .._cpu import cpu_settings as describe_cpu
 from ._shared import RunPath, errors, json_text
 
 

@@ -9,7 +9,7 @@ import equinox as eqx
 import jax
 
 from .. import lora, models, sharding
-from .._cpu import describe as describe_cpu
+from .._cpu import cpu_settings as describe_cpu
 from .._state import TrainState
 from ..config import Config
 from . import _build, _memory, _plan, _rows, _samples
