@@ -63,8 +63,17 @@ def _values_and_grads(fn, q, k, v, cotangent):
     return (out, *pull(cotangent))
 
 
-@pytest.mark.parametrize("case", list(CASES))
-@pytest.mark.parametrize("seq,block", [(96, 32), (100, 32), (40, 64)])
+# One case of each in the default suite (every mask at once, and a sequence
+# shorter than a block), the whole grid under `slow`.
+FAST = {("everything", 100, 32), ("causal", 40, 64)}
+GRID = [
+    pytest.param(case, seq, block, marks=() if (case, seq, block) in FAST
+                 else pytest.mark.slow)
+    for case in CASES for seq, block in [(96, 32), (100, 32), (40, 64)]
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("case,seq,block", GRID)
 def test_flash_equals_plain_attention_values_and_gradients(case, seq, block):
     q, k, v = _qkv(seq)
     cotangent = jr.normal(jr.key(7), q.shape)
@@ -75,6 +84,7 @@ def test_flash_equals_plain_attention_values_and_gradients(case, seq, block):
         np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-5, err_msg=name)
 
 
+@pytest.mark.slow  # the default suite's time; f32 cases run there
 def test_flash_in_bf16_matches_within_bf16_rounding():
     seq = 160
     q, k, v = _qkv(seq, dtype=jnp.bfloat16, seed=3)
@@ -89,6 +99,7 @@ def test_flash_in_bf16_matches_within_bf16_rounding():
         np.testing.assert_allclose(a, b, atol=3e-2 * scale, err_msg=name)
 
 
+@pytest.mark.slow  # the default suite's time
 def test_multi_query_heads_and_a_single_block():
     """One key/value head for eight query heads; a sequence shorter than a
     block is one block pair."""
