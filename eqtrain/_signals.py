@@ -14,6 +14,7 @@ a kill, which every checkpoint and export write already survives (they are atomi
 renames).
 """
 
+import atexit
 import contextlib
 import os
 import signal
@@ -63,12 +64,14 @@ class SignalGuard:
         self._thread.start()
         return self
 
-    def uninstall(self) -> None:
-        # The previous handlers first, then the wakeup fd: the other order left a
-        # moment in which a signal ran `_ignore` with no fd to wake the watchdog,
-        # and a second signal was lost (exit 0: once, in the slow twenty-offsets test).
+    def uninstall(self, *, defaults: bool = False) -> None:
+        """Put the previous handlers back (`defaults`: the operating system's
+        default action instead, which ends the process), then the wakeup fd."""
+        # The handlers first, then the wakeup fd: the other order left a moment
+        # in which a signal ran `_ignore` with no fd to wake the watchdog, and a
+        # second signal was lost (exit 0: once, in the slow twenty-offsets test).
         for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
+            signal.signal(sig, signal.SIG_DFL if defaults else handler)
         self._previous.clear()
         signal.set_wakeup_fd(-1 if self._wakeup is None else self._wakeup)
         if self._pipe is not None:
@@ -145,4 +148,19 @@ def install_for_process() -> SignalGuard:
     global _active
     if _active is None:
         _active = SignalGuard().install()
+        atexit.register(_at_exit, _active)
     return _active
+
+
+def _at_exit(guard: SignalGuard) -> None:
+    """The process guard's end, as the interpreter shuts down: the signals'
+    default actions from here on. Registered first, so it runs after every
+    later `atexit` hook (a checkpoint's last write among them), while the
+    watchdog still aborts on a second signal. Past this point the watchdog
+    (a daemon thread) could no longer run, and a second signal would be lost
+    (exit 0: the slow twenty-offsets test caught it); with the defaults it
+    ends the process, by the signal."""
+    global _active
+    if _active is guard:
+        _active = None
+        guard.uninstall(defaults=True)
