@@ -154,6 +154,7 @@ def _tiny(impl):
     return models.Llama(config, jr.key(0))
 
 
+@pytest.mark.slow  # the default suite's time (15 min): `nox -s slow`
 def test_a_model_with_flash_attention_trains_as_the_default():
     tokens = jr.randint(jr.key(1), (2, 160), 0, 64)
     segs = jnp.asarray(np.repeat([[1, 2]], 80, axis=1).repeat(2, axis=0))
