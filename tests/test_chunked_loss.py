@@ -310,14 +310,7 @@ def _kernel_inputs():
     return h, w, t, m
 
 
-@pytest.mark.parametrize(
-    "chunk",  # the default suite: one uneven chunk; slow: every size
-    [
-        pytest.param(4, marks=pytest.mark.slow),
-        7,
-        pytest.param(1000, marks=pytest.mark.slow),
-    ],
-)
+@pytest.mark.parametrize("chunk", [4, 7, 1000])
 @pytest.mark.parametrize("which", list(TRANSFORMS))
 @pytest.mark.parametrize("z_loss, vocab_size", [(0.0, None), (0.1, 11)])
 def test_kernels_with_logit_transforms_equal_full_logits(

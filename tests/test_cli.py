@@ -137,7 +137,6 @@ def test_fit_with_no_config_runs_the_default(tmp_path):
     assert "eval/loss" in json.loads(lines[-1])  # evaluated at the end
 
 
-@pytest.mark.slow  # default suite: test_job's test_eval_export_info_in_process
 def test_fit_eval_info_export_import_plot(tiny_config, tmp_path):
     run_dir = tiny_config.parent / "run"
     done = cli("fit", tiny_config, check_rc=0)

@@ -287,8 +287,7 @@ def _train(model, axes=None, num_steps=STEPS, trainable=True):
     return np.asarray(jax.device_get(out)), state
 
 
-@pytest.mark.slow  # default suite: test_sharding's 2x2x2 Llama mesh
-@pytest.mark.parametrize("variant", MODEL_TYPES)
+@pytest.mark.parametrize("variant", _only("gemma2", MODEL_TYPES))
 def test_2x2x2_mesh_training_equals_one_device(variant, tmp_path):
     model = _imported(variant, tmp_path, vocab_size=384)
     reference, ref_state = _train(model)

@@ -379,11 +379,8 @@ SEGMENTS = np.array([1] * 5 + [2] * 4 + [3] * 3 + [0] * 2, np.int32)
     "model",
     [
         Llama(TINY, jr.key(0)),
-        pytest.param(  # the default suite's time: llama there, the rest slow
-            Llama(dataclasses.replace(TINY, sliding_window=3), jr.key(0)),
-            marks=pytest.mark.slow,
-        ),
-        pytest.param(GPT2(TINY_GPT2, jr.key(0)), marks=pytest.mark.slow),
+        Llama(dataclasses.replace(TINY, sliding_window=3), jr.key(0)),
+        GPT2(TINY_GPT2, jr.key(0)),
     ],
     ids=["llama", "llama_sliding_window", "gpt2"],
 )

@@ -177,14 +177,7 @@ def state_for(reference, model=None):
     )
 
 
-@pytest.mark.parametrize(
-    "reference",  # the default suite: copy (test_post_training runs the job's)
-    [
-        "copy",
-        pytest.param("adapters_off", marks=pytest.mark.slow),
-        pytest.param("precomputed", marks=pytest.mark.slow),
-    ],
-)
+@pytest.mark.parametrize("reference", ["copy", "adapters_off", "precomputed"])
 def test_dpo_step_one_is_log_2_in_every_reference_mode(reference):
     batch = toy_pairs(8)
     state = state_for("adapters_off" if reference == "precomputed" else reference)

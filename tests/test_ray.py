@@ -435,11 +435,10 @@ def uninterrupted(ray_home, text_dir, tmp_path_factory):
     return run_dir, result, lines, listeners
 
 
-@pytest.mark.slow  # the default suite's time (15 min): `nox -s slow`
 def test_killed_worker_restarts_the_group_and_a_sigterm_reaches_the_workers(
     ray_home, text_dir, tmp_path
 ):
-    """The smallest real Ray run that shows both (slow: 25 s alone): worker
+    """The default suite's real Ray run (the smallest that shows both): worker
     1's `eqtrain fit` SIGKILLed at step 3, the group restarts (from checkpoint 2
     when it was committed) and repeats the steps after it with the same losses;
     then a SIGTERM to the driver is passed on to both workers, which save and stop

@@ -161,7 +161,6 @@ def test_truncated_latest_is_moved_aside_once_and_never_blocks_again(run):
     assert [("stop_reason" in line) for line in lines] == [False] * 5 + [True]
 
 
-@pytest.mark.slow  # default suite: test_damage_reports' flipped bytes, one warning
 def test_bit_flip_is_caught_by_the_checksums(run):
     run_dir, fit = run
     good = json.loads(ok(cli("eval", run_dir / "checkpoints" / "3")).stdout)

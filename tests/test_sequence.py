@@ -287,7 +287,6 @@ def _overrides(text_dir, run_dir, *extra):
     ]
 
 
-@pytest.mark.slow  # the default suite's time (15 min): `nox -s slow`
 def test_sequence_keys_reach_the_run(text_dir, tmp_path):
     extra = [
         "mesh.sequence=4",
