@@ -76,14 +76,14 @@ def _fixed(environ: MutableMapping[str, str]) -> bool:
 
 
 def _choice(
-    environ: MutableMapping[str, str], say: Callable[[str], None] | None
+    environ: MutableMapping[str, str], say: Callable[[str], None] | None, measure: bool
 ) -> _cpu_tuning.Choice:
     """This processor's measured (or cached) choice; the fixed one with
     `EQTRAIN_CPU_TUNING=fixed`."""
     if _fixed(environ):
         flags = _cpu_tuning.CANDIDATES[_cpu_tuning.FALLBACK]
         return _cpu_tuning.Choice(_cpu_tuning.FALLBACK, flags, False, {}, "fixed")
-    return _cpu_tuning.choose(say=say)
+    return _cpu_tuning.choose(say=say, measure_now=measure)
 
 
 def layers_scanned() -> bool:
@@ -112,6 +112,7 @@ def tune_cpu(
     *,
     dots: bool = True,
     say: Callable[[str], None] | None = None,
+    measure: bool = True,
 ) -> list[str]:
     """Apply eqtrain's CPU settings to this process; return what was applied.
 
@@ -125,7 +126,9 @@ def tune_cpu(
     the vector width (the user's choice stands), nor once JAX's backends have
     started (too late to take effect). `EQTRAIN_CPU_TUNING=fixed` applies
     Eigen's products without measuring; `EQTRAIN_CPU_TUNING=0` turns
-    everything off. `describe()` says what was chosen. The settings only speed
+    everything off. `measure=False` uses a cached choice but never probes
+    (the default flags until one is cached). `cpu_settings()` says what was
+    chosen. The settings only speed
     up the CPU backend; on a GPU or TPU host they change nothing the device
     runs. Products computed by Eigen round differently from YNNPACK's (within
     f32 tolerances), so a CPU result changes in its last bits with the flags.
@@ -142,7 +145,7 @@ def tune_cpu(
         _state["choice"] = f"off ({OPT_OUT}=0)"
         return []
     applied = _tune_allocator(environ)
-    if dots and _set_xla_flags(environ, say):
+    if dots and _set_xla_flags(environ, say, measure):
         applied.append("xla_flags")
     return applied
 
@@ -162,7 +165,7 @@ def _tune_allocator(environ: MutableMapping[str, str]) -> list[str]:
 
 
 def _set_xla_flags(
-    environ: MutableMapping[str, str], say: Callable[[str], None] | None
+    environ: MutableMapping[str, str], say: Callable[[str], None] | None, measure: bool
 ) -> bool:
     """Add the chosen XLA flags to `XLA_FLAGS`, unless the user set their own
     or JAX's backends have started (too late to take effect)."""
@@ -173,7 +176,7 @@ def _set_xla_flags(
     if _backends_started():
         _state["choice"] = "none (JAX had started: call tune_cpu first)"
         return False
-    choice = _choice(environ, say)
+    choice = _choice(environ, say, measure)
     _state["choice"] = choice
     if choice.flags:
         environ["XLA_FLAGS"] = f"{flags} {choice.flags}".strip()

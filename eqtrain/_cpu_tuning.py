@@ -229,16 +229,24 @@ def measure(cpu: Mapping[str, Any], run: Probe | None = None) -> Choice:
 
 
 def choose(
-    *, run: Probe | None = None, say: Callable[[str], None] | None = None
+    *,
+    run: Probe | None = None,
+    say: Callable[[str], None] | None = None,
+    measure_now: bool = True,
 ) -> Choice:
     """The cached choice for this processor, or a new one measured (`run`)
-    and cached; `FALLBACK` if measuring fails (nothing is cached then)."""
+    and cached; `FALLBACK` if measuring fails (nothing is cached then), or
+    without a cached choice when `measure_now` is False (a command that trains
+    nothing should not wait for the probe)."""
     path, cpu = cache_path(), processor()
     key = cache_key(cpu)
     cached = _read(path).get(key)
     found = _from_entry(cached, "cached") if cached else None
     if found is not None:
         return found
+    if not measure_now:
+        reason = "not measured yet: the first `eqtrain fit` measures"
+        return Choice(FALLBACK, CANDIDATES[FALLBACK], False, {}, reason)
     if say is not None:
         say(f"eqtrain: measuring the CPU settings for this processor, once "
             f"(about a minute; cached in {path})")  # fmt: skip

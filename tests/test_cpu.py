@@ -293,3 +293,17 @@ def test_the_default_stays_within_the_margin_of_noise(probe):
     }
     choice = _cpu_tuning.choose()
     assert (choice.name, choice.scan_layers) == ("eigen_dots", False)
+
+
+def test_a_command_that_trains_nothing_never_waits_for_the_probe(probe):
+    """`measure=False` (the CLI's commands other than `fit`): the default flags
+    until a choice is cached, no probe; a cached choice is used."""
+    env = {"XLA_FLAGS": ""}
+    eqtrain.tune_cpu(env, measure=False)
+    assert probe.calls == [] and env["XLA_FLAGS"] == _cpu.XLA_CPU_FLAG
+    assert "not measured yet" in _cpu.cpu_settings()
+    _cpu_tuning.choose()  # what `eqtrain fit` does the first time
+    probe.calls.clear()
+    env = {"XLA_FLAGS": ""}
+    eqtrain.tune_cpu(env, measure=False)
+    assert probe.calls == [] and "(cached;" in _cpu.cpu_settings()

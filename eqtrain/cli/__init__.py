@@ -53,6 +53,7 @@ def main() -> None:
     from .._cpu import tune_cpu
 
     say = lambda text: print(text, file=sys.stderr, flush=True)
-    tune_cpu(dots=sys.argv[1:2] != ["generate"], say=say)
+    command = sys.argv[1:2]  # only a run that trains waits for the probe
+    tune_cpu(dots=command != ["generate"], say=say, measure=command == ["fit"])
     _fit.owns_process = True
     app(prog_name="eqtrain")
