@@ -48,6 +48,7 @@ def settings() -> dict[str, str]:
         "EQTRAIN_CPU_TUNING",
         "MALLOC_MMAP_THRESHOLD_",
         "MALLOC_TRIM_THRESHOLD_",
+        "MALLOC_ARENA_MAX",
     )
     found = {n: os.environ[n] for n in names if n in os.environ}
     return found | {"tune_cpu": cpu_settings()}

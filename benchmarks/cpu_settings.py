@@ -4,10 +4,14 @@ model, in fresh processes with and without each setting.
 
 Variants (each a new Python process, since both settings act at start-up):
 
-- `default`: nothing set (XLA's YNNPACK dots, glibc's default thresholds);
-- `allocator`: `tune_cpu()`'s `mallopt` thresholds only (`XLA_FLAGS` untouched);
-- `allocator_env`: the environment variables `MALLOC_MMAP_THRESHOLD_` and
-  `MALLOC_TRIM_THRESHOLD_` = 4000000000 instead (the same, set before start-up);
+- `default`: nothing set (XLA's YNNPACK dots, glibc's defaults);
+- `thresholds`: the environment variables `MALLOC_MMAP_THRESHOLD_` and
+  `MALLOC_TRIM_THRESHOLD_` = 4000000000 only (`tune_cpu`'s allocator setting
+  before it also kept one arena);
+- `allocator`: `tune_cpu()`'s `mallopt` settings only, the thresholds and one
+  arena (`XLA_FLAGS` untouched);
+- `allocator_env`: the same as environment variables set before start-up (the
+  two thresholds and `MALLOC_ARENA_MAX=1`);
 - `xla_flag`: `--xla_cpu_experimental_ynn_fusion_type=` only (Eigen dots);
 - `tune_cpu`: both, as `eqtrain.tune_cpu()` applies them (what the CLI runs).
 
@@ -37,7 +41,9 @@ from pathlib import Path
 from _machine import print_machine
 
 
-VARIANTS = ("default", "allocator", "allocator_env", "xla_flag", "tune_cpu")
+VARIANTS = (
+    "default", "thresholds", "allocator", "allocator_env", "xla_flag", "tune_cpu",
+)  # fmt: skip
 HERE = Path(__file__).resolve().parent
 
 
@@ -53,7 +59,7 @@ def worker(args: argparse.Namespace) -> None:
                 os.environ.pop("XLA_FLAGS", None)
             else:
                 os.environ["XLA_FLAGS"] = flags
-        assert "allocator" in applied, applied
+        assert {"allocator", "arena"} <= set(applied), applied
     import dataclasses
 
     import jax
@@ -87,12 +93,15 @@ def measure(args: argparse.Namespace, variant: str) -> float:
     for name in (
         "MALLOC_MMAP_THRESHOLD_",
         "MALLOC_TRIM_THRESHOLD_",
+        "MALLOC_ARENA_MAX",
         "EQTRAIN_CPU_TUNING",
     ):
         env.pop(name, None)
     env["XLA_FLAGS"] = ""
-    if variant == "allocator_env":
+    if variant in ("thresholds", "allocator_env"):
         env["MALLOC_MMAP_THRESHOLD_"] = env["MALLOC_TRIM_THRESHOLD_"] = "4000000000"
+    if variant == "allocator_env":
+        env["MALLOC_ARENA_MAX"] = "1"
     if variant == "xla_flag":
         env["XLA_FLAGS"] = "--xla_cpu_experimental_ynn_fusion_type="
     cmd = [sys.executable, __file__, "--worker", variant, "--workload", args.workload]

@@ -8,7 +8,13 @@ Two settings, both for this process only:
   and come back as page faults on the next step. A fixed mmap threshold and a
   large trim threshold keep them in the heap, as the environment variables
   `MALLOC_MMAP_THRESHOLD_` / `MALLOC_TRIM_THRESHOLD_` would at start-up;
-  `mallopt` sets the same two parameters in a running process.
+  `mallopt` sets the same two parameters in a running process. One arena
+  (`MALLOC_ARENA_MAX=1`'s setting): XLA's worker threads allocate a step's
+  temporary buffer (hundreds of MB for a small model's step) from their own
+  arenas, whose heaps are at most 64 MB, so glibc maps every such buffer
+  afresh (`mmap`, whatever the thresholds) and the step pays a page fault for
+  each of its pages; in the one main arena it stays in the heap
+  (docs/performance.md, "Per processor").
 - **XLA's flags**, chosen by measurement (`_cpu_tuning`): Eigen's products
   (`--xla_cpu_experimental_ynn_fusion_type=`, empty: split over all of XLA's
   threads, where YNNPACK fusions run each product on one thread), XLA's own
@@ -37,14 +43,18 @@ from . import _cpu_tuning
 
 ALLOCATOR_ENV = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")
 """The environment variables that set glibc's two thresholds at start-up."""
+ARENA_ENV = "MALLOC_ARENA_MAX"
+"""The environment variable that sets glibc's number of arenas at start-up."""
 XLA_CPU_FLAG = _cpu_tuning.EIGEN_DOTS
 USER_FLAGS = ("ynn_fusion_type", "prefer_vector_width")
 """Any of these in `XLA_FLAGS`: the user chose XLA's CPU flags (never replaced)."""
 OPT_OUT = "EQTRAIN_CPU_TUNING"
-_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD, _M_ARENA_MAX = -1, -3, -8  # mallopt's
 _THRESHOLD = 2**31 - 1  # mallopt takes an int: ~2 GB (the variables' 4e9 in spirit)
 
-_state: dict[str, object] = {"allocator": False, "hinted": False, "choice": None}
+_state: dict[str, object] = {
+    "allocator": False, "arena": False, "hinted": False, "choice": None,
+}  # fmt: skip
 
 
 class CPUPerformanceWarning(UserWarning):
@@ -118,7 +128,8 @@ def tune_cpu(
 
     Sets glibc's mmap and trim thresholds with `mallopt` (unless
     `MALLOC_MMAP_THRESHOLD_` or `MALLOC_TRIM_THRESHOLD_` is set: the user's
-    choice stands) and appends this processor's XLA flags to `XLA_FLAGS`:
+    choice stands) and its arenas to one (unless `MALLOC_ARENA_MAX` is set),
+    and appends this processor's XLA flags to `XLA_FLAGS`:
     the fastest of `_cpu_tuning.CANDIDATES` on a probe training step, measured
     the first time this processor and JAX version are met (about a minute, said
     through `say`) and cached in the user's cache directory
@@ -151,16 +162,22 @@ def tune_cpu(
 
 
 def _tune_allocator(environ: MutableMapping[str, str]) -> list[str]:
-    """glibc's thresholds by `mallopt`, unless the environment sets them."""
+    """glibc's thresholds and one arena by `mallopt`, each unless the
+    environment sets it (the user's choice stands)."""
+    libc = _glibc()
+    if libc is None:
+        return []
     applied = []
     if not _state["allocator"] and not any(n in environ for n in ALLOCATOR_ENV):
-        libc = _glibc()
-        if libc is not None:
-            ok = libc.mallopt(_M_MMAP_THRESHOLD, _THRESHOLD)
-            ok &= libc.mallopt(_M_TRIM_THRESHOLD, _THRESHOLD)
-            if ok:
-                _state["allocator"] = True
-                applied.append("allocator")
+        ok = libc.mallopt(_M_MMAP_THRESHOLD, _THRESHOLD)
+        if ok & libc.mallopt(_M_TRIM_THRESHOLD, _THRESHOLD):
+            _state["allocator"] = True
+            applied.append("allocator")
+    if not _state.get("arena") and ARENA_ENV not in environ:
+        # Threads that already have an arena keep it: before JAX starts, none has.
+        if libc.mallopt(_M_ARENA_MAX, 1):
+            _state["arena"] = True
+            applied.append("arena")
     return applied
 
 
@@ -199,8 +216,9 @@ def hint_cpu_settings() -> None:
         "training on the CPU with glibc's default allocator thresholds: call "
         "`eqtrain.tune_cpu()` at the start of the script (before any JAX "
         "computation), or set MALLOC_MMAP_THRESHOLD_=4000000000 "
-        "MALLOC_TRIM_THRESHOLD_=4000000000: up to 25-30% faster steps for models "
-        "with many small arrays (docs/performance.md, 'CPU settings'). The "
+        "MALLOC_TRIM_THRESHOLD_=4000000000 MALLOC_ARENA_MAX=1: up to 25-30% "
+        "faster steps for models with many small arrays, ~10% for a step whose "
+        "temporaries outgrow 64 MB (docs/performance.md, 'CPU settings'). The "
         "`eqtrain` command does it itself.",
         CPUPerformanceWarning,
         stacklevel=3,

@@ -52,7 +52,15 @@ CANDIDATES = {
 """The XLA flag sets measured, by name. `eigen_dots_512` only where the
 processor has AVX-512."""
 FALLBACK = "eigen_dots"  # what is applied when nothing can be measured
-CACHE_VERSION = 1
+CACHE_VERSION = 3  # 3: eqtrain's Llama step under tune_cpu's allocator settings
+PROBE_ALLOCATOR = {
+    "MALLOC_ARENA_MAX": "1",
+    "MALLOC_MMAP_THRESHOLD_": "2147483647",
+    "MALLOC_TRIM_THRESHOLD_": "2147483647",
+}
+"""glibc's settings as `tune_cpu` makes them (`mallopt` in a running process;
+the variables at a new one's start), for the probe processes: a candidate is
+timed as training will run. The user's own variables win."""
 PROBE_TIMEOUT_S = 180
 
 Probe = Callable[[str], dict[str, float]]
@@ -172,13 +180,13 @@ def _best(measured: Mapping[str, Mapping[str, float]]) -> tuple[str, bool]:
 
 
 def probe(flags: str) -> dict[str, float]:
-    """`_cpu_probe` run in a fresh process under `flags` (run as a file, so
-    that it imports JAX and nothing of eqtrain's)."""
-    script = Path(__file__).with_name("_cpu_probe.py")
-    env = {**os.environ, "XLA_FLAGS": flags, "JAX_PLATFORMS": "cpu"}
+    """`_cpu_probe` (eqtrain's own Llama step) run in a fresh process under
+    `flags` and `PROBE_ALLOCATOR` (`-P`: the working directory's files never
+    shadow a module)."""
+    env = {**PROBE_ALLOCATOR, **os.environ, "XLA_FLAGS": flags, "JAX_PLATFORMS": "cpu"}
     done = subprocess.run(
-        [sys.executable, str(script)], capture_output=True, text=True,
-        timeout=PROBE_TIMEOUT_S, env=env,
+        [sys.executable, "-P", "-m", "eqtrain._cpu_probe"], capture_output=True,
+        text=True, timeout=PROBE_TIMEOUT_S, env=env,
     )  # fmt: skip
     if done.returncode != 0:
         raise RuntimeError(done.stderr.strip().splitlines()[-1:] or "probe failed")

@@ -171,6 +171,7 @@ def test_cpu_settings_quick():
     for r in records:
         assert set(r["ratio"]) == {
             "default",
+            "thresholds",
             "allocator",
             "allocator_env",
             "xla_flag",
@@ -220,3 +221,12 @@ def test_attention_quick():
     assert record["seq"] == 160
     assert all(record[f"{k}_ms"] > 0 for k in ("blocks", "flash", "one_call"))
     assert record["flash_vs_blocks"] > 0 and record["one_call_vs_blocks"] > 0
+
+
+@pytest.mark.slow  # the default suite's time: `nox -s slow`
+def test_page_faults_quick():
+    records, _ = _quick("page_faults.py")
+    assert [r["variant"] for r in records] == [
+        "default", "thresholds", "arena", "both", "tune_cpu",
+    ]  # fmt: skip
+    assert all(r["step_ms"] > 0 and r["faults_per_step"] >= 0 for r in records)
