@@ -131,7 +131,7 @@ def tune_cpu(
     choice stands) and its arenas to one (unless `MALLOC_ARENA_MAX` is set),
     and appends this processor's XLA flags to `XLA_FLAGS`:
     the fastest of `_cpu_tuning.CANDIDATES` on a probe training step, measured
-    the first time this processor and JAX version are met (about a minute, said
+    the first time this processor and JAX version are met (a minute or two, said
     through `say`) and cached in the user's cache directory
     (`_cpu_tuning.cache_path`). Not when the flags already set the products or
     the vector width (the user's choice stands), nor once JAX's backends have

@@ -257,7 +257,7 @@ def choose(
         return Choice(FALLBACK, CANDIDATES[FALLBACK], False, {}, reason)
     if say is not None:
         say(f"eqtrain: measuring the CPU settings for this processor, once "
-            f"(about a minute; cached in {path})")  # fmt: skip
+            f"(a minute or two; cached in {path})")  # fmt: skip
     try:
         choice = measure(cpu, run)
     except (OSError, RuntimeError, ValueError, subprocess.SubprocessError) as e:
