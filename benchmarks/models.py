@@ -68,18 +68,12 @@ import optax
 from _machine import print_machine
 
 import eqtrain
+from eqtrain._cpu_probe import CONFIG  # the step tune_cpu's probe times
 from eqtrain.losses import causal_lm_loss
 from eqtrain.models import Llama, LlamaConfig, num_params
 
 
-CONFIG = LlamaConfig(
-    vocab_size=2048,
-    hidden_size=256,
-    intermediate_size=704,
-    num_hidden_layers=4,
-    num_attention_heads=4,
-    max_position_embeddings=1024,
-)  # 4.3M parameters, the size of the design's performance notes
+# CONFIG: 4.3M parameters, the size of the design's performance notes
 QUICK = LlamaConfig(
     vocab_size=128,
     hidden_size=32,
