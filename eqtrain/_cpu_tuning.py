@@ -181,9 +181,12 @@ def _best(measured: Mapping[str, Mapping[str, float]]) -> tuple[str, bool]:
 
 def probe(flags: str) -> dict[str, float]:
     """`_cpu_probe` (eqtrain's own Llama step) run in a fresh process under
-    `flags` and `PROBE_ALLOCATOR` (`-P`: the working directory's files never
+    `flags` and `PROBE_ALLOCATOR`, importing this eqtrain (its parent
+    directory first on the path; `-P`: the working directory's files never
     shadow a module)."""
     env = {**PROBE_ALLOCATOR, **os.environ, "XLA_FLAGS": flags, "JAX_PLATFORMS": "cpu"}
+    here = str(Path(__file__).resolve().parent.parent)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [here, env.get("PYTHONPATH")]))
     done = subprocess.run(
         [sys.executable, "-P", "-m", "eqtrain._cpu_probe"], capture_output=True,
         text=True, timeout=PROBE_TIMEOUT_S, env=env,

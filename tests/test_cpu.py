@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 import warnings
+from pathlib import Path
 
 import pytest
 
@@ -355,3 +356,30 @@ def test_a_command_that_trains_nothing_never_waits_for_the_probe(probe):
     env = {"XLA_FLAGS": ""}
     eqtrain.tune_cpu(env, measure=False)
     assert probe.calls == [] and "(cached;" in _cpu.cpu_settings()
+
+
+def test_the_probe_runs_this_eqtrain_under_the_allocator_settings(monkeypatch):
+    """The probe process imports the same eqtrain (its parent directory first on
+    the path, whatever the working directory), times under `flags` and glibc's
+    settings as `tune_cpu` makes them, and the user's own variables win."""
+    seen = {}
+
+    def run(argv, **kwargs):
+        seen.update(argv=argv, env=kwargs["env"])
+        return subprocess.CompletedProcess(
+            argv, 0, '{"scanned_ms": 2.5, "unrolled_ms": 1.5}\n'
+        )
+
+    monkeypatch.setattr(_cpu_tuning.subprocess, "run", run)
+    monkeypatch.setenv("MALLOC_ARENA_MAX", "3")
+    monkeypatch.setenv("PYTHONPATH", "/elsewhere")
+    assert _cpu_tuning.probe("--flag") == {"scanned_ms": 2.5, "unrolled_ms": 1.5}
+    env = seen["env"]
+    root = str(Path(eqtrain.__file__).resolve().parent.parent)
+    assert env["PYTHONPATH"].split(os.pathsep) == [root, "/elsewhere"]
+    assert seen["argv"][1:] == ["-P", "-m", "eqtrain._cpu_probe"]
+    assert env["XLA_FLAGS"] == "--flag" and env["MALLOC_ARENA_MAX"] == "3"
+    assert (
+        env["MALLOC_TRIM_THRESHOLD_"]
+        == _cpu_tuning.PROBE_ALLOCATOR["MALLOC_TRIM_THRESHOLD_"]
+    )
