@@ -50,7 +50,7 @@ USER_FLAGS = ("ynn_fusion_type", "prefer_vector_width")
 """Any of these in `XLA_FLAGS`: the user chose XLA's CPU flags (never replaced)."""
 OPT_OUT = "EQTRAIN_CPU_TUNING"
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD, _M_ARENA_MAX = -1, -3, -8  # mallopt's
-_THRESHOLD = 2**31 - 1  # mallopt takes an int: ~2 GB (the variables' 4e9 in spirit)
+_THRESHOLD = _cpu_tuning.ALLOCATOR_THRESHOLD  # the variables' 4e9 in spirit
 
 _state: dict[str, object] = {
     "allocator": False, "arena": False, "hinted": False, "choice": None,
@@ -173,7 +173,7 @@ def _tune_allocator(environ: MutableMapping[str, str]) -> list[str]:
         if ok & libc.mallopt(_M_TRIM_THRESHOLD, _THRESHOLD):
             _state["allocator"] = True
             applied.append("allocator")
-    if not _state.get("arena") and ARENA_ENV not in environ:
+    if not _state["arena"] and ARENA_ENV not in environ:
         # Threads that already have an arena keep it: before JAX starts, none has.
         if libc.mallopt(_M_ARENA_MAX, 1):
             _state["arena"] = True
@@ -217,9 +217,9 @@ def hint_cpu_settings() -> None:
         "`eqtrain.tune_cpu()` at the start of the script (before any JAX "
         "computation), or set MALLOC_MMAP_THRESHOLD_=4000000000 "
         "MALLOC_TRIM_THRESHOLD_=4000000000 MALLOC_ARENA_MAX=1: up to 25-30% "
-        "faster steps for models with many small arrays, ~10% for a step whose "
-        "temporaries outgrow 64 MB (docs/performance.md, 'CPU settings'). The "
-        "`eqtrain` command does it itself.",
+        "faster steps for models with many small arrays, about 20% for a step "
+        "whose temporaries outgrow 64 MB (docs/performance.md, 'CPU settings'). "
+        "The `eqtrain` command does it itself.",
         CPUPerformanceWarning,
         stacklevel=3,
     )

@@ -1,14 +1,15 @@
-"""`python eqtrain/_cpu_probe.py`: the training step `eqtrain.tune_cpu` times
-its candidate settings with, one process per candidate (XLA reads its flags
-once, when its CPU backend starts).
+"""`python -P -m eqtrain._cpu_probe`: the training step `eqtrain.tune_cpu`
+times its candidate settings with, one process per candidate (XLA reads its
+flags once, when its CPU backend starts).
 
 The workload is eqtrain's own: `eqtrain.models.Llama` at the sizes of
 `benchmarks/models.py` (4 layers of 256 wide, 4 heads, an MLP of 704, a
 vocabulary of 2048) trained by `eqtrain.train_step` with AdamW on 16 rows of
 256 tokens, the step `docs/performance.md`'s figures are about. A plain-JAX
 decoder of the same shapes ranked the candidates differently from this step
-(Eigen's products 3-5% ahead on it, XLA's own 10% ahead on the Llama, on
-processor B), so the probe runs the real step. It runs once with the layers
+(Eigen's products 3-5% ahead on it; XLA's own ahead on the Llama in two
+rounds of three of `benchmarks/cpu_settings.py`, on processor B), so the
+probe runs the real step. It runs once with the layers
 scanned and once unrolled, and prints one JSON line,
 `{"scanned_ms": ..., "unrolled_ms": ...}` (the median step of `--steps`, after
 two untimed). It never calls `tune_cpu` itself: the caller sets `XLA_FLAGS`
@@ -43,7 +44,8 @@ ROWS, SEQ = 16, 256
 
 
 def _batch() -> dict[str, np.ndarray]:
-    tokens = np.random.default_rng(0).integers(0, 2048, (ROWS, SEQ + 1), np.int32)
+    shape, vocab = (ROWS, SEQ + 1), CONFIG.vocab_size
+    tokens = np.random.default_rng(0).integers(0, vocab, shape, np.int32)
     mask = np.ones((ROWS, SEQ), np.float32)
     return {"tokens": tokens[:, :-1], "targets": tokens[:, 1:], "loss_mask": mask}
 

@@ -53,10 +53,11 @@ CANDIDATES = {
 processor has AVX-512."""
 FALLBACK = "eigen_dots"  # what is applied when nothing can be measured
 CACHE_VERSION = 3  # 3: eqtrain's Llama step under tune_cpu's allocator settings
+ALLOCATOR_THRESHOLD = 2**31 - 1  # mallopt takes an int: ~2 GB
 PROBE_ALLOCATOR = {
     "MALLOC_ARENA_MAX": "1",
-    "MALLOC_MMAP_THRESHOLD_": "2147483647",
-    "MALLOC_TRIM_THRESHOLD_": "2147483647",
+    "MALLOC_MMAP_THRESHOLD_": str(ALLOCATOR_THRESHOLD),
+    "MALLOC_TRIM_THRESHOLD_": str(ALLOCATOR_THRESHOLD),
 }
 """glibc's settings as `tune_cpu` makes them (`mallopt` in a running process;
 the variables at a new one's start), for the probe processes: a candidate is
