@@ -152,10 +152,12 @@ w1, w2 = jnp.full((256, 1024), 1 / 1024), jnp.full((1024, 256), 1 / 256)
 step = jax.jit(lambda x: jax.nn.relu(jax.nn.relu(x @ w1) @ w2) + x)
 for _ in range(3):
     x = step(x).block_until_ready()
-before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-for _ in range(4):
+faults = []
+for _ in range(6):
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     x = step(x).block_until_ready()
-print((resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) // 4)
+    faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+print(min(faults))
 """
 
 
@@ -174,7 +176,10 @@ def test_a_steps_temporaries_stay_mapped_from_step_to_step():
     """The allocator settings keep a step's temporaries (here a 100 MB
     intermediate, more than a thread arena's 64 MB heap) in the heap: without
     them every step maps its buffers afresh and faults on each of their pages
-    (~25,000 per intermediate); with them the pages are reused."""
+    (~25,000 per intermediate); with them the pages are reused. The fewest
+    faults of six steps: a step that happens to grow the heap (seen once in
+    CI-like load: 12k faults, against 0 to 6k usually) says nothing about the
+    steady state, while without the settings every step faults."""
     pages = 24576 * 1024 * 4 // 4096  # the intermediate's pages
     assert _faults_per_step("0") > pages
     assert _faults_per_step("fixed") < pages // 2
