@@ -2,23 +2,27 @@
 blocks (the default past 128 tokens), flash blocks (`attention_impl="flash"`,
 `eqtrain.models._flash`) and one masked XLA call over the whole sequence, at
 several sequence lengths, with the heads of `benchmarks/models.py`'s Llama
-(4 heads of 64; a batch of rows `vmap`ped as the losses do).
+(4 heads of 64; a batch of rows `vmap`ped as the losses do); and, where torch
+is installed, torch's `scaled_dot_product_attention` (causal) on the same
+inputs as transformers' Llama passes them (`[b, t, n, d]` viewed as `[b, n, t,
+d]`), the attention `benchmarks/models.py` compares against.
 
 Rounds alternate the kernels in one process (the machine's noise hits all of
 them alike); it prints one JSON line per sequence length:
 
-    {"seq", "batch", "blocks_ms", "flash_ms", "one_call_ms",
-     "flash_vs_blocks", "one_call_vs_blocks", "rounds"}
+    {"seq", "batch", "blocks_ms", "flash_ms", "one_call_ms", "torch_ms",
+     "flash_vs_blocks", "one_call_vs_blocks", "blocks_vs_torch", "rounds"}
 
-with each kernel's median time of `jax.grad` of the summed squares (ms per
-call) and the ratios of the blocks' time to the others' (> 1: faster than the
-causal blocks).
+with each kernel's median time of the gradient of the summed squares (ms per
+call), the ratios of the blocks' time to the others' (> 1: faster than the
+causal blocks), and of torch's time to the blocks' (> 1: the blocks faster).
 
     JAX_PLATFORMS=cpu .venv/bin/python benchmarks/attention.py [--seqs 256,1024]
         [--batch 4] [--rounds 5] [--quick]
 """
 
 import argparse
+import importlib.util
 import json
 import statistics
 import time
@@ -68,9 +72,35 @@ def _time(fn: Callable[..., Any], args: tuple[Any, ...], calls: int) -> float:
     return (time.perf_counter() - start) * 1e3 / calls
 
 
+def _torch_kernel(inputs: tuple[Any, ...]) -> Callable[[], Any]:
+    """One call of torch's causal SDPA, forward and backward, on `inputs` as
+    transformers' Llama passes them (`[b, t, n, d]` transposed to `[b, n, t,
+    d]` views)."""
+    import numpy as np
+    import torch
+
+    leaves = [torch.from_numpy(np.array(x)).requires_grad_() for x in inputs]
+
+    def call() -> Any:
+        q, k, v = (x.transpose(1, 2) for x in leaves)
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        (out**2).sum().backward()
+        grads = [x.grad for x in leaves]
+        for x in leaves:
+            x.grad = None
+        return grads
+
+    return call
+
+
 def measure(seq: int, args: argparse.Namespace) -> dict[str, Any]:
     inputs = _inputs(args.batch, seq)
-    fns = {name: _kernel(impl, seq) for name, impl in KERNELS.items()}
+    fns: dict[str, Callable[..., Any]] = {
+        name: _kernel(impl, seq) for name, impl in KERNELS.items()
+    }
+    if not args.no_torch:
+        call = _torch_kernel(inputs)
+        fns["torch"] = lambda *_: call()
     for fn in fns.values():  # compile and warm up
         jax.block_until_ready(fn(*inputs))
     times: dict[str, list[float]] = {name: [] for name in fns}
@@ -79,13 +109,15 @@ def measure(seq: int, args: argparse.Namespace) -> dict[str, Any]:
         for name in order:
             times[name].append(_time(fns[name], inputs, args.calls))
     ms = {name: statistics.median(t) for name, t in times.items()}
-    return {
+    record = {
         "seq": seq, "batch": args.batch,
         **{f"{name}_ms": round(t, 2) for name, t in ms.items()},
         "flash_vs_blocks": round(ms["blocks"] / ms["flash"], 3),
         "one_call_vs_blocks": round(ms["blocks"] / ms["one_call"], 3),
-        "rounds": args.rounds,
     }  # fmt: skip
+    if "torch" in ms:
+        record["blocks_vs_torch"] = round(ms["torch"] / ms["blocks"], 3)
+    return {**record, "rounds": args.rounds}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -95,9 +127,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--calls", type=int, default=3, help="calls per timing")
     parser.add_argument("--quick", action="store_true", help="tiny smoke test")
+    parser.add_argument("--no-torch", action="store_true", help="skip torch's SDPA")
     args = parser.parse_args(argv)
+    if importlib.util.find_spec("torch") is None:
+        args.no_torch = True
     if args.quick:
         args.seqs, args.batch, args.rounds, args.calls = "160", 1, 1, 1
+        args.no_torch = True
     args.seqs = [int(s) for s in args.seqs.split(",")]
     return args
 

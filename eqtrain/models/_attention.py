@@ -62,13 +62,14 @@ def attention(
         return flash_attention(q, k, v, **_flash_args(common))
     if 0 < query_chunk < q.shape[0]:
         return blocked_attention(q, k, v, query_chunk=query_chunk, **common)
-    if q.shape[0] > CAUSAL_BLOCK_MIN:
-        return causal_blocks(q, k, v, **common)
+    if q.shape[0] > CAUSAL_BLOCK_MIN:  # None or "xla"
+        return causal_blocks(q, k, v, **_flash_args(common))
     return one_call_attention(q, k, v, **common)
 
 
 def _flash_args(common: dict[str, Any]) -> dict[str, Any]:
-    """`attention`'s keywords as `flash_attention` takes them."""
+    """`attention`'s keywords as `flash_attention` and `causal_blocks` take
+    them (the kernel is theirs)."""
     return {k: v for k, v in common.items() if k != "implementation"}
 
 
@@ -143,21 +144,52 @@ def capped_attention(
     scale: float | None,
     softcap: float,
 ) -> Float[Array, "q heads head_dim"]:
-    """The soft-capped attention written out, per key/value head and its group
-    of query heads: f32 scores `q . k * scale` capped at `softcap *
-    tanh(scores / softcap)`, those not in `keep` masked, softmax in f32, cast
-    to `q`'s dtype, times `v`."""
-    t, heads, d = q.shape
+    """The soft-capped attention written out (`heads_first_attention`, each
+    key/value head with its group of query heads)."""
     kv_heads = k.shape[1]
-    scale = d**-0.5 if scale is None else scale
-    qg = q.reshape(t, kv_heads, heads // kv_heads, d)
-    scores = jnp.einsum("tkgd,skd->kgts", qg, k, preferred_element_type=jnp.float32)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    out = heads_first_attention(
+        heads_first(q, kv_heads), *(x.transpose(1, 0, 2) for x in (k, v)), keep,
+        scale=scale, softcap=softcap,
+    )  # fmt: skip
+    return seq_first(out)
+
+
+def heads_first(q: Float[Array, "seq heads d"], kv_heads: int) -> Array:
+    """Query heads `[seq, heads, d]` as `[kv_heads, group, seq, d]`: each
+    key/value head's group of query heads (Hugging Face's `repeat_kv` order)."""
+    seq, heads, d = q.shape
+    return q.reshape(seq, kv_heads, heads // kv_heads, d).transpose(1, 2, 0, 3)
+
+
+def seq_first(out: Float[Array, "kv_heads group seq d"]) -> Array:
+    """`heads_first`'s inverse: `[seq, heads, d]`."""
+    kv_heads, group, seq, d = out.shape
+    return out.transpose(2, 0, 1, 3).reshape(seq, kv_heads * group, d)
+
+
+def heads_first_attention(
+    q: Float[Array, "kv_heads group q d"],
+    k: Float[Array, "kv_heads k d"],
+    v: Float[Array, "kv_heads k d"],
+    keep: Bool[Array, "*#heads q k"],
+    *,
+    scale: float,
+    softcap: float | None,
+) -> Float[Array, "kv_heads group q d"]:
+    """Attention with the heads in front (`heads_first`), so that XLA's batched
+    products take their operands as they are: f32 scores `q . k * scale`
+    (capped at `softcap * tanh(scores / softcap)`), those not in `keep`
+    (`[q, k]`, or with leading head axes that broadcast) masked, softmax in
+    f32, cast to `k`'s dtype, times `v`; the numerics of
+    `jax.nn.dot_product_attention`'s XLA implementation."""
+    scores = jnp.einsum("kgqd,ksd->kgqs", q, k, preferred_element_type=jnp.float32)
     scores = scores * jnp.float32(scale)
-    scores = jnp.float32(softcap) * jnp.tanh(scores / jnp.float32(softcap))
+    if softcap is not None:
+        scores = jnp.float32(softcap) * jnp.tanh(scores / jnp.float32(softcap))
     scores = jnp.where(keep, scores, _MASKED)
-    probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
-    out = jnp.einsum("kgts,skd->tkgd", probs, v)
-    return out.reshape(t, heads, d)
+    probs = jax.nn.softmax(scores, axis=-1).astype(k.dtype)
+    return jnp.einsum("kgqs,ksd->kgqd", probs, v)
 
 
 def _grouped_mask(
@@ -215,7 +247,6 @@ def causal_blocks(
     *,
     segment_ids: Int[Array, " seq"] | None,
     sliding_window: int | None,
-    implementation: str | None,
     scale: float | None = None,
     softcap: float | None = None,
 ) -> Float[Array, "seq heads head_dim"]:
@@ -225,13 +256,18 @@ def causal_blocks(
     anyway, are never multiplied, so the work (scores, softmax and their
     backward) is about half of the full `[seq, seq]` one, in pieces that stay in
     cache: on the CPU a layer's attention runs 1.3x (256 tokens) to 3x (4096)
-    faster (docs/performance.md). Plain autodiff, nothing recomputed; the blocks
-    are unrolled (`causal_block_size`)."""
-    seq = q.shape[0]
+    faster (docs/performance.md). The heads are moved in front once
+    (`heads_first`), not per block: XLA's batched products on the CPU want them
+    there, and each block would otherwise copy its queries and every key and
+    value it sees. Plain autodiff, nothing recomputed; the blocks are unrolled
+    (`causal_block_size`)."""
+    seq, _, d = q.shape
     size = causal_block_size(seq)
     segs = jnp.zeros((seq,), jnp.int32) if segment_ids is None else segment_ids
     pos = jnp.arange(seq, dtype=jnp.int32)
-    kernel = dict(implementation=implementation, scale=scale, softcap=softcap)
+    qh = heads_first(q, k.shape[1])
+    kh, vh = k.transpose(1, 0, 2), v.transpose(1, 0, 2)
+    score = dict(scale=d**-0.5 if scale is None else scale, softcap=softcap)
     outs = []
     for start in range(0, seq, size):
         end = min(start + size, seq)
@@ -240,9 +276,9 @@ def causal_blocks(
             pos[start:end], segs[start:end], pos[first:end], segs[first:end],
             sliding_window,
         )  # fmt: skip
-        block = (q[start:end], k[first:end], v[first:end])
-        outs.append(dot_attention(*block, mask=mask[None], **kernel))
-    return jnp.concatenate(outs, axis=0)
+        block = (qh[:, :, start:end], kh[:, first:end], vh[:, first:end])
+        outs.append(heads_first_attention(*block, mask, **score))
+    return seq_first(jnp.concatenate(outs, axis=2))
 
 
 def blocked_attention(
