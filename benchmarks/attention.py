@@ -35,20 +35,20 @@ import jax.random as jr
 from _machine import print_machine
 
 import eqtrain
-from eqtrain.models._attention import attention
+from eqtrain.models._attention import attention, one_call_attention
 
 
 HEADS, KV_HEADS, HEAD_DIM = 4, 4, 64
 KERNELS = {"blocks": None, "flash": "flash", "one_call": "one_call"}
 
 
-def _kernel(impl: str | None, seq: int) -> Callable[..., Any]:
+def _kernel(impl: str | None) -> Callable[..., Any]:
     """`jax.grad` of one layer's attention over a batch, jitted."""
     kw = dict(segment_ids=None, sliding_window=None)
 
     def one(q: Any, k: Any, v: Any) -> Any:
-        if impl == "one_call":  # the whole sequence as one query chunk
-            return attention(q, k, v, implementation=None, query_chunk=seq, **kw)
+        if impl == "one_call":  # the whole sequence, masked, in one call
+            return one_call_attention(q, k, v, implementation=None, **kw)
         return attention(q, k, v, implementation=impl, **kw)
 
     def loss(q: Any, k: Any, v: Any) -> Any:
@@ -96,7 +96,7 @@ def _torch_kernel(inputs: tuple[Any, ...]) -> Callable[[], Any]:
 def measure(seq: int, args: argparse.Namespace) -> dict[str, Any]:
     inputs = _inputs(args.batch, seq)
     fns: dict[str, Callable[..., Any]] = {
-        name: _kernel(impl, seq) for name, impl in KERNELS.items()
+        name: _kernel(impl) for name, impl in KERNELS.items()
     }
     if not args.no_torch:
         call = _torch_kernel(inputs)

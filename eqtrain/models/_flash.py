@@ -60,32 +60,32 @@ def flash_attention(
     """Causal self-attention as `attention` computes it, by flash blocks of
     `block` queries and keys (the sequence padded to whole blocks; the padded
     keys come after every real query, so causality hides them). Values and
-    gradients equal the plain attention's to the dtype's rounding."""
-    seq, _, d = q.shape
+    gradients equal the plain attention's to the dtype's rounding.
+
+    The inputs are laid out once as blocks with the heads in front (`[blocks,
+    kv_heads, (group,) block, d]`): XLA's batched products on the CPU want the
+    batch axes leading, so every block pair's products then read their
+    operands as they are."""
+    seq, heads, d = q.shape
+    kv_heads = k.shape[1]
     size = min(block, seq)
     pad = -seq % size
     segs = jnp.zeros((seq,), jnp.int32) if segment_ids is None else segment_ids
-    padded = [jnp.pad(x, [(0, pad), (0, 0), (0, 0)]) for x in (q, k, v)]
+    q, k, v = (jnp.pad(x, [(0, pad), (0, 0), (0, 0)]) for x in (q, k, v))
     segs = jnp.pad(segs.astype(jnp.int32), (0, pad), mode="edge")
+    pos = jnp.arange(seq + pad, dtype=jnp.int32)
     spec = _Spec(size, sliding_window, d**-0.5 if scale is None else scale, softcap)
-    return _flash(spec, *padded, segs)[:seq]
-
-
-def _blocks(x: Array, size: int) -> Array:
-    """`[seq, ...]` as `[seq / size, size, ...]`."""
-    return x.reshape(-1, size, *x.shape[1:])
-
-
-def _grouped(q: Array, kv_heads: int) -> Array:
-    """Query heads `[..., heads, d]` as `[..., kv_heads, group, d]`."""
-    *lead, heads, d = q.shape
-    return q.reshape(*lead, kv_heads, heads // kv_heads, d)
+    grouped = q.reshape(-1, size, kv_heads, heads // kv_heads, d)
+    qb = grouped.transpose(0, 2, 3, 1, 4)  # [blocks, kv_heads, group, B, d]
+    kb, vb = (x.reshape(-1, size, kv_heads, d).transpose(0, 2, 1, 3) for x in (k, v))
+    out = _flash(spec, qb, kb, vb, pos.reshape(-1, size), segs.reshape(-1, size))
+    return out.transpose(0, 3, 1, 2, 4).reshape(-1, heads, d)[:seq]
 
 
 def _scores(spec: _Spec, qi: Array, kj: Array) -> Array:
     """A block pair's f32 scores `[kv_heads, group, q, k]`, scaled and capped
     (before the mask)."""
-    s = jnp.einsum("qkgd,skd->kgqs", qi, kj, preferred_element_type=_F32)
+    s = jnp.einsum("kgqd,ksd->kgqs", qi, kj, preferred_element_type=_F32)
     s = s * _F32(spec.scale)
     if spec.softcap is not None:
         s = _F32(spec.softcap) * jnp.tanh(s / _F32(spec.softcap))
@@ -98,13 +98,12 @@ def _keep(spec: _Spec, where: tuple[Array, ...]) -> Array:
 
 
 def _forward_row(spec: _Spec, qi: Array, mine: tuple[Array, Array], keys: tuple):
-    """Query block `qi` (`[B, kv_heads, group, d]`, at positions and segments
+    """Query block `qi` (`[kv_heads, group, B, d]`, at positions and segments
     `mine`) against its key blocks `keys = (k, v, positions, segments)` stacked
-    `[n, B, ...]`: its output `[B, kv_heads, group, d]` (f32) and log-sum-exp
+    `[n, ...]`: its output `[kv_heads, group, B, d]` (f32) and log-sum-exp
     `[kv_heads, group, B]`."""
-    kv_heads, group, d = qi.shape[1:]
-    shape = (kv_heads, group, qi.shape[0])
-    init = (jnp.zeros((*shape, d), _F32), jnp.full(shape, _NEG, _F32))
+    shape = qi.shape[:-1]
+    init = (jnp.zeros(qi.shape, _F32), jnp.full(shape, _NEG, _F32))
     init = (*init, jnp.zeros(shape, _F32))
 
     def fold(carry: tuple, key: tuple) -> tuple:
@@ -116,51 +115,45 @@ def _forward_row(spec: _Spec, qi: Array, mine: tuple[Array, Array], keys: tuple)
         p = jnp.where(keep, jnp.exp(s - new[..., None]), 0.0)
         fade = jnp.exp(top - new)
         pv = jnp.einsum(
-            "kgqs,skd->kgqd", p.astype(vj.dtype), vj, preferred_element_type=_F32
+            "kgqs,ksd->kgqd", p.astype(vj.dtype), vj, preferred_element_type=_F32
         )
         return (acc * fade[..., None] + pv, new, total * fade + p.sum(-1)), None
 
     (acc, top, total), _ = lax.scan(fold, init, keys)
-    out = acc / total[..., None]
-    return out.transpose(2, 0, 1, 3), top + jnp.log(total)
+    return acc / total[..., None], top + jnp.log(total)
 
 
-def _pieces(spec: _Spec, q: Array, k: Array, v: Array, segs: Array):
-    """`q` grouped and every input in blocks: `(queries, keys, values,
-    positions, segments)`, each `[blocks, B, ...]`."""
-    pos = jnp.arange(q.shape[0], dtype=jnp.int32)
-    grouped = _grouped(q, k.shape[1])
-    return tuple(_blocks(x, spec.block) for x in (grouped, k, v, pos, segs))
+def _key_blocks(spec: _Spec, i: int, kb, vb, pb, sb) -> tuple:
+    """The key blocks query block `i` sees: from its window's start to itself."""
+    lo = spec.first_block(i)
+    return kb[lo : i + 1], vb[lo : i + 1], pb[lo : i + 1], sb[lo : i + 1]
 
 
-def _forward(spec: _Spec, q: Array, k: Array, v: Array, segs: Array):
-    """The output `[seq, heads, d]` (`q`'s dtype) and the log-sum-exp
-    `[blocks, kv_heads, group, B]` of every query."""
-    qb, kb, vb, pb, sb = _pieces(spec, q, k, v, segs)
+def _forward(spec: _Spec, qb: Array, kb: Array, vb: Array, pb: Array, sb: Array):
+    """The output `[blocks, kv_heads, group, B, d]` (`q`'s dtype) and the
+    log-sum-exp `[blocks, kv_heads, group, B]` of every query."""
     outs, sums = [], []
     for i in range(qb.shape[0]):
-        lo = spec.first_block(i)
-        keys = (kb[lo : i + 1], vb[lo : i + 1], pb[lo : i + 1], sb[lo : i + 1])
+        keys = _key_blocks(spec, i, kb, vb, pb, sb)
         out, lse = _forward_row(spec, qb[i], (pb[i], sb[i]), keys)
         outs.append(out)
         sums.append(lse)
-    out = jnp.stack(outs).reshape(q.shape).astype(q.dtype)
-    return out, jnp.stack(sums)
+    return jnp.stack(outs).astype(qb.dtype), jnp.stack(sums)
 
 
-def _primal(spec: _Spec, q: Array, k: Array, v: Array, segs: Array) -> Array:
-    return _forward(spec, q, k, v, segs)[0]
+def _primal(spec: _Spec, *blocks: Array) -> Array:
+    return _forward(spec, *blocks)[0]
 
 
-def _flash_fwd(spec: _Spec, q: Array, k: Array, v: Array, segs: Array):
-    out, lse = _forward(spec, q, k, v, segs)
-    return out, (q, k, v, segs, out, lse)
+def _flash_fwd(spec: _Spec, *blocks: Array):
+    out, lse = _forward(spec, *blocks)
+    return out, (blocks, out, lse)
 
 
 def _backward_row(spec: _Spec, row: tuple, keys: tuple):
-    """One query block's gradient `dq` `[B, kv_heads, group, d]` and its
+    """One query block's gradient `dq` `[kv_heads, group, B, d]` and its
     contributions to the gradients of its key blocks, `(dk, dv)` stacked `[n,
-    B, kv_heads, d]` (all f32). `row = (q, dout, lse, delta, positions,
+    kv_heads, B, d]` (all f32). `row = (q, dout, lse, delta, positions,
     segments)` of the block; `keys` as `_forward_row`'s."""
     qi, do, lse, delta, qp, qs = row
 
@@ -170,12 +163,12 @@ def _backward_row(spec: _Spec, row: tuple, keys: tuple):
         s = _scores(spec, qi, kj)
         p = jnp.where(keep, jnp.exp(s - lse[..., None]), 0.0)
         dv = jnp.einsum(
-            "kgqs,qkgd->skd", p.astype(do.dtype), do, preferred_element_type=_F32
+            "kgqs,kgqd->ksd", p.astype(do.dtype), do, preferred_element_type=_F32
         )
-        dp = jnp.einsum("qkgd,skd->kgqs", do, vj, preferred_element_type=_F32)
+        dp = jnp.einsum("kgqd,ksd->kgqs", do, vj, preferred_element_type=_F32)
         ds = _score_grad(spec, s, p * (dp - delta[..., None])).astype(qi.dtype)
-        dq = dq + jnp.einsum("kgqs,skd->qkgd", ds, kj, preferred_element_type=_F32)
-        dk = jnp.einsum("kgqs,qkgd->skd", ds, qi, preferred_element_type=_F32)
+        dq = dq + jnp.einsum("kgqs,ksd->kgqd", ds, kj, preferred_element_type=_F32)
+        dk = jnp.einsum("kgqs,kgqd->ksd", ds, qi, preferred_element_type=_F32)
         return dq, (dk, dv)
 
     return lax.scan(fold, jnp.zeros(qi.shape, _F32), keys)
@@ -191,21 +184,18 @@ def _score_grad(spec: _Spec, s: Array, ds: Array) -> Array:
 
 
 def _flash_bwd(spec: _Spec, saved: tuple, dout: Array):
-    q, k, v, segs, out, lse = saved
-    qb, kb, vb, pb, sb = _pieces(spec, q, k, v, segs)
-    dob = _blocks(_grouped(dout, k.shape[1]), spec.block)
-    ob = _blocks(_grouped(out, k.shape[1]), spec.block)
-    delta = jnp.sum(dob.astype(_F32) * ob.astype(_F32), -1).transpose(0, 2, 3, 1)
+    (qb, kb, vb, pb, sb), out, lse = saved
+    delta = jnp.sum(dout.astype(_F32) * out.astype(_F32), -1)
     dq, dk, dv = [], jnp.zeros(kb.shape, _F32), jnp.zeros(vb.shape, _F32)
     for i in range(qb.shape[0]):
         lo = spec.first_block(i)
-        keys = (kb[lo : i + 1], vb[lo : i + 1], pb[lo : i + 1], sb[lo : i + 1])
-        row = (qb[i], dob[i], lse[i], delta[i], pb[i], sb[i])
-        dqi, (dki, dvi) = _backward_row(spec, row, keys)
+        row = (qb[i], dout[i], lse[i], delta[i], pb[i], sb[i])
+        dqi, (dki, dvi) = _backward_row(spec, row, _key_blocks(spec, i, kb, vb, pb, sb))
         dq.append(dqi)
         dk, dv = dk.at[lo : i + 1].add(dki), dv.at[lo : i + 1].add(dvi)
-    grads = (jnp.stack(dq).reshape(q.shape), dk.reshape(k.shape), dv.reshape(v.shape))
-    return (*(g.astype(x.dtype) for g, x in zip(grads, (q, k, v), strict=True)), None)
+    grads = (jnp.stack(dq), dk, dv)
+    return (*(g.astype(x.dtype) for g, x in zip(grads, (qb, kb, vb), strict=True)),
+            None, None)  # fmt: skip
 
 
 _flash = jax.custom_vjp(_primal, nondiff_argnums=(0,))
