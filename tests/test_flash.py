@@ -145,6 +145,40 @@ def test_no_scores_of_a_block_against_the_whole_sequence(impl):
         assert _largest(jaxpr) >= whole_rows // 2
 
 
+def _transposes(jaxpr) -> int:
+    """How many `transpose`s `jaxpr` holds, its sub-jaxprs included (a scan's
+    body once)."""
+    count = sum(eqn.primitive.name == "transpose" for eqn in jaxpr.eqns)
+    for eqn in jaxpr.eqns:
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            count += _transposes(sub)
+    return count
+
+
+@pytest.mark.parametrize("impl", ["flash", None])
+def test_the_heads_move_in_front_once_not_per_block(impl):
+    """Both kernels transpose their inputs to heads in front once and back
+    once, however many blocks the sequence has: XLA's batched products on
+    the CPU want their batch axes leading, and a transpose per block copied
+    every key and value a block sees (docs/performance.md, flash attention on
+    the CPU). Flash's backward too; the causal blocks' backward is autodiff's
+    (its transposes of the products' gradients grow with the blocks)."""
+
+    def count(seq, grad):
+        def loss(q, k, v):
+            out = attention(
+                q, k, v, segment_ids=None, sliding_window=None, implementation=impl
+            )
+            return jnp.sum(out**2)
+
+        fn = jax.grad(loss, (0, 1, 2)) if grad else loss
+        return _transposes(jax.make_jaxpr(fn)(*_qkv(seq)).jaxpr)
+
+    assert count(256, False) == count(1024, False) == 4  # q, k, v and the output
+    if impl == "flash":
+        assert count(256, True) == count(1024, True)
+
+
 def _tiny(impl):
     config = models.LlamaConfig(
         vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
