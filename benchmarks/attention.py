@@ -32,6 +32,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import jax.random as jr
+import numpy as np
 from _machine import print_machine
 
 import eqtrain
@@ -76,7 +77,6 @@ def _torch_kernel(inputs: tuple[Any, ...]) -> Callable[[], Any]:
     """One call of torch's causal SDPA, forward and backward, on `inputs` as
     transformers' Llama passes them (`[b, t, n, d]` transposed to `[b, n, t,
     d]` views)."""
-    import numpy as np
     import torch
 
     leaves = [torch.from_numpy(np.array(x)).requires_grad_() for x in inputs]
