@@ -18,11 +18,13 @@ Two settings, both for this process only:
 - **XLA's flags**, chosen by measurement (`_cpu_tuning`): Eigen's products
   (`--xla_cpu_experimental_ynn_fusion_type=`, empty: split over all of XLA's
   threads, where YNNPACK fusions run each product on one thread), XLA's own
-  defaults, or Eigen's with 512-bit vectors on AVX-512, whichever trained a
-  probe step fastest on this processor (measured once, cached). They have to
-  be in `XLA_FLAGS` before JAX starts its CPU backend. The same measurement
-  says whether layers train faster scanned or unrolled here
-  (`layers_scanned`, which `model.scan_layers = "auto"` follows).
+  defaults, Eigen's with 512-bit vectors on AVX-512, or oneDNN's products on
+  x86-64, whichever trained a probe step fastest on this processor (measured
+  once, cached). They have to be in `XLA_FLAGS` before JAX starts its CPU
+  backend, except oneDNN's, which `eqtrain.jit` passes to each step it
+  compiles and checks there (`jit_compiler_options`; `eqtrain._onednn`).
+  The same measurement says whether layers train faster scanned or unrolled
+  here (`layers_scanned`, which `model.scan_layers = "auto"` follows).
 
 `tune_cpu()` applies both unless the user chose otherwise (either variable set,
 XLA flags of its own for the products or the vector width, or
@@ -101,6 +103,14 @@ def layers_scanned() -> bool:
     process's measured choice says (`tune_cpu`), else unrolled."""
     choice = _state["choice"]
     return isinstance(choice, _cpu_tuning.Choice) and choice.scan_layers
+
+
+def jit_compiler_options() -> dict[str, object]:
+    """The XLA options `eqtrain.jit` compiles its functions with on the CPU:
+    oneDNN's products where this process's measured choice is `onednn_dots`
+    (`tune_cpu`), else none."""
+    choice = _state["choice"]
+    return choice.compiler_options if isinstance(choice, _cpu_tuning.Choice) else {}
 
 
 def cpu_settings() -> str:
@@ -195,8 +205,8 @@ def _set_xla_flags(
         return False
     choice = _choice(environ, say, measure)
     _state["choice"] = choice
-    if choice.flags:
-        environ["XLA_FLAGS"] = f"{flags} {choice.flags}".strip()
+    if choice.process_flags:
+        environ["XLA_FLAGS"] = f"{flags} {choice.process_flags}".strip()
     return True
 
 

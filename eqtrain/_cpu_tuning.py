@@ -44,13 +44,25 @@ ISA = (
 """The CPU flags that decide which kernels XLA, oneDNN and torch pick."""
 
 EIGEN_DOTS = "--xla_cpu_experimental_ynn_fusion_type="
+ONEDNN_FLAGS = "--xla_cpu_use_onednn=true --xla_cpu_experimental_onednn_fusion_type=dot"
+"""oneDNN's products (XLA's oneDNN fusions of a dot and its elementwise
+neighbours), as `XLA_FLAGS` for the probe process. A training process never
+sets them process-wide: `eqtrain.jit` compiles its steps with them
+(`ONEDNN_OPTIONS`) and checks each compiled step (`_onednn`), because this
+jaxlib's oneDNN fusions abort the process on some graphs."""
+ONEDNN_OPTIONS = {
+    "xla_cpu_use_onednn": True,
+    "xla_cpu_experimental_onednn_fusion_type": "LIBRARY_FUSION_TYPE_DOT",
+}
+"""`ONEDNN_FLAGS` as one compilation's options (`jax.jit(compiler_options=)`)."""
 CANDIDATES = {
     "eigen_dots": EIGEN_DOTS,  # products by Eigen, over all of XLA's threads
     "xla_default": "",  # XLA's own choice (YNNPACK fusions)
     "eigen_dots_512": f"{EIGEN_DOTS} --xla_cpu_prefer_vector_width=512",
+    "onednn_dots": f"{EIGEN_DOTS} {ONEDNN_FLAGS}",  # eqtrain.jit's steps by oneDNN
 }
 """The XLA flag sets measured, by name. `eigen_dots_512` only where the
-processor has AVX-512."""
+processor has AVX-512, `onednn_dots` only on x86-64 (oneDNN's CPU kernels)."""
 FALLBACK = "eigen_dots"  # what is applied when nothing can be measured
 CACHE_VERSION = 3  # 3: eqtrain's Llama step under tune_cpu's allocator settings
 ALLOCATOR_THRESHOLD = 2**31 - 1  # mallopt takes an int: ~2 GB
@@ -97,9 +109,12 @@ def _version(name: str) -> str:
 
 def candidates(cpu: Mapping[str, Any]) -> dict[str, str]:
     """The flag sets worth measuring on `cpu` (`processor()`)."""
-    if "avx512f" in cpu["isa"]:
-        return dict(CANDIDATES)
-    return {k: v for k, v in CANDIDATES.items() if k != "eigen_dots_512"}
+    skip = set()
+    if "avx512f" not in cpu["isa"]:
+        skip.add("eigen_dots_512")
+    if "avx2" not in cpu["isa"]:  # not x86-64 (or too old for oneDNN's kernels)
+        skip.add("onednn_dots")
+    return {k: v for k, v in CANDIDATES.items() if k not in skip}
 
 
 def cache_key(cpu: Mapping[str, Any] | None = None, cores: int | None = None) -> str:
@@ -145,6 +160,17 @@ class Choice:
     scan_layers: bool
     measured: dict[str, dict[str, float]]
     source: str
+
+    @property
+    def process_flags(self) -> str:
+        """The flags for `XLA_FLAGS`: `flags` without `ONEDNN_FLAGS`, which
+        `eqtrain.jit` applies per compiled step instead (`compiler_options`)."""
+        return self.flags.replace(ONEDNN_FLAGS, "").strip()
+
+    @property
+    def compiler_options(self) -> dict[str, Any]:
+        """The options `eqtrain.jit` compiles its steps with on the CPU."""
+        return dict(ONEDNN_OPTIONS) if ONEDNN_FLAGS in self.flags else {}
 
     def describe(self) -> str:
         """One line for `eqtrain info` and the dry run."""
@@ -233,9 +259,16 @@ def _from_entry(entry: Mapping[str, Any], source: str) -> Choice | None:
 
 def measure(cpu: Mapping[str, Any], run: Probe | None = None) -> Choice:
     """Probe every candidate of `cpu` (`run(flags)`, default `probe`) and
-    choose the fastest."""
+    choose the fastest. A candidate whose probe fails is left out (the
+    default's failing fails the measurement)."""
     run = probe if run is None else run
-    measured = {name: run(flags) for name, flags in candidates(cpu).items()}
+    measured = {}
+    for name, flags in candidates(cpu).items():
+        try:
+            measured[name] = run(flags)
+        except (OSError, RuntimeError, ValueError, subprocess.SubprocessError):
+            if name == FALLBACK:
+                raise
     name, scan = _best(measured)
     return Choice(name, CANDIDATES[name], scan, measured, "measured")
 

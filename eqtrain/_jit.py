@@ -6,6 +6,7 @@ and, when given, shardings). This keeps JAX's asynchronous dispatch: unlike
 `eqx.filter_jit`, nothing here waits for the result or re-walks the module tree.
 """
 
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -14,6 +15,8 @@ import jax
 import jax.tree_util as jtu
 from jax.sharding import Sharding
 
+from . import _onednn
+from ._cpu import jit_compiler_options
 from ._errors import DonatedStateError, StructureError
 from ._types import Batch
 
@@ -108,6 +111,9 @@ class Jitted:
     Attributes:
         num_traces: how many times the step has been traced (1 in a healthy loop;
             tests use it to prove there is no retrace).
+        cpu_products: on the CPU where `tune_cpu` chose oneDNN's products:
+            `"onednn"` once a compiled step runs them, or why it does not
+            (`"eigen: ..."`, the step compiled again without them); else None.
     """
 
     def __init__(
@@ -125,6 +131,10 @@ class Jitted:
         self._jitted: Any = None
         self._mode: str | None = None  # "step": returns (state, aux); "fn": anything
         self._out_static: Any = None
+        self._options: dict[str, Any] = {}  # XLA options of each compilation
+        self._checked: set[Any] = set()  # input signatures whose compilation is safe
+        self._state_sig: Any = None
+        self.cpu_products: str | None = None
 
     def __repr__(self) -> str:
         name = getattr(self.fn, "__name__", self.fn)
@@ -136,9 +146,17 @@ class Jitted:
         leaves, treedef = jtu.tree_flatten(state)
         if self._layout is None or not self._layout.matches(treedef, leaves):
             self._layout = _Layout(treedef, leaves)
+            self._options = _compiler_options()
             self._jitted = self._build(self._layout)
             self._mode = None
-        return self._layout.arrays(leaves), self._layout
+            self._checked.clear()
+        arrays = self._layout.arrays(leaves)
+        if self._options:  # a state of other shapes compiles anew: check it too
+            sig = _signature(arrays)
+            if sig != self._state_sig:
+                self._state_sig = sig
+                self._checked.clear()
+        return arrays, self._layout
 
     def call_flat(self, arrays: list[Any], batch: Batch) -> Any:
         """Run on the array leaves of a prepared state.
@@ -146,6 +164,8 @@ class Jitted:
         Returns `(new_arrays, aux)` for a step (a function returning a state of the
         same structure and something else), or the function's output otherwise.
         """
+        if self._options:
+            self._check_compiled(arrays, batch)
         try:
             out = self._jitted(arrays, batch)
         except (RuntimeError, ValueError) as error:  # JAX raises either
@@ -172,11 +192,35 @@ class Jitted:
         (and `num_traces`) as they were."""
         leaves, treedef = jtu.tree_flatten(state)
         layout = _Layout(treedef, leaves, abstract=True)
-        traces, mode = self.num_traces, self._mode
+        traces, mode, options = self.num_traces, self._mode, self._options
+        self._options = _compiler_options()
         try:
             return self._build(layout).lower(layout.arrays(leaves), batch)
         finally:
             self.num_traces, self._mode = traces, mode
+            self._options = options
+
+    def _check_compiled(self, arrays: list[Any], batch: Batch) -> None:
+        """Before a new input signature first runs with oneDNN's products,
+        compile it and read its oneDNN fusions (`eqtrain._onednn`): one this
+        jaxlib would abort the process on sends the step back to Eigen's
+        products, compiled again without the options."""
+        sig = _signature(batch)
+        if sig in self._checked:
+            return
+        assert self._layout is not None
+        with warnings.catch_warnings():  # JAX's persistent cache cannot hold it
+            warnings.filterwarnings("ignore", ".*thunk kind: onednn", UserWarning)
+            hlo = self._jitted.lower(arrays, batch).compile().as_text()
+        bad = _onednn.unsafe_fusion(hlo)
+        if bad is not None:
+            self._options = {}
+            self._jitted = self._build(self._layout)
+            self.cpu_products = f"eigen: a oneDNN fusion this jaxlib cannot run ({bad})"
+            return
+        self._checked.add(sig)
+        if _onednn.uses_onednn(hlo) or self.cpu_products is None:
+            self.cpu_products = "onednn" if _onednn.uses_onednn(hlo) else "eigen"
 
     def _explain_deleted(self, arrays: list[Any], error: Exception) -> None:
         assert self._layout is not None
@@ -223,6 +267,8 @@ class Jitted:
     def _jit_options(self, layout: _Layout) -> dict[str, Any]:
         """`jax.jit`'s donation and shardings for this function."""
         kwargs: dict[str, Any] = {}
+        if self._options:
+            kwargs["compiler_options"] = dict(self._options)
         if self.donate:
             kwargs["donate_argnums"] = (0,)
         if self.shardings is not None:
@@ -255,6 +301,26 @@ class Jitted:
                 "eqx.is_array))`."
             )
         return flat
+
+
+def _compiler_options() -> dict[str, Any]:
+    """`tune_cpu`'s per-compilation XLA options (oneDNN's products), on the CPU."""
+    options = jit_compiler_options()
+    return options if options and jax.default_backend() == "cpu" else {}
+
+
+def _signature(tree: Any) -> Any:
+    """What decides a compilation of `tree`'s leaves: structure, shapes, dtypes
+    and shardings."""
+    leaves, treedef = jtu.tree_flatten(tree)
+    return treedef, tuple(
+        (
+            getattr(x, "shape", None),
+            getattr(x, "dtype", type(x)),
+            getattr(x, "sharding", None),
+        )
+        for x in leaves
+    )
 
 
 def check_live(state: Any, user: str) -> None:

@@ -19,6 +19,7 @@ TIMES = {
     "eigen_dots": {"scanned_ms": 50.0, "unrolled_ms": 40.0},
     "xla_default": {"scanned_ms": 70.0, "unrolled_ms": 60.0},
     "eigen_dots_512": {"scanned_ms": 55.0, "unrolled_ms": 45.0},
+    "onednn_dots": {"scanned_ms": 52.0, "unrolled_ms": 42.0},
 }
 
 
@@ -233,6 +234,7 @@ def test_the_fastest_candidate_wins_and_says_scanned_or_unrolled(probe, monkeypa
         "eigen_dots": {"scanned_ms": 50.0, "unrolled_ms": 52.0},
         "xla_default": {"scanned_ms": 30.0, "unrolled_ms": 35.0},
         "eigen_dots_512": {"scanned_ms": 55.0, "unrolled_ms": 45.0},
+        "onednn_dots": {"scanned_ms": 52.0, "unrolled_ms": 51.0},
     }
     env = {"XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
     eqtrain.tune_cpu(env)
@@ -249,7 +251,8 @@ def test_the_cache_key_holds_processor_cores_versions_and_candidates(monkeypatch
     cpu = {"cpu": "Some CPU", "family": "6", "model": "143", "isa": ["avx2", "fma"]}
     key = _cpu_tuning.cache_key(cpu, cores=8)
     assert "Some CPU" in key and "6/143" in key and "avx2+fma" in key
-    assert "8 cores" in key and "candidates eigen_dots,xla_default " in key + " "
+    assert "8 cores" in key
+    assert "candidates eigen_dots,xla_default,onednn_dots " in key + " "
     others = [
         _cpu_tuning.cache_key({**cpu, "model": "85"}, cores=8),
         _cpu_tuning.cache_key({**cpu, "isa": ["avx2", "fma", "avx512f"]}, cores=8),
@@ -344,6 +347,7 @@ def test_the_default_stays_within_the_margin_of_noise(probe):
         "eigen_dots": {"scanned_ms": 99.0, "unrolled_ms": 100.0},
         "xla_default": {"scanned_ms": 98.0, "unrolled_ms": 97.0},
         "eigen_dots_512": {"scanned_ms": 98.5, "unrolled_ms": 99.0},
+        "onednn_dots": {"scanned_ms": 98.0, "unrolled_ms": 98.5},
     }
     choice = _cpu_tuning.choose()
     assert (choice.name, choice.scan_layers) == ("eigen_dots", False)

@@ -9,6 +9,7 @@ Sequence-parallel attention (`_sequence`) and the KV cache's (`_cache`) build on
 these masks and kernels.
 """
 
+import functools
 from typing import Any
 
 import jax
@@ -266,19 +267,56 @@ def causal_blocks(
     segs = jnp.zeros((seq,), jnp.int32) if segment_ids is None else segment_ids
     pos = jnp.arange(seq, dtype=jnp.int32)
     qh = heads_first(q, k.shape[1])
-    kh, vh = k.transpose(1, 0, 2), v.transpose(1, 0, 2)
+    starts = range(0, seq, size)
+    seen = tuple(
+        (0 if sliding_window is None else max(0, start - sliding_window + 1),
+         min(start + size, seq))
+        for start in starts
+    )  # fmt: skip
+    ks = key_ranges(k.transpose(1, 0, 2), seen)
+    vs = key_ranges(v.transpose(1, 0, 2), seen)
     score = dict(scale=d**-0.5 if scale is None else scale, softcap=softcap)
     outs = []
-    for start in range(0, seq, size):
-        end = min(start + size, seq)
-        first = 0 if sliding_window is None else max(0, start - sliding_window + 1)
+    for start, (first, end), kb, vb in zip(starts, seen, ks, vs, strict=True):
         mask = position_mask(
             pos[start:end], segs[start:end], pos[first:end], segs[first:end],
             sliding_window,
         )  # fmt: skip
-        block = (qh[:, :, start:end], kh[:, first:end], vh[:, first:end])
-        outs.append(heads_first_attention(*block, mask, **score))
+        outs.append(heads_first_attention(qh[:, :, start:end], kb, vb, mask, **score))
     return seq_first(jnp.concatenate(outs, axis=2))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def key_ranges(
+    x: Float[Array, "kv_heads seq head_dim"], ranges: tuple[tuple[int, int], ...]
+) -> tuple[Array, ...]:
+    """`x[:, a:b]` for each `(a, b)` of `ranges`: the keys (or values) each
+    causal block sees. Its gradient adds each range's cotangent into its own
+    range of one array, in order, where autodiff pads every cotangent to the
+    whole sequence and adds them all: half the additions at 1,024 tokens, and
+    no chain of additions after one product, which oneDNN's fusions of this
+    jaxlib abort on (`eqtrain._onednn`)."""
+    return tuple(x[:, a:b] for a, b in ranges)
+
+
+def _key_ranges_fwd(
+    x: Array, ranges: tuple[tuple[int, int], ...]
+) -> tuple[tuple[Array, ...], Array]:
+    return key_ranges(x, ranges), jnp.zeros((0, *x.shape), x.dtype)
+
+
+def _key_ranges_bwd(
+    ranges: tuple[tuple[int, int], ...], empty: Array, cts: tuple[Array, ...]
+) -> tuple[Array]:
+    grad = jnp.zeros(empty.shape[1:], empty.dtype)
+    for (a, b), ct in zip(ranges, cts, strict=True):
+        grad = lax.dynamic_update_slice_in_dim(
+            grad, lax.slice_in_dim(grad, a, b, axis=1) + ct.astype(grad.dtype), a, 1
+        )
+    return (grad,)
+
+
+key_ranges.defvjp(_key_ranges_fwd, _key_ranges_bwd)
 
 
 def blocked_attention(

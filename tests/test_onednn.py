@@ -1,0 +1,302 @@
+"""oneDNN's products in `eqtrain.jit`'s steps: chosen by `tune_cpu`'s
+measurement, applied per compilation (never process-wide), and checked before
+a step runs, since this jaxlib aborts the process on oneDNN fusions it cannot
+compile (`eqtrain._onednn`)."""
+
+import dataclasses
+import itertools
+
+import jax
+import jax.numpy as jnp
+import jax.random as jr
+import numpy as np
+import optax
+import pytest
+
+import eqtrain
+from eqtrain import _cpu, _cpu_tuning, _onednn
+from eqtrain.losses import causal_lm_loss
+from eqtrain.models import Llama, LlamaConfig
+from eqtrain.models._attention import key_ranges
+
+
+X86 = "avx2" in _cpu_tuning.processor()["isa"]
+needs_onednn = pytest.mark.skipif(not X86, reason="oneDNN's kernels: x86-64 only")
+
+
+def _chain(n, branch=False):
+    """`x @ y` followed by `n` additions: one oneDNN fusion of n + 1 operations
+    in a chain; `branch`: the last addend computed in the fusion (`z * 2`), a
+    side branch, not a link of the chain."""
+
+    def fn(state, batch):
+        out = batch["x"] @ batch["y"]
+        for i in range(n):
+            out = out + batch[f"z{i}"]
+        if branch:
+            out = out + batch["z0"] * 2.0
+        return state, out.sum()
+
+    return fn
+
+
+def _batch():
+    rng = np.random.default_rng(0)
+    batch = {
+        "x": jnp.asarray(rng.normal(size=(64, 32)), jnp.float32),
+        "y": jnp.asarray(rng.normal(size=(32, 48)), jnp.float32),
+    }
+    for i in range(5):
+        batch[f"z{i}"] = jnp.asarray(rng.normal(size=(64, 48)), jnp.float32)
+    return batch
+
+
+def _plain(fn, batch):
+    """`fn`'s output compiled by `jax.jit` without eqtrain's options."""
+    return jax.jit(lambda b: fn(None, b)[1])(batch)
+
+
+@pytest.fixture
+def onednn(monkeypatch):
+    """This process as after `tune_cpu` chose oneDNN's products."""
+    name = "onednn_dots"
+    choice = _cpu_tuning.Choice(name, _cpu_tuning.CANDIDATES[name], False, {}, "test")
+    monkeypatch.setitem(_cpu._state, "choice", choice)
+    return choice
+
+
+def test_the_choice_keeps_onednn_out_of_the_process_flags():
+    """`onednn_dots` is measured with the flags in the probe's process, but a
+    training process gets Eigen's products in `XLA_FLAGS` and oneDNN only as
+    `eqtrain.jit`'s compilation options."""
+    choice = _cpu_tuning.Choice(
+        "onednn_dots", _cpu_tuning.CANDIDATES["onednn_dots"], False, {}, "measured"
+    )
+    assert "onednn" in choice.flags
+    assert choice.process_flags == _cpu_tuning.EIGEN_DOTS
+    assert choice.compiler_options == _cpu_tuning.ONEDNN_OPTIONS
+    eigen = _cpu_tuning.Choice(
+        "eigen_dots", _cpu_tuning.EIGEN_DOTS, False, {}, "measured"
+    )
+    assert eigen.process_flags == eigen.flags and eigen.compiler_options == {}
+    x86 = {"cpu": "x", "family": "25", "model": "17", "isa": ["avx2", "fma"]}
+    arm = {"cpu": "y", "family": None, "model": None, "isa": []}
+    assert "onednn_dots" in _cpu_tuning.candidates(x86)
+    assert "onednn_dots" not in _cpu_tuning.candidates(arm)
+    assert "onednn_dots" in _cpu_tuning.cache_key(x86, cores=2)
+
+
+def test_a_candidate_whose_probe_fails_is_left_out():
+    """oneDNN's probe aborting (a jaxlib that cannot compile its fusions)
+    leaves the other candidates' measurement standing; the default's failing
+    fails it (and `choose` falls back)."""
+    times = {"eigen_dots": 100.0, "xla_default": 90.0, "eigen_dots_512": 99.0}
+
+    def run(flags):
+        name = next(n for n, f in _cpu_tuning.CANDIDATES.items() if f == flags)
+        if name == "onednn_dots":
+            raise RuntimeError("partition compile failed")
+        return {"scanned_ms": times[name] + 1, "unrolled_ms": times[name]}
+
+    cpu = {"cpu": "x", "family": "25", "model": "17", "isa": ["avx2", "avx512f"]}
+    choice = _cpu_tuning.measure(cpu, run)
+    assert choice.name == "xla_default" and "onednn_dots" not in choice.measured
+
+    def broken(flags):
+        raise RuntimeError("no CPU backend")
+
+    with pytest.raises(RuntimeError):
+        _cpu_tuning.measure(cpu, broken)
+
+
+@needs_onednn
+@pytest.mark.filterwarnings("ignore:.*thunk kind. onednn")  # JAX's persistent cache
+def test_the_check_reads_onednn_fusions_from_compiled_hlo():
+    """Compiling runs nothing, so even the fusion that would abort the
+    process can be read: one product and five additions is refused, one
+    product and two is kept."""
+
+    def compiled(n, branch=False):
+        fn = jax.jit(lambda b: _chain(n, branch)(None, b)[1])
+        options = _cpu_tuning.ONEDNN_OPTIONS
+        return fn.lower(_batch()).compile(compiler_options=options).as_text()
+
+    small, large, branched = compiled(2), compiled(5), compiled(1, branch=True)
+    assert _onednn.uses_onednn(small) and _onednn.unsafe_fusion(small) is None
+    bad = _onednn.unsafe_fusion(large)
+    assert bad is not None and bad.count("add") == 5 and "at most 3" in bad
+    bad = _onednn.unsafe_fusion(branched)
+    assert bad is not None and "multiply is not a link" in bad
+    assert not _onednn.uses_onednn(
+        jax.jit(lambda x: x @ x).lower(jnp.ones((4, 4))).as_text()
+    )
+
+
+@needs_onednn
+def test_a_step_oneDNN_cannot_run_goes_back_to_eigen_before_it_runs(onednn):
+    """Five additions after a product, or a side branch after one: run with
+    oneDNN, this jaxlib would abort the whole process (SIGILL; both measured).
+    `eqtrain.jit` compiles the step again without oneDNN first, and it
+    computes what Eigen's products compute."""
+    batch, state = _batch(), jnp.zeros(())
+    for fn in (_chain(5), _chain(1, branch=True)):
+        step = eqtrain.jit(fn, donate=False)
+        _, got = step(state, batch)
+        assert step.cpu_products.startswith("eigen: a oneDNN fusion this jaxlib")
+        np.testing.assert_allclose(got, _plain(fn, batch), rtol=1e-5)
+        _, again = step(state, batch)
+        assert float(again) == float(got) and step.num_traces == 2  # once per build
+    # a short chain runs in oneDNN, to rounding what Eigen computes
+    short = eqtrain.jit(_chain(2), donate=False)
+    _, got = short(state, batch)
+    assert short.cpu_products == "onednn" and short.num_traces == 1
+    np.testing.assert_allclose(got, _plain(_chain(2), batch), rtol=1e-5)
+
+
+OPS = {
+    "add": jnp.add,
+    "subtract": jnp.subtract,
+    "multiply": jnp.multiply,
+    "maximum": jnp.maximum,
+    "minimum": jnp.minimum,
+    "divide": jnp.divide,
+}
+
+
+def _grid(dtype, batched, ops, length):
+    """Every chain of `ops` up to `length` after a product (plain or batched)
+    that the check admits runs in oneDNN, as Eigen computes it."""
+    rng = np.random.default_rng(0)
+    shapes = ((16, 8), (8, 12), (16, 12))
+    if batched:
+        shapes = tuple((4, *s) for s in shapes)
+    names = ("x", "y", "z", "w", "u")
+    batch = {
+        k: jnp.asarray(rng.uniform(1, 2, shapes[min(i, 2)]), dtype)
+        for i, k in enumerate(names)
+    }
+    tol = 1e-5 if dtype == jnp.float32 else 2e-2
+    for n in range(1, length + 1):
+        for chain in itertools.product(ops, repeat=n):
+
+            def fn(state, b, chain=chain):
+                out = jnp.matmul(b["x"], b["y"])
+                for op, k in zip(chain, names[2:], strict=False):
+                    out = OPS[op](out, b[k])
+                return state, out
+
+            step = eqtrain.jit(fn, donate=False)
+            _, got = step(jnp.zeros(()), batch)
+            assert step.cpu_products == "onednn", (chain, step.cpu_products)
+            want = np.asarray(_plain(fn, batch), np.float32)
+            np.testing.assert_allclose(np.asarray(got, np.float32), want, rtol=tol)
+
+
+@needs_onednn
+@pytest.mark.parametrize("batched", [False, True])
+def test_the_chains_the_check_admits_run(onednn, batched):
+    """A product followed by one or two of add, multiply and maximum, in f32:
+    each runs in oneDNN (a shape the check admits that aborted would take
+    this test's process down). The slow variant runs all of them."""
+    _grid(jnp.float32, batched, ("add", "multiply", "maximum"), 2)
+
+
+@pytest.mark.slow
+@needs_onednn
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("batched", [False, True])
+def test_every_chain_the_check_admits_runs(onednn, dtype, batched):
+    """Every chain of up to `MAX_FUSED` of six elementwise operations after a
+    product, f32 and bf16, plain and batched (258 steps each)."""
+    _grid(jnp.dtype(dtype), batched, tuple(OPS), _onednn.MAX_FUSED)
+
+
+def _llama(seq):
+    return LlamaConfig(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=seq,
+        scan_layers=False,
+    )
+
+
+def _train(seq, steps=3):
+    config = _llama(seq)
+    optimizer = optax.adamw(1e-3)
+    state = eqtrain.TrainState.create(Llama(config, jr.key(0)), optimizer, key=0)
+    step = eqtrain.jit(eqtrain.train_step(causal_lm_loss, optimizer), donate=True)
+    tokens = np.random.default_rng(1).integers(0, 128, (2, seq + 1), np.int32)
+    batch = {
+        "tokens": tokens[:, :-1],
+        "targets": tokens[:, 1:],
+        "loss_mask": np.ones((2, seq), np.float32),
+    }
+    losses = []
+    for _ in range(steps):
+        state, metrics = step(state, batch)
+        losses.append(float(metrics["loss"]))
+    return step, losses
+
+
+@needs_onednn
+@pytest.mark.parametrize("seq", [64, 1024])
+def test_a_llama_step_trains_with_onednn_as_with_eigen(onednn, monkeypatch, seq):
+    """The Llama's step runs every product in oneDNN, at 1,024 tokens too
+    (eight causal blocks, whose key and value gradients `key_ranges` adds
+    range by range rather than as one chain after a product), traced once,
+    and trains as the same step without oneDNN does, to f32 rounding."""
+    step, losses = _train(seq)
+    assert step.cpu_products == "onednn" and step.num_traces == 1
+    monkeypatch.setitem(_cpu._state, "choice", None)
+    plain, want = _train(seq)
+    assert plain.cpu_products is None
+    np.testing.assert_allclose(losses, want, rtol=2e-5)
+
+
+@pytest.mark.parametrize("window", [None, 160])
+def test_key_ranges_gradient_is_the_slices_gradient(window):
+    """`key_ranges`' own gradient equals autodiff's through plain slices,
+    with and without a sliding window's ranges (which start past 0)."""
+    x = jr.normal(jr.key(0), (2, 512, 8))
+    size = 128
+    ranges = tuple(
+        (0 if window is None else max(0, s - window + 1), s + size)
+        for s in range(0, 512, size)
+    )
+    weights = [
+        jr.normal(jr.key(i + 1), (2, b - a, 8)) for i, (a, b) in enumerate(ranges)
+    ]
+
+    def loss(fn):
+        return lambda x: sum(
+            jnp.sum(w * jnp.sin(p)) for w, p in zip(weights, fn(x), strict=True)
+        )
+
+    ours = jax.value_and_grad(loss(lambda x: key_ranges(x, ranges)))(x)
+    plain = jax.value_and_grad(loss(lambda x: [x[:, a:b] for a, b in ranges]))(x)
+    np.testing.assert_allclose(ours[0], plain[0], rtol=1e-6)
+    np.testing.assert_allclose(ours[1], plain[1], rtol=1e-5, atol=1e-6)
+
+
+def test_no_onednn_unless_tune_cpu_chose_it():
+    """The default (`EQTRAIN_CPU_TUNING=fixed`, the tests' setting; a user's
+    own XLA flags) compiles with no options of eqtrain's."""
+    assert _cpu.jit_compiler_options() == {}
+    step = eqtrain.jit(_chain(1), donate=False)
+    step(jnp.zeros(()), _batch())
+    assert step.cpu_products is None and step._options == {}
+
+
+def test_a_dataclass_choice_round_trips_through_the_cache():
+    entry = dataclasses.asdict(
+        _cpu_tuning.Choice(
+            "onednn_dots", _cpu_tuning.CANDIDATES["onednn_dots"], True,
+            {"onednn_dots": {"scanned_ms": 1.0, "unrolled_ms": 2.0}}, "measured",
+        )
+    )  # fmt: skip
+    back = _cpu_tuning._from_entry(entry, "cached")
+    assert back is not None and back.compiler_options == _cpu_tuning.ONEDNN_OPTIONS
