@@ -13,7 +13,7 @@ warmed up before timing; rounds alternate (ABBA) in one process. It prints one
 JSON line:
 
     {"config", "params", "batch", "seq", "threads", "remat", "scan_layers",
-     "attention", "cpu_settings", "steps", "rounds",
+     "attention", "cpu_settings", "cpu_products", "steps", "rounds",
      "eqtrain_tokens_per_s", "torch_tokens_per_s", "ratio", "first_loss_diff"}
 
 with the median tokens/s of each and `ratio` = the median over rounds of
@@ -237,14 +237,13 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any]:
     )
     model = Llama(cfg, jr.key(0))
     batches = make_batches(cfg, args.steps, args.batch, args.seq)
-    runners = {
-        "eqtrain": JaxRunner(model, batches).run,
-        "torch": TorchRunner(model, cfg, batches).run,
-    }
+    jax_runner = JaxRunner(model, batches)
+    runners = {"eqtrain": jax_runner.run, "torch": TorchRunner(model, cfg, batches).run}
     rates, firsts = measure(runners, args)
     paired = [e / t for e, t in zip(rates["eqtrain"], rates["torch"], strict=True)]
     return {
         **_settings(args, model),
+        "cpu_products": jax_runner.step.cpu_products,
         "eqtrain_tokens_per_s": round(statistics.median(rates["eqtrain"]), 1),
         "torch_tokens_per_s": round(statistics.median(rates["torch"]), 1),
         "ratio": round(statistics.median(paired), 4),

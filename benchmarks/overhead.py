@@ -53,6 +53,7 @@ import statistics
 import sys
 import tempfile
 import time
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -68,6 +69,8 @@ from _machine import print_machine
 
 import eqtrain
 import eqtrain.hooks
+from eqtrain import _onednn
+from eqtrain._jit import _compiler_options
 
 
 @dataclasses.dataclass(frozen=True)
@@ -213,9 +216,12 @@ def hand_written_step(optimizer: optax.GradientTransformation) -> Callable:
     return step
 
 
-def raw_jit(step: Callable, state: eqtrain.TrainState) -> Callable:
+def raw_jit(step: Callable, state: eqtrain.TrainState, batch: Any) -> Callable:
     """`jax.jit(step)` over the flat array leaves of `state`, donated; the static
-    part of the state (its structure and non-array leaves) is closed over."""
+    part of the state (its structure and non-array leaves) is closed over. It
+    compiles with the products `eqtrain.jit` would use (oneDNN's, where
+    `tune_cpu` chose them and the step's fusions pass `eqtrain._onednn`'s
+    check for `batch`), so that both loops run the same kernels."""
     leaves, treedef = jtu.tree_flatten(state)
     is_array = [eqx.is_array(x) for x in leaves]
     statics = [None if a else x for a, x in zip(is_array, leaves, strict=True)]
@@ -229,6 +235,15 @@ def raw_jit(step: Callable, state: eqtrain.TrainState) -> Callable:
         new_state, metrics = step(rebuild(arrays), batch)
         return array_leaves(new_state), metrics
 
+    options = _compiler_options()
+    if options:
+        arrays = [x for x, a in zip(leaves, is_array, strict=True) if a]
+        fn = jax.jit(flat_step, donate_argnums=0, compiler_options=options)
+        with warnings.catch_warnings():  # JAX's persistent cache cannot hold it
+            warnings.filterwarnings("ignore", ".*thunk kind: onednn", UserWarning)
+            hlo = fn.lower(arrays, batch).compile().as_text()
+        if _onednn.unsafe_fusion(hlo) is None:
+            return fn
     return jax.jit(flat_step, donate_argnums=0)
 
 
@@ -298,8 +313,9 @@ def raw_runner(steps: int, *, quick: bool = False) -> tuple[Callable[[], float],
     `benchmarks/cpu_settings.py`."""
     cfg = (QUICK_CONFIGS if quick else CONFIGS)["many_small_leaves"]
     optimizer = optax.adamw(1e-3, weight_decay=0.1)
-    jitted = raw_jit(eqtrain.train_step(loss_fn, optimizer), make_state(cfg, optimizer))
     batches = make_batches(cfg, steps)
+    step = eqtrain.train_step(loss_fn, optimizer)
+    jitted = raw_jit(step, make_state(cfg, optimizer), batches[0])
     run = lambda: run_raw(jitted, make_state(cfg, optimizer), batches)[0]  # noqa: E731
     return run, steps * cfg.batch * cfg.seq
 
@@ -330,9 +346,10 @@ def benchmark(cfg: Config, steps: int, rounds: int, warmup: int) -> dict[str, An
     new_state = lambda: make_state(cfg, optimizer)
     batches = make_batches(cfg, steps)
     state = new_state()
-    raw = raw_jit(hand_written_step(optimizer), state)
-    skip = raw_jit(default_step, state)
-    ignore = raw_jit(eqtrain.train_step(loss_fn, optimizer, nonfinite="ignore"), state)
+    raw = raw_jit(hand_written_step(optimizer), state, batches[0])
+    skip = raw_jit(default_step, state, batches[0])
+    ignored = eqtrain.train_step(loss_fn, optimizer, nonfinite="ignore")
+    ignore = raw_jit(ignored, state, batches[0])
     compiled = eqtrain.jit(default_step)
 
     with tempfile.TemporaryDirectory() as tmp:

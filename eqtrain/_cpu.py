@@ -22,7 +22,7 @@ Two settings, both for this process only:
   x86-64, whichever trained a probe step fastest on this processor (measured
   once, cached). They have to be in `XLA_FLAGS` before JAX starts its CPU
   backend, except oneDNN's, which `eqtrain.jit` passes to each step it
-  compiles and checks there (`jit_compiler_options`; `eqtrain._onednn`).
+  compiles and checks there (`eqtrain._onednn`).
   The same measurement says whether layers train faster scanned or unrolled
   here (`layers_scanned`, which `model.scan_layers = "auto"` follows).
 
@@ -40,7 +40,7 @@ import sys
 import warnings
 from collections.abc import Callable, MutableMapping
 
-from . import _cpu_tuning
+from . import _cpu_tuning, _onednn
 
 
 ALLOCATOR_ENV = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")
@@ -105,14 +105,6 @@ def layers_scanned() -> bool:
     return isinstance(choice, _cpu_tuning.Choice) and choice.scan_layers
 
 
-def jit_compiler_options() -> dict[str, object]:
-    """The XLA options `eqtrain.jit` compiles its functions with on the CPU:
-    oneDNN's products where this process's measured choice is `onednn_dots`
-    (`tune_cpu`), else none."""
-    choice = _state["choice"]
-    return choice.compiler_options if isinstance(choice, _cpu_tuning.Choice) else {}
-
-
 def cpu_settings() -> str:
     """What `tune_cpu` chose for XLA in this process, in one line."""
     choice = _state["choice"]
@@ -164,6 +156,7 @@ def tune_cpu(
     environ = os.environ if environ is None else environ
     if _opted_out(environ):
         _state["choice"] = f"off ({OPT_OUT}=0)"
+        _onednn.activate({})
         return []
     applied = _tune_allocator(environ)
     if dots and _set_xla_flags(environ, say, measure):
@@ -199,12 +192,14 @@ def _set_xla_flags(
     flags = environ.get("XLA_FLAGS", "")
     if any(name in flags for name in USER_FLAGS):
         _state["choice"] = "yours (XLA_FLAGS sets the CPU's products)"
+        _onednn.activate({})
         return False
     if _backends_started():
         _state["choice"] = "none (JAX had started: call tune_cpu first)"
         return False
     choice = _choice(environ, say, measure)
     _state["choice"] = choice
+    _onednn.activate(choice.compiler_options)  # eqtrain.jit's, per compilation
     if choice.process_flags:
         environ["XLA_FLAGS"] = f"{flags} {choice.process_flags}".strip()
     return True

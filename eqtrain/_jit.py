@@ -16,7 +16,6 @@ import jax.tree_util as jtu
 from jax.sharding import Sharding
 
 from . import _onednn
-from ._cpu import jit_compiler_options
 from ._errors import DonatedStateError, StructureError
 from ._types import Batch
 
@@ -305,7 +304,7 @@ class Jitted:
 
 def _compiler_options() -> dict[str, Any]:
     """`tune_cpu`'s per-compilation XLA options (oneDNN's products), on the CPU."""
-    options = jit_compiler_options()
+    options = _onednn.compiler_options()
     return options if options and jax.default_backend() == "cpu" else {}
 
 

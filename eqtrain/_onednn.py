@@ -22,7 +22,25 @@ runs.
 """
 
 import re
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+
+_active: dict[str, Any] = {}
+"""The XLA options `eqtrain.jit` compiles with in this process (`activate`)."""
+
+
+def activate(options: Mapping[str, Any]) -> None:
+    """Compile `eqtrain.jit`'s steps with `options` from now on (`tune_cpu`
+    passes its choice's, `{}` for none)."""
+    _active.clear()
+    _active.update(options)
+
+
+def compiler_options() -> dict[str, Any]:
+    """The options `activate` set: oneDNN's products where `tune_cpu` chose
+    them (`_cpu_tuning.Choice.compiler_options`), else none."""
+    return dict(_active)
 
 
 MAX_FUSED = 3

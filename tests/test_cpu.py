@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 import eqtrain
-from eqtrain import _cpu, _cpu_tuning
+from eqtrain import _cpu, _cpu_tuning, _onednn
 
 
 # What the fake probe reports per candidate: Eigen's products fastest, unrolled.
@@ -36,6 +36,7 @@ class FakeProbe:
 
 
 def _reset(monkeypatch):
+    monkeypatch.setattr(_onednn, "_active", {})  # what tune_cpu activates
     monkeypatch.setattr(
         _cpu,
         "_state",
@@ -392,3 +393,27 @@ def test_the_probe_runs_this_eqtrain_under_the_allocator_settings(monkeypatch):
         env["MALLOC_TRIM_THRESHOLD_"]
         == _cpu_tuning.PROBE_ALLOCATOR["MALLOC_TRIM_THRESHOLD_"]
     )
+
+
+def test_a_onednn_choice_reaches_eqtrain_jit_not_xla_flags(probe, monkeypatch):
+    """Where oneDNN's products win the probe, the process gets Eigen's
+    products in `XLA_FLAGS` and oneDNN as `eqtrain.jit`'s per-compilation
+    options (never process-wide: `eqtrain._onednn`); the user's own XLA
+    flags for the products win over the choice, oneDNN included."""
+    probe.times = {**TIMES, "onednn_dots": {"scanned_ms": 30.0, "unrolled_ms": 20.0}}
+    if "onednn_dots" not in _cpu_tuning.candidates(_cpu_tuning.processor()):
+        pytest.skip("oneDNN is measured on x86-64 only")
+    env = {"XLA_FLAGS": ""}
+    eqtrain.tune_cpu(env)
+    assert env["XLA_FLAGS"] == _cpu_tuning.EIGEN_DOTS
+    assert _onednn.compiler_options() == _cpu_tuning.ONEDNN_OPTIONS
+    assert _cpu.cpu_settings().startswith("onednn_dots, unrolled layers (measured")
+    # the user's own products (or EQTRAIN_CPU_TUNING=0): none of eqtrain's
+    for env in (
+        {"XLA_FLAGS": "--xla_cpu_experimental_ynn_fusion_type=dot"},
+        {"XLA_FLAGS": "", _cpu.OPT_OUT: "0"},
+    ):
+        _onednn.activate(_cpu_tuning.ONEDNN_OPTIONS)
+        eqtrain.tune_cpu(env)
+        assert _onednn.compiler_options() == {}
+        assert "onednn" not in env["XLA_FLAGS"]
