@@ -41,10 +41,10 @@ initialised eqtrain model is exported with `eqtrain.hf.export` and loaded by
 Gemma 2 eager), so both start from equal weights. One JSON line per family:
 
     {"family", "architecture", "config", "params", "batch", "seq", "threads",
-     "remat", "scan_layers", "cpu_settings", "steps", "rounds", "eqtrain_step_ms",
-     "torch_step_ms", "eqtrain_tokens_per_s", "torch_tokens_per_s", "ratio",
-     "ratio_range", "eqtrain_best_step_ms", "torch_best_step_ms", "ratio_of_best",
-     "first_loss_diff"}
+     "remat", "scan_layers", "cpu_settings", "cpu_products", "steps", "rounds",
+     "eqtrain_step_ms", "torch_step_ms", "eqtrain_tokens_per_s",
+     "torch_tokens_per_s", "ratio", "ratio_range", "eqtrain_best_step_ms",
+     "torch_best_step_ms", "ratio_of_best", "first_loss_diff"}
 
 with the median step time of each side over rounds, `ratio` as above (> 1:
 eqtrain faster) and its range over rounds, and the fastest round's step time of
@@ -326,8 +326,9 @@ def family_benchmark(model_type: str, args: argparse.Namespace) -> dict[str, Any
     model, torch_model = family_models(model_type, base, args)
     cfg = model.config
     batches = make_batches(cfg, args.steps, args.batch, args.seq)
+    jax_runner = JaxRunner(model, batches)
     runners = {
-        "eqtrain": JaxRunner(model, batches).run,
+        "eqtrain": jax_runner.run,
         "torch": TorchRunner(model, cfg, batches, hf=torch_model).run,
     }
     rates, firsts = measure(runners, args)
@@ -338,6 +339,7 @@ def family_benchmark(model_type: str, args: argparse.Namespace) -> dict[str, Any
         "family": model_type,
         "architecture": type(torch_model).__name__,
         **_settings(args, model),
+        "cpu_products": jax_runner.step.cpu_products,
         "eqtrain_step_ms": round(step_ms(statistics.median(rates["eqtrain"])), 1),
         "torch_step_ms": round(step_ms(statistics.median(rates["torch"])), 1),
         "eqtrain_tokens_per_s": round(statistics.median(rates["eqtrain"]), 1),
