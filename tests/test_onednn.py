@@ -302,3 +302,55 @@ def test_a_dataclass_choice_round_trips_through_the_cache():
     )  # fmt: skip
     back = _cpu_tuning._from_entry(entry, "cached")
     assert back is not None and back.compiler_options == _cpu_tuning.ONEDNN_OPTIONS
+
+
+def _family_losses(config, steps=2):
+    optimizer = optax.adamw(1e-3)
+    state = eqtrain.TrainState.create(Llama(config, jr.key(0)), optimizer, key=0)
+    step = eqtrain.jit(eqtrain.train_step(causal_lm_loss, optimizer), donate=True)
+    tokens = np.random.default_rng(2).integers(0, config.vocab_size, (2, 41), np.int32)
+    batch = {
+        "tokens": tokens[:, :-1],
+        "targets": tokens[:, 1:],
+        "loss_mask": np.ones((2, 40), np.float32),
+    }
+    losses = []
+    for _ in range(steps):
+        state, metrics = step(state, batch)
+        losses.append(float(metrics["loss"]))
+    return step.cpu_products, losses
+
+
+MOE = ("mixtral", "qwen2_moe", "qwen3_moe")
+
+
+@pytest.mark.slow
+@needs_onednn
+def test_every_family_trains_with_onednn_or_goes_back_to_eigen(monkeypatch):
+    """Each Hugging Face family eqtrain imports, one variant each: the dense
+    decoders' steps run in oneDNN (their fused projections never add two
+    products), the mixtures of experts' go back to Eigen's products (a fusion
+    of two products, refused); either way they train as without oneDNN."""
+    transformers = pytest.importorskip("transformers")
+    from eqtrain.models.archs import ARCHS, Reader
+
+    from . import _hf_families as fam
+
+    seen = {}
+    for model_type, kwargs in fam.VARIANTS.values():
+        if model_type in seen or model_type not in ARCHS:
+            continue
+        hf_config = transformers.AutoConfig.for_model(model_type, **kwargs)
+        reader = Reader(hf_config.to_dict(), model_type)
+        config = ARCHS[model_type].from_hf(reader, "float32")
+        config = dataclasses.replace(config, scan_layers=False)
+        monkeypatch.setattr(_onednn, "_active", dict(_cpu_tuning.ONEDNN_OPTIONS))
+        products, losses = _family_losses(config)
+        monkeypatch.setattr(_onednn, "_active", {})
+        _, want = _family_losses(config)
+        np.testing.assert_allclose(losses, want, rtol=2e-5, err_msg=model_type)
+        seen[model_type] = products
+    assert len(seen) >= 12, seen
+    for model_type, products in seen.items():
+        expected = "eigen: a oneDNN fusion" if model_type in MOE else "onednn"
+        assert products.startswith(expected), (model_type, products)
