@@ -335,9 +335,10 @@ def test_every_family_trains_with_onednn_or_goes_back_to_eigen(monkeypatch):
     from eqtrain.models.archs import ARCHS, Reader
 
     from . import _hf_families as fam
+    from .test_hf_moe import VARIANTS as MOE_VARIANTS
 
     seen = {}
-    for model_type, kwargs in fam.VARIANTS.values():
+    for model_type, kwargs in [*fam.VARIANTS.values(), *MOE_VARIANTS.values()]:
         if model_type in seen or model_type not in ARCHS:
             continue
         hf_config = transformers.AutoConfig.for_model(model_type, **kwargs)
@@ -350,7 +351,7 @@ def test_every_family_trains_with_onednn_or_goes_back_to_eigen(monkeypatch):
         _, want = _family_losses(config)
         np.testing.assert_allclose(losses, want, rtol=2e-5, err_msg=model_type)
         seen[model_type] = products
-    assert len(seen) >= 12, seen
+    assert set(seen) == set(ARCHS), set(ARCHS) - set(seen)
     for model_type, products in seen.items():
         expected = "eigen: a oneDNN fusion" if model_type in MOE else "onednn"
         assert products.startswith(expected), (model_type, products)
