@@ -355,3 +355,40 @@ def test_every_family_trains_with_onednn_or_goes_back_to_eigen(monkeypatch):
     for model_type, products in seen.items():
         expected = "eigen: a oneDNN fusion" if model_type in MOE else "onednn"
         assert products.startswith(expected), (model_type, products)
+
+
+@needs_onednn
+def test_a_data_parallel_step_runs_onednn_as_one_device(onednn, monkeypatch):
+    """Over 8 devices (`NamedSharding`, the batch split on `data`) each
+    device's program runs oneDNN's products, and trains as one device does."""
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+    if len(jax.devices()) < 8:
+        pytest.skip("needs 8 (simulated) devices")
+    config, optimizer = _llama(128), optax.adamw(1e-3)
+    tokens = np.random.default_rng(1).integers(0, 128, (8, 129), np.int32)
+    batch = {
+        "tokens": tokens[:, :-1],
+        "targets": tokens[:, 1:],
+        "loss_mask": np.ones((8, 128), np.float32),
+    }
+    mesh = Mesh(np.array(jax.devices()[:8]), ("data",))
+    whole, rows = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
+
+    def losses(shardings):
+        state = eqtrain.TrainState.create(Llama(config, jr.key(0)), optimizer, key=0)
+        data = batch
+        if shardings is not None:
+            state, data = jax.device_put(state, whole), jax.device_put(batch, rows)
+        step = eqtrain.train_step(causal_lm_loss, optimizer)
+        step = eqtrain.jit(step, shardings=shardings)
+        out = []
+        for _ in range(2):
+            state, metrics = step(state, data)
+            out.append(float(metrics["loss"]))
+        return step.cpu_products, out
+
+    products, sharded = losses((whole, rows))
+    assert products == "onednn"
+    one_device = losses(None)[1]
+    np.testing.assert_allclose(sharded, one_device, rtol=2e-5)
