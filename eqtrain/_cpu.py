@@ -19,7 +19,7 @@ Two settings, both for this process only:
   (`--xla_cpu_experimental_ynn_fusion_type=`, empty: split over all of XLA's
   threads, where YNNPACK fusions run each product on one thread), XLA's own
   defaults, Eigen's with 512-bit vectors on AVX-512, or oneDNN's products on
-  x86-64, whichever trained a probe step fastest on this processor (measured
+  AVX-512, whichever trained a probe step fastest on this processor (measured
   once, cached). They have to be in `XLA_FLAGS` before JAX starts its CPU
   backend, except oneDNN's, which `eqtrain.jit` passes to each step it
   compiles and checks there (`eqtrain._onednn`).

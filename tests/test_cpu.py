@@ -252,8 +252,7 @@ def test_the_cache_key_holds_processor_cores_versions_and_candidates(monkeypatch
     cpu = {"cpu": "Some CPU", "family": "6", "model": "143", "isa": ["avx2", "fma"]}
     key = _cpu_tuning.cache_key(cpu, cores=8)
     assert "Some CPU" in key and "6/143" in key and "avx2+fma" in key
-    assert "8 cores" in key
-    assert "candidates eigen_dots,xla_default,onednn_dots " in key + " "
+    assert "8 cores" in key and "candidates eigen_dots,xla_default " in key + " "
     others = [
         _cpu_tuning.cache_key({**cpu, "model": "85"}, cores=8),
         _cpu_tuning.cache_key({**cpu, "isa": ["avx2", "fma", "avx512f"]}, cores=8),
@@ -402,7 +401,7 @@ def test_a_onednn_choice_reaches_eqtrain_jit_not_xla_flags(probe, monkeypatch):
     flags for the products win over the choice, oneDNN included."""
     probe.times = {**TIMES, "onednn_dots": {"scanned_ms": 30.0, "unrolled_ms": 20.0}}
     if "onednn_dots" not in _cpu_tuning.candidates(_cpu_tuning.processor()):
-        pytest.skip("oneDNN is measured on x86-64 only")
+        pytest.skip("oneDNN is measured with AVX-512 only")
     env = {"XLA_FLAGS": ""}
     eqtrain.tune_cpu(env)
     assert env["XLA_FLAGS"] == _cpu_tuning.EIGEN_DOTS

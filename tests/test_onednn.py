@@ -20,8 +20,10 @@ from eqtrain.models import Llama, LlamaConfig
 from eqtrain.models._attention import key_ranges
 
 
-X86 = "avx2" in _cpu_tuning.processor()["isa"]
-needs_onednn = pytest.mark.skipif(not X86, reason="oneDNN's kernels: x86-64 only")
+AVX512 = _cpu_tuning.ONEDNN_ISA in _cpu_tuning.processor()["isa"]
+needs_onednn = pytest.mark.skipif(
+    not AVX512, reason="oneDNN's products are a candidate with AVX-512 only"
+)
 
 
 def _chain(n, branch=False):
@@ -79,11 +81,13 @@ def test_the_choice_keeps_onednn_out_of_the_process_flags():
         "eigen_dots", _cpu_tuning.EIGEN_DOTS, False, {}, "measured"
     )
     assert eigen.process_flags == eigen.flags and eigen.compiler_options == {}
-    x86 = {"cpu": "x", "family": "25", "model": "17", "isa": ["avx2", "fma"]}
+    avx512 = {"cpu": "x", "family": "25", "model": "17", "isa": ["avx2", "avx512f"]}
+    avx2 = {"cpu": "x", "family": "23", "model": "49", "isa": ["avx2", "fma"]}
     arm = {"cpu": "y", "family": None, "model": None, "isa": []}
-    assert "onednn_dots" in _cpu_tuning.candidates(x86)
+    assert "onednn_dots" in _cpu_tuning.candidates(avx512)
+    assert "onednn_dots" not in _cpu_tuning.candidates(avx2)
     assert "onednn_dots" not in _cpu_tuning.candidates(arm)
-    assert "onednn_dots" in _cpu_tuning.cache_key(x86, cores=2)
+    assert "onednn_dots" in _cpu_tuning.cache_key(avx512, cores=2)
 
 
 def test_a_candidate_whose_probe_fails_is_left_out():
