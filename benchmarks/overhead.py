@@ -53,7 +53,6 @@ import statistics
 import sys
 import tempfile
 import time
-import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -239,10 +238,7 @@ def raw_jit(step: Callable, state: eqtrain.TrainState, batch: Any) -> Callable:
     if options:
         arrays = [x for x, a in zip(leaves, is_array, strict=True) if a]
         fn = jax.jit(flat_step, donate_argnums=0, compiler_options=options)
-        with warnings.catch_warnings():  # JAX's persistent cache cannot hold it
-            warnings.filterwarnings("ignore", ".*thunk kind: onednn", UserWarning)
-            hlo = fn.lower(arrays, batch).compile().as_text()
-        if _onednn.unsafe_fusion(hlo) is None:
+        if _onednn.unsafe_fusion(_onednn.compiled_text(fn, arrays, batch)) is None:
             return fn
     return jax.jit(flat_step, donate_argnums=0)
 

@@ -6,7 +6,6 @@ and, when given, shardings). This keeps JAX's asynchronous dispatch: unlike
 `eqx.filter_jit`, nothing here waits for the result or re-walks the module tree.
 """
 
-import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -208,9 +207,7 @@ class Jitted:
         if sig in self._checked:
             return
         assert self._layout is not None
-        with warnings.catch_warnings():  # JAX's persistent cache cannot hold it
-            warnings.filterwarnings("ignore", ".*thunk kind: onednn", UserWarning)
-            hlo = self._jitted.lower(arrays, batch).compile().as_text()
+        hlo = _onednn.compiled_text(self._jitted, arrays, batch)
         bad = _onednn.unsafe_fusion(hlo)
         if bad is not None:
             self._options = {}
@@ -218,8 +215,10 @@ class Jitted:
             self.cpu_products = f"eigen: a oneDNN fusion this jaxlib cannot run ({bad})"
             return
         self._checked.add(sig)
-        if _onednn.uses_onednn(hlo) or self.cpu_products is None:
-            self.cpu_products = "onednn" if _onednn.uses_onednn(hlo) else "eigen"
+        if _onednn.uses_onednn(hlo):
+            self.cpu_products = "onednn"
+        elif self.cpu_products is None:
+            self.cpu_products = "eigen"
 
     def _explain_deleted(self, arrays: list[Any], error: Exception) -> None:
         assert self._layout is not None
