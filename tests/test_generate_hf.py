@@ -37,7 +37,9 @@ def _hf(variant):
             vocab_size=101, n_positions=64, n_embd=32, n_layer=2, n_head=4,
             bos_token_id=1, eos_token_id=2, pad_token_id=0,
         )  # fmt: skip
-        model = transformers.GPT2LMHeadModel(config)
+        with torch.random.fork_rng():  # its init draws from the global generator
+            torch.manual_seed(0)
+            model = transformers.GPT2LMHeadModel(config)
         gen = torch.Generator().manual_seed(0)
         with torch.no_grad():
             for p in model.parameters():
