@@ -237,8 +237,9 @@ def raw_jit(step: Callable, state: eqtrain.TrainState, batch: Any) -> Callable:
     options = _compiler_options()
     if options:
         arrays = [x for x, a in zip(leaves, is_array, strict=True) if a]
+        options, dump = _onednn.dump_options(options)
         fn = jax.jit(flat_step, donate_argnums=0, compiler_options=options)
-        if _onednn.unsafe_fusion(_onednn.compiled_text(fn, arrays, batch)) is None:
+        if _onednn.compile_checked(fn, dump, arrays, batch)[1] is None:
             return fn
     return jax.jit(flat_step, donate_argnums=0)
 

@@ -130,7 +130,8 @@ class Jitted:
         self._mode: str | None = None  # "step": returns (state, aux); "fn": anything
         self._out_static: Any = None
         self._options: dict[str, Any] = {}  # XLA options of each compilation
-        self._checked: set[Any] = set()  # input signatures whose compilation is safe
+        self._dump = ""  # where XLA dumps each compilation with them (`_onednn`)
+        self._checked: set[Any] = set()  # (state, batch) signatures checked
         self._state_sig: Any = None
         self.cpu_products: str | None = None
 
@@ -150,10 +151,7 @@ class Jitted:
             self._checked.clear()
         arrays = self._layout.arrays(leaves)
         if self._options:  # a state of other shapes compiles anew: check it too
-            sig = _signature(arrays)
-            if sig != self._state_sig:
-                self._state_sig = sig
-                self._checked.clear()
+            self._state_sig = _signature(arrays)
         return arrays, self._layout
 
     def call_flat(self, arrays: list[Any], batch: Batch) -> Any:
@@ -193,22 +191,22 @@ class Jitted:
         traces, mode, options = self.num_traces, self._mode, self._options
         self._options = _compiler_options()
         try:
-            return self._build(layout).lower(layout.arrays(leaves), batch)
+            return self._build(layout, dump=False).lower(layout.arrays(leaves), batch)
         finally:
             self.num_traces, self._mode = traces, mode
             self._options = options
 
     def _check_compiled(self, arrays: list[Any], batch: Batch) -> None:
         """Before a new input signature first runs with oneDNN's products,
-        compile it and read its oneDNN fusions (`eqtrain._onednn`): one this
-        jaxlib would abort the process on sends the step back to Eigen's
-        products, compiled again without the options."""
-        sig = _signature(batch)
+        compile it and read its oneDNN fusions and their buffers
+        (`eqtrain._onednn`): one this jaxlib would abort the process on, or
+        compute wrongly, sends the step back to Eigen's products, compiled
+        again without the options."""
+        sig = (self._state_sig, _signature(batch))
         if sig in self._checked:
             return
         assert self._layout is not None
-        hlo = _onednn.compiled_text(self._jitted, arrays, batch)
-        bad = _onednn.unsafe_fusion(hlo)
+        hlo, bad = _onednn.compile_checked(self._jitted, self._dump, arrays, batch)
         if bad is not None:
             self._options = {}
             self._jitted = self._build(self._layout)
@@ -230,7 +228,7 @@ class Jitted:
         return self._mode
 
     # -- building -----------------------------------------------------------------
-    def _build(self, layout: _Layout) -> Any:
+    def _build(self, layout: _Layout, *, dump: bool = True) -> Any:
         def flat_fn(arrays: list[Any], batch: Batch) -> Any:
             self.num_traces += 1
             out = self.fn(layout.rebuild(arrays), batch)
@@ -248,7 +246,7 @@ class Jitted:
             dynamic, self._out_static = eqx.partition(out, eqx.is_array)
             return dynamic
 
-        return jax.jit(flat_fn, **self._jit_options(layout))
+        return jax.jit(flat_fn, **self._jit_options(layout, dump))
 
     def _as_step(self, layout: _Layout, out: Any) -> tuple[list[Any], Any] | None:
         """`(new arrays, metrics)` when `out` is `(state, metrics)` with the state
@@ -262,11 +260,16 @@ class Jitted:
         self._mode = "step"
         return layout.arrays(new_leaves), out[1]
 
-    def _jit_options(self, layout: _Layout) -> dict[str, Any]:
-        """`jax.jit`'s donation and shardings for this function."""
+    def _jit_options(self, layout: _Layout, dump: bool) -> dict[str, Any]:
+        """`jax.jit`'s donation, shardings and XLA options for this function
+        (`dump`: XLA dumps each compilation for `_check_compiled`)."""
         kwargs: dict[str, Any] = {}
         if self._options:
             kwargs["compiler_options"] = dict(self._options)
+            if dump:
+                kwargs["compiler_options"], self._dump = _onednn.dump_options(
+                    self._options
+                )
         if self.donate:
             kwargs["donate_argnums"] = (0,)
         if self.shardings is not None:

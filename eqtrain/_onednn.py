@@ -19,9 +19,25 @@ if every oneDNN fusion is a product followed by a short chain of operations
 (`_unsafe` says exactly what; the tests run each shape it admits); otherwise
 it compiles the step again without them (Eigen's products), before anything
 runs.
+
+The same jaxlib also computes some fusions wrongly, silently. XLA gives a
+fusion's result the memory of an elementwise input that dies there, and
+oneDNN, not told, reads that input after writing over it (as the size of the
+errors suggests): `(x @ y) * sin(z)` and `(x @ y) * 0.125` over 1,024-long products came
+out 40-700x off (measured); `(x @ y) * sin(z) + w` with any length. Only an
+input that oneDNN adds (`x @ y + sin(z)`, its "sum" operation, made to
+accumulate into the result) computed right in every case measured. So the
+check also reads the compilation's buffer assignment (XLA's dump of it,
+`compile_checked`) and refuses a step in which a oneDNN fusion shares memory
+with an input that anything but an addition reads (`shared_buffer`).
 """
 
+import atexit
+import glob
+import os
 import re
+import shutil
+import tempfile
 import warnings
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -57,7 +73,8 @@ _OPERAND = re.compile(r"%([\w.\-]+)")
 _ONEDNN_CALL = re.compile(r"calls=%?([\w.\-]+).*\"kind\":\"__onednn_fusion\"")
 
 Instruction = tuple[str, str, list[str]]
-"""`(name, opcode, operand names)` of one HLO instruction."""
+"""`(name, opcode, operand names)` of one HLO instruction (a parameter's:
+`[its number]`)."""
 
 
 def _computations(hlo: str) -> dict[str, list[Instruction]]:
@@ -76,7 +93,10 @@ def _computations(hlo: str) -> dict[str, list[Instruction]]:
         op = _INSTRUCTION.match(line)
         if op:
             name, opcode, args = op.groups()
-            current.append((name, opcode, _OPERAND.findall(args)))
+            operands = (
+                [args.strip()] if opcode == "parameter" else _OPERAND.findall(args)
+            )
+            current.append((name, opcode, operands))
     return out
 
 
@@ -120,6 +140,124 @@ def unsafe_fusion(hlo: str) -> str | None:
             ops = ", ".join(o for _, o, _ in body if o != "parameter")
             return f"{name}: {ops}: {why}"
     return None
+
+
+_VALUE = re.compile(r"^ value: <(\d+) [^>]*> \(size=(\d+),offset=(\d+)\)")
+_ALLOCATION = re.compile(r"^allocation (\d+):")
+_USED = re.compile(r"^<(\d+) ([^\s{]+)")
+_USE = re.compile(r"^  ([\w.\-]+), operand (\d+)")
+
+
+def _fusion_names(hlo: str) -> set[str]:
+    """The instructions of `hlo` that run a oneDNN fusion."""
+    names = set()
+    for line in hlo.splitlines():
+        if '"__onednn_fusion"' in line:
+            m = _INSTRUCTION.match(line)
+            if m:
+                names.add(m.group(1))
+    return names
+
+
+def shared_buffer(hlo: str, assignment: str) -> str | None:
+    """The first oneDNN fusion of `hlo` whose result shares memory with one of
+    its inputs, other than an input only added to the product, by the
+    compilation's buffer assignment (`assignment`: XLA's
+    `*buffer-assignment*.txt` dumps, concatenated), described; None if none
+    does. Such a fusion computes wrong results in this jaxlib (see above)."""
+    fused = _fusion_names(hlo)
+    if not fused:
+        return None
+    where: dict[str, tuple[int, int, int]] = {}  # value id -> allocation, start, end
+    defined: dict[str, list[str]] = {}  # fusion -> the ids of its results
+    inputs: dict[str, list[tuple[str, int]]] = {}  # fusion -> (value id, operand)
+    allocation, value = None, None
+    for line in assignment.splitlines():
+        m = _ALLOCATION.match(line)
+        if m:
+            allocation = int(m.group(1))
+            continue
+        m = _VALUE.match(line)
+        if m and allocation is not None:
+            size, offset = int(m.group(2)), int(m.group(3))
+            where[m.group(1)] = (allocation, offset, offset + size)
+            continue
+        m = _USED.match(line)
+        if m:
+            value = m.group(1)
+            if m.group(2) in fused:
+                defined.setdefault(m.group(2), []).append(value)
+            continue
+        m = _USE.match(line)
+        if m and value is not None and m.group(1) in fused:
+            inputs.setdefault(m.group(1), []).append((value, int(m.group(2))))
+    bodies = _computations(hlo)
+    calls = dict(_fusion_calls(hlo))
+    for name in sorted(fused):
+        for out in defined.get(name, []):
+            if out not in where:
+                continue
+            a, start, end = where[out]
+            for value, operand in inputs.get(name, []):
+                b, s0, s1 = where.get(value, (None, 0, 0))
+                if b != a or s1 <= start or end <= s0:
+                    continue
+                users = _parameter_users(bodies.get(calls.get(name, ""), []), operand)
+                if users != {"add"}:
+                    why = ", ".join(sorted(users)) or "the product"
+                    return (
+                        f"{name}: its result shares memory with its input "
+                        f"{operand}, which {why} reads"
+                    )
+    return None
+
+
+def _fusion_calls(hlo: str) -> Iterator[tuple[str, str]]:
+    """`(instruction, fused computation)` of each oneDNN fusion of `hlo`."""
+    for line in hlo.splitlines():
+        call = _ONEDNN_CALL.search(line)
+        m = _INSTRUCTION.match(line)
+        if call and m:
+            yield m.group(1), call.group(1)
+
+
+def _parameter_users(body: list[Instruction], number: int) -> set[str]:
+    """The opcodes in a fused computation `body` that read its parameter
+    `number`."""
+    param = next(
+        (n for n, o, a in body if o == "parameter" and a == [str(number)]), None
+    )
+    return {o for _, o, args in body if param is not None and param in args}
+
+
+def compile_checked(jitted: Any, dump: str, *args: Any) -> tuple[str, str | None]:
+    """Compile `jitted` (a `jax.jit` whose options dump to the folder `dump`,
+    `dump_options`) for `args`, as a call with the same arguments then reuses:
+    its HLO text, and why its oneDNN fusions cannot run (`unsafe_fusion`,
+    `shared_buffer`) or None. The dump is removed."""
+    shutil.rmtree(dump, ignore_errors=True)
+    try:
+        hlo = compiled_text(jitted, *args)
+        if not uses_onednn(hlo):
+            return hlo, None
+        bad = unsafe_fusion(hlo)
+        if bad is not None:
+            return hlo, bad
+        files = sorted(glob.glob(os.path.join(dump, "*buffer-assignment*.txt")))
+        if not files:
+            return hlo, "XLA wrote no buffer assignment to check it against"
+        text = "\n".join(open(f, encoding="utf-8").read() for f in files)
+        return hlo, shared_buffer(hlo, text)
+    finally:
+        shutil.rmtree(dump, ignore_errors=True)
+
+
+def dump_options(options: Mapping[str, Any]) -> tuple[dict[str, Any], str]:
+    """`options` plus a fresh folder for XLA to dump each compilation into
+    (`compile_checked` reads and removes it), and that folder's path."""
+    dump = tempfile.mkdtemp(prefix="eqtrain-onednn-")
+    atexit.register(shutil.rmtree, dump, True)  # a compilation outside the check
+    return {**options, "xla_dump_to": dump}, dump
 
 
 def uses_onednn(hlo: str) -> bool:

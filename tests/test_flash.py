@@ -209,3 +209,31 @@ def test_a_model_with_flash_attention_trains_as_the_default():
 def test_an_unknown_attention_impl_names_flash():
     with pytest.raises(ConfigError, match="'flash'"):
         _tiny("fast")
+
+
+@pytest.mark.parametrize(
+    "case,seq",
+    [("everything", 300), ("window", 64)]
+    + [pytest.param(c, s, marks=pytest.mark.slow) for c in CASES for s in (64, 300)],
+)
+def test_causal_blocks_equal_one_call_values_and_gradients(case, seq):
+    """The default attention (`causal_blocks`, one block up to 128 tokens; its
+    gradient written by hand, `_softmax_attention`) equals one masked call of
+    `jax.nn.dot_product_attention` over the whole sequence, with GQA,
+    segments, windows and a last block shorter than the others."""
+    from eqtrain.models._attention import one_call_attention
+
+    opts = dict(CASES[case])
+    segs = _segments(seq) if opts.pop("segments", False) else None
+    kw = dict(segment_ids=segs, sliding_window=opts.pop("sliding_window", None))
+    kw |= opts
+    q, k, v = _qkv(seq, heads=6, kv=2)
+    cotangent = jr.normal(jr.key(9), q.shape)
+    blocks = jax.jit(lambda q, k, v: attention(q, k, v, implementation=None, **kw))
+    one = jax.jit(
+        lambda q, k, v: one_call_attention(q, k, v, implementation=None, **kw)
+    )
+    got = _values_and_grads(blocks, q, k, v, cotangent)
+    want = _values_and_grads(one, q, k, v, cotangent)
+    for name, a, b in zip(("out", "dq", "dk", "dv"), got, want, strict=True):
+        np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-5, err_msg=name)

@@ -5,6 +5,7 @@ compile (`eqtrain._onednn`)."""
 
 import dataclasses
 import itertools
+import textwrap
 
 import jax
 import jax.numpy as jnp
@@ -157,6 +158,105 @@ def test_a_step_oneDNN_cannot_run_goes_back_to_eigen_before_it_runs(onednn):
     np.testing.assert_allclose(got, _plain(_chain(2), batch), rtol=1e-5)
 
 
+def _scaled_by_a_temporary(state, batch):
+    """`(x @ y) * sin(z)`: `sin(z)` dies in the product's fusion, so XLA gives
+    the fusion's result its memory."""
+    return state, (batch["x"] @ batch["y"]) * jnp.sin(batch["z"])
+
+
+@needs_onednn
+@pytest.mark.filterwarnings("ignore:.*thunk kind. onednn")  # JAX's persistent cache
+def test_a_fusion_sharing_memory_with_its_input_goes_back_to_eigen(onednn):
+    """oneDNN overwrites a fusion's input that shares the result's memory
+    before reading it: `(x @ y) * sin(z)` over 1,024-long products came out
+    about 100x wrong in this jaxlib (measured). The buffer assignment says
+    which fusions share; `eqtrain.jit` refuses them before anything runs, and
+    the step computes what Eigen's products compute."""
+    rng = np.random.default_rng(0)
+    batch = {
+        "x": jnp.asarray(rng.normal(size=(64, 1024)), jnp.float32),
+        "y": jnp.asarray(rng.normal(size=(1024, 64)), jnp.float32),
+        "z": jnp.asarray(rng.normal(size=(64, 64)), jnp.float32),
+    }
+    options, dump = _onednn.dump_options(_cpu_tuning.ONEDNN_OPTIONS)
+    raw = jax.jit(
+        lambda b: _scaled_by_a_temporary(None, b)[1], compiler_options=options
+    )
+    hlo, why = _onednn.compile_checked(raw, dump, batch)
+    assert _onednn.uses_onednn(hlo) and _onednn.unsafe_fusion(hlo) is None
+    assert why is not None and "shares memory with its input" in why, why
+    step = eqtrain.jit(_scaled_by_a_temporary, donate=False)
+    _, got = step(jnp.zeros(()), batch)
+    assert (
+        step.cpu_products.startswith("eigen: ") and "shares memory" in step.cpu_products
+    )
+    np.testing.assert_allclose(
+        got, _plain(_scaled_by_a_temporary, batch), rtol=1e-5, atol=1e-4
+    )
+    # its inputs as the step's own arrays share nothing: oneDNN runs it
+    direct = eqtrain.jit(lambda s, b: (s, (b["x"] @ b["y"]) * b["z"]), donate=False)
+    _, got = direct(jnp.zeros(()), batch)
+    assert direct.cpu_products == "onednn"
+    want = (
+        np.asarray(batch["x"], np.float64) @ np.asarray(batch["y"], np.float64)
+    ) * np.asarray(batch["z"])
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-3)
+
+
+def test_shared_buffer_reads_xla_buffer_assignment():
+    """The parser on a dump of the shape above: the fusion's result and its
+    input 2 in the same allocation and range, input 2 multiplied (refused) or
+    added (kept); values in other ranges, other fusions, and tuple values'
+    names (`cond.45{8} (phi)`) read right."""
+    hlo = textwrap.dedent("""\
+        %fused_computation (param_0: f32[8,4], param_1: f32[4,8], param_2: f32[8]) {
+          %param_0 = f32[8,4]{1,0} parameter(0)
+          %param_1 = f32[4,8]{1,0} parameter(1)
+          %dot.1 = f32[8]{0} dot(%param_0, %param_1), lhs_contracting_dims={1}
+          %param_2 = f32[8]{0} parameter(2)
+          ROOT %multiply.1 = f32[8]{0} multiply(%dot.1, %param_2)
+        }
+
+        ENTRY %main (a: f32[8,4]) -> f32[8] {
+          ROOT %onednn_fusion = f32[8]{0} fusion(%a, %b, %wrapped_sine), \
+        calls=%fused_computation, backend_config={"fusion_config":\
+        {"kind":"__onednn_fusion"}}
+        }
+        """)
+    uses = "\n positions:\n  {0}\n uses:\n  onednn_fusion, operand {1}\n"
+    assignment = (
+        "allocation 0: size 32, parameter 0:\n"
+        " value: <1 a @0> (size=32,offset=0): f32[8]{0}\n"
+        "allocation 1: size 64, preallocated-temp:\n"
+        " value: <2 cond.45{8} (phi) @0> (size=32,offset=0): f32[8]{0}\n"
+        " value: <3 wrapped_sine @0> (size=32,offset=32): f32[8]{0}\n"
+        " value: <4 onednn_fusion @0> (size=32,offset=OUT): f32[8]{0}\n"
+        "\nUsed values:\n"
+        + "<1 a @0>" + uses.format("a", 0)
+        + "<2 cond.45{8} (phi) @0>" + uses.format("cond.45", 1)
+        + "<3 wrapped_sine @0>" + uses.format("wrapped_sine", 2)
+        + "<4 onednn_fusion @0>\n positions:\n  onednn_fusion\n uses:\n  (none)\n"
+    )  # fmt: skip
+    shared = _onednn.shared_buffer(hlo, assignment.replace("OUT", "32"))
+    assert shared == (
+        "onednn_fusion: its result shares memory with its input 2, which multiply reads"
+    )
+    shared = _onednn.shared_buffer(hlo, assignment.replace("OUT", "0"))
+    assert shared == (
+        "onednn_fusion: its result shares memory with its input 1, which dot reads"
+    )
+    # an input only added to the product may share (oneDNN accumulates into it)
+    added = hlo.replace("multiply(%dot.1", "add(%dot.1")
+    assert _onednn.shared_buffer(added, assignment.replace("OUT", "32")) is None
+    # a result in the parameter's allocation but not the temporaries' ranges
+    apart = assignment.replace("allocation 1: size 64", "allocation 1: size 96")
+    assert _onednn.shared_buffer(hlo, apart.replace("OUT", "64")) is None
+    assert (
+        _onednn.shared_buffer(hlo.replace("__onednn_fusion", "other"), assignment)
+        is None
+    )
+
+
 OPS = {
     "add": jnp.add,
     "subtract": jnp.subtract,
@@ -213,6 +313,60 @@ def test_every_chain_the_check_admits_runs(onednn, dtype, batched):
     """Every chain of up to `MAX_FUSED` of six elementwise operations after a
     product, f32 and bf16, plain and batched (258 steps each)."""
     _grid(jnp.dtype(dtype), batched, tuple(OPS), _onednn.MAX_FUSED)
+
+
+def _shared_grid(ops, length, depth):
+    """Every chain of `ops` up to `length` after a product `depth` long, each
+    operand computed in the step (`sin`), so that it dies in the product's
+    fusion and XLA may give the fusion's result its memory: each step either
+    runs in oneDNN or was refused for sharing memory, and computes what
+    Eigen's products compute. Returns the refused chains."""
+    rng = np.random.default_rng(1)
+    batch = {
+        "x": jnp.asarray(rng.normal(size=(32, depth)), jnp.float32),
+        "y": jnp.asarray(rng.normal(size=(depth, 32)), jnp.float32),
+        "z": jnp.asarray(rng.uniform(1, 2, (32, 32)), jnp.float32),
+        "w": jnp.asarray(rng.uniform(1, 2, (32, 32)), jnp.float32),
+    }
+    refused = []
+    for n in range(1, length + 1):
+        for chain in itertools.product(ops, repeat=n):
+
+            def fn(state, b, chain=chain):
+                out = b["x"] @ b["y"]
+                for op, k in zip(chain, ("z", "w"), strict=False):
+                    out = OPS[op](out, jnp.sin(b[k]))
+                return state, out
+
+            step = eqtrain.jit(fn, donate=False)
+            _, got = step(jnp.zeros(()), batch)
+            products = step.cpu_products
+            assert products == "onednn" or "shares memory" in products, products
+            if products != "onednn":
+                refused.append(chain)
+            want = _plain(fn, batch)
+            scale = float(jnp.abs(want).max())
+            np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5 * scale)
+    return refused
+
+
+@needs_onednn
+@pytest.mark.filterwarnings("ignore:.*thunk kind. onednn")  # JAX's persistent cache
+def test_fusions_whose_inputs_share_memory_compute_right(onednn):
+    """Add and multiply, one or two of them after a 1,024-long product, each
+    on an operand computed in the step: what oneDNN runs is right, and a
+    multiplication of a shared input is refused (run, it came out wrong).
+    The slow variant runs all six operations at two depths."""
+    refused = _shared_grid(("add", "multiply"), 2, 1024)
+    assert ("multiply",) in refused and ("add",) not in refused
+
+
+@pytest.mark.slow
+@needs_onednn
+@pytest.mark.filterwarnings("ignore:.*thunk kind. onednn")
+@pytest.mark.parametrize("depth", [64, 1024])
+def test_every_chain_on_shared_inputs_computes_right(onednn, depth):
+    _shared_grid(tuple(OPS), 2, depth)
 
 
 def _llama(seq):

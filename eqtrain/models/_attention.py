@@ -34,7 +34,8 @@ def attention(
     scale: float | None = None,
     softcap: float | None = None,
 ) -> Float[Array, "seq heads head_dim"]:
-    """Causal attention with `jax.nn.dot_product_attention` (`dot_attention`).
+    """Causal attention: XLA's, in causal blocks of queries (`causal_blocks`;
+    one block up to 128 tokens), or a kernel `implementation` names.
 
     Query head `h` reads key/value head `h // (heads // kv_heads)` (grouped-query
     attention, heads grouped contiguously as Hugging Face's `repeat_kv`). A position
@@ -48,7 +49,7 @@ def attention(
     `implementation="flash"`: flash blocks (`flash_attention`: an online
     softmax over key blocks, the probabilities recomputed in the backward pass),
     so that no `[heads, block, seq]` scores exist either; "cudnn": one fused
-    GPU kernel; None or "xla": XLA's.
+    GPU kernel (`dot_attention`); None or "xla": XLA's, the causal blocks.
 
     `scale` multiplies the scores (default `head_dim ** -0.5`); `softcap` caps
     them as `softcap * tanh(scores / softcap)` before the mask (Gemma 2).
@@ -63,9 +64,7 @@ def attention(
         return flash_attention(q, k, v, **_flash_args(common))
     if 0 < query_chunk < q.shape[0]:
         return blocked_attention(q, k, v, query_chunk=query_chunk, **common)
-    if q.shape[0] > CAUSAL_BLOCK_MIN:  # None or "xla"
-        return causal_blocks(q, k, v, **_flash_args(common))
-    return one_call_attention(q, k, v, **common)
+    return causal_blocks(q, k, v, **_flash_args(common))  # None or "xla"
 
 
 def _flash_args(common: dict[str, Any]) -> dict[str, Any]:
@@ -183,7 +182,11 @@ def heads_first_attention(
     (capped at `softcap * tanh(scores / softcap)`), those not in `keep`
     (`[q, k]`, or with leading head axes that broadcast) masked, softmax in
     f32, cast to `k`'s dtype, times `v`; the numerics of
-    `jax.nn.dot_product_attention`'s XLA implementation."""
+    `jax.nn.dot_product_attention`'s XLA implementation (the scores masked
+    before they are scaled). Without a cap, its gradient is
+    `_softmax_attention`'s own."""
+    if softcap is None:
+        return _softmax_attention(q, k, v, keep, scale)
     scores = jnp.einsum("kgqd,ksd->kgqs", q, k, preferred_element_type=jnp.float32)
     scores = scores * jnp.float32(scale)
     if softcap is not None:
@@ -191,6 +194,62 @@ def heads_first_attention(
     scores = jnp.where(keep, scores, _MASKED)
     probs = jax.nn.softmax(scores, axis=-1).astype(k.dtype)
     return jnp.einsum("kgqs,ksd->kgqd", probs, v)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _softmax_attention(
+    q: Float[Array, "kv_heads group q d"],
+    k: Float[Array, "kv_heads k d"],
+    v: Float[Array, "kv_heads k d"],
+    keep: Bool[Array, "*#heads q k"],
+    scale: float,
+) -> Float[Array, "kv_heads group q d"]:
+    """`heads_first_attention` without a cap, with a gradient written for the
+    CPU's products:
+
+    - Every product stands alone. What follows one is first a `where` of the
+      mask, which oneDNN's fusions do not take in, and only then the scale
+      (forward) or the softmax's gradient: XLA would fuse a multiplication or
+      subtraction into the product, and oneDNN's fusions of this jaxlib
+      compute one wrongly when its other operand (a broadcast scale) shares
+      the result's memory (`eqtrain._onednn`).
+    - The keys' and values' gradients come out as `[d, k]` (`q^T ds`,
+      `do^T p`), reading the large `[q, k]` operand as it lies, where
+      autodiff's `ds^T q` first writes `ds` transposed (4 of a layer's 38 ms
+      at 16 x 256 on processor B).
+    """
+    return _softmax_forward(q, k, v, keep, scale)[0]
+
+
+def _softmax_forward(
+    q: Array, k: Array, v: Array, keep: Array, scale: float
+) -> tuple[Array, tuple[Array, ...]]:
+    scores = jnp.einsum("kgqd,ksd->kgqs", q, k, preferred_element_type=jnp.float32)
+    scores = jnp.where(keep, scores, _MASKED) * jnp.float32(scale)
+    probs = jax.nn.softmax(scores, axis=-1)
+    out = jnp.einsum("kgqs,ksd->kgqd", probs.astype(k.dtype), v)
+    return out, (q, k, v, keep, probs, out)
+
+
+def _softmax_bwd(
+    scale: float, res: tuple[Array, ...], dout: Array
+) -> tuple[Array, Array, Array, None]:
+    q, k, v, keep, probs, out = res
+    f32 = jnp.float32
+    # softmax's gradient p * (dp - sum(p * dp)), the sum as sum(dout * out),
+    # times the scale; a masked score's p is 0
+    dp = jnp.einsum("kgqd,ksd->kgqs", dout, v, preferred_element_type=f32)
+    delta = jnp.sum(dout.astype(f32) * out.astype(f32), axis=-1, keepdims=True)
+    ds = (probs * (jnp.where(keep, dp, 0.0) - delta) * f32(scale)).astype(q.dtype)
+    dq = jnp.einsum("kgqs,ksd->kgqd", ds, k)
+    dk = jnp.einsum("kgqd,kgqs->kds", q, ds).transpose(0, 2, 1)
+    dv = jnp.einsum("kgqd,kgqs->kds", dout, probs.astype(v.dtype)).transpose(0, 2, 1)
+    return dq, dk, dv, None
+
+
+_softmax_attention.defvjp(
+    lambda q, k, v, keep, scale: _softmax_forward(q, k, v, keep, scale), _softmax_bwd
+)
 
 
 def _grouped_mask(
@@ -229,7 +288,8 @@ def _index_mask(
 
 
 CAUSAL_BLOCK_MIN = 128
-"""`attention` splits longer sequences into causal blocks (`causal_blocks`)."""
+"""Queries per causal block (`causal_blocks`), at least: a sequence up to this
+long is one block."""
 CAUSAL_BLOCKS_MAX = 16
 
 
