@@ -11,7 +11,8 @@ Rounds alternate the kernels in one process (the machine's noise hits all of
 them alike); it prints one JSON line per sequence length:
 
     {"seq", "batch", "blocks_ms", "flash_ms", "one_call_ms", "torch_ms",
-     "flash_vs_blocks", "one_call_vs_blocks", "blocks_vs_torch", "rounds"}
+     "flash_vs_blocks", "one_call_vs_blocks", "blocks_vs_torch",
+     "cpu_products", "rounds"}
 
 with each kernel's median time of the gradient of the summed squares (ms per
 call), the ratios of the blocks' time to the others' (> 1: faster than the
@@ -44,7 +45,9 @@ KERNELS = {"blocks": None, "flash": "flash", "one_call": "one_call"}
 
 
 def _kernel(impl: str | None) -> Callable[..., Any]:
-    """`jax.grad` of one layer's attention over a batch, jitted."""
+    """`jax.grad` of one layer's attention over a batch, compiled by
+    `eqtrain.jit` as a training step is (with oneDNN's products where
+    `tune_cpu` chose them and the step admits them: `cpu_products`)."""
     kw = dict(segment_ids=None, sliding_window=None)
 
     def one(q: Any, k: Any, v: Any) -> Any:
@@ -55,7 +58,15 @@ def _kernel(impl: str | None) -> Callable[..., Any]:
     def loss(q: Any, k: Any, v: Any) -> Any:
         return jnp.sum(jax.vmap(one)(q, k, v) ** 2)
 
-    return jax.jit(jax.grad(loss, (0, 1, 2)))
+    grad = jax.grad(loss, (0, 1, 2))
+    compiled = eqtrain.jit(lambda state, qkv: grad(*qkv), donate=False)
+    none = jnp.zeros(())
+
+    def call(q: Any, k: Any, v: Any) -> Any:
+        return compiled(none, (q, k, v))
+
+    call.compiled = compiled  # type: ignore[attr-defined]
+    return call
 
 
 def _inputs(batch: int, seq: int) -> tuple[Any, ...]:
@@ -117,6 +128,9 @@ def measure(seq: int, args: argparse.Namespace) -> dict[str, Any]:
     }  # fmt: skip
     if "torch" in ms:
         record["blocks_vs_torch"] = round(ms["torch"] / ms["blocks"], 3)
+    record["cpu_products"] = {
+        name: fn.compiled.cpu_products for name, fn in fns.items() if name != "torch"
+    }
     return {**record, "rounds": args.rounds}
 
 

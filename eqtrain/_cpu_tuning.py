@@ -62,13 +62,20 @@ CANDIDATES = {
     "onednn_dots": f"{EIGEN_DOTS} {ONEDNN_FLAGS}",  # eqtrain.jit's steps by oneDNN
 }
 """The XLA flag sets measured, by name. `eigen_dots_512` and `onednn_dots`
-only where the processor has AVX-512 (`ONEDNN_ISA`)."""
+only where the processor has AVX-512 (`ONEDNN_ISA`); `onednn_dots` only with
+a verified jaxlib (`ONEDNN_JAXLIB`)."""
 ONEDNN_ISA = "avx512f"
 """oneDNN's products are a candidate only with AVX-512: there they trained the
 Llama step as Eigen's did to f32 rounding (`tests/test_onednn.py`); with
 oneDNN held to AVX2 (`ONEDNN_MAX_CPU_ISA=AVX2` on processor B) a step's first
 loss, before any update, differed from Eigen's by 3e-5 relative, ten times
 what its products' rounding explains, which is not understood."""
+ONEDNN_JAXLIB = ("0.10.",)
+"""The jaxlib versions whose oneDNN fusions `eqtrain._onednn`'s check was
+verified against, shape by shape (`tests/test_onednn.py`): which fusions
+abort the process and which compute wrongly change between versions.
+jaxlib 0.11.2 (on an Intel Xeon with AVX-512) aborted on `c - x @ y`, which
+0.10.2 runs; a new version is added here once the tests pass on it."""
 FALLBACK = "eigen_dots"  # what is applied when nothing can be measured
 CACHE_VERSION = 3  # 3: eqtrain's Llama step under tune_cpu's allocator settings
 ALLOCATOR_THRESHOLD = 2**31 - 1  # mallopt takes an int: ~2 GB
@@ -113,12 +120,21 @@ def _version(name: str) -> str:
         return "none"
 
 
+def onednn_verified(cpu: Mapping[str, Any], jaxlib: str | None = None) -> bool:
+    """Whether oneDNN's products may be measured on `cpu` with `jaxlib` (the
+    installed one by default): AVX-512 (`ONEDNN_ISA`) and a jaxlib whose
+    oneDNN fusions `eqtrain._onednn`'s check was verified against
+    (`ONEDNN_JAXLIB`)."""
+    jaxlib = _version("jaxlib") if jaxlib is None else jaxlib
+    return ONEDNN_ISA in cpu["isa"] and jaxlib.startswith(ONEDNN_JAXLIB)
+
+
 def candidates(cpu: Mapping[str, Any]) -> dict[str, str]:
     """The flag sets worth measuring on `cpu` (`processor()`)."""
     skip = set()
     if "avx512f" not in cpu["isa"]:
         skip.add("eigen_dots_512")
-    if ONEDNN_ISA not in cpu["isa"]:  # verified on AVX-512 only
+    if not onednn_verified(cpu):
         skip.add("onednn_dots")
     return {k: v for k, v in CANDIDATES.items() if k not in skip}
 

@@ -21,9 +21,9 @@ from eqtrain.models import Llama, LlamaConfig
 from eqtrain.models._attention import key_ranges
 
 
-AVX512 = _cpu_tuning.ONEDNN_ISA in _cpu_tuning.processor()["isa"]
 needs_onednn = pytest.mark.skipif(
-    not AVX512, reason="oneDNN's products are a candidate with AVX-512 only"
+    not _cpu_tuning.onednn_verified(_cpu_tuning.processor()),
+    reason="oneDNN's products are a candidate with AVX-512 and a verified jaxlib only",
 )
 
 
@@ -85,10 +85,15 @@ def test_the_choice_keeps_onednn_out_of_the_process_flags():
     avx512 = {"cpu": "x", "family": "25", "model": "17", "isa": ["avx2", "avx512f"]}
     avx2 = {"cpu": "x", "family": "23", "model": "49", "isa": ["avx2", "fma"]}
     arm = {"cpu": "y", "family": None, "model": None, "isa": []}
-    assert "onednn_dots" in _cpu_tuning.candidates(avx512)
+    assert _cpu_tuning.onednn_verified(avx512, jaxlib="0.10.2")
+    assert not _cpu_tuning.onednn_verified(avx512, jaxlib="0.11.2")
+    assert not _cpu_tuning.onednn_verified(avx2, jaxlib="0.10.2")
+    assert not _cpu_tuning.onednn_verified(arm, jaxlib="0.10.2")
+    verified = _cpu_tuning.onednn_verified(avx512)
+    assert ("onednn_dots" in _cpu_tuning.candidates(avx512)) == verified
     assert "onednn_dots" not in _cpu_tuning.candidates(avx2)
     assert "onednn_dots" not in _cpu_tuning.candidates(arm)
-    assert "onednn_dots" in _cpu_tuning.cache_key(avx512, cores=2)
+    assert ("onednn_dots" in _cpu_tuning.cache_key(avx512, cores=2)) == verified
 
 
 def test_a_candidate_whose_probe_fails_is_left_out():
