@@ -182,15 +182,14 @@ def heads_first_attention(
     (capped at `softcap * tanh(scores / softcap)`), those not in `keep`
     (`[q, k]`, or with leading head axes that broadcast) masked, softmax in
     f32, cast to `k`'s dtype, times `v`; the numerics of
-    `jax.nn.dot_product_attention`'s XLA implementation (the scores masked
-    before they are scaled). Without a cap, its gradient is
-    `_softmax_attention`'s own."""
+    `jax.nn.dot_product_attention`'s XLA implementation. Without a cap it is
+    `_softmax_attention` (the scores masked before they are scaled, and a
+    gradient of its own)."""
     if softcap is None:
         return _softmax_attention(q, k, v, keep, scale)
     scores = jnp.einsum("kgqd,ksd->kgqs", q, k, preferred_element_type=jnp.float32)
     scores = scores * jnp.float32(scale)
-    if softcap is not None:
-        scores = jnp.float32(softcap) * jnp.tanh(scores / jnp.float32(softcap))
+    scores = jnp.float32(softcap) * jnp.tanh(scores / jnp.float32(softcap))
     scores = jnp.where(keep, scores, _MASKED)
     probs = jax.nn.softmax(scores, axis=-1).astype(k.dtype)
     return jnp.einsum("kgqs,ksd->kgqd", probs, v)
