@@ -28,7 +28,11 @@ Usage (CPU; torch needs `pip install torch==2.13.0 transformers`):
 
     JAX_PLATFORMS=cpu .venv/bin/python benchmarks/step_profile.py [--side both]
         [--batch 16] [--seq 256] [--steps 4] [--no-scan-layers] [--top 15]
-        [--quick]
+        [--tune-cpu] [--quick]
+
+`--tune-cpu` profiles under the CLI's CPU settings (`eqtrain.tune_cpu()`):
+where it chose oneDNN's products each of them is one traced op (its fusion,
+`onednn_fusion.N`), so the products show; under Eigen's they are untraced.
 """
 
 import argparse
@@ -215,7 +219,6 @@ def show(record: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    print_machine()  # the processor and settings: figures are per machine
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--side", choices=("xla", "torch", "both"), default="both")
     parser.add_argument("--batch", type=int, default=None)
@@ -226,8 +229,19 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--scan-layers", action=argparse.BooleanOptionalAction, default=True
     )
+    parser.add_argument(
+        "--tune-cpu",
+        action="store_true",
+        help="profile under eqtrain.tune_cpu()'s settings (the CLI's: its "
+        "products, oneDNN's where it chose them, traced as one op each)",
+    )
     parser.add_argument("--quick", action="store_true", help="tiny smoke test")
     args = parser.parse_args(argv)
+    if args.tune_cpu:
+        import eqtrain
+
+        eqtrain.tune_cpu()
+    print_machine()  # the processor and settings: figures are per machine
     args.batch = args.batch or (2 if args.quick else 16)
     args.seq = args.seq or (16 if args.quick else 256)
     args.steps = args.steps or (2 if args.quick else 4)
