@@ -265,11 +265,10 @@ class Jitted:
         (`dump`: XLA dumps each compilation for `_check_compiled`)."""
         kwargs: dict[str, Any] = {}
         if self._options:
-            kwargs["compiler_options"] = dict(self._options)
+            options = dict(self._options)
             if dump:
-                kwargs["compiler_options"], self._dump = _onednn.dump_options(
-                    self._options
-                )
+                options, self._dump = _onednn.dump_options(options)
+            kwargs["compiler_options"] = options
         if self.donate:
             kwargs["donate_argnums"] = (0,)
         if self.shardings is not None:

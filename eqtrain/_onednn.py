@@ -148,24 +148,14 @@ _USED = re.compile(r"^<(\d+) ([^\s{]+)")
 _USE = re.compile(r"^  ([\w.\-]+), operand (\d+)")
 
 
-def _fusion_names(hlo: str) -> set[str]:
-    """The instructions of `hlo` that run a oneDNN fusion."""
-    names = set()
-    for line in hlo.splitlines():
-        if '"__onednn_fusion"' in line:
-            m = _INSTRUCTION.match(line)
-            if m:
-                names.add(m.group(1))
-    return names
-
-
 def shared_buffer(hlo: str, assignment: str) -> str | None:
     """The first oneDNN fusion of `hlo` whose result shares memory with one of
     its inputs, other than an input only added to the product, by the
     compilation's buffer assignment (`assignment`: XLA's
     `*buffer-assignment*.txt` dumps, concatenated), described; None if none
     does. Such a fusion computes wrong results in this jaxlib (see above)."""
-    fused = _fusion_names(hlo)
+    calls = dict(_fusion_calls(hlo))  # fusion -> its fused computation
+    fused = set(calls)
     if not fused:
         return None
     where: dict[str, tuple[int, int, int]] = {}  # value id -> allocation, start, end
@@ -192,7 +182,6 @@ def shared_buffer(hlo: str, assignment: str) -> str | None:
         if m and value is not None and m.group(1) in fused:
             inputs.setdefault(m.group(1), []).append((value, int(m.group(2))))
     bodies = _computations(hlo)
-    calls = dict(_fusion_calls(hlo))
     for name in sorted(fused):
         for out in defined.get(name, []):
             if out not in where:

@@ -401,7 +401,7 @@ def test_a_onednn_choice_reaches_eqtrain_jit_not_xla_flags(probe, monkeypatch):
     flags for the products win over the choice, oneDNN included."""
     probe.times = {**TIMES, "onednn_dots": {"scanned_ms": 30.0, "unrolled_ms": 20.0}}
     if "onednn_dots" not in _cpu_tuning.candidates(_cpu_tuning.processor()):
-        pytest.skip("oneDNN is measured with AVX-512 only")
+        pytest.skip("oneDNN is measured with AVX-512 and a verified jaxlib only")
     env = {"XLA_FLAGS": ""}
     eqtrain.tune_cpu(env)
     assert env["XLA_FLAGS"] == _cpu_tuning.EIGEN_DOTS

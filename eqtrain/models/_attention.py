@@ -246,9 +246,7 @@ def _softmax_bwd(
     return dq, dk, dv, None
 
 
-_softmax_attention.defvjp(
-    lambda q, k, v, keep, scale: _softmax_forward(q, k, v, keep, scale), _softmax_bwd
-)
+_softmax_attention.defvjp(_softmax_forward, _softmax_bwd)
 
 
 def _grouped_mask(
