@@ -286,3 +286,25 @@ def test_add_columns_keeps_the_position_and_checks_lengths():
         loader.add_columns({"z": np.zeros(5)})
     with pytest.raises(ConfigError, match="already has"):
         loader.add_columns({"y": np.zeros(6)})
+
+
+def test_an_iterator_left_open_at_exit_says_nothing(tmp_path):
+    """A prefetching iterator still referenced when the interpreter exits stops
+    quietly (its `__del__` runs after the modules it uses are torn down)."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "left_open.py"
+    script.write_text(
+        "import numpy as np\n"
+        "from eqtrain.data import Loader\n"
+        "it = iter(Loader({'x': np.arange(64)}, 2, prefetch=2))\n"
+        "next(it)\n"
+        "print('ok')\n"
+    )
+    run = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=120
+    )
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip() == "ok"
+    assert "Exception ignored" not in run.stderr, run.stderr

@@ -6,6 +6,7 @@ position `(epoch, index)` is computed directly: restoring a position is O(1) in 
 number of batches already consumed.
 """
 
+import sys
 import weakref
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
@@ -372,9 +373,9 @@ class _LoaderIterator:
         self.close()
         self._state = "superseded"
 
-    def __del__(self) -> None:
-        if getattr(self, "_prefetcher", None) is not None:
-            self._prefetcher.close()
+    def __del__(self, _exiting: Any = sys.is_finalizing) -> None:
+        if getattr(self, "_prefetcher", None) is not None and not _exiting():
+            self._prefetcher.close()  # (at interpreter exit, as `Prefetcher`'s)
 
 
 def _padded(batch: Any, real: int, size: int) -> Any:

@@ -7,6 +7,7 @@ its `__del__` stops the thread.
 
 import contextlib
 import queue
+import sys
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -80,8 +81,11 @@ class Prefetcher:
     def alive(self) -> bool:
         return self._thread.is_alive()
 
-    def __del__(self) -> None:
-        self.close()
+    def __del__(self, _exiting: Any = sys.is_finalizing) -> None:
+        # At interpreter exit the modules `close` uses may already be torn
+        # down; the daemon thread ends with the process anyway.
+        if not _exiting():
+            self.close()
 
 
 def _put(q: queue.Queue, item: tuple[str, Any], stop: threading.Event) -> bool:
