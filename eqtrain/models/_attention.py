@@ -333,13 +333,14 @@ def causal_blocks(
     ks = key_ranges(k.transpose(1, 0, 2), seen)
     vs = key_ranges(v.transpose(1, 0, 2), seen)
     score = dict(scale=d**-0.5 if scale is None else scale, softcap=softcap)
+    qs = jnp.split(qh, list(starts)[1:], axis=2)  # its gradient: one concatenate
     outs = []
-    for start, (first, end), kb, vb in zip(starts, seen, ks, vs, strict=True):
+    for start, (first, end), qb, kb, vb in zip(starts, seen, qs, ks, vs, strict=True):
         mask = position_mask(
             pos[start:end], segs[start:end], pos[first:end], segs[first:end],
             sliding_window,
         )  # fmt: skip
-        outs.append(heads_first_attention(qh[:, :, start:end], kb, vb, mask, **score))
+        outs.append(heads_first_attention(qb, kb, vb, mask, **score))
     return seq_first(jnp.concatenate(outs, axis=2))
 
 
@@ -352,7 +353,14 @@ def key_ranges(
     range of one array, in order, where autodiff pads every cotangent to the
     whole sequence and adds them all: half the additions at 1,024 tokens, and
     no chain of additions after one product, which oneDNN's fusions of this
-    jaxlib abort on (`eqtrain._onednn`)."""
+    jaxlib abort on (`eqtrain._onednn`).
+
+    `x` passes an optimization barrier first, so XLA takes it as it lies (heads
+    first) and does not fold the transpose that made it into the products: it
+    would then also write every key and value transposed (`[d, k]`) for the
+    scores and the values' gradient, besides the heads-first copy the
+    backward pass keeps."""
+    x = lax.optimization_barrier(x)
     return tuple(x[:, a:b] for a, b in ranges)
 
 
