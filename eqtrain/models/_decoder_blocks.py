@@ -26,6 +26,7 @@ from ._layers import (
     RMSNorm,
     as_dtype,
     fused_linears,
+    gated,
     split_key,
     tiled,
 )
@@ -209,7 +210,7 @@ class GatedMLP(eqx.Module):
     def __call__(self, x: Array, *, key: PRNGKeyArray | None = None) -> Array:
         kg, ku, kd = split_key(key, 3)
         gate, up = fused_linears((self.gate_proj, self.up_proj), x, (kg, ku))
-        return self.down_proj(ACTIVATIONS[self.act](gate) * up, key=kd)
+        return self.down_proj(gated(self.act, gate, up), key=kd)
 
 
 class FusedGatedMLP(eqx.Module):
@@ -230,7 +231,7 @@ class FusedGatedMLP(eqx.Module):
     def __call__(self, x: Array, *, key: PRNGKeyArray | None = None) -> Array:
         ku, kd = split_key(key, 2)
         gate, up = jnp.split(self.gate_up_proj(x, key=ku), 2, axis=-1)
-        return self.down_proj(ACTIVATIONS[self.act](gate) * up, key=kd)
+        return self.down_proj(gated(self.act, gate, up), key=kd)
 
 
 class PlainMLP(eqx.Module):

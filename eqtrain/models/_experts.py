@@ -31,7 +31,7 @@ import jax.random as jr
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from .._errors import ConfigError
-from ._layers import ACTIVATIONS
+from ._layers import gated
 
 
 MOE_IMPLS = ("auto", "sorted", "ragged", "dense")
@@ -108,7 +108,7 @@ class Experts(eqx.Module):
     def ffn(self, x: Array, matmul: Callable[[Array, Array], Array]) -> Array:
         """`down(act(gate(x)) * up(x))` with `matmul(rows, weights)` doing each
         product (`weights`: `[experts, out, in]`)."""
-        h = ACTIVATIONS[self.act](matmul(x, self.gate_proj)) * matmul(x, self.up_proj)
+        h = gated(self.act, matmul(x, self.gate_proj), matmul(x, self.up_proj))
         return matmul(h, self.down_proj)
 
     def blocked(self, x: Array, sizes: Array, block: int) -> Array:
@@ -117,7 +117,7 @@ class Experts(eqx.Module):
         in another, unpadded once."""
         blocks = Blocks.of(sizes, x.shape[0], block)
         gate, up = blocks.matmul(blocks.pad(x), self.gate_proj, self.up_proj)
-        h = ACTIVATIONS[self.act](gate) * up
+        h = gated(self.act, gate, up)
         return blocks.unpad(blocks.matmul(h, self.down_proj))
 
 
@@ -181,10 +181,9 @@ def dense_dispatch(experts: Experts, x: Array, weights: Array, ids: Array) -> Ar
     combine = jnp.sum(
         jax.nn.one_hot(ids, experts.num, dtype=x.dtype) * weights[..., None], axis=1
     )  # [tokens, experts]
-    act = ACTIVATIONS[experts.act]
     g = jnp.einsum("th,efh->etf", x, experts.gate_proj)
     u = jnp.einsum("th,efh->etf", x, experts.up_proj)
-    y = jnp.einsum("etf,ehf->eth", act(g) * u, experts.down_proj)
+    y = jnp.einsum("etf,ehf->eth", gated(experts.act, g, u), experts.down_proj)
     return jnp.einsum("eth,te->th", y, combine)
 
 
