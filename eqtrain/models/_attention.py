@@ -241,9 +241,18 @@ def _softmax_bwd(
     delta = jnp.sum(dout.astype(f32) * out.astype(f32), axis=-1, keepdims=True)
     ds = (probs * (jnp.where(keep, dp, 0.0) - delta) * f32(scale)).astype(q.dtype)
     dq = jnp.einsum("kgqs,ksd->kgqd", ds, k)
-    dk = jnp.einsum("kgqd,kgqs->kds", q, ds).transpose(0, 2, 1)
-    dv = jnp.einsum("kgqd,kgqs->kds", dout, probs.astype(v.dtype)).transpose(0, 2, 1)
+    dk = _rows_product(q, ds)
+    dv = _rows_product(dout, probs.astype(v.dtype))
     return dq, dk, dv, None
+
+
+def _rows_product(a: Array, b: Array) -> Array:
+    """`einsum("kgqd,kgqs->ksd", a, b)`, as `(a^T b)^T` over one merged `g * q`
+    axis: XLA:CPU writes an operand transposed before a product that sums over
+    two axes, and reads it as it lies over one."""
+    kv, g, t, d = a.shape
+    rows = lambda x: x.reshape(kv, g * t, x.shape[-1])
+    return jnp.einsum("kqd,kqs->kds", rows(a), rows(b)).transpose(0, 2, 1)
 
 
 _softmax_attention.defvjp(_softmax_forward, _softmax_bwd)
