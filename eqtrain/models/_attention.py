@@ -296,15 +296,25 @@ def _index_mask(
 CAUSAL_BLOCK_MIN = 128
 """Queries per causal block (`causal_blocks`), at least: a sequence up to this
 long is one block."""
+CAUSAL_BLOCK_LONG = 256
+"""Queries per block past `CAUSAL_BLOCK_SHORT` tokens."""
+CAUSAL_BLOCK_SHORT = 512
 CAUSAL_BLOCKS_MAX = 16
 
 
 def causal_block_size(seq: int) -> int:
-    """Queries per block of `causal_blocks`: 128, or `seq / 16` (rounded up to a
-    multiple of 8) for sequences longer than 2048, so that a layer has at most 16
-    blocks (its compiled size grows with their number)."""
+    """Queries per block of `causal_blocks`: 128 up to 512 tokens, 256 past
+    them, or `seq / 16` (rounded up to a multiple of 8) past 4,096, so that a
+    layer has at most 16 blocks (its compiled size grows with their number).
+
+    Smaller blocks skip more of the masked scores, larger ones copy fewer keys:
+    each block reads the keys before it as one slice, and the slices add up to
+    about `seq * blocks / 2` rows. On processor B a Llama step ran 3% faster
+    with 256-query blocks than with 128 at 1,024 and 2,048 tokens, and 2%
+    slower at 512 (`docs/performance.md`)."""
+    base = CAUSAL_BLOCK_MIN if seq <= CAUSAL_BLOCK_SHORT else CAUSAL_BLOCK_LONG
     per_block = -(-seq // CAUSAL_BLOCKS_MAX)
-    return max(CAUSAL_BLOCK_MIN, -(-per_block // 8) * 8)
+    return max(base, -(-per_block // 8) * 8)
 
 
 def causal_blocks(
