@@ -224,6 +224,23 @@ def test_attention_quick():
 
 
 @pytest.mark.slow  # the default suite's time: `nox -s slow`
+def test_step_ab_quick():
+    """Variants of the model's code compiled side by side: the attention of an
+    older revision, a fixed block size, the gate by autodiff; all compute the
+    same first loss (they differ in speed, not in what they compute)."""
+    records, _ = _quick(
+        "step_ab.py", "--variants", "current,rev:HEAD,block8,autodiff_gate"
+    )
+    assert [r["variant"] for r in records] == [
+        "current", "rev:HEAD", "block8", "autodiff_gate",
+    ]  # fmt: skip
+    assert records[0]["ratio"] == 1.0
+    losses = [r["first_loss"] for r in records]
+    assert max(losses) - min(losses) <= 1e-5 * abs(losses[0])
+    assert all(r["step_ms"] > 0 and r["pairs"] == 4 for r in records)
+
+
+@pytest.mark.slow  # the default suite's time: `nox -s slow`
 def test_page_faults_quick():
     records, _ = _quick("page_faults.py")
     assert [r["variant"] for r in records] == [
