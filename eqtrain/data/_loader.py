@@ -375,7 +375,7 @@ class _LoaderIterator:
 
     def __del__(self, _exiting: Any = sys.is_finalizing) -> None:
         if getattr(self, "_prefetcher", None) is not None and not _exiting():
-            self._prefetcher.close()  # (at interpreter exit, as `Prefetcher`'s)
+            self._prefetcher.close()  # not at interpreter exit: see `Prefetcher`
 
 
 def _padded(batch: Any, real: int, size: int) -> Any:

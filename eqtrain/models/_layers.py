@@ -326,7 +326,7 @@ ACTIVATIONS: dict[str, Callable[[Array], Array]] = {
 def gated(act: str, gate: Array, up: Array) -> Array:
     """`ACTIVATIONS[act](gate) * up`, a gated MLP's hidden layer; with `silu`
     (SwiGLU) through `_silu_gate`, whose gradient keeps only `gate` and `up`."""
-    if act in ("silu", "swish"):
+    if ACTIVATIONS[act] is jax.nn.silu:  # "silu" and its aliases
         return _silu_gate(gate, up)
     return ACTIVATIONS[act](gate) * up
 
