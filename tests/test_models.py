@@ -794,3 +794,38 @@ def test_silu_gate_equals_autodiff_values_and_gradients(dtype):
             scale = float(jnp.max(jnp.abs(b.astype(jnp.float32))))
             diff = jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32)))
             assert float(diff) <= tol * scale, (act, float(diff), scale)
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_rope_tables_are_computed_once_per_step(packed, monkeypatch):
+    """On the CPU the rotary tables pass through a product with the identity
+    (`_rope.stored_once`), so that XLA keeps them rather than evaluating cos
+    and sin again inside every fusion that reads them: the compiled gradient of
+    an unrolled Llama holds one `cosine` and one `sine`, and the tables equal
+    the plain ones bit for bit (packed rows' positions too)."""
+    from eqtrain.losses import causal_lm_loss
+    from eqtrain.models import _rope
+
+    rope = _rope.rope_from_hf({"rope_type": "llama3", "rope_theta": 100.0,
+        "factor": 8.0, "original_max_position_embeddings": 16,
+        "low_freq_factor": 1.0, "high_freq_factor": 4.0}, head_dim=16,
+        max_position_embeddings=128)  # fmt: skip
+    positions = jnp.asarray([0, 1, 2, 3, 0, 1, 2, 0, 1, 2, 3, 4, 5, 6] * 9)
+    tables = jax.jit(lambda p: _rope.rope_cos_sin(rope, p))
+    got = tables(positions)
+    with monkeypatch.context() as patch:
+        patch.setattr(_rope, "stored_once", lambda *t: t)
+        want = jax.jit(lambda p: _rope.rope_cos_sin(rope, p))(positions)
+    for a, b in zip(got, want, strict=True):
+        np.testing.assert_array_equal(a, b)
+
+    config = dataclasses.replace(TINY, num_hidden_layers=3, scan_layers=False)
+    model = Llama(config, jr.key(0))
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, 37, (4, 33)), jnp.int32)
+    batch = {"tokens": tokens[:, :-1], "targets": tokens[:, 1:]}
+    if packed:
+        batch["segment_ids"] = jnp.asarray([[1] * 12 + [2] * 20] * 4, jnp.int32)
+    grad = jax.jit(jax.grad(lambda m, b: causal_lm_loss(m, b)[0]))
+    text = grad.lower(model, batch).compile().as_text()
+    counts = text.count(" cosine("), text.count(" sine(")
+    assert counts == (1, 1), counts

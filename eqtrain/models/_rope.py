@@ -16,6 +16,8 @@ import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
+import jax
+import jax.lax as lax
 import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int
@@ -410,7 +412,26 @@ def rope_cos_sin(
     cos, sin = jnp.cos(angles), jnp.sin(angles)
     if scale != 1.0:
         cos, sin = cos * jnp.float32(scale), sin * jnp.float32(scale)
-    return cos, sin
+    return stored_once(cos, sin)
+
+
+def stored_once(*tables: Array) -> tuple[Array, ...]:
+    """`tables` as they are, but on the CPU computed once and kept in memory.
+
+    XLA:CPU fuses an elementwise value into every fusion that reads it, and
+    counts cos and sin as cheap: unrolled layers then evaluate the tables'
+    cos and sin again for every element of every query and key copy that
+    reads them (16 times the table per copy for 4 rows of 4 heads, about 8% of
+    a Llama step at 4 x 1,024 tokens on processor B, `docs/performance.md`).
+    A matrix product is a library call XLA cannot fuse into, so the tables go
+    through one with the identity, in full precision: every value is kept
+    exactly (`x * 1` plus zeros). Other backends get the tables untouched."""
+    if jax.default_backend() != "cpu":
+        return tables
+    joined = jnp.concatenate(tables, axis=-1)
+    eye = jnp.eye(joined.shape[-1], dtype=joined.dtype)
+    kept = jnp.matmul(joined, eye, precision=lax.Precision.HIGHEST)
+    return tuple(jnp.split(kept, len(tables), axis=-1))
 
 
 def apply_rope(
