@@ -3,6 +3,7 @@ per-process slicing, drop_last/padding, eval passes, prefetch and device placeme
 
 import gc
 import json
+import os
 import threading
 import time
 
@@ -308,3 +309,35 @@ def test_an_iterator_left_open_at_exit_says_nothing(tmp_path):
     assert run.returncode == 0, run.stderr
     assert run.stdout.strip() == "ok"
     assert "Exception ignored" not in run.stderr, run.stderr
+
+
+def test_a_prefetch_thread_busy_in_jax_at_exit_does_not_abort(tmp_path):
+    """A prefetch thread still placing arrays on the device when the interpreter
+    exits is stopped first: cut off inside JAX's C++ code, it aborted the
+    process ("terminate called after throwing an instance of ''", status 134)."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "busy_at_exit.py"
+    script.write_text(
+        "import time\n"
+        "import jax, numpy as np\n"
+        "from eqtrain.data._prefetch import Prefetcher\n"
+        "big = np.ones((2, 1024, 1024), np.float32)\n"
+        "def source():\n"
+        "    while True:\n"
+        "        for _ in range(500):\n"
+        "            jax.device_put(big).block_until_ready()\n"
+        "        yield 1\n"
+        "p = Prefetcher(source(), 1)\n"
+        "time.sleep(0.3)\n"
+        "print('ok')\n"
+    )
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    run = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=120,
+        env=env,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip() == "ok"
+    assert "terminate called" not in run.stderr, run.stderr

@@ -2,19 +2,28 @@
 
 The thread holds only the generator, the queue and a stop event, never the
 consumer-side iterator, so an iterator dropped mid-epoch is garbage-collected and
-its `__del__` stops the thread.
+its `__del__` stops the thread. Prefetchers still running when the interpreter
+exits are stopped before it tears down (`_close_all_at_exit`): a daemon thread
+cut off inside JAX's C++ code (placing a batch on the device) aborts the whole
+process ("terminate called after throwing an instance of ''", exit status 134).
 """
 
+import atexit
 import contextlib
 import queue
 import sys
 import threading
+import time
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
 
 _ITEM, _END, _ERROR = "item", "end", "error"
 _POLL = 0.05  # seconds between checks of the stop event while the queue is full
+_EXIT_WAIT = 10.0
+"""Seconds the interpreter's exit waits, at most, for running prefetch threads
+to finish the item they are making and stop."""
 
 
 class Prefetcher:
@@ -36,6 +45,7 @@ class Prefetcher:
             daemon=True,
         )
         self._thread.start()
+        _LIVE.add(self)
 
     def get(self) -> Any:
         if self._done:
@@ -61,12 +71,16 @@ class Prefetcher:
                         "the prefetch thread ended without a result (was it closed?)"
                     ) from None
 
-    def close(self) -> None:
+    def close(self, *, deadline: float | None = None) -> None:
+        """Stop the thread and wait for it (until `time.monotonic()` reaches
+        `deadline`, if given)."""
         self._done = True
         self._stop.set()
         if threading.current_thread() is self._thread:  # collected by its own thread
             return
         while self._thread.is_alive():
+            if deadline is not None and time.monotonic() >= deadline:
+                return
             self._drain()  # unblock a producer waiting on a full queue
             self._thread.join(timeout=_POLL)
 
@@ -86,6 +100,21 @@ class Prefetcher:
         # down; the daemon thread ends with the process anyway.
         if not _exiting():
             self.close()
+
+
+_LIVE: "weakref.WeakSet[Prefetcher]" = weakref.WeakSet()
+
+
+def _close_all_at_exit() -> None:
+    """Stop every prefetcher still running, waiting `_EXIT_WAIT` seconds at most
+    in all. `atexit` runs this while threads can still run: after it, the
+    interpreter ends any daemon thread that wakes up, wherever it is."""
+    deadline = time.monotonic() + _EXIT_WAIT
+    for prefetcher in list(_LIVE):
+        prefetcher.close(deadline=deadline)
+
+
+atexit.register(_close_all_at_exit)
 
 
 def _put(q: queue.Queue, item: tuple[str, Any], stop: threading.Event) -> bool:
