@@ -20,7 +20,10 @@ Variants (`--variants`, comma-separated; the first is the reference):
   as a module of its own) in place of the current `causal_blocks`, and the
   MLP's gate by autodiff (`act(gate) * up`) as before `gated` had its own
   gradient;
-- `autodiff_gate`: only the MLP's gate by autodiff.
+- `autodiff_gate`: only the MLP's gate by autodiff;
+- `recomputed_rope`: the rotary tables without `_rope.stored_once`, so that
+  XLA:CPU evaluates their cos and sin inside every fusion that reads them, as
+  before it had that product.
 
 It prints the machine line, then one JSON line per variant:
 {"variant", "step_ms" (median), "ratio" (median of reference / variant per
@@ -55,6 +58,7 @@ from _machine import print_machine
 import eqtrain
 import eqtrain.models._attention as attention
 import eqtrain.models._decoder_blocks as blocks
+import eqtrain.models._rope as rope
 from eqtrain.models import Llama
 from eqtrain.models._layers import ACTIVATIONS
 
@@ -87,7 +91,8 @@ def _autodiff_gate(act: str, gate: Any, up: Any) -> Any:
 @contextlib.contextmanager
 def variant(name: str) -> Iterator[None]:
     """The model's code changed as `name` says, while the step is traced."""
-    saved_attention, saved_blocks = dict(vars(attention)), dict(vars(blocks))
+    modules = (attention, blocks, rope)
+    saved = [dict(vars(module)) for module in modules]
     try:
         if name.startswith("block"):
             size = int(name.removeprefix("block"))
@@ -97,12 +102,14 @@ def variant(name: str) -> Iterator[None]:
             blocks.gated = _autodiff_gate
         elif name == "autodiff_gate":
             blocks.gated = _autodiff_gate
+        elif name == "recomputed_rope":
+            rope.stored_once = lambda *tables: tables
         elif name != "current":
             raise SystemExit(f"unknown variant {name!r} (see --help)")
         yield
     finally:
-        for module, saved in ((attention, saved_attention), (blocks, saved_blocks)):
-            for key, value in saved.items():
+        for module, values in zip(modules, saved, strict=True):
+            for key, value in values.items():
                 setattr(module, key, value)
 
 

@@ -226,14 +226,12 @@ def test_attention_quick():
 @pytest.mark.slow  # the default suite's time: `nox -s slow`
 def test_step_ab_quick():
     """Variants of the model's code compiled side by side: the attention of an
-    older revision, a fixed block size, the gate by autodiff; all compute the
-    same first loss (they differ in speed, not in what they compute)."""
-    records, _ = _quick(
-        "step_ab.py", "--variants", "current,rev:HEAD,block8,autodiff_gate"
-    )
-    assert [r["variant"] for r in records] == [
-        "current", "rev:HEAD", "block8", "autodiff_gate",
-    ]  # fmt: skip
+    older revision, a fixed block size, the gate by autodiff, the rotary tables
+    recomputed; all compute the same first loss (they differ in speed, not in
+    what they compute)."""
+    variants = "current,rev:HEAD,block8,autodiff_gate,recomputed_rope"
+    records, _ = _quick("step_ab.py", "--variants", variants)
+    assert [r["variant"] for r in records] == variants.split(",")
     assert records[0]["ratio"] == 1.0
     losses = [r["first_loss"] for r in records]
     assert max(losses) - min(losses) <= 1e-5 * abs(losses[0])
