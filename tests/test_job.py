@@ -106,11 +106,15 @@ def micro_batches(p):
 
 
 def product_dtypes(p):
-    """The input dtypes of every matrix product in the step."""
+    """The input dtypes of every matrix product in the step, but the one that
+    keeps the f32 rotary tables (`_rope.stored_once`, on the CPU)."""
+    from eqtrain.models._rope import STORED_ONCE
+
     return {
         tuple(str(v.aval.dtype) for v in eqn.invars)
         for eqn in equations(step_jaxpr(p))
         if eqn.primitive.name == "dot_general"
+        and STORED_ONCE not in str(eqn.source_info.name_stack)
     }
 
 

@@ -428,10 +428,16 @@ def stored_once(*tables: Array) -> tuple[Array, ...]:
     exactly (`x * 1` plus zeros). Other backends get the tables untouched."""
     if jax.default_backend() != "cpu":
         return tables
-    joined = jnp.concatenate(tables, axis=-1)
-    eye = jnp.eye(joined.shape[-1], dtype=joined.dtype)
-    kept = jnp.matmul(joined, eye, precision=lax.Precision.HIGHEST)
-    return tuple(jnp.split(kept, len(tables), axis=-1))
+    with jax.named_scope(STORED_ONCE):
+        joined = jnp.concatenate(tables, axis=-1)
+        eye = jnp.eye(joined.shape[-1], dtype=joined.dtype)
+        kept = jnp.matmul(joined, eye, precision=lax.Precision.HIGHEST)
+        return tuple(jnp.split(kept, len(tables), axis=-1))
+
+
+STORED_ONCE = "rope_tables_stored_once"
+"""The named scope of `stored_once`'s product (f32 whatever the model's
+precision: the tables are f32, as transformers computes them)."""
 
 
 def apply_rope(
