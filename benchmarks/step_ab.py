@@ -10,7 +10,8 @@ with its quartiles. On a shared 2-core machine whole runs drift by 5-10%
 between minutes; adjacent single steps drift together, so 1-2% differences
 show where `models.py`'s rounds cannot tell them apart.
 
-Variants (`--variants`, comma-separated; the first is the reference):
+Variants (`--variants`, comma-separated; the first is the reference; `a+b`
+applies both changes):
 
 - `current`: the code as it is;
 - `block<N>`: causal attention in blocks of N queries at every length
@@ -23,7 +24,15 @@ Variants (`--variants`, comma-separated; the first is the reference):
 - `autodiff_gate`: only the MLP's gate by autodiff;
 - `recomputed_rope`: the rotary tables without `_rope.stored_once`, so that
   XLA:CPU evaluates their cos and sin inside every fusion that reads them, as
-  before it had that product.
+  before it had that product;
+- `windowed_reductions`: the row sums and maxima of the softmax, the loss and
+  the norms as one reduction each (`eqtrain._reduce` made plain), which
+  XLA:CPU rewrites into an unfused `reduce-window` of 32 and a reduction of
+  the windows, as before `eqtrain._reduce`;
+- `hoisted_mask`: the attention mask and masked score not tied to the
+  queries (`_attention._in_layer` made the identity), so that under
+  `--scan-layers` JAX computes their broadcasts before the loop and every
+  layer reads them from memory.
 
 It prints the machine line, then one JSON line per variant:
 {"variant", "step_ms" (median), "ratio" (median of reference / variant per
@@ -56,6 +65,7 @@ import models as bench  # benchmarks/models.py: the workload
 from _machine import print_machine
 
 import eqtrain
+import eqtrain._reduce as reduce
 import eqtrain.models._attention as attention
 import eqtrain.models._decoder_blocks as blocks
 import eqtrain.models._rope as rope
@@ -88,29 +98,46 @@ def _autodiff_gate(act: str, gate: Any, up: Any) -> Any:
     return ACTIVATIONS[act](gate) * up
 
 
+def _one_reduction(x: Any, op: Any, starts: tuple[float, float]) -> Any:
+    """`eqtrain._reduce._pieces` as one reduction over the last axis."""
+    start = jax.numpy.asarray(starts[0], x.dtype)
+    return jax.lax.reduce(x, start, op, (x.ndim - 1,))[..., None]
+
+
 @contextlib.contextmanager
 def variant(name: str) -> Iterator[None]:
-    """The model's code changed as `name` says, while the step is traced."""
-    modules = (attention, blocks, rope)
+    """The model's code changed as `name` says (changes joined by `+` all
+    apply), while the step is traced."""
+    modules = (attention, blocks, rope, reduce)
     saved = [dict(vars(module)) for module in modules]
     try:
-        if name.startswith("block"):
-            size = int(name.removeprefix("block"))
-            attention.causal_block_size = lambda seq: size
-        elif name.startswith("rev:"):
-            attention.causal_blocks = old_attention(name[4:]).causal_blocks
-            blocks.gated = _autodiff_gate
-        elif name == "autodiff_gate":
-            blocks.gated = _autodiff_gate
-        elif name == "recomputed_rope":
-            rope.stored_once = lambda *tables: tables
-        elif name != "current":
-            raise SystemExit(f"unknown variant {name!r} (see --help)")
+        for part in name.split("+"):
+            _change(part)
         yield
     finally:
         for module, values in zip(modules, saved, strict=True):
             for key, value in values.items():
                 setattr(module, key, value)
+
+
+def _change(name: str) -> None:
+    """One of `variant`'s changes."""
+    if name.startswith("block"):
+        size = int(name.removeprefix("block"))
+        attention.causal_block_size = lambda seq: size
+    elif name.startswith("rev:"):
+        attention.causal_blocks = old_attention(name[4:]).causal_blocks
+        blocks.gated = _autodiff_gate
+    elif name == "autodiff_gate":
+        blocks.gated = _autodiff_gate
+    elif name == "recomputed_rope":
+        rope.stored_once = lambda *tables: tables
+    elif name == "windowed_reductions":
+        reduce._pieces = _one_reduction
+    elif name == "hoisted_mask":
+        attention._in_layer = lambda q, keep: (q, keep, attention._MASKED)
+    elif name != "current":
+        raise SystemExit(f"unknown variant {name!r} (see --help)")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -829,3 +829,41 @@ def test_rope_tables_are_computed_once_per_step(packed, monkeypatch):
     text = grad.lower(model, batch).compile().as_text()
     counts = text.count(" cosine("), text.count(" sine(")
     assert counts == (1, 1), counts
+
+
+def _scan_consts(jaxpr: jax.extend.core.Jaxpr) -> list:
+    """The avals of the constants of every `scan` in `jaxpr` and below."""
+    out = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "scan":
+            out += [v.aval for v in eqn.invars[: eqn.params["num_consts"]]]
+        for param in eqn.params.values():
+            inner = getattr(param, "jaxpr", param)
+            if isinstance(inner, jax.extend.core.Jaxpr):
+                out += _scan_consts(inner)
+    return out
+
+
+@pytest.mark.parametrize("hoisted", [False, True])
+def test_scanned_layers_build_the_attention_mask_in_the_loop(hoisted, monkeypatch):
+    """Under `lax.scan` JAX computes what depends on constants alone before
+    the loop. The attention ties its mask and masked score to the queries
+    (`_attention._in_layer`), so that only the `[q, k]` mask is computed there,
+    not its broadcast to the scores' `[kv_heads, group, q, k]` (per row of the
+    batch) nor a score-sized fill, which every layer would read from memory.
+    `hoisted=True` undoes the tie: the test sees the broadcasts come back."""
+    from eqtrain.losses import causal_lm_loss
+    from eqtrain.models import _attention
+
+    if hoisted:
+        monkeypatch.setattr(
+            _attention, "_in_layer", lambda q, keep: (q, keep, _attention._MASKED)
+        )
+    model = Llama(dataclasses.replace(TINY, scan_layers=True), jr.key(0))
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, 37, (4, 33)), jnp.int32)
+    batch = {"tokens": tokens[:, :-1], "targets": tokens[:, 1:]}
+    jaxpr = jax.make_jaxpr(jax.grad(lambda m, b: causal_lm_loss(m, b)[0]))(model, batch)
+    consts = _scan_consts(jaxpr.jaxpr)
+    assert consts  # the layers' scan (and its transpose)
+    score_sized = [c for c in consts if c.ndim >= 3 and c.shape[-2:] == (32, 32)]
+    assert bool(score_sized) == hoisted, score_sized

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
 from .._errors import ConfigError
+from .._reduce import row_softmax, row_sum
 from ._flash import flash_attention
 from ._masks import position_mask, segment_mask
 
@@ -187,11 +188,12 @@ def heads_first_attention(
     gradient of its own)."""
     if softcap is None:
         return _softmax_attention(q, k, v, keep, scale)
+    q, keep, masked = _in_layer(q, keep)
     scores = jnp.einsum("kgqd,ksd->kgqs", q, k, preferred_element_type=jnp.float32)
     scores = scores * jnp.float32(scale)
     scores = jnp.float32(softcap) * jnp.tanh(scores / jnp.float32(softcap))
-    scores = jnp.where(keep, scores, _MASKED)
-    probs = jax.nn.softmax(scores, axis=-1).astype(k.dtype)
+    scores = jnp.where(keep, scores, masked)
+    probs = row_softmax(scores).astype(k.dtype)
     return jnp.einsum("kgqs,ksd->kgqd", probs, v)
 
 
@@ -223,11 +225,27 @@ def _softmax_attention(
 def _softmax_forward(
     q: Array, k: Array, v: Array, keep: Array, scale: float
 ) -> tuple[Array, tuple[Array, ...]]:
+    q, keep, masked = _in_layer(q, keep)
     scores = jnp.einsum("kgqd,ksd->kgqs", q, k, preferred_element_type=jnp.float32)
-    scores = jnp.where(keep, scores, _MASKED) * jnp.float32(scale)
-    probs = jax.nn.softmax(scores, axis=-1)
+    scores = jnp.where(keep, scores, masked) * jnp.float32(scale)
+    probs = row_softmax(scores)
     out = jnp.einsum("kgqs,ksd->kgqd", probs.astype(k.dtype), v)
     return out, (q, k, v, keep, probs, out)
+
+
+def _in_layer(q: Array, keep: Array) -> tuple[Array, Array, Array]:
+    """`(q, keep, _MASKED)` through one optimization barrier, so that the
+    mask and the masked score depend on the queries.
+
+    Under `lax.scan` over layers, JAX computes what depends on constants
+    alone once, before the loop, and passes it in (`_scan_known_hoisting`).
+    The mask (a constant of positions) is small, but its broadcast to the
+    scores' shape (batch x heads) and the masked score's fill are not: the
+    scan would read a `[4, 4, 256, 1024]` f32 fill and its boolean mask from
+    memory in every layer, where XLA builds them inside the fusions that use
+    them. Tied to the queries, only the `[q, k]` mask is computed before the
+    loop."""
+    return lax.optimization_barrier((q, keep, jnp.float32(_MASKED)))
 
 
 def _softmax_bwd(
@@ -238,7 +256,7 @@ def _softmax_bwd(
     # softmax's gradient p * (dp - sum(p * dp)), the sum as sum(dout * out),
     # times the scale; a masked score's p is 0
     dp = jnp.einsum("kgqd,ksd->kgqs", dout, v, preferred_element_type=f32)
-    delta = jnp.sum(dout.astype(f32) * out.astype(f32), axis=-1, keepdims=True)
+    delta = row_sum(dout.astype(f32) * out.astype(f32))
     ds = (probs * (jnp.where(keep, dp, 0.0) - delta) * f32(scale)).astype(q.dtype)
     dq = jnp.einsum("kgqs,ksd->kgqd", ds, k)
     dk = _rows_product(q, ds)

@@ -20,6 +20,7 @@ import jax.lax as lax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
+from .._reduce import row_max, row_sum
 from ._masks import position_mask
 
 
@@ -111,13 +112,17 @@ def _forward_row(spec: _Spec, qi: Array, mine: tuple[Array, Array], keys: tuple)
         kj, vj, kp, ks = key
         keep = _keep(spec, (*mine, kp, ks))
         s = _scores(spec, qi, kj)
-        new = jnp.maximum(top, jnp.where(keep, s, _NEG).max(-1))
+        new = jnp.maximum(top, row_max(jnp.where(keep, s, _NEG))[..., 0])
         p = jnp.where(keep, jnp.exp(s - new[..., None]), 0.0)
         fade = jnp.exp(top - new)
         pv = jnp.einsum(
             "kgqs,ksd->kgqd", p.astype(vj.dtype), vj, preferred_element_type=_F32
         )
-        return (acc * fade[..., None] + pv, new, total * fade + p.sum(-1)), None
+        return (
+            acc * fade[..., None] + pv,
+            new,
+            total * fade + row_sum(p)[..., 0],
+        ), None
 
     (acc, top, total), _ = lax.scan(fold, init, keys)
     return acc / total[..., None], top + jnp.log(total)
@@ -185,7 +190,7 @@ def _score_grad(spec: _Spec, s: Array, ds: Array) -> Array:
 
 def _flash_bwd(spec: _Spec, saved: tuple, dout: Array):
     (qb, kb, vb, pb, sb), out, lse = saved
-    delta = jnp.sum(dout.astype(_F32) * out.astype(_F32), -1)
+    delta = row_sum(dout.astype(_F32) * out.astype(_F32))[..., 0]
     dq, dk, dv = [], jnp.zeros(kb.shape, _F32), jnp.zeros(vb.shape, _F32)
     for i in range(qb.shape[0]):
         lo = spec.first_block(i)

@@ -23,6 +23,7 @@ import jax.tree_util as jtu
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from .._errors import ConfigError
+from .._reduce import row_sum
 
 
 _DTYPES = {
@@ -255,7 +256,7 @@ class RMSNorm(eqx.Module):
     @jax.named_scope("norm")
     def __call__(self, x: Float[Array, "*batch dim"]) -> Float[Array, "*batch dim"]:
         h = x.astype(jnp.float32)
-        h = h * lax.rsqrt(jnp.mean(h * h, axis=-1, keepdims=True) + self.eps)
+        h = h * lax.rsqrt(row_sum(h * h) / h.shape[-1] + self.eps)
         w = _broadcast_last(self.weight, x.ndim)
         if self.plus_one:
             return (h * (1.0 + w.astype(jnp.float32))).astype(x.dtype)

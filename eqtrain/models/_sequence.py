@@ -25,6 +25,7 @@ from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float, Int
 
 from .._errors import ConfigError
+from .._reduce import row_max, row_sum
 from ._attention import attention, dot_attention
 from ._masks import position_mask, segment_positions
 
@@ -296,10 +297,10 @@ def _merge(acc, q, q_pos, q_seg, k, v, k_pos, k_seg, window, softcap=None):
         scores = jnp.float32(softcap) * jnp.tanh(scores / jnp.float32(softcap))
     mask = position_mask(q_pos, q_seg, k_pos, k_seg, window)[:, None, None, :]
     scores = jnp.where(mask, scores, _NEG)
-    new_top = lax.stop_gradient(jnp.maximum(top, jnp.max(scores, axis=-1)))
+    new_top = lax.stop_gradient(jnp.maximum(top, row_max(scores)[..., 0]))
     probs = jnp.where(mask, jnp.exp(scores - new_top[..., None]), 0.0)
     scale = jnp.exp(top - new_top)
-    total = total * scale + jnp.sum(probs, axis=-1)
+    total = total * scale + row_sum(probs)[..., 0]
     pv = jnp.einsum("qhgk,khd->qhgd", probs, v, preferred_element_type=jnp.float32)
     return out * scale[..., None] + pv, new_top, total
 
