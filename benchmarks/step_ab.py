@@ -29,6 +29,8 @@ applies both changes):
   the norms as one reduction each (`eqtrain._reduce` made plain), which
   XLA:CPU rewrites into an unfused `reduce-window` of 32 and a reduction of
   the windows, as before `eqtrain._reduce`;
+- `kept_activation`: the gated MLP's hidden layer kept for the down
+  projection's gradient (not recomputed by `_decoder_blocks.gated_down`);
 - `hoisted_mask`: the attention mask and masked score not tied to the
   queries (`_attention._in_layer` made the identity), so that under
   `--scan-layers` JAX computes their broadcasts before the loop and every
@@ -134,6 +136,10 @@ def _change(name: str) -> None:
         rope.stored_once = lambda *tables: tables
     elif name == "windowed_reductions":
         reduce._pieces = _one_reduction
+    elif name == "kept_activation":
+        blocks.gated_down = lambda lin, act, g, u, k: lin(
+            blocks.gated(act, g, u), key=k
+        )
     elif name == "hoisted_mask":
         attention._in_layer = lambda q, keep: (q, keep, attention._MASKED)
     elif name != "current":

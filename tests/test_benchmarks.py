@@ -228,11 +228,11 @@ def test_step_ab_quick():
     """Variants of the model's code compiled side by side: the attention of an
     older revision, a fixed block size, the gate by autodiff, the rotary tables
     recomputed, the reductions whole and the mask hoisted (alone and joined by
-    `+`); all compute the same first loss (they differ in speed, not in what
-    they compute)."""
+    `+`), the MLP's hidden layer kept; all compute the same first loss (they
+    differ in speed, not in what they compute)."""
     variants = (
         "current,rev:HEAD,block8,autodiff_gate,recomputed_rope,windowed_reductions,"
-        "hoisted_mask+windowed_reductions"
+        "hoisted_mask+windowed_reductions,kept_activation"
     )
     records, _ = _quick("step_ab.py", "--variants", variants)
     assert [r["variant"] for r in records] == variants.split(",")

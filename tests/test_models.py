@@ -867,3 +867,40 @@ def test_scanned_layers_build_the_attention_mask_in_the_loop(hoisted, monkeypatc
     assert consts  # the layers' scan (and its transpose)
     score_sized = [c for c in consts if c.ndim >= 3 and c.shape[-2:] == (32, 32)]
     assert bool(score_sized) == hoisted, score_sized
+
+
+def _scan_outputs(jaxpr: jax.extend.core.Jaxpr) -> list:
+    """The avals of the stacked outputs of the first `scan` in `jaxpr` (or below)."""
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "scan":
+            return [v.aval for v in eqn.outvars[eqn.params["num_carry"] :]]
+        for param in eqn.params.values():
+            inner = getattr(param, "jaxpr", param)
+            if isinstance(inner, jax.extend.core.Jaxpr) and (
+                out := _scan_outputs(inner)
+            ):
+                return out
+    return []
+
+
+@pytest.mark.parametrize("kept", [False, True])
+def test_scanned_layers_recompute_the_mlp_hidden_layer(kept, monkeypatch):
+    """The gated MLP's hidden layer `act(gate) * up` is recomputed for the down
+    projection's gradient (`gated_down`), so scanned layers stack two
+    `[tokens, intermediate]` residuals per layer (gate and up), not three;
+    `kept=True` applies the down projection plainly and sees the third."""
+    from eqtrain.losses import causal_lm_loss
+    from eqtrain.models import _decoder_blocks as blocks
+
+    if kept:
+        monkeypatch.setattr(
+            blocks,
+            "gated_down",
+            lambda lin, act, g, u, k: lin(blocks.gated(act, g, u), key=k),
+        )
+    model = Llama(dataclasses.replace(TINY, scan_layers=True), jr.key(0))
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, 37, (4, 33)), jnp.int32)
+    batch = {"tokens": tokens[:, :-1], "targets": tokens[:, 1:]}
+    jaxpr = jax.make_jaxpr(jax.grad(lambda m, b: causal_lm_loss(m, b)[0]))(model, batch)
+    hidden = [a for a in _scan_outputs(jaxpr.jaxpr) if a.shape[-2:] == (32, 24)]
+    assert len(hidden) == (3 if kept else 2), hidden

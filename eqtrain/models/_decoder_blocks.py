@@ -210,7 +210,20 @@ class GatedMLP(eqx.Module):
     def __call__(self, x: Array, *, key: PRNGKeyArray | None = None) -> Array:
         kg, ku, kd = split_key(key, 3)
         gate, up = fused_linears((self.gate_proj, self.up_proj), x, (kg, ku))
-        return self.down_proj(gated(self.act, gate, up), key=kd)
+        return gated_down(self.down_proj, self.act, gate, up, kd)
+
+
+def gated_down(
+    down_proj: AnyLinear, act: str, gate: Array, up: Array, key: PRNGKeyArray | None
+) -> Array:
+    """`down_proj(gated(act, gate, up))` with the hidden layer recomputed for
+    the down projection's weight gradient rather than kept (`jax.checkpoint`,
+    without `prevent_cse`): under scanned layers every kept value is stacked,
+    zero-filled, copied in and copied back out each step, and this one is
+    cheap to make again from `gate` and `up`, which the backward pass keeps
+    anyway. Unrolled, XLA merges the recomputation with the forward pass."""
+    down = lambda lin, g, u, k: lin(gated(act, g, u), key=k)
+    return jax.checkpoint(down, prevent_cse=False)(down_proj, gate, up, key)
 
 
 class FusedGatedMLP(eqx.Module):
@@ -231,7 +244,7 @@ class FusedGatedMLP(eqx.Module):
     def __call__(self, x: Array, *, key: PRNGKeyArray | None = None) -> Array:
         ku, kd = split_key(key, 2)
         gate, up = jnp.split(self.gate_up_proj(x, key=ku), 2, axis=-1)
-        return self.down_proj(gated(self.act, gate, up), key=kd)
+        return gated_down(self.down_proj, self.act, gate, up, kd)
 
 
 class PlainMLP(eqx.Module):
