@@ -9,15 +9,17 @@ as the softmax around it. A reduction over at most 32 elements is left as it
 is and takes its elementwise producer in (the mask and scale before a max, the
 square before a norm's sum).
 
-So `row_sum` and `row_max` split the last axis as `[n / c, c]`, `c` the largest
-divisor of `n` up to 32, reduce over `c`, and again until at most 32 remain: the
-sum adds in the same pieces of 32 as the rewrite would. XLA merges a reduction
-of a reduction that starts from the same value back into one (which the rewrite
-then splits again), so the last reduction starts from another value that gives
-the same result: `-0.0` for a sum (`x + -0.0 == x`), the largest negative
-float for a maximum (finite rows; a row of `-inf` gives that float instead of
-`-inf`). A length with no divisor up to 32 (a prime past 32) is reduced as it
-is, and so is the rest of an axis once no such divisor remains.
+So `row_sum` and `row_max` split the last axis into factors of at most 32
+(`_factors`), keep the innermost (32 lanes where `n` allows) while they reduce
+the others one by one, then reduce the lanes: each reduction is vectorised
+across the lanes. XLA merges a reduction of a reduction that starts from the
+same value back into one (which the rewrite then splits again), so the
+reductions alternate two start values that give the same result: `0.0` and
+`-0.0` for a sum (`x + -0.0 == x`), `-inf` and the largest negative float for a
+maximum (finite rows; a row of `-inf` may give that float instead of `-inf`).
+The start values are arrays: `lax.reduce` would turn a Python `-0.0` into a
+plain sum that starts from 0. A factor past 32 with no divisor up to 32 (a
+prime) is reduced as it is, and XLA rewrites that one.
 
 This holds where XLA:CPU runs reductions itself: under `eqtrain.tune_cpu`'s
 settings on processor B (`--xla_cpu_experimental_ynn_fusion_type=`, empty).
