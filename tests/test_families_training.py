@@ -287,7 +287,10 @@ def _train(model, axes=None, num_steps=STEPS, trainable=True):
     return np.asarray(jax.device_get(out)), state
 
 
-@pytest.mark.parametrize("variant", _only("gemma2", MODEL_TYPES))
+# Every family under `nox -s slow`; the default suite's 2x2x2 mesh check is
+# test_sharding's Llama (the decoder's rules are shared by every family here).
+@pytest.mark.slow
+@pytest.mark.parametrize("variant", MODEL_TYPES)
 def test_2x2x2_mesh_training_equals_one_device(variant, tmp_path):
     model = _imported(variant, tmp_path, vocab_size=384)
     reference, ref_state = _train(model)

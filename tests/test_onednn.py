@@ -406,7 +406,10 @@ def _train(seq, steps=3):
 
 
 @needs_onednn
-@pytest.mark.parametrize("seq", [64, 1024])
+@pytest.mark.parametrize(
+    "seq",  # the default suite: 64; `nox -s slow`: 1024 (the causal blocks) too
+    [64, pytest.param(1024, marks=pytest.mark.slow)],
+)
 def test_a_llama_step_trains_with_onednn_as_with_eigen(onednn, monkeypatch, seq):
     """The Llama's step runs every product in oneDNN, at 1,024 tokens too
     (eight causal blocks, whose key and value gradients `key_ranges` adds
