@@ -18,15 +18,19 @@ different position. Two sizes (`--size`): a ~14 ms and a ~5-7 ms step on two
 cores. It prints one JSON line per size:
 
     {"size", "source", "steps", "batch", "seq_len", "rows", "step_ms",
-     "loader_tokens_per_s", "list_tokens_per_s", "ratio", "ratio_of_medians"}
+     "loader_tokens_per_s", "list_tokens_per_s", "ratio", "quartiles",
+     "ratio_of_medians"}
 
 `ratio` is the median over rounds of the per-round loader / list throughput: 1.0
-means the loader costs nothing. Per-round rates go to stderr.
+means the loader costs nothing; `quartiles` are those ratios' first and third
+quartiles. On a shared 2-core machine single rounds of a ~10 ms step scatter by
+±5%, so the median needs about 20 rounds to settle within 1%. Per-round rates
+go to stderr.
 
 Usage (CPU):
 
     JAX_PLATFORMS=cpu .venv/bin/python benchmarks/data.py [--size both]
-        [--steps N] [--rounds 9] [--prefetch 2] [--source memory|store] [--quick]
+        [--steps N] [--rounds 21] [--prefetch 2] [--source memory|store] [--quick]
 
 `--source store` reads the rows from the tokenized store of the same corpus
 (`eqtrain.data.prepare("stdlib", ...)`, memory-mapped) instead of numpy arrays:
@@ -170,8 +174,17 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any]:
         "loader_tokens_per_s": round(loader_rate, 1),
         "list_tokens_per_s": round(list_rate, 1),
         "ratio": round(statistics.median(paired), 4),
+        "quartiles": [round(q, 4) for q in _quartiles(paired)],
         "ratio_of_medians": round(loader_rate / list_rate, 4),
     }
+
+
+def _quartiles(values: list[float]) -> list[float]:
+    """The first and third quartiles of `values` (the value itself if one)."""
+    if len(values) < 2:
+        return values * 2
+    q = statistics.quantiles(values, n=4)
+    return [q[0], q[2]]
 
 
 def _check(step: eqtrain.Jitted, results: dict, rates: dict) -> None:
@@ -219,7 +232,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         if args.quick
         else (["14ms", "5ms"] if args.size == "both" else [args.size])
     )
-    args.rounds = args.rounds or (2 if args.quick else 9)
+    args.rounds = args.rounds or (2 if args.quick else 21)
     return args
 
 

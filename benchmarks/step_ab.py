@@ -30,7 +30,10 @@ applies both changes):
   XLA:CPU rewrites into an unfused `reduce-window` of 32 and a reduction of
   the windows, as before `eqtrain._reduce`;
 - `kept_activation`: the gated MLP's hidden layer kept for the down
-  projection's gradient (not recomputed by `_decoder_blocks.gated_down`);
+  projection's gradient (not recomputed by `_decoder_mlps.gated_down`);
+- `kept_norms`: the norms' outputs kept for the first projections' weight
+  gradients (not made again by `_decoder_mlps.normed`; under
+  `--scan-layers` only: unrolled layers do not fold them);
 - `hoisted_mask`: the attention mask and masked score not tied to the
   queries (`_attention._in_layer` made the identity), so that under
   `--scan-layers` JAX computes their broadcasts before the loop and every
@@ -38,7 +41,8 @@ applies both changes):
 
 It prints the machine line, then one JSON line per variant:
 {"variant", "step_ms" (median), "ratio" (median of reference / variant per
-pair), "quartiles", "pairs", "cpu_products", "first_loss"}.
+pair), "quartiles", "pairs", "cpu_products", "first_loss", "temp_mib" (the
+compiled step's temporary memory, XLA's `memory_analysis()`)}.
 
 Usage (CPU; needs git for `rev:`):
 
@@ -70,6 +74,7 @@ import eqtrain
 import eqtrain._reduce as reduce
 import eqtrain.models._attention as attention
 import eqtrain.models._decoder_blocks as blocks
+import eqtrain.models._decoder_mlps as mlps
 import eqtrain.models._rope as rope
 from eqtrain.models import Llama
 from eqtrain.models._layers import ACTIVATIONS
@@ -104,7 +109,7 @@ def _autodiff_gate(act: str, gate: Any, up: Any) -> Any:
 def variant(name: str) -> Iterator[None]:
     """The model's code changed as `name` says (changes joined by `+` all
     apply), while the step is traced."""
-    modules = (attention, blocks, rope, reduce)
+    modules = (attention, blocks, mlps, rope, reduce)
     saved = [dict(vars(module)) for module in modules]
     try:
         for part in name.split("+"):
@@ -123,17 +128,20 @@ def _change(name: str) -> None:
         attention.causal_block_size = lambda seq: size
     elif name.startswith("rev:"):
         attention.causal_blocks = old_attention(name[4:]).causal_blocks
-        blocks.gated = _autodiff_gate
+        mlps.gated = _autodiff_gate
     elif name == "autodiff_gate":
-        blocks.gated = _autodiff_gate
+        mlps.gated = _autodiff_gate
     elif name == "recomputed_rope":
         rope.stored_once = lambda *tables: tables
     elif name == "windowed_reductions":
         reduce.windowed = lambda: False
     elif name == "kept_activation":
-        blocks.gated_down = lambda lin, act, g, u, k: lin(
-            blocks.gated(act, g, u), key=k
+        mlps.gated_down = lambda lin, act, g, u, k: lin(mlps.gated(act, g, u), key=k)
+    elif name == "kept_norms":
+        kept = lambda norm, fn, x, *args, name=None: fn(
+            x if norm is None else norm(x), *args
         )
+        blocks.normed = mlps.normed = kept
     elif name == "hoisted_mask":
         attention._in_layer = lambda q, keep: (q, keep, attention._MASKED)
     elif name != "current":
@@ -169,11 +177,13 @@ def main(argv: list[str] | None = None) -> None:
                 state, metrics = runner.step(state, b)
                 first = float(metrics["loss"]) if first is None else first
             jax.block_until_ready(state)
-        runs[name] = [runner, state, first]
+            compiled = runner.step.lower(state, runner.batches[0]).compile()
+            temp = compiled.memory_analysis().temp_size_in_bytes
+        runs[name] = [runner, state, first, temp]
     times: dict[str, list[float]] = {name: [] for name in names}
     for i in range(pairs):
         for name in names if i % 2 == 0 else names[::-1]:
-            runner, state, _ = runs[name]
+            runner, state = runs[name][:2]
             b = runner.batches[i % len(runner.batches)]
             start = time.perf_counter()
             state, _ = runner.step(state, b)
@@ -195,6 +205,7 @@ def main(argv: list[str] | None = None) -> None:
             "pairs": pairs,
             "cpu_products": runs[name][0].step.cpu_products,
             "first_loss": runs[name][2],
+            "temp_mib": round(runs[name][3] / 2**20, 3),
         }
         print(json.dumps(record), flush=True)
 

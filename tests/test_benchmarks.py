@@ -228,18 +228,21 @@ def test_step_ab_quick():
     """Variants of the model's code compiled side by side: the attention of an
     older revision, a fixed block size, the gate by autodiff, the rotary tables
     recomputed, the reductions whole and the mask hoisted (alone and joined by
-    `+`), the MLP's hidden layer kept; all compute the same first loss (they
-    differ in speed, not in what they compute)."""
+    `+`), the MLP's hidden layer kept, the norms' outputs kept (scanned
+    layers); all compute the same first loss (they differ in speed and memory,
+    not in what they compute), and keeping the norms' outputs takes more
+    temporary memory."""
     variants = (
         "current,rev:HEAD,block8,autodiff_gate,recomputed_rope,windowed_reductions,"
-        "hoisted_mask+windowed_reductions,kept_activation"
+        "hoisted_mask+windowed_reductions,kept_activation,kept_norms"
     )
-    records, _ = _quick("step_ab.py", "--variants", variants)
+    records, _ = _quick("step_ab.py", "--variants", variants, "--scan-layers")
     assert [r["variant"] for r in records] == variants.split(",")
     assert records[0]["ratio"] == 1.0
     losses = [r["first_loss"] for r in records]
     assert max(losses) - min(losses) <= 1e-5 * abs(losses[0])
     assert all(r["step_ms"] > 0 and r["pairs"] == 4 for r in records)
+    assert records[-1]["temp_mib"] > records[0]["temp_mib"] > 0
 
 
 @pytest.mark.slow  # the default suite's time: `nox -s slow`

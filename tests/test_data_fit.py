@@ -139,4 +139,6 @@ def test_data_benchmark_quick():
     assert proc.returncode == 0, proc.stderr[-3000:]
     record = json.loads(proc.stdout.strip().splitlines()[-1])
     assert record["loader_tokens_per_s"] > 0 and record["list_tokens_per_s"] > 0
+    low, high = record["quartiles"]
+    assert 0 < low <= record["ratio"] <= high
     assert "warning" not in proc.stderr

@@ -890,13 +890,13 @@ def test_scanned_layers_recompute_the_mlp_hidden_layer(kept, monkeypatch):
     `[tokens, intermediate]` residuals per layer (gate and up), not three;
     `kept=True` applies the down projection plainly and sees the third."""
     from eqtrain.losses import causal_lm_loss
-    from eqtrain.models import _decoder_blocks as blocks
+    from eqtrain.models import _decoder_mlps as mlps
 
     if kept:
         monkeypatch.setattr(
-            blocks,
+            mlps,
             "gated_down",
-            lambda lin, act, g, u, k: lin(blocks.gated(act, g, u), key=k),
+            lambda lin, act, g, u, k: lin(mlps.gated(act, g, u), key=k),
         )
     model = Llama(dataclasses.replace(TINY, scan_layers=True), jr.key(0))
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, 37, (4, 33)), jnp.int32)
@@ -904,3 +904,55 @@ def test_scanned_layers_recompute_the_mlp_hidden_layer(kept, monkeypatch):
     jaxpr = jax.make_jaxpr(jax.grad(lambda m, b: causal_lm_loss(m, b)[0]))(model, batch)
     hidden = [a for a in _scan_outputs(jaxpr.jaxpr) if a.shape[-2:] == (32, 24)]
     assert len(hidden) == (3 if kept else 2), hidden
+
+
+def _kept_norms(norm, fn, x, *args, name=None):
+    """`_decoder_mlps.normed` without the fold: the norm applied plainly."""
+    return fn(x if norm is None else norm(x), *args)
+
+
+@pytest.mark.parametrize(
+    "kept",
+    [False, pytest.param(True, marks=pytest.mark.slow)],  # default-suite time
+)
+def test_scanned_layers_recompute_the_norms(kept, monkeypatch):
+    """Scanned layers without remat fold each norm into its sublayer's first
+    projections (`normed`): the backward pass makes the norm's output again
+    from the residual stream, so the scan stacks one `[tokens, hidden]` value
+    per norm (its input) instead of three (its input, the normalised values
+    and the output the projections' weight gradients read); `kept=True` sees
+    the two more per norm. The products are not computed again (the compiled
+    gradient has as many as with the norms kept), and the gradient is the
+    unrolled model's, which does not fold."""
+    from eqtrain.losses import causal_lm_loss
+    from eqtrain.models import _decoder_blocks as blocks, _decoder_mlps as mlps
+
+    def keep_norms():
+        for module in (blocks, mlps):
+            monkeypatch.setattr(module, "normed", _kept_norms)
+
+    if kept:
+        keep_norms()
+    model = Llama(dataclasses.replace(TINY, scan_layers=True), jr.key(0))
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, 37, (4, 33)), jnp.int32)
+    batch = {"tokens": tokens[:, :-1], "targets": tokens[:, 1:]}
+    grad = jax.grad(lambda m, b: causal_lm_loss(m, b)[0])
+    jaxpr = jax.make_jaxpr(grad)(model, batch)
+    stream = [a for a in _scan_outputs(jaxpr.jaxpr) if a.shape[1:] == (4, 32, 16)]
+    # two norms per block; besides them the attention's output (o_proj's input)
+    assert len(stream) == (7 if kept else 3), stream
+    # kept, the first projections' concatenated weights are stacked too
+    weights = [
+        a for a in _scan_outputs(jaxpr.jaxpr) if a.shape in ((2, 32, 16), (2, 48, 16))
+    ]
+    assert len(weights) == (2 if kept else 0), weights
+    grads = grad(model, batch)
+    want = grad(model.with_options(scan_layers=False), batch)
+    products = lambda: (
+        jax.jit(grad).lower(model, batch).compile().as_text().count(" dot(")
+    )
+    got = products()
+    keep_norms()
+    assert got == products() > 0
+    for a, b in zip(jtu.tree_leaves(grads), jtu.tree_leaves(want), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)

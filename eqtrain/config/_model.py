@@ -127,7 +127,8 @@ class ModelConfig:
     )
     remat: str = setting(
         "none",
-        "Activation checkpointing of each block: `none` keeps every activation; "
+        "Activation checkpointing of each block: `none` keeps every activation "
+        "(scanned layers make their norms' outputs again: a norm's cost); "
         "`full` keeps each block's input and recomputes the rest; `dots` / "
         "`dots_no_batch` keep matmul outputs (without: attention's); `save_qkv` "
         "keeps q/k/v; `save_out` keeps the attention output; `offload_layer_input` "

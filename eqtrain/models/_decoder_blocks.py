@@ -1,7 +1,8 @@
 """One block of the decoder (`DecoderLayer`, `self_attn` and `mlp` in Hugging
 Face's names): grouped-query attention with rotary embeddings, a dense MLP in
 one of three shapes or a `SparseMoE`, and the norms around them, built from a
-`DecoderConfig`. The model that stacks them: `decoder.Decoder`.
+`DecoderConfig`. The model that stacks them: `decoder.Decoder`; the dense MLPs
+and the norm folded into a sublayer (`normed`): `_decoder_mlps`.
 """
 
 import dataclasses
@@ -11,22 +12,27 @@ from typing import Any
 
 import equinox as eqx
 import jax
-import jax.numpy as jnp
 import jax.random as jr
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from .._rows import vmap_rows
 from ._cache import CacheStep, cached_attention, write
 from ._decoder_config import DecoderConfig
+from ._decoder_mlps import (
+    _MLPS,
+    AnyNorm,
+    FusedGatedMLP,
+    GatedMLP,
+    PlainMLP,
+    config_linear,
+    normed,
+)
 from ._layers import (
-    ACTIVATIONS,
     AnyLinear,
     LayerNorm,
-    Linear,
     RMSNorm,
     as_dtype,
     fused_linears,
-    gated,
     split_key,
     tiled,
 )
@@ -42,14 +48,6 @@ def config_norm(config: DecoderConfig, dim: int) -> RMSNorm | LayerNorm:
     if config.norm == "layer":
         return LayerNorm(dim, eps=eps, dtype=dtype)
     return RMSNorm(dim, eps=eps, dtype=dtype, plus_one=config.norm == "rms_one")
-
-
-def config_linear(
-    config: DecoderConfig, d_in: int, d_out: int, bias: bool, key: Any
-) -> Linear:
-    """A projection with `config`'s initialisation and parameter dtype."""
-    std, dtype = config.initializer_range, as_dtype(config.param_dtype)
-    return Linear(d_in, d_out, use_bias=bias, std=std, dtype=dtype, key=key)
 
 
 class Attention(eqx.Module):
@@ -90,10 +88,12 @@ class Attention(eqx.Module):
         x: Float[Array, "seq hidden"],
         rope: tuple[Array, Array] | None,
         keys: list[Any],
+        norm: AnyNorm | None = None,
     ) -> tuple[Array, Array, Array]:
         """`(q [seq, heads, head_dim], k, v [seq, kv_heads, head_dim])`: the
-        projections with their norms and rotary embedding applied."""
-        q, k, v = self._qkv(x, keys)
+        projections with their norms and rotary embedding applied (`norm`:
+        the block's input norm, applied to `x` first, see `normed`)."""
+        q, k, v = normed(norm, lambda y, attn, ks: attn._qkv(y, ks), x, self, keys)
         if self.qk_norm == "full":
             q, k = self.q_norm(q), self.k_norm(k)  # pyright: ignore
         q, k, v = self._split_heads(q, k, v)
@@ -127,10 +127,12 @@ class Attention(eqx.Module):
         segment_ids: Int[Array, " seq"] | None,
         positions: Int[Array, " seq"] | None,
         key: PRNGKeyArray | None = None,
+        norm: AnyNorm | None = None,
     ) -> Float[Array, "seq hidden"]:
-        """`rope`: the `(cos, sin)` tables of this layer (`None`: no rotation)."""
+        """`rope`: the `(cos, sin)` tables of this layer (`None`: no rotation).
+        `norm`: the block's input norm, to apply to `x` first (`normed`)."""
         kq, kk, kv, ko = split_key(key, 4)
-        q, k, v = self.project(x, rope, [kq, kk, kv])
+        q, k, v = self.project(x, rope, [kq, kk, kv], norm)
         q, k = name_activation(q, "query"), name_activation(k, "key")
         v = name_activation(v, "value")
         out = attend(
@@ -190,87 +192,6 @@ def _qk_norms(config: DecoderConfig) -> tuple[Any, Any]:
     return None, None
 
 
-class GatedMLP(eqx.Module):
-    """`down_proj(act(gate_proj(x)) * up_proj(x))` (SwiGLU with `silu`)."""
-
-    gate_proj: AnyLinear
-    up_proj: AnyLinear
-    down_proj: AnyLinear
-    act: str = eqx.field(static=True)
-
-    def __init__(self, config: DecoderConfig, key: PRNGKeyArray):
-        kg, ku, kd = jr.split(key, 3)
-        d, f, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
-        self.gate_proj = config_linear(config, d, f, bias, kg)
-        self.up_proj = config_linear(config, d, f, bias, ku)
-        self.down_proj = config_linear(config, f, d, bias, kd)
-        self.act = config.hidden_act
-
-    @jax.named_scope("mlp")
-    def __call__(self, x: Array, *, key: PRNGKeyArray | None = None) -> Array:
-        kg, ku, kd = split_key(key, 3)
-        gate, up = fused_linears((self.gate_proj, self.up_proj), x, (kg, ku))
-        return gated_down(self.down_proj, self.act, gate, up, kd)
-
-
-def gated_down(
-    down_proj: AnyLinear, act: str, gate: Array, up: Array, key: PRNGKeyArray | None
-) -> Array:
-    """`down_proj(gated(act, gate, up))` with the hidden layer recomputed for
-    the down projection's weight gradient rather than kept (`jax.checkpoint`,
-    without `prevent_cse`): under scanned layers every kept value is stacked,
-    zero-filled, copied in and copied back out each step, and this one is
-    cheap to make again from `gate` and `up`, which the backward pass keeps
-    anyway. Unrolled, XLA merges the recomputation with the forward pass."""
-    down = lambda lin, g, u, k: lin(gated(act, g, u), key=k)
-    return jax.checkpoint(down, prevent_cse=False)(down_proj, gate, up, key)
-
-
-class FusedGatedMLP(eqx.Module):
-    """The gated MLP with gate and up in one `gate_up_proj` (gate first: Phi-3)."""
-
-    gate_up_proj: AnyLinear
-    down_proj: AnyLinear
-    act: str = eqx.field(static=True)
-
-    def __init__(self, config: DecoderConfig, key: PRNGKeyArray):
-        ku, kd = jr.split(key)
-        d, f, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
-        self.gate_up_proj = config_linear(config, d, 2 * f, bias, ku)
-        self.down_proj = config_linear(config, f, d, bias, kd)
-        self.act = config.hidden_act
-
-    @jax.named_scope("mlp")
-    def __call__(self, x: Array, *, key: PRNGKeyArray | None = None) -> Array:
-        ku, kd = split_key(key, 2)
-        gate, up = jnp.split(self.gate_up_proj(x, key=ku), 2, axis=-1)
-        return gated_down(self.down_proj, self.act, gate, up, kd)
-
-
-class PlainMLP(eqx.Module):
-    """`c_proj(act(c_fc(x)))` (StarCoder2)."""
-
-    c_fc: AnyLinear
-    c_proj: AnyLinear
-    act: str = eqx.field(static=True)
-
-    def __init__(self, config: DecoderConfig, key: PRNGKeyArray):
-        ku, kd = jr.split(key)
-        d, f, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
-        self.c_fc = config_linear(config, d, f, bias, ku)
-        self.c_proj = config_linear(config, f, d, bias, kd)
-        self.act = config.hidden_act
-
-    @jax.named_scope("mlp")
-    def __call__(self, x: Array, *, key: PRNGKeyArray | None = None) -> Array:
-        ku, kd = split_key(key, 2)
-        return self.c_proj(ACTIVATIONS[self.act](self.c_fc(x, key=ku)), key=kd)
-
-
-_MLPS = {"gated": GatedMLP, "fused_gated": FusedGatedMLP, "plain": PlainMLP}
-AnyNorm = RMSNorm | LayerNorm
-
-
 def _sparse_mlp(config: DecoderConfig, key: PRNGKeyArray) -> SparseMoE:
     shared = None
     if config.shared_expert_intermediate_size is not None:
@@ -327,30 +248,45 @@ class DecoderLayer(eqx.Module):
     def _forward(
         self,
         x: Array,
-        attn: Callable[[Array], tuple[Array, Any]],
-        mlp: Callable[[Array], tuple[Array, Any]],
+        attn: Callable[[Array, Any], tuple[Array, Any]],
+        mlp: Callable[[Array, Any], tuple[Array, Any]],
+        fold: bool = False,
     ) -> tuple[Array, Any, Any]:
         """The block around its two sublayers: `attn` (which returns its output
         and anything else, e.g. an updated cache) and `mlp` (its output and its
-        router statistics, or None). Returns `(x, mlp's extra, attn's extra)`."""
-        attn_in = x if self.input_layernorm is None else self.input_layernorm(x)
-        h, attn_extra = attn(attn_in)
+        router statistics, or None). Returns `(x, mlp's extra, attn's extra)`.
+
+        Each sublayer is called as `(input, norm)`: with `fold`, the residual
+        stream and the norm for the sublayer to apply inside its first
+        projections (`normed`); else the normed input and None. A `SparseMoE`
+        always gets its input normed (its router and experts share it)."""
+        pre = self.input_layernorm
+        if fold and pre is not None:
+            h, attn_extra = attn(x, pre)
+        else:
+            h, attn_extra = attn(x if pre is None else pre(x), None)
         if self.block != "pre":
             h = self.post_attention_layernorm(h)  # pyright: ignore
         x = self._add(x, h)
-        h, aux = mlp(name_activation(self._mlp_input(x), "mlp_in"))
+        norm = self._mlp_norm()
+        if fold and norm is not None and not isinstance(self.mlp, SparseMoE):
+            h, aux = mlp(x, norm)
+        else:
+            h, aux = mlp(
+                name_activation(x if norm is None else norm(x), "mlp_in"), None
+            )
         if self.post_feedforward_layernorm is not None:
             h = self.post_feedforward_layernorm(h)
         return self._add(x, name_activation(h, "mlp_out")), aux, attn_extra
 
-    def _mlp_input(self, x: Array) -> Array:
-        """The residual stream normed for the MLP (`post_attention_layernorm` in
-        a pre-norm block, `pre_feedforward_layernorm` in a sandwich), or as it is."""
+    def _mlp_norm(self) -> AnyNorm | None:
+        """The norm before the MLP (`post_attention_layernorm` in a pre-norm
+        block, `pre_feedforward_layernorm` in a sandwich), or None."""
         if self.block == "pre":
-            return self.post_attention_layernorm(x)  # pyright: ignore
+            return self.post_attention_layernorm
         if self.block == "sandwich":
-            return self.pre_feedforward_layernorm(x)  # pyright: ignore
-        return x
+            return self.pre_feedforward_layernorm
+        return None
 
     def __call__(
         self,
@@ -366,8 +302,9 @@ class DecoderLayer(eqx.Module):
         ka, km = split_key(key, 2)
         context = dict(segment_ids=segment_ids, positions=positions, key=ka)
         attention = functools.partial(self.self_attn, window=window, options=options)
-        attn = lambda a: (attention(a, rope, **context), None)
-        return self._forward(x, attn, self._row_mlp(options, km))[0]
+        attn = lambda a, norm: (attention(a, rope, **context, norm=norm), None)
+        mlp = self._row_mlp(options, km)
+        return self._forward(x, attn, mlp, options.fold_norms)[0]
 
     def _row_mlp(
         self, options: RuntimeOptions, key: Any
@@ -375,12 +312,11 @@ class DecoderLayer(eqx.Module):
         """The MLP over one row: tiled over the sequence (`options.mlp_chunks`),
         or a `SparseMoE` (its router statistics dropped)."""
 
-        def mlp(h: Array) -> tuple[Array, None]:
+        def mlp(h: Array, norm: Any) -> tuple[Array, None]:
             if isinstance(self.mlp, SparseMoE):
                 return self.mlp(h, options=options.moe, key=key)[0], None
-            return tiled(
-                lambda c, k: self.mlp(c, key=k), h, options.mlp_chunks, key
-            ), None
+            dense = lambda c, k: self.mlp(c, key=k, norm=norm)  # pyright: ignore
+            return tiled(dense, h, options.mlp_chunks, key), None
 
         return mlp
 
@@ -402,12 +338,15 @@ class DecoderLayer(eqx.Module):
         ka, km = split_key(key, 2)
         row_keys = None if ka is None else jr.split(ka, x.shape[0])
         attention = functools.partial(self.self_attn, window=window, options=options)
-        one = lambda xi, ri, si, pi, ki: attention(
-            xi, ri, segment_ids=si, positions=pi, key=ki
-        )
-        rows = vmap_rows(one)
-        attn = lambda a: (rows(a, rope, segment_ids, positions, row_keys), None)
-        x, aux, _ = self._forward(x, attn, self._flat_mlp(options, segment_ids, km))
+
+        def attn(a: Array, norm: Any) -> tuple[Array, None]:
+            one = lambda xi, ri, si, pi, ki: attention(
+                xi, ri, segment_ids=si, positions=pi, key=ki, norm=norm
+            )
+            return vmap_rows(one)(a, rope, segment_ids, positions, row_keys), None
+
+        mlp = self._flat_mlp(options, segment_ids, km)
+        x, aux, _ = self._forward(x, attn, mlp, options.fold_norms)
         return x, aux
 
     def _flat_mlp(
@@ -416,13 +355,13 @@ class DecoderLayer(eqx.Module):
         """The MLP over every token of `[rows, seq, hidden]` at once; with
         experts it also returns the router statistics (padding left out)."""
 
-        def mlp(h: Array) -> tuple[Array, Any]:
+        def mlp(h: Array, norm: Any) -> tuple[Array, Any]:
             flat = h.reshape(-1, h.shape[-1])
             if isinstance(self.mlp, SparseMoE):
                 valid = None if segment_ids is None else segment_ids.reshape(-1) > 0
                 y, aux = self.mlp(flat, valid=valid, options=options.moe, key=key)
                 return y.reshape(h.shape), aux
-            return self.mlp(flat, key=key).reshape(h.shape), None
+            return self.mlp(flat, key=key, norm=norm).reshape(h.shape), None
 
         return mlp
 
@@ -443,7 +382,7 @@ class DecoderLayer(eqx.Module):
         attn = self.self_attn
         scores = dict(window=window, scale=attn.scale, softcap=attn.softcap)
 
-        def attend_cached(a: Array) -> tuple[Array, tuple[Array, Array]]:
+        def attend_cached(a: Array, _: None) -> tuple[Array, tuple[Array, Array]]:
             q, k, v = jax.vmap(lambda xi, ri: attn.project(xi, ri, [None] * 3))(a, rope)
             new = write(cache, layer, step.slot, k, v)
             out = cached_attention(q, k, v, new, layer=layer, step=step, **scores)

@@ -77,6 +77,10 @@ class RuntimeOptions:
     sequence_layout: str
     mlp_chunks: int
     moe: Any = None
+    fold_norms: bool = False
+    """Each norm computed inside its sublayer's first projections and made
+    again in the backward pass (`_decoder_mlps.normed`): on for scanned
+    layers without remat, whose kept values are stacked and copied each step."""
 
     @classmethod
     def of(cls, config: Any, seq: int, hidden: int) -> "RuntimeOptions":
@@ -89,12 +93,13 @@ class RuntimeOptions:
             sequence_layout=config.sequence_layout,
             mlp_chunks=mlp_chunk_count(config.mlp_chunks, seq, hidden),
             moe=getattr(config, "moe_options", None),
+            fold_norms=bool(config.scan_layers) and config.remat == "none",
         )
 
     def on_one_device(self) -> "RuntimeOptions":
         """These options without sequence parallelism (generation's: the cache
-        holds whole rows)."""
-        return dataclasses.replace(self, sequence_parallel=None)
+        holds whole rows) and without folded norms (nothing is differentiated)."""
+        return dataclasses.replace(self, sequence_parallel=None, fold_norms=False)
 
 
 def check_runtime(config: Any) -> None:

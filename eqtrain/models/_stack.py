@@ -33,7 +33,8 @@ CHECKPOINT_NAMES: dict[str, str] = {
 `jax.ad_checkpoint.checkpoint_name`, which remat policies save or offload."""
 
 REMAT_PRESETS: dict[str, str] = {
-    "none": "no rematerialisation: every activation is kept for the backward pass",
+    "none": "no rematerialisation: every activation is kept for the backward pass "
+    "(scanned layers make their norms' outputs again: `_decoder_mlps.normed`)",
     "full": "keep only each layer's input; recompute the rest in the backward pass",
     "dots": "keep the outputs of matmuls (projections and attention's)",
     "dots_no_batch": "keep the outputs of matmuls without batch dimensions (the "

@@ -26,13 +26,8 @@ from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from ._cache import CacheStep, KVCache, empty_cache, slot_positions
 from ._decoder_blocks import (
-    AnyNorm,
     Attention as Attention,
     DecoderLayer as DecoderLayer,
-    FusedGatedMLP as FusedGatedMLP,
-    GatedMLP as GatedMLP,
-    PlainMLP as PlainMLP,
-    config_linear,
     config_norm,
 )
 from ._decoder_config import (
@@ -45,6 +40,13 @@ from ._decoder_config import (
     DecoderConfig as DecoderConfig,
     LlamaConfig as LlamaConfig,
     flops_per_token as flops_per_token,
+)
+from ._decoder_mlps import (
+    AnyNorm,
+    FusedGatedMLP as FusedGatedMLP,
+    GatedMLP as GatedMLP,
+    PlainMLP as PlainMLP,
+    config_linear,
 )
 from ._layers import AnyLinear, Embedding, as_dtype, head_weight
 from ._masks import default_positions

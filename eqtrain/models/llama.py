@@ -6,12 +6,12 @@ switches (their Hugging Face mappings: `eqtrain.models.archs`)."""
 from ._decoder_blocks import (
     Attention as LlamaAttention,
     DecoderLayer as LlamaDecoderLayer,
-    GatedMLP as LlamaMLP,
 )
 from ._decoder_config import (
     DecoderConfig as LlamaConfig,
     flops_per_token as flops_per_token,
 )
+from ._decoder_mlps import GatedMLP as LlamaMLP
 from ._layers import head_weight as head_weight
 from ._options import RUNTIME_OPTIONS as RUNTIME_OPTIONS
 from .decoder import Decoder as Llama, tensor_parallel_rules as tensor_parallel_rules
