@@ -119,10 +119,8 @@ class FusedGatedMLP(eqx.Module):
     act: str = eqx.field(static=True)
 
     def __init__(self, config: DecoderConfig, key: PRNGKeyArray):
-        ku, kd = jr.split(key)
-        d, f, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
-        self.gate_up_proj = config_linear(config, d, 2 * f, bias, ku)
-        self.down_proj = config_linear(config, f, d, bias, kd)
+        width = 2 * config.intermediate_size
+        self.gate_up_proj, self.down_proj = _in_and_out(config, width, key)
         self.act = config.hidden_act
 
     @jax.named_scope("mlp")
@@ -144,10 +142,8 @@ class PlainMLP(eqx.Module):
     act: str = eqx.field(static=True)
 
     def __init__(self, config: DecoderConfig, key: PRNGKeyArray):
-        ku, kd = jr.split(key)
-        d, f, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
-        self.c_fc = config_linear(config, d, f, bias, ku)
-        self.c_proj = config_linear(config, f, d, bias, kd)
+        width = config.intermediate_size
+        self.c_fc, self.c_proj = _in_and_out(config, width, key)
         self.act = config.hidden_act
 
     @jax.named_scope("mlp")
@@ -159,6 +155,18 @@ class PlainMLP(eqx.Module):
         project = lambda y, mlp, k: mlp.c_fc(y, key=k)
         h = normed(norm, project, x, self, ku, name="mlp_in")
         return self.c_proj(ACTIVATIONS[self.act](h), key=kd)
+
+
+def _in_and_out(
+    config: DecoderConfig, width: int, key: PRNGKeyArray
+) -> tuple[Linear, Linear]:
+    """An MLP's input projection (hidden -> `width`) and its output projection
+    (intermediate -> hidden), drawn from `key` in that order."""
+    ku, kd = jr.split(key)
+    d, f, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
+    return config_linear(config, d, width, bias, ku), config_linear(
+        config, f, d, bias, kd
+    )
 
 
 _MLPS = {"gated": GatedMLP, "fused_gated": FusedGatedMLP, "plain": PlainMLP}
