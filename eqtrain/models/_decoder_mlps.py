@@ -86,7 +86,7 @@ class GatedMLP(eqx.Module):
 
     @jax.named_scope("mlp")
     def __call__(
-        self, x: Array, *, key: PRNGKeyArray | None = None, norm: Any = None
+        self, x: Array, *, key: PRNGKeyArray | None = None, norm: AnyNorm | None = None
     ) -> Array:
         """`norm`: the norm to apply to `x` first (`normed`), or None."""
         kg, ku, kd = split_key(key, 3)
@@ -125,7 +125,7 @@ class FusedGatedMLP(eqx.Module):
 
     @jax.named_scope("mlp")
     def __call__(
-        self, x: Array, *, key: PRNGKeyArray | None = None, norm: Any = None
+        self, x: Array, *, key: PRNGKeyArray | None = None, norm: AnyNorm | None = None
     ) -> Array:
         """`norm`: the norm to apply to `x` first (`normed`), or None."""
         ku, kd = split_key(key, 2)
@@ -148,7 +148,7 @@ class PlainMLP(eqx.Module):
 
     @jax.named_scope("mlp")
     def __call__(
-        self, x: Array, *, key: PRNGKeyArray | None = None, norm: Any = None
+        self, x: Array, *, key: PRNGKeyArray | None = None, norm: AnyNorm | None = None
     ) -> Array:
         """`norm`: the norm to apply to `x` first (`normed`), or None."""
         ku, kd = split_key(key, 2)
