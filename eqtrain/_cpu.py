@@ -105,6 +105,33 @@ def layers_scanned() -> bool:
     return isinstance(choice, _cpu_tuning.Choice) and choice.scan_layers
 
 
+XLA_OWN_PRODUCTS = {
+    "xla_cpu_experimental_ynn_fusion_type": (
+        "LIBRARY_FUSION_TYPE_DOT,LIBRARY_FUSION_TYPE_REDUCE"
+    ),
+}
+"""XLA's default YNNPACK fusions in this jaxlib (products and reductions), as
+one compilation's options: they undo `EIGEN_DOTS` for that compilation
+(`tests/test_generate_cpu.py` compiles generation both ways and compares)."""
+
+
+def generation_options() -> dict[str, str]:
+    """XLA options for compiling generation on the CPU: XLA's own products
+    (`XLA_OWN_PRODUCTS`) where `tune_cpu` put Eigen's into `XLA_FLAGS`, else
+    none. `tune_cpu` measured a training step; a decode step multiplies one
+    row per prompt, and there YNNPACK's products ran 3x faster than Eigen's
+    (docs/generation.md). Flags the user set stand (`tune_cpu` then chose
+    nothing)."""
+    choice = _state["choice"]
+    if not isinstance(choice, _cpu_tuning.Choice):
+        return {}
+    if XLA_CPU_FLAG not in choice.process_flags.split():
+        return {}
+    import jax
+
+    return dict(XLA_OWN_PRODUCTS) if jax.default_backend() == "cpu" else {}
+
+
 def cpu_settings() -> str:
     """What `tune_cpu` chose for XLA in this process, in one line."""
     choice = _state["choice"]
@@ -145,9 +172,10 @@ def tune_cpu(
     up the CPU backend; on a GPU or TPU host they change nothing the device
     runs. Products computed by Eigen round differently from YNNPACK's (within
     f32 tolerances), so a CPU result changes in its last bits with the flags.
-    `dots=False` leaves XLA's dots alone (the allocator only): generation's
-    one-row-per-prompt products ran 3x faster with YNNPACK than with Eigen
-    (docs/generation.md), so `eqtrain generate` does so.
+    `dots=False` leaves XLA's dots alone (the allocator only), as `eqtrain
+    generate` does. Generation compiles with XLA's own products whatever was
+    chosen here (`generation_options`): its one-row-per-prompt products ran 3x
+    faster with YNNPACK than with Eigen (docs/generation.md).
 
     Example:
         >>> import eqtrain
