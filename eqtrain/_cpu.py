@@ -35,10 +35,12 @@ a script calls it before its first JAX computation.
 
 import ctypes
 import ctypes.util
+import functools
 import os
 import sys
 import warnings
 from collections.abc import Callable, MutableMapping
+from typing import Any
 
 from . import _cpu_tuning, _onednn
 
@@ -130,6 +132,30 @@ def generation_options() -> dict[str, str]:
     import jax
 
     return dict(XLA_OWN_PRODUCTS) if jax.default_backend() == "cpu" else {}
+
+
+def generation_jit(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """`eqx.filter_jit(fn)`, compiled with `generation_options()`: on the CPU,
+    XLA's own products even where `tune_cpu` chose Eigen's for training
+    (`eqtrain.generate`'s compiled functions). The options are looked up at
+    each call, since `tune_cpu` may run after the module is imported."""
+    versions: dict[tuple[tuple[str, str], ...], Any] = {}
+
+    def jitted() -> Any:
+        import equinox as eqx
+
+        options = generation_options()
+        key = tuple(sorted(options.items()))
+        if key not in versions:
+            versions[key] = eqx.filter_jit(fn, compiler_options=options or None)
+        return versions[key]
+
+    @functools.wraps(fn)
+    def call(*args: Any) -> Any:
+        return jitted()(*args)
+
+    call.lower = lambda *args: jitted().lower(*args)  # type: ignore[attr-defined]
+    return call
 
 
 def cpu_settings() -> str:

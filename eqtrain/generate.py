@@ -25,7 +25,6 @@ greedy decoding. The log-probabilities are of the sampled token under
 """
 
 import dataclasses
-import functools
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NamedTuple
 
@@ -37,30 +36,9 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
-from ._cpu import generation_options
+from ._cpu import generation_jit
 from ._errors import ConfigError
 from .losses import vocab_mask
-
-
-def _compiled(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """`eqx.filter_jit(fn)`, compiled with `generation_options()`: on the CPU,
-    XLA's own products even where `tune_cpu` chose Eigen's for training. Looked
-    up at each call, since `tune_cpu` may run after this module is imported."""
-    versions: dict[tuple[tuple[str, str], ...], Any] = {}
-
-    def jitted() -> Any:
-        options = generation_options()
-        key = tuple(sorted(options.items()))
-        if key not in versions:
-            versions[key] = eqx.filter_jit(fn, compiler_options=options or None)
-        return versions[key]
-
-    @functools.wraps(fn)
-    def call(*args: Any) -> Any:
-        return jitted()(*args)
-
-    call.lower = lambda *args: jitted().lower(*args)  # type: ignore[attr-defined]
-    return call
 
 
 _WANTED = {
@@ -347,7 +325,7 @@ def _run_until(
     return jax.lax.while_loop(more, lambda st: _advance(model, prompts, key, st, s), st)
 
 
-@_compiled
+@generation_jit
 def _generate(
     model: Any,
     prompts: Int[Array, "rows prompt"],
@@ -439,14 +417,14 @@ def _check_lengths(lengths: np.ndarray, width: int) -> None:
         )
 
 
-@_compiled
+@generation_jit
 def _stream_start(
     model: Any, prompts: Array, lengths: Array, key: PRNGKeyArray, s: _Settings
 ) -> _Loop:
     return _prefill(model, prompts, lengths, key, s)
 
 
-@_compiled
+@generation_jit
 def _stream_more(
     model: Any, prompts: Array, key: PRNGKeyArray, st: _Loop, chunk: int, s: _Settings
 ) -> _Loop:
