@@ -62,14 +62,23 @@ CANDIDATES = {
     "onednn_dots": f"{EIGEN_DOTS} {ONEDNN_FLAGS}",  # eqtrain.jit's steps by oneDNN
 }
 """The XLA flag sets measured, by name. `eigen_dots_512` and `onednn_dots`
-only where the processor has AVX-512 (`ONEDNN_ISA`); `onednn_dots` only with
-a verified jaxlib (`ONEDNN_JAXLIB`)."""
-ONEDNN_ISA = "avx512f"
-"""oneDNN's products are a candidate only with AVX-512: there they trained the
-Llama step as Eigen's did to f32 rounding (`tests/test_onednn.py`); with
-oneDNN held to AVX2 (`ONEDNN_MAX_CPU_ISA=AVX2` on processor B) a step's first
-loss, before any update, differed from Eigen's by 3e-5 relative, ten times
-what its products' rounding explains, which is not understood."""
+only where the processor has AVX-512; `onednn_dots` only where oneDNN may
+run its AVX-512 kernels (`ONEDNN_ISA`, `ONEDNN_ISA_ENV`) and with a verified
+jaxlib (`ONEDNN_JAXLIB`)."""
+ONEDNN_ISA = ("avx512f", "avx512bw", "avx512vl")
+"""oneDNN's products are a candidate only where oneDNN runs its AVX-512
+kernels (`brg_matmul:avx512_core`, which needs these three): there they
+train the Llama step as Eigen's do, to f32 rounding (`tests/test_onednn.py`).
+Its older kernels (`gemm:jit:f32`, chosen on AVX2-only processors or under
+`ONEDNN_MAX_CPU_ISA=AVX2`) corrupt the heap in this jaxlib's fusions. On
+processor B held to AVX2, the tests' Llama at 1,024 tokens died in 3 of 4
+runs of three steps (`double free or corruption`, a segmentation fault), and
+its forward pass alone aborted or hung; at full ISA 6 of 6 runs matched."""
+ONEDNN_ISA_ENV = ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA")
+"""The variables that hold oneDNN below the processor's ISA. A value that
+still allows `avx512_core` (`ONEDNN_ISA_ALLOWED`) keeps oneDNN a candidate;
+any other (`AVX2`, a typo oneDNN would ignore) leaves it out."""
+ONEDNN_ISA_ALLOWED = ("ALL", "DEFAULT", "AVX512_CORE", "AVX10")
 ONEDNN_JAXLIB = ("0.10.",)
 """The jaxlib versions whose oneDNN fusions `eqtrain._onednn`'s check was
 verified against, shape by shape (`tests/test_onednn.py`): which fusions
@@ -120,13 +129,31 @@ def _version(name: str) -> str:
         return "none"
 
 
-def onednn_verified(cpu: Mapping[str, Any], jaxlib: str | None = None) -> bool:
+def onednn_isa_capped(environ: Mapping[str, str] | None = None) -> str | None:
+    """`NAME=value` where the environment holds oneDNN below AVX-512
+    (`ONEDNN_ISA_ENV`), else None."""
+    environ = os.environ if environ is None else environ
+    for name in ONEDNN_ISA_ENV:
+        value = environ.get(name, "").strip().upper()
+        if value and not value.startswith(ONEDNN_ISA_ALLOWED):
+            return f"{name}={environ[name]}"
+    return None
+
+
+def onednn_verified(
+    cpu: Mapping[str, Any],
+    jaxlib: str | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> bool:
     """Whether oneDNN's products may be measured on `cpu` with `jaxlib` (the
-    installed one by default): AVX-512 (`ONEDNN_ISA`) and a jaxlib whose
-    oneDNN fusions `eqtrain._onednn`'s check was verified against
+    installed one by default): AVX-512 (`ONEDNN_ISA`), oneDNN not held below it
+    (`ONEDNN_ISA_ENV` in `environ`, the process's by default), and a jaxlib
+    whose oneDNN fusions `eqtrain._onednn`'s check was verified against
     (`ONEDNN_JAXLIB`)."""
     jaxlib = _version("jaxlib") if jaxlib is None else jaxlib
-    return ONEDNN_ISA in cpu["isa"] and jaxlib.startswith(ONEDNN_JAXLIB)
+    isa = all(name in cpu["isa"] for name in ONEDNN_ISA)
+    capped = onednn_isa_capped(environ) is not None
+    return isa and not capped and jaxlib.startswith(ONEDNN_JAXLIB)
 
 
 def candidates(cpu: Mapping[str, Any]) -> dict[str, str]:

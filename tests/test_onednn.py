@@ -82,18 +82,60 @@ def test_the_choice_keeps_onednn_out_of_the_process_flags():
         "eigen_dots", _cpu_tuning.EIGEN_DOTS, False, {}, "measured"
     )
     assert eigen.process_flags == eigen.flags and eigen.compiler_options == {}
-    avx512 = {"cpu": "x", "family": "25", "model": "17", "isa": ["avx2", "avx512f"]}
+    avx512 = {"cpu": "x", "family": "25", "model": "17", "isa": AVX512}
     avx2 = {"cpu": "x", "family": "23", "model": "49", "isa": ["avx2", "fma"]}
     arm = {"cpu": "y", "family": None, "model": None, "isa": []}
-    assert _cpu_tuning.onednn_verified(avx512, jaxlib="0.10.2")
-    assert not _cpu_tuning.onednn_verified(avx512, jaxlib="0.11.2")
-    assert not _cpu_tuning.onednn_verified(avx2, jaxlib="0.10.2")
-    assert not _cpu_tuning.onednn_verified(arm, jaxlib="0.10.2")
+    assert _cpu_tuning.onednn_verified(avx512, jaxlib="0.10.2", environ={})
+    assert not _cpu_tuning.onednn_verified(avx512, jaxlib="0.11.2", environ={})
+    assert not _cpu_tuning.onednn_verified(avx2, jaxlib="0.10.2", environ={})
+    assert not _cpu_tuning.onednn_verified(arm, jaxlib="0.10.2", environ={})
     verified = _cpu_tuning.onednn_verified(avx512)
     assert ("onednn_dots" in _cpu_tuning.candidates(avx512)) == verified
     assert "onednn_dots" not in _cpu_tuning.candidates(avx2)
     assert "onednn_dots" not in _cpu_tuning.candidates(arm)
     assert ("onednn_dots" in _cpu_tuning.cache_key(avx512, cores=2)) == verified
+
+
+AVX512 = ["avx2", "fma", "avx512f", "avx512bw", "avx512vl"]
+
+
+@pytest.mark.parametrize(
+    ("environ", "allowed"),
+    [
+        ({}, True),
+        ({"ONEDNN_MAX_CPU_ISA": "ALL"}, True),
+        ({"ONEDNN_MAX_CPU_ISA": "avx512_core_bf16"}, True),
+        ({"DNNL_MAX_CPU_ISA": "AVX10_1_512_AMX"}, True),
+        ({"ONEDNN_MAX_CPU_ISA": "AVX2"}, False),
+        ({"ONEDNN_MAX_CPU_ISA": "avx2_vnni"}, False),
+        ({"DNNL_MAX_CPU_ISA": "SSE41"}, False),
+        ({"ONEDNN_MAX_CPU_ISA": "AVX-512"}, False),  # not a oneDNN name: ignored by it
+    ],
+)
+def test_onednn_is_no_candidate_where_it_would_run_its_avx2_kernels(environ, allowed):
+    """oneDNN's AVX2 kernels (`gemm:jit:f32`) corrupt the heap in this
+    jaxlib's fusions, so oneDNN is measured only where it runs its AVX-512
+    ones: a processor with AVX-512 F, BW and VL (not one with F alone), and
+    no `ONEDNN_MAX_CPU_ISA` / `DNNL_MAX_CPU_ISA` below that; the candidates,
+    and so the cache key, follow."""
+    cpu = {"cpu": "x", "family": "25", "model": "17", "isa": AVX512}
+    assert _cpu_tuning.onednn_verified(cpu, "0.10.2", environ) is allowed
+    assert (_cpu_tuning.onednn_isa_capped(environ) is None) is allowed
+    knl = {**cpu, "isa": ["avx2", "fma", "avx512f"]}  # AVX-512 F alone (Xeon Phi)
+    assert not _cpu_tuning.onednn_verified(knl, "0.10.2", {})
+
+
+def test_a_capped_onednn_is_neither_measured_nor_read_from_the_cache(monkeypatch):
+    """The process's `ONEDNN_MAX_CPU_ISA` reaches `candidates` and the cache
+    key: a choice of oneDNN cached without the cap is not applied with it."""
+    cpu = {"cpu": "x", "family": "25", "model": "17", "isa": AVX512}
+    for name in _cpu_tuning.ONEDNN_ISA_ENV:
+        monkeypatch.delenv(name, raising=False)
+    free = _cpu_tuning.cache_key(cpu, cores=2)
+    verified = _cpu_tuning.onednn_verified(cpu)  # a verified jaxlib installed
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
+    assert "onednn_dots" not in _cpu_tuning.candidates(cpu)
+    assert (_cpu_tuning.cache_key(cpu, cores=2) != free) == verified
 
 
 def test_a_candidate_whose_probe_fails_is_left_out():
@@ -108,7 +150,7 @@ def test_a_candidate_whose_probe_fails_is_left_out():
             raise RuntimeError("partition compile failed")
         return {"scanned_ms": times[name] + 1, "unrolled_ms": times[name]}
 
-    cpu = {"cpu": "x", "family": "25", "model": "17", "isa": ["avx2", "avx512f"]}
+    cpu = {"cpu": "x", "family": "25", "model": "17", "isa": AVX512}
     choice = _cpu_tuning.measure(cpu, run)
     assert choice.name == "xla_default" and "onednn_dots" not in choice.measured
 
