@@ -194,7 +194,9 @@ def tune_cpu(
     Eigen's products without measuring; `EQTRAIN_CPU_TUNING=0` turns
     everything off. `measure=False` uses a cached choice but never probes
     (the default flags until one is cached). `cpu_settings()` says what was
-    chosen. The settings only speed
+    chosen. Where oneDNN's products are chosen, `ONEDNN_MAX_CPU_ISA` is set to
+    the kernels verified (`_cpu_tuning.ONEDNN_ISA_CAP`) unless the user set
+    it or `DNNL_MAX_CPU_ISA`. The settings only speed
     up the CPU backend; on a GPU or TPU host they change nothing the device
     runs. Products computed by Eigen round differently from YNNPACK's (within
     f32 tolerances), so a CPU result changes in its last bits with the flags.
@@ -254,6 +256,9 @@ def _set_xla_flags(
     choice = _choice(environ, say, measure)
     _state["choice"] = choice
     _onednn.activate(choice.compiler_options)  # eqtrain.jit's, per compilation
+    names = _cpu_tuning.ONEDNN_ISA_ENV
+    if choice.compiler_options and not any(environ.get(n) for n in names):
+        environ[names[0]] = _cpu_tuning.ONEDNN_ISA_CAP  # the kernels verified
     if choice.process_flags:
         environ["XLA_FLAGS"] = f"{flags} {choice.process_flags}".strip()
     return True

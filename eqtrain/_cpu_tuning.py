@@ -79,6 +79,12 @@ ONEDNN_ISA_ENV = ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA")
 still allows `avx512_core` (`ONEDNN_ISA_ALLOWED`) keeps oneDNN a candidate;
 any other (`AVX2`, a typo oneDNN would ignore) leaves it out."""
 ONEDNN_ISA_ALLOWED = ("ALL", "DEFAULT", "AVX512_CORE", "AVX10")
+ONEDNN_ISA_CAP = "AVX512_CORE_BF16"
+"""`ONEDNN_MAX_CPU_ISA` wherever eqtrain runs oneDNN's products (its probe,
+and a process that chose them) and the user set no cap: oneDNN stays on the
+`avx512_core` kernels verified on processor B (whose own ISA this is), never
+the AMX or AVX10 ones of newer processors, which no test has run. For f32
+products it changes nothing (oneDNN runs AMX for bf16 and int8 only)."""
 ONEDNN_JAXLIB = ("0.10.",)
 """The jaxlib versions whose oneDNN fusions `eqtrain._onednn`'s check was
 verified against, shape by shape (`tests/test_onednn.py`): which fusions
@@ -257,10 +263,13 @@ def _best(measured: Mapping[str, Mapping[str, float]]) -> tuple[str, bool]:
 
 def probe(flags: str) -> dict[str, float]:
     """`_cpu_probe` (eqtrain's own Llama step) run in a fresh process under
-    `flags` and `PROBE_ALLOCATOR`, importing this eqtrain (its parent
+    `flags` and `PROBE_ALLOCATOR` (and `ONEDNN_ISA_CAP` for oneDNN's
+    products), importing this eqtrain (its parent
     directory first on the path; `-P`: the working directory's files never
     shadow a module)."""
     env = {**PROBE_ALLOCATOR, **os.environ, "XLA_FLAGS": flags, "JAX_PLATFORMS": "cpu"}
+    if "onednn" in flags and not any(env.get(n) for n in ONEDNN_ISA_ENV):
+        env[ONEDNN_ISA_ENV[0]] = ONEDNN_ISA_CAP
     here = str(Path(__file__).resolve().parent.parent)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [here, env.get("PYTHONPATH")]))
     done = subprocess.run(

@@ -392,6 +392,12 @@ def test_the_probe_runs_this_eqtrain_under_the_allocator_settings(monkeypatch):
         env["MALLOC_TRIM_THRESHOLD_"]
         == _cpu_tuning.PROBE_ALLOCATOR["MALLOC_TRIM_THRESHOLD_"]
     )
+    assert "ONEDNN_MAX_CPU_ISA" not in env  # Eigen's or XLA's products
+    _cpu_tuning.probe(_cpu_tuning.CANDIDATES["onednn_dots"])
+    assert seen["env"]["ONEDNN_MAX_CPU_ISA"] == _cpu_tuning.ONEDNN_ISA_CAP
+    monkeypatch.setenv("DNNL_MAX_CPU_ISA", "AVX512_CORE")  # the user's cap wins
+    _cpu_tuning.probe(_cpu_tuning.CANDIDATES["onednn_dots"])
+    assert "ONEDNN_MAX_CPU_ISA" not in seen["env"]
 
 
 def test_a_onednn_choice_reaches_eqtrain_jit_not_xla_flags(probe, monkeypatch):
@@ -406,7 +412,13 @@ def test_a_onednn_choice_reaches_eqtrain_jit_not_xla_flags(probe, monkeypatch):
     eqtrain.tune_cpu(env)
     assert env["XLA_FLAGS"] == _cpu_tuning.EIGEN_DOTS
     assert _onednn.compiler_options() == _cpu_tuning.ONEDNN_OPTIONS
+    # oneDNN held to the kernels verified (unless the user holds it elsewhere)
+    assert env["ONEDNN_MAX_CPU_ISA"] == _cpu_tuning.ONEDNN_ISA_CAP
     assert _cpu.cpu_settings().startswith("onednn_dots, unrolled layers (measured")
+    _reset(monkeypatch)
+    env = {"XLA_FLAGS": "", "ONEDNN_MAX_CPU_ISA": "AVX512_CORE"}
+    eqtrain.tune_cpu(env)
+    assert env["ONEDNN_MAX_CPU_ISA"] == "AVX512_CORE"
     # the user's own products (or EQTRAIN_CPU_TUNING=0): none of eqtrain's
     for env in (
         {"XLA_FLAGS": "--xla_cpu_experimental_ynn_fusion_type=dot"},
