@@ -16,6 +16,7 @@ else `~/.cache/eqtrain`; the file is `cpu_tuning.json` (plain JSON).
 """
 
 import dataclasses
+import datetime
 import importlib.metadata
 import json
 import os
@@ -103,6 +104,9 @@ PROBE_ALLOCATOR = {
 the variables at a new one's start), for the probe processes: a candidate is
 timed as training will run. The user's own variables win."""
 PROBE_TIMEOUT_S = 180
+RETRY_AFTER_DAYS = 7
+"""A probe that failed (a crash, a timeout on a loaded machine) is tried again
+this many days later; until then the default (`FALLBACK`) applies at once."""
 
 Probe = Callable[[str], dict[str, float]]
 
@@ -306,6 +310,23 @@ def _write(path: Path, key: str, entry: dict[str, Any]) -> None:
         pass
 
 
+def _failed(entry: Mapping[str, Any], path: Path) -> Choice | None:
+    """`FALLBACK` for a cached failure of the probe younger than
+    `RETRY_AFTER_DAYS` (else None: measure again)."""
+    try:
+        day = datetime.date.fromisoformat(str(entry.get("measured_at")))
+    except ValueError:
+        return None
+    retry = day + datetime.timedelta(days=RETRY_AFTER_DAYS)
+    if "failed" not in entry or datetime.date.today() >= retry:
+        return None
+    reason = (
+        f"the probe failed on {day}: {entry['failed']}; measured again from "
+        f"{retry}, or delete {path} to measure at the next `eqtrain fit`"
+    )
+    return Choice(FALLBACK, CANDIDATES[FALLBACK], False, {}, reason)
+
+
 def _from_entry(entry: Mapping[str, Any], source: str) -> Choice | None:
     """A cached entry as a `Choice` (None if it names an unknown flag set)."""
     name = entry.get("name")
@@ -338,13 +359,15 @@ def choose(
     measure_now: bool = True,
 ) -> Choice:
     """The cached choice for this processor, or a new one measured (`run`)
-    and cached; `FALLBACK` if measuring fails (nothing is cached then), or
+    and cached; `FALLBACK` if measuring fails (the failure is cached too, so
+    that a probe that cannot run here is not paid for at every start: it is
+    tried again after `RETRY_AFTER_DAYS`), or
     without a cached choice when `measure_now` is False (a command that trains
     nothing should not wait for the probe)."""
     path, cpu = cache_path(), processor()
     key = cache_key(cpu)
-    cached = _read(path).get(key)
-    found = _from_entry(cached, "cached") if cached else None
+    cached = _read(path).get(key) or {}
+    found = _failed(cached, path) or _from_entry(cached, "cached")
     if found is not None:
         return found
     if not measure_now:
@@ -357,6 +380,8 @@ def choose(
         choice = measure(cpu, run)
     except (OSError, RuntimeError, ValueError, subprocess.SubprocessError) as e:
         reason = f"the probe failed: {e}"
+        today = time.strftime("%Y-%m-%d")  # not again at every start
+        _write(path, key, {"failed": str(e)[:300], "measured_at": today})
         return Choice(FALLBACK, CANDIDATES[FALLBACK], False, {}, reason)
     entry = dataclasses.asdict(choice) | {"measured_at": time.strftime("%Y-%m-%d")}
     _write(path, key, {k: v for k, v in entry.items() if k != "source"})

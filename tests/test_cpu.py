@@ -1,6 +1,7 @@
 """`eqtrain.tune_cpu`: the CPU settings the CLI applies to itself, chosen by
 measurement once per processor and cached; and the hint."""
 
+import datetime
 import json
 import os
 import subprocess
@@ -301,13 +302,31 @@ def test_fixed_applies_the_settings_without_measuring(probe):
     assert _cpu.cpu_settings() == "eigen_dots (not measured: fixed)"
 
 
-def test_a_failing_probe_falls_back_and_caches_nothing(probe, tmp_path):
+def test_a_failing_probe_falls_back_and_is_not_retried_at_every_start(probe, tmp_path):
+    """A probe that cannot run here (a crash, a timeout) gives the default,
+    and its failure is cached, so the next starts do not pay for it again;
+    it is tried again after `RETRY_AFTER_DAYS`, and `eqtrain info` says so."""
+    calls = []
+
     def broken(flags):
+        calls.append(flags)
         raise RuntimeError("no CPU backend")
 
     choice = _cpu_tuning.choose(run=broken)
     assert choice.name == _cpu_tuning.FALLBACK and "no CPU backend" in choice.source
-    assert not (tmp_path / "cache" / "cpu_tuning.json").exists()
+    entry = _cache(tmp_path)["choices"][_cpu_tuning.cache_key()]
+    assert entry["failed"] == "no CPU backend" and "name" not in entry
+    again = _cpu_tuning.choose(run=broken)
+    assert len(calls) == 1 and again.name == _cpu_tuning.FALLBACK
+    assert "failed on" in again.describe() and "delete" in again.describe()
+    # a week later: measured again (and now it works)
+    stale = datetime.date.today() - datetime.timedelta(_cpu_tuning.RETRY_AFTER_DAYS)
+    _cpu_tuning._write(
+        _cpu_tuning.cache_path(), _cpu_tuning.cache_key(),
+        {**entry, "measured_at": stale.isoformat()},
+    )  # fmt: skip
+    assert _cpu_tuning.choose().source == "measured" and probe.calls
+    assert "failed" not in _cache(tmp_path)["choices"][_cpu_tuning.cache_key()]
 
 
 @pytest.mark.slow  # two real probes of ~10 s, then `eqtrain fit --dry-run` twice
