@@ -43,6 +43,11 @@ ISA = (
     "amx_int8",
 )
 """The CPU flags that decide which kernels XLA, oneDNN and torch pick."""
+ARM_ISA = ("asimd", "asimddp", "sve", "sve2", "i8mm", "bf16", "sme")
+"""The same for Arm processors (their `Features` line), which name no model:
+there the implementer and part numbers stand for family and model, so a
+cache shared by different Arm machines (a cluster's home directory) keeps a
+choice per processor."""
 
 EIGEN_DOTS = "--xla_cpu_experimental_ynn_fusion_type="
 ONEDNN_FLAGS = "--xla_cpu_use_onednn=true --xla_cpu_experimental_onednn_fusion_type=dot"
@@ -112,7 +117,8 @@ Probe = Callable[[str], dict[str, float]]
 
 
 def processor(text: str | None = None) -> dict[str, Any]:
-    """Model name, family, model and ISA flags from `/proc/cpuinfo` (or `text`)."""
+    """Model name, family, model and ISA flags from `/proc/cpuinfo` (or `text`);
+    on Arm the implementer and part numbers and its `Features`."""
     if text is None:
         try:
             with open("/proc/cpuinfo", encoding="utf-8") as f:
@@ -123,6 +129,19 @@ def processor(text: str | None = None) -> dict[str, Any]:
     for line in text.splitlines():
         key, _, value = line.partition(":")
         fields.setdefault(key.strip(), value.strip())
+    if "Features" in fields and "flags" not in fields:  # Arm: no model name
+        arm = fields.get("CPU implementer"), fields.get("CPU part")
+        name = "Arm {} part {}".format(*arm) if all(arm) else None
+        flags = set(fields["Features"].split())
+        return {
+            "cpu": fields.get("model name")
+            or name
+            or platform.processor()
+            or "unknown",
+            "family": arm[0],
+            "model": arm[1],
+            "isa": [name for name in ARM_ISA if name in flags],
+        }
     flags = set(fields.get("flags", "").split())
     return {
         "cpu": fields.get("model name") or platform.processor() or "unknown",

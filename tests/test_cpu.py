@@ -267,6 +267,35 @@ def test_the_cache_key_holds_processor_cores_versions_and_candidates(monkeypatch
     assert len({key, *others}) == 5
 
 
+ARM_CPUINFO = """processor\t: 0
+BogoMIPS\t: 2100.00
+Features\t: fp asimd evtstrm aes pmull crc32 atomics asimddp sve svebf16 i8mm bf16
+CPU implementer\t: 0x41
+CPU architecture: 8
+CPU variant\t: 0x1
+CPU part\t: {part}
+CPU revision\t: 1
+"""
+
+
+def test_arm_processors_are_told_apart_by_part_and_features():
+    """Arm's `/proc/cpuinfo` names no model: the implementer and part stand
+    for family and model, `Features` for the flags, so two Arm machines
+    sharing one cache (a cluster's home directory) keep a choice each."""
+    v1 = _cpu_tuning.processor(ARM_CPUINFO.format(part="0xd40"))
+    assert v1 == {
+        "cpu": "Arm 0x41 part 0xd40", "family": "0x41", "model": "0xd40",
+        "isa": ["asimd", "asimddp", "sve", "i8mm", "bf16"],
+    }  # fmt: skip
+    n1 = _cpu_tuning.processor(ARM_CPUINFO.format(part="0xd0c"))
+    assert _cpu_tuning.cache_key(v1, cores=4) != _cpu_tuning.cache_key(n1, cores=4)
+    assert "onednn_dots" not in _cpu_tuning.candidates(v1)
+    x86 = (
+        "model name\t: Some CPU\ncpu family\t: 6\nmodel\t: 143\nflags\t: fma avx2 sme\n"
+    )
+    assert _cpu_tuning.processor(x86)["isa"] == ["avx2", "fma"]  # sme: AMD's SME
+
+
 def test_a_stale_cache_entry_is_measured_again(probe, tmp_path):
     """An entry for another processor or JAX version, or a file of another
     cache version, is never used: the processor is measured again."""
