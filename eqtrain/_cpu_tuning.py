@@ -15,6 +15,7 @@ Where the cache lives: `$EQTRAIN_CACHE_DIR`, else `$XDG_CACHE_HOME/eqtrain`,
 else `~/.cache/eqtrain`; the file is `cpu_tuning.json` (plain JSON).
 """
 
+import contextlib
 import dataclasses
 import datetime
 import importlib.metadata
@@ -25,7 +26,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -112,6 +113,10 @@ PROBE_TIMEOUT_S = 180
 RETRY_AFTER_DAYS = 7
 """A probe that failed (a crash, a timeout on a loaded machine) is tried again
 this many days later; until then the default (`FALLBACK`) applies at once."""
+LOCK_WAIT_S = 900
+"""How long a process waits for another one of the same machine measuring
+(`_measuring`): the probes' own timeouts (4 x `PROBE_TIMEOUT_S`) end a
+measurement before."""
 
 Probe = Callable[[str], dict[str, float]]
 
@@ -371,6 +376,49 @@ def measure(cpu: Mapping[str, Any], run: Probe | None = None) -> Choice:
     return Choice(name, CANDIDATES[name], scan, measured, "measured")
 
 
+def _cached(path: Path, key: str) -> Choice | None:
+    """The cache's choice (or cached failure) for `key`, if any."""
+    cached = _read(path).get(key) or {}
+    return _failed(cached, path) or _from_entry(cached, "cached")
+
+
+@contextlib.contextmanager
+def _measuring(path: Path, say: Callable[[str], None] | None) -> Iterator[bool]:
+    """Hold the cache's lock file while measuring, so that the processes of
+    one machine starting together (a launch of several `eqtrain fit`) do not
+    all probe at once, each timing the others' load: one measures, the
+    others wait for it and read the cache. Yields False if the lock was not
+    had within `LOCK_WAIT_S`; True without `fcntl` or a writable directory
+    (measure unlocked, as before)."""
+    try:
+        import fcntl
+
+        path.parent.mkdir(parents=True, exist_ok=True)
+        f = open(path.with_suffix(".lock"), "a+b")  # noqa: SIM115
+    except (ImportError, OSError):
+        yield True
+        return
+    with f:
+        deadline, told = time.monotonic() + LOCK_WAIT_S, False
+        while True:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except OSError:
+                if time.monotonic() > deadline:
+                    yield False
+                    return
+                if say is not None and not told:
+                    told = True
+                    say("eqtrain: another process is measuring this processor's "
+                        "CPU settings; waiting for its choice")  # fmt: skip
+                time.sleep(0.2)
+        try:
+            yield True
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
 def choose(
     *,
     run: Probe | None = None,
@@ -380,18 +428,34 @@ def choose(
     """The cached choice for this processor, or a new one measured (`run`)
     and cached; `FALLBACK` if measuring fails (the failure is cached too, so
     that a probe that cannot run here is not paid for at every start: it is
-    tried again after `RETRY_AFTER_DAYS`), or
-    without a cached choice when `measure_now` is False (a command that trains
-    nothing should not wait for the probe)."""
+    tried again after `RETRY_AFTER_DAYS`), or without a cached choice when
+    `measure_now` is False (a command that trains nothing should not wait for
+    the probe). One process of a machine measures at a time (`_measuring`)."""
     path, cpu = cache_path(), processor()
     key = cache_key(cpu)
-    cached = _read(path).get(key) or {}
-    found = _failed(cached, path) or _from_entry(cached, "cached")
+    found = _cached(path, key)
     if found is not None:
         return found
     if not measure_now:
         reason = "not measured yet: the first `eqtrain fit` measures"
         return Choice(FALLBACK, CANDIDATES[FALLBACK], False, {}, reason)
+    with _measuring(path, say) as locked:
+        if not locked:
+            reason = "another process on this machine was still measuring"
+            return Choice(FALLBACK, CANDIDATES[FALLBACK], False, {}, reason)
+        found = _cached(path, key)  # measured by the process waited for
+        return (
+            found if found is not None else _measure_and_cache(path, key, cpu, run, say)
+        )
+
+
+def _measure_and_cache(
+    path: Path,
+    key: str,
+    cpu: Mapping[str, Any],
+    run: Probe | None,
+    say: Callable[[str], None] | None,
+) -> Choice:
     if say is not None:
         say(f"eqtrain: measuring the CPU settings for this processor, once "
             f"(a minute or two; cached in {path})")  # fmt: skip

@@ -278,6 +278,62 @@ CPU revision\t: 1
 """
 
 
+LOCK_SCRIPT = """
+import importlib.util, json, os, sys, time
+spec = importlib.util.spec_from_file_location("tuning", sys.argv[1])
+tuning = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(tuning)  # the module alone: no JAX, starts at once
+
+def run(flags):
+    with open(os.environ["CALLS"], "a") as f:
+        f.write(f"{os.getpid()}\\n")
+    time.sleep(0.5)
+    return {"scanned_ms": 10.0, "unrolled_ms": 9.0}
+
+said = []
+choice = tuning.choose(run=run, say=said.append)
+print(json.dumps({"source": choice.source, "said": said}))
+"""
+
+
+def test_processes_starting_together_measure_once(tmp_path):
+    """Several `eqtrain fit` of one machine starting at once (a launch of
+    several processes) do not all probe, each timing the others' load: one
+    measures while holding the cache's lock file, the others wait for it and
+    read its choice."""
+    env = {**os.environ, "EQTRAIN_CACHE_DIR": str(tmp_path / "cache"),
+           "CALLS": str(tmp_path / "calls")}  # fmt: skip
+    argv = [sys.executable, "-c", LOCK_SCRIPT, _cpu_tuning.__file__]
+    procs = [
+        subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, text=True)
+        for _ in range(3)
+    ]
+    outs = [json.loads(p.communicate(timeout=60)[0]) for p in procs]
+    assert all(p.returncode == 0 for p in procs)
+    measurers = set((tmp_path / "calls").read_text().split())
+    assert len(measurers) == 1  # one process ran every probe
+    sources = sorted(o["source"] for o in outs)
+    assert sources == ["cached", "cached", "measured"]
+    waited = [o for o in outs if any("another process" in m for m in o["said"])]
+    assert waited  # at least one found the lock held and waited for it
+
+
+def test_a_measurement_held_up_elsewhere_gives_the_default(probe, monkeypatch):
+    """Waiting for another process's measurement is bounded: past
+    `LOCK_WAIT_S` the default applies, nothing probed, nothing cached."""
+    import fcntl
+
+    monkeypatch.setattr(_cpu_tuning, "LOCK_WAIT_S", 0.3)
+    path = _cpu_tuning.cache_path()
+    path.parent.mkdir(parents=True)
+    with open(path.with_suffix(".lock"), "a+b") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)  # another process, measuring
+        said = []
+        choice = _cpu_tuning.choose(say=said.append)
+    assert choice.name == _cpu_tuning.FALLBACK and "still measuring" in choice.source
+    assert probe.calls == [] and not path.exists() and len(said) == 1
+
+
 def test_arm_processors_are_told_apart_by_part_and_features():
     """Arm's `/proc/cpuinfo` names no model: the implementer and part stand
     for family and model, `Features` for the flags, so two Arm machines
