@@ -18,6 +18,7 @@ else `~/.cache/eqtrain`; the file is `cpu_tuning.json` (plain JSON).
 import contextlib
 import dataclasses
 import datetime
+import hashlib
 import importlib.metadata
 import json
 import os
@@ -136,13 +137,10 @@ def processor(text: str | None = None) -> dict[str, Any]:
         fields.setdefault(key.strip(), value.strip())
     if "Features" in fields and "flags" not in fields:  # Arm: no model name
         arm = fields.get("CPU implementer"), fields.get("CPU part")
-        name = "Arm {} part {}".format(*arm) if all(arm) else None
+        label = "Arm {} part {}".format(*arm) if all(arm) else None
         flags = set(fields["Features"].split())
         return {
-            "cpu": fields.get("model name")
-            or name
-            or platform.processor()
-            or "unknown",
+            "cpu": fields.get("model name") or label or platform.processor() or "?",
             "family": arm[0],
             "model": arm[1],
             "isa": [name for name in ARM_ISA if name in flags],
@@ -383,18 +381,23 @@ def _cached(path: Path, key: str) -> Choice | None:
 
 
 @contextlib.contextmanager
-def _measuring(path: Path, say: Callable[[str], None] | None) -> Iterator[bool]:
-    """Hold the cache's lock file while measuring, so that the processes of
-    one machine starting together (a launch of several `eqtrain fit`) do not
-    all probe at once, each timing the others' load: one measures, the
-    others wait for it and read the cache. Yields False if the lock was not
-    had within `LOCK_WAIT_S`; True without `fcntl` or a writable directory
-    (measure unlocked, as before)."""
+def _measuring(
+    path: Path, key: str, say: Callable[[str], None] | None
+) -> Iterator[bool]:
+    """Hold a lock file for `key` beside the cache while measuring, so that
+    the processes of one machine starting together (a launch of several
+    `eqtrain fit`) do not all probe at once, each timing the others' load:
+    one measures, the others wait for it and read the cache (machines of
+    another processor sharing the cache directory measure meanwhile: the
+    lock is the key's). Yields False if the lock was not had within
+    `LOCK_WAIT_S`; True without `fcntl` or a writable directory (measure
+    unlocked, as before)."""
+    digest = hashlib.sha256(key.encode()).hexdigest()[:12]
     try:
         import fcntl
 
         path.parent.mkdir(parents=True, exist_ok=True)
-        f = open(path.with_suffix(".lock"), "a+b")  # noqa: SIM115
+        f = open(path.parent / f"cpu_tuning-{digest}.lock", "a+b")  # noqa: SIM115
     except (ImportError, OSError):
         yield True
         return
@@ -439,7 +442,7 @@ def choose(
     if not measure_now:
         reason = "not measured yet: the first `eqtrain fit` measures"
         return Choice(FALLBACK, CANDIDATES[FALLBACK], False, {}, reason)
-    with _measuring(path, say) as locked:
+    with _measuring(path, key, say) as locked:
         if not locked:
             reason = "another process on this machine was still measuring"
             return Choice(FALLBACK, CANDIDATES[FALLBACK], False, {}, reason)

@@ -2,6 +2,7 @@
 measurement once per processor and cached; and the hint."""
 
 import datetime
+import hashlib
 import json
 import os
 import subprocess
@@ -326,7 +327,8 @@ def test_a_measurement_held_up_elsewhere_gives_the_default(probe, monkeypatch):
     monkeypatch.setattr(_cpu_tuning, "LOCK_WAIT_S", 0.3)
     path = _cpu_tuning.cache_path()
     path.parent.mkdir(parents=True)
-    with open(path.with_suffix(".lock"), "a+b") as held:
+    digest = hashlib.sha256(_cpu_tuning.cache_key().encode()).hexdigest()[:12]
+    with open(path.parent / f"cpu_tuning-{digest}.lock", "a+b") as held:
         fcntl.flock(held, fcntl.LOCK_EX)  # another process, measuring
         said = []
         choice = _cpu_tuning.choose(say=said.append)
