@@ -5,8 +5,10 @@ flags once), keeps the fastest, and caches the choice in the user's cache
 directory, keyed by the processor (model name, family/model, the instruction
 sets that change XLA's kernels, cores) and the jax/jaxlib versions. A new
 processor, JAX version or candidate list measures again; a cached key never
-does. The default (Eigen's products, unrolled layers) stays unless another
-candidate is faster by more than `MARGIN`.
+does (a cached failure of the probe, after `RETRY_AFTER_DAYS`). The
+processes of one machine measure one at a time (`_measuring`). The default
+(Eigen's products, unrolled layers) stays unless another candidate is faster
+by more than `MARGIN`.
 
 The choice also says whether a model's layers train faster scanned or
 unrolled here (`model.scan_layers = "auto"` on the CPU follows it).
