@@ -162,7 +162,12 @@ def cpu_settings() -> str:
     """What `tune_cpu` chose for XLA in this process, in one line."""
     choice = _state["choice"]
     if isinstance(choice, _cpu_tuning.Choice):
-        return choice.describe()
+        capped = _cpu_tuning.onednn_isa_capped()
+        if capped is None:
+            return choice.describe()
+        why = "its kernels below AVX-512 corrupt memory in this jaxlib"
+        unmeasured = f"oneDNN's products not measured under {capped} ({why})"
+        return f"{choice.describe()}; {unmeasured}"
     return str(choice or "none (eqtrain.tune_cpu was not called)")
 
 

@@ -15,7 +15,7 @@ import optax
 import pytest
 
 import eqtrain
-from eqtrain import _cpu_tuning, _onednn
+from eqtrain import _cpu, _cpu_tuning, _onednn
 from eqtrain.losses import causal_lm_loss
 from eqtrain.models import Llama, LlamaConfig
 from eqtrain.models._attention import key_ranges
@@ -136,6 +136,13 @@ def test_a_capped_onednn_is_neither_measured_nor_read_from_the_cache(monkeypatch
     monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
     assert "onednn_dots" not in _cpu_tuning.candidates(cpu)
     assert (_cpu_tuning.cache_key(cpu, cores=2) != free) == verified
+    # and `eqtrain info` / the dry run say why oneDNN was not measured
+    monkeypatch.setitem(_cpu._state, "choice", _cpu_tuning.Choice(
+        "eigen_dots", _cpu_tuning.EIGEN_DOTS, False, {}, "fixed"))  # fmt: skip
+    assert _cpu.cpu_settings().endswith(
+        "oneDNN's products not measured under ONEDNN_MAX_CPU_ISA=AVX2 (its "
+        "kernels below AVX-512 corrupt memory in this jaxlib)"
+    )
 
 
 def test_a_candidate_whose_probe_fails_is_left_out():
