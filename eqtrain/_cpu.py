@@ -33,13 +33,20 @@ without measuring (Eigen's products, unrolled layers). The CLI calls it first;
 a script calls it before its first JAX computation.
 """
 
+import contextlib
 import ctypes
 import ctypes.util
+import dataclasses
+import datetime
 import functools
+import hashlib
 import os
+import subprocess
 import sys
+import time
 import warnings
-from collections.abc import Callable, MutableMapping
+from collections.abc import Callable, Iterator, Mapping, MutableMapping, Sequence
+from pathlib import Path
 from typing import Any
 
 from . import _cpu_tuning, _onednn
@@ -97,7 +104,9 @@ def _choice(
     if _fixed(environ):
         flags = _cpu_tuning.CANDIDATES[_cpu_tuning.FALLBACK]
         return _cpu_tuning.Choice(_cpu_tuning.FALLBACK, flags, False, {}, "fixed")
-    return _cpu_tuning.choose(say=say, measure_now=measure)
+    return choose(
+        say=say, measure_now=measure, threads=_cpu_tuning.thread_counts(environ)
+    )
 
 
 def layers_scanned() -> bool:
@@ -264,6 +273,8 @@ def _set_xla_flags(
     names = _cpu_tuning.ONEDNN_ISA_ENV
     if choice.compiler_options and not any(environ.get(n) for n in names):
         environ[names[0]] = _cpu_tuning.ONEDNN_ISA_CAP  # the kernels verified
+    if choice.threads and not environ.get(_cpu_tuning.THREADS_ENV):
+        environ[_cpu_tuning.THREADS_ENV] = str(choice.threads)
     if choice.process_flags:
         environ["XLA_FLAGS"] = f"{flags} {choice.process_flags}".strip()
     return True
@@ -292,3 +303,137 @@ def hint_cpu_settings() -> None:
         CPUPerformanceWarning,
         stacklevel=3,
     )
+
+
+RETRY_AFTER_DAYS = 7
+"""A probe that failed (a crash, a timeout on a loaded machine) is tried again
+this many days later; until then the default (`FALLBACK`) applies at once."""
+LOCK_WAIT_S = 900
+"""How long a process waits for another one of the same machine measuring
+(`_measuring`): the probes' own timeouts end a measurement before."""
+
+
+def _default(reason: str) -> _cpu_tuning.Choice:
+    name = _cpu_tuning.FALLBACK
+    return _cpu_tuning.Choice(name, _cpu_tuning.CANDIDATES[name], False, {}, reason)
+
+
+def _failed(entry: Mapping[str, Any], path: Path) -> _cpu_tuning.Choice | None:
+    """`FALLBACK` for a cached failure of the probe younger than
+    `RETRY_AFTER_DAYS` (else None: measure again)."""
+    try:
+        day = datetime.date.fromisoformat(str(entry.get("measured_at")))
+    except ValueError:
+        return None
+    retry = day + datetime.timedelta(days=RETRY_AFTER_DAYS)
+    if "failed" not in entry or datetime.date.today() >= retry:
+        return None
+    return _default(
+        f"the probe failed on {day}: {entry['failed']}; measured again from "
+        f"{retry}, or delete {path} to measure at the next `eqtrain fit`"
+    )
+
+
+def _cached(path: Path, key: str) -> _cpu_tuning.Choice | None:
+    """The cache's choice (or cached failure) for `key`, if any."""
+    cached = _cpu_tuning.read_cache(path).get(key) or {}
+    return _failed(cached, path) or _cpu_tuning.from_entry(cached, "cached")
+
+
+@contextlib.contextmanager
+def _measuring(
+    path: Path, key: str, say: Callable[[str], None] | None
+) -> Iterator[bool]:
+    """Hold a lock file for `key` beside the cache while measuring, so that
+    the processes of one machine starting together (a launch of several
+    `eqtrain fit`) do not all probe at once, each timing the others' load:
+    one measures, the others wait for it and read the cache (machines of
+    another processor sharing the cache directory measure meanwhile: the
+    lock is the key's). Yields False if the lock was not had within
+    `LOCK_WAIT_S`; True without `fcntl` or a writable directory (measure
+    unlocked, as before)."""
+    digest = hashlib.sha256(key.encode()).hexdigest()[:12]
+    try:
+        import fcntl
+
+        path.parent.mkdir(parents=True, exist_ok=True)
+        f = open(path.parent / f"cpu_tuning-{digest}.lock", "a+b")  # noqa: SIM115
+    except (ImportError, OSError):
+        yield True
+        return
+    with f:
+        deadline, told = time.monotonic() + LOCK_WAIT_S, False
+        while True:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except OSError:
+                if time.monotonic() > deadline:
+                    yield False
+                    return
+                if say is not None and not told:
+                    told = True
+                    say("eqtrain: another process is measuring this processor's "
+                        "CPU settings; waiting for its choice")  # fmt: skip
+                time.sleep(0.2)
+        try:
+            yield True
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def choose(
+    *,
+    run: _cpu_tuning.Probe | None = None,
+    say: Callable[[str], None] | None = None,
+    measure_now: bool = True,
+    threads: Sequence[int] = (),
+) -> _cpu_tuning.Choice:
+    """The cached choice for this processor, or a new one measured (`run`;
+    `threads`: thread counts to measure too, `_cpu_tuning.thread_counts`) and cached;
+    `FALLBACK` if measuring fails (the failure is cached too, so that a probe
+    that cannot run here is not paid for at every start: it is tried again
+    after `RETRY_AFTER_DAYS`), or without a cached choice when `measure_now`
+    is False (a command that trains nothing should not wait for the probe).
+    One process of a machine measures at a time (`_measuring`)."""
+    path, cpu = _cpu_tuning.cache_path(), _cpu_tuning.processor()
+    key = _cpu_tuning.cache_key(cpu, threads=threads)
+    found = _cached(path, key)
+    if found is not None:
+        return found
+    if not measure_now:
+        return _default("not measured yet: the first `eqtrain fit` measures")
+    with _measuring(path, key, say) as locked:
+        if not locked:
+            return _default("another process on this machine was still measuring")
+        found = _cached(path, key)  # measured by the process waited for
+        if found is not None:
+            return found
+        return _measure_and_cache(path, key, cpu, run, say, threads)
+
+
+def _measure_and_cache(
+    path: Path,
+    key: str,
+    cpu: Mapping[str, Any],
+    run: _cpu_tuning.Probe | None,
+    say: Callable[[str], None] | None,
+    threads: Sequence[int],
+) -> _cpu_tuning.Choice:
+    if say is not None:
+        say(f"eqtrain: measuring the CPU settings for this processor, once "
+            f"(a minute or two; cached in {path})")  # fmt: skip
+    today = time.strftime("%Y-%m-%d")
+    try:
+        choice = _cpu_tuning.measure(cpu, run, threads)
+    except (OSError, RuntimeError, ValueError, subprocess.SubprocessError) as e:
+        # cached too: not measured again at every start
+        _cpu_tuning.write_cache(
+            path, key, {"failed": str(e)[:300], "measured_at": today}
+        )
+        return _default(f"the probe failed: {e}")
+    entry = dataclasses.asdict(choice) | {"measured_at": today}
+    _cpu_tuning.write_cache(
+        path, key, {k: v for k, v in entry.items() if k != "source"}
+    )
+    return choice

@@ -5,8 +5,9 @@ flags once), keeps the fastest, and caches the choice in the user's cache
 directory, keyed by the processor (model name, family/model, the instruction
 sets that change XLA's kernels, cores) and the jax/jaxlib versions. A new
 processor, JAX version or candidate list measures again; a cached key never
-does (a cached failure of the probe, after `RETRY_AFTER_DAYS`). The
-processes of one machine measure one at a time (`_measuring`). The default
+does (a cached failure of the probe, after a week). The processes of one
+machine measure one at a time (`eqtrain._cpu.choose` decides when to measure;
+this module what and how). The default
 (Eigen's products, unrolled layers) stays unless another candidate is faster
 by more than `MARGIN`.
 
@@ -17,19 +18,16 @@ Where the cache lives: `$EQTRAIN_CACHE_DIR`, else `$XDG_CACHE_HOME/eqtrain`,
 else `~/.cache/eqtrain`; the file is `cpu_tuning.json` (plain JSON).
 """
 
-import contextlib
 import dataclasses
-import datetime
-import hashlib
 import importlib.metadata
 import json
+import math
 import os
 import platform
 import subprocess
 import sys
 import tempfile
-import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -113,15 +111,11 @@ PROBE_ALLOCATOR = {
 the variables at a new one's start), for the probe processes: a candidate is
 timed as training will run. The user's own variables win."""
 PROBE_TIMEOUT_S = 180
-RETRY_AFTER_DAYS = 7
-"""A probe that failed (a crash, a timeout on a loaded machine) is tried again
-this many days later; until then the default (`FALLBACK`) applies at once."""
-LOCK_WAIT_S = 900
-"""How long a process waits for another one of the same machine measuring
-(`_measuring`): the probes' own timeouts (4 x `PROBE_TIMEOUT_S`) end a
-measurement before."""
 
-Probe = Callable[[str], dict[str, float]]
+Probe = Callable[..., dict[str, float]]  # (flags) or (flags, threads)
+THREADS_ENV = "PJRT_NPROC"
+"""The variable XLA's CPU client sizes its thread pool by (else the
+schedulable CPUs)."""
 
 
 def processor(text: str | None = None) -> dict[str, Any]:
@@ -200,9 +194,14 @@ def candidates(cpu: Mapping[str, Any]) -> dict[str, str]:
     return {k: v for k, v in CANDIDATES.items() if k not in skip}
 
 
-def cache_key(cpu: Mapping[str, Any] | None = None, cores: int | None = None) -> str:
+def cache_key(
+    cpu: Mapping[str, Any] | None = None,
+    cores: int | None = None,
+    threads: Sequence[int] = (),
+) -> str:
     """What a choice holds for: the processor, its cores, jax and jaxlib, and
-    the candidates (a new candidate measures again)."""
+    the candidates (a new candidate measures again), thread counts included
+    (`thread_counts`: where there are some)."""
     cpu = processor() if cpu is None else cpu
     parts = [
         cpu["cpu"], f"{cpu['family']}/{cpu['model']}", "+".join(cpu["isa"]),
@@ -210,6 +209,8 @@ def cache_key(cpu: Mapping[str, Any] | None = None, cores: int | None = None) ->
         f"jax {_version('jax')}", f"jaxlib {_version('jaxlib')}",
         "candidates " + ",".join(candidates(cpu)), f"v{CACHE_VERSION}",
     ]  # fmt: skip
+    if threads:
+        parts.insert(-1, "threads " + ",".join(map(str, threads)))
     return " | ".join(parts)
 
 
@@ -236,6 +237,9 @@ class Choice:
         measured: each candidate's probe (`{"scanned_ms", "unrolled_ms"}`),
             empty when nothing was measured (`FALLBACK`).
         source: "measured", "cached" or "default" (nothing could be measured).
+        threads: XLA's CPU threads (`PJRT_NPROC`) where fewer than the
+            schedulable CPUs measured faster (a container's CPU quota, one
+            thread per core); None: XLA's own count.
     """
 
     name: str
@@ -243,6 +247,7 @@ class Choice:
     scan_layers: bool
     measured: dict[str, dict[str, float]]
     source: str
+    threads: int | None = None
 
     @property
     def process_flags(self) -> str:
@@ -262,7 +267,11 @@ class Choice:
         ms = {n: min(m.values()) for n, m in self.measured.items()}
         times = ", ".join(f"{n} {t:.0f} ms" for n, t in sorted(ms.items()))
         layers = "scanned" if self.scan_layers else "unrolled"
-        return f"{self.name}, {layers} layers ({self.source}; a probe step: {times})"
+        threads = f", {self.threads} threads" if self.threads else ""
+        return (
+            f"{self.name}, {layers} layers{threads} ({self.source}; a probe step:"
+            f" {times})"
+        )
 
 
 MARGIN = 0.05
@@ -289,13 +298,15 @@ def _best(measured: Mapping[str, Mapping[str, float]]) -> tuple[str, bool]:
     return name, _faster(timings["scanned_ms"], timings["unrolled_ms"])
 
 
-def probe(flags: str) -> dict[str, float]:
+def probe(flags: str, threads: int | None = None) -> dict[str, float]:
     """`_cpu_probe` (eqtrain's own Llama step) run in a fresh process under
     `flags` and `PROBE_ALLOCATOR` (and `ONEDNN_ISA_CAP` for oneDNN's
-    products), importing this eqtrain (its parent
+    products; `PJRT_NPROC` for `threads`), importing this eqtrain (its parent
     directory first on the path; `-P`: the working directory's files never
     shadow a module)."""
     env = {**PROBE_ALLOCATOR, **os.environ, "XLA_FLAGS": flags, "JAX_PLATFORMS": "cpu"}
+    if threads:
+        env[THREADS_ENV] = str(threads)
     if "onednn" in flags and not any(env.get(n) for n in ONEDNN_ISA_ENV):
         env[ONEDNN_ISA_ENV[0]] = ONEDNN_ISA_CAP
     here = str(Path(__file__).resolve().parent.parent)
@@ -309,7 +320,7 @@ def probe(flags: str) -> dict[str, float]:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def _read(path: Path) -> dict[str, Any]:
+def read_cache(path: Path) -> dict[str, Any]:
     """The cache file's choices, or {} (missing, unreadable or another version)."""
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
@@ -319,12 +330,12 @@ def _read(path: Path) -> dict[str, Any]:
     return data.get("choices", {}) if ok else {}
 
 
-def _write(path: Path, key: str, entry: dict[str, Any]) -> None:
+def write_cache(path: Path, key: str, entry: dict[str, Any]) -> None:
     """Add `entry` under `key` to the cache file, atomically (best effort: an
     unwritable cache only means measuring again next time)."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        choices = {**_read(path), key: entry}
+        choices = {**read_cache(path), key: entry}
         text = json.dumps({"version": CACHE_VERSION, "choices": choices}, indent=1)
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".cpu_tuning-")
         with os.fdopen(fd, "w", encoding="utf-8") as f:
@@ -334,36 +345,25 @@ def _write(path: Path, key: str, entry: dict[str, Any]) -> None:
         pass
 
 
-def _failed(entry: Mapping[str, Any], path: Path) -> Choice | None:
-    """`FALLBACK` for a cached failure of the probe younger than
-    `RETRY_AFTER_DAYS` (else None: measure again)."""
-    try:
-        day = datetime.date.fromisoformat(str(entry.get("measured_at")))
-    except ValueError:
-        return None
-    retry = day + datetime.timedelta(days=RETRY_AFTER_DAYS)
-    if "failed" not in entry or datetime.date.today() >= retry:
-        return None
-    reason = (
-        f"the probe failed on {day}: {entry['failed']}; measured again from "
-        f"{retry}, or delete {path} to measure at the next `eqtrain fit`"
-    )
-    return Choice(FALLBACK, CANDIDATES[FALLBACK], False, {}, reason)
-
-
-def _from_entry(entry: Mapping[str, Any], source: str) -> Choice | None:
+def from_entry(entry: Mapping[str, Any], source: str) -> Choice | None:
     """A cached entry as a `Choice` (None if it names an unknown flag set)."""
     name = entry.get("name")
     if name not in CANDIDATES or not isinstance(entry.get("measured"), dict):
         return None
     scan = bool(entry.get("scan_layers", False))
-    return Choice(name, CANDIDATES[name], scan, dict(entry["measured"]), source)
+    threads = entry.get("threads")
+    threads = threads if isinstance(threads, int) and threads > 0 else None
+    measured = dict(entry["measured"])
+    return Choice(name, CANDIDATES[name], scan, measured, source, threads)
 
 
-def measure(cpu: Mapping[str, Any], run: Probe | None = None) -> Choice:
+def measure(
+    cpu: Mapping[str, Any], run: Probe | None = None, threads: Sequence[int] = ()
+) -> Choice:
     """Probe every candidate of `cpu` (`run(flags)`, default `probe`) and
-    choose the fastest. A candidate whose probe fails is left out (the
-    default's failing fails the measurement)."""
+    choose the fastest; then the chosen flags on each of `threads`
+    (`run(flags, n)`), kept where faster by `MARGIN`. A candidate whose probe
+    fails is left out (the default's failing fails the measurement)."""
     run = probe if run is None else run
     measured = {}
     for name, flags in candidates(cpu).items():
@@ -373,104 +373,86 @@ def measure(cpu: Mapping[str, Any], run: Probe | None = None) -> Choice:
             if name == FALLBACK:
                 raise
     name, scan = _best(measured)
-    return Choice(name, CANDIDATES[name], scan, measured, "measured")
-
-
-def _cached(path: Path, key: str) -> Choice | None:
-    """The cache's choice (or cached failure) for `key`, if any."""
-    cached = _read(path).get(key) or {}
-    return _failed(cached, path) or _from_entry(cached, "cached")
-
-
-@contextlib.contextmanager
-def _measuring(
-    path: Path, key: str, say: Callable[[str], None] | None
-) -> Iterator[bool]:
-    """Hold a lock file for `key` beside the cache while measuring, so that
-    the processes of one machine starting together (a launch of several
-    `eqtrain fit`) do not all probe at once, each timing the others' load:
-    one measures, the others wait for it and read the cache (machines of
-    another processor sharing the cache directory measure meanwhile: the
-    lock is the key's). Yields False if the lock was not had within
-    `LOCK_WAIT_S`; True without `fcntl` or a writable directory (measure
-    unlocked, as before)."""
-    digest = hashlib.sha256(key.encode()).hexdigest()[:12]
-    try:
-        import fcntl
-
-        path.parent.mkdir(parents=True, exist_ok=True)
-        f = open(path.parent / f"cpu_tuning-{digest}.lock", "a+b")  # noqa: SIM115
-    except (ImportError, OSError):
-        yield True
-        return
-    with f:
-        deadline, told = time.monotonic() + LOCK_WAIT_S, False
-        while True:
-            try:
-                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except OSError:
-                if time.monotonic() > deadline:
-                    yield False
-                    return
-                if say is not None and not told:
-                    told = True
-                    say("eqtrain: another process is measuring this processor's "
-                        "CPU settings; waiting for its choice")  # fmt: skip
-                time.sleep(0.2)
+    best, chosen = min(measured[name].values()), None
+    for n in threads:
         try:
-            yield True
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
+            timings = measured[f"{name} on {n} threads"] = run(CANDIDATES[name], n)
+        except (OSError, RuntimeError, ValueError, subprocess.SubprocessError):
+            continue
+        if _faster(min(timings.values()), best):
+            best, chosen = min(timings.values()), n
+            scan = _faster(timings["scanned_ms"], timings["unrolled_ms"])
+    return Choice(name, CANDIDATES[name], scan, measured, "measured", chosen)
 
 
-def choose(
-    *,
-    run: Probe | None = None,
-    say: Callable[[str], None] | None = None,
-    measure_now: bool = True,
-) -> Choice:
-    """The cached choice for this processor, or a new one measured (`run`)
-    and cached; `FALLBACK` if measuring fails (the failure is cached too, so
-    that a probe that cannot run here is not paid for at every start: it is
-    tried again after `RETRY_AFTER_DAYS`), or without a cached choice when
-    `measure_now` is False (a command that trains nothing should not wait for
-    the probe). One process of a machine measures at a time (`_measuring`)."""
-    path, cpu = cache_path(), processor()
-    key = cache_key(cpu)
-    found = _cached(path, key)
-    if found is not None:
-        return found
-    if not measure_now:
-        reason = "not measured yet: the first `eqtrain fit` measures"
-        return Choice(FALLBACK, CANDIDATES[FALLBACK], False, {}, reason)
-    with _measuring(path, key, say) as locked:
-        if not locked:
-            reason = "another process on this machine was still measuring"
-            return Choice(FALLBACK, CANDIDATES[FALLBACK], False, {}, reason)
-        found = _cached(path, key)  # measured by the process waited for
-        return (
-            found if found is not None else _measure_and_cache(path, key, cpu, run, say)
-        )
+def thread_counts(
+    environ: Mapping[str, str] | None = None,
+    cgroup_root: Path = Path("/sys/fs/cgroup"),
+    proc_cgroup: Path = Path("/proc/self/cgroup"),
+    cpu_root: Path = Path("/sys/devices/system/cpu"),
+) -> list[int]:
+    """Thread counts for XLA's CPU client worth measuring against its own
+    (one per schedulable CPU): the container's CPU quota, where below the
+    schedulable CPUs (XLA's threads then outnumber the CPU time the kernel
+    grants), and one thread per physical core, where cores run two threads.
+    None where the user set `PJRT_NPROC`."""
+    environ = os.environ if environ is None else environ
+    if environ.get(THREADS_ENV):
+        return []
+    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    found = {_cgroup_cpus(cgroup_root, proc_cgroup), _cores(cpus, cpu_root)}
+    return sorted(n for n in found if n is not None and 0 < n < len(cpus))
 
 
-def _measure_and_cache(
-    path: Path,
-    key: str,
-    cpu: Mapping[str, Any],
-    run: Probe | None,
-    say: Callable[[str], None] | None,
-) -> Choice:
-    if say is not None:
-        say(f"eqtrain: measuring the CPU settings for this processor, once "
-            f"(a minute or two; cached in {path})")  # fmt: skip
+def _cgroup_cpus(root: Path, proc_cgroup: Path) -> int | None:
+    """The CPU quota of this process's cgroup and its ancestors (v2's
+    `cpu.max`, v1's `cpu.cfs_quota_us` / `cpu.cfs_period_us`), rounded up to
+    whole CPUs; None without one."""
     try:
-        choice = measure(cpu, run)
-    except (OSError, RuntimeError, ValueError, subprocess.SubprocessError) as e:
-        reason = f"the probe failed: {e}"
-        today = time.strftime("%Y-%m-%d")  # not again at every start
-        _write(path, key, {"failed": str(e)[:300], "measured_at": today})
-        return Choice(FALLBACK, CANDIDATES[FALLBACK], False, {}, reason)
-    entry = dataclasses.asdict(choice) | {"measured_at": time.strftime("%Y-%m-%d")}
-    _write(path, key, {k: v for k, v in entry.items() if k != "source"})
-    return choice
+        lines = proc_cgroup.read_text(encoding="utf-8").splitlines()
+    except OSError:
+        return None
+    quotas = []
+    for line in lines:
+        _, controllers, where = line.split(":", 2)
+        if controllers == "":  # v2
+            for d in _ancestors(root, where):
+                quotas.append(_ratio(_read_text(d / "cpu.max"), None))
+        elif "cpu" in controllers.split(","):
+            for mount in (root / controllers, root / "cpu", root / "cpu,cpuacct"):
+                for d in _ancestors(mount, where):
+                    quota = _read_text(d / "cpu.cfs_quota_us")
+                    quotas.append(_ratio(quota, _read_text(d / "cpu.cfs_period_us")))
+    found = [q for q in quotas if q is not None]
+    return math.ceil(min(found)) if found else None
+
+
+def _ancestors(root: Path, where: str) -> list[Path]:
+    parts = [p for p in where.strip().split("/") if p]
+    return [root.joinpath(*parts[:i]) for i in range(len(parts), -1, -1)]
+
+
+def _read_text(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8").strip()
+    except OSError:
+        return ""
+
+
+def _ratio(quota: str, period: str | None) -> float | None:
+    """`quota / period` CPUs: v2's `"200000 100000"` (period None) or v1's
+    two files; None for no limit (`max`, -1) or nothing readable."""
+    fields = quota.split() if period is None else [quota, period]
+    try:
+        q, p = float(fields[0]), float(fields[1])
+    except (IndexError, ValueError):
+        return None
+    return q / p if q > 0 and p > 0 else None
+
+
+def _cores(cpus: Sequence[int], root: Path) -> int | None:
+    """How many physical cores `cpus` sit on (their `thread_siblings_list`);
+    None if unreadable."""
+    siblings = {_read_text(root / f"cpu{n}" / "topology" / "thread_siblings_list")
+                for n in cpus}  # fmt: skip
+    return None if "" in siblings or not siblings else len(siblings)

@@ -1,12 +1,14 @@
 """`eqtrain.tune_cpu`: the CPU settings the CLI applies to itself, chosen by
 measurement once per processor and cached; and the hint."""
 
+import dataclasses
 import datetime
 import hashlib
 import json
 import os
 import subprocess
 import sys
+import time
 import warnings
 from pathlib import Path
 
@@ -31,8 +33,9 @@ class FakeProbe:
     def __init__(self, times=TIMES):
         self.times, self.calls = times, []
 
-    def __call__(self, flags):
+    def __call__(self, flags, threads=None):
         name = next(n for n, f in _cpu_tuning.CANDIDATES.items() if f == flags)
+        name = f"{name} on {threads} threads" if threads else name
         self.calls.append(name)
         return dict(self.times[name])
 
@@ -56,6 +59,7 @@ def probe(monkeypatch, tmp_path):
     monkeypatch.setenv("EQTRAIN_CACHE_DIR", str(tmp_path / "cache"))
     fake = FakeProbe()
     monkeypatch.setattr(_cpu_tuning, "probe", fake)
+    monkeypatch.setattr(_cpu_tuning, "thread_counts", lambda environ=None: [])
     return fake
 
 
@@ -280,43 +284,52 @@ CPU revision\t: 1
 
 
 LOCK_SCRIPT = """
-import importlib.util, json, os, sys, time
-spec = importlib.util.spec_from_file_location("tuning", sys.argv[1])
-tuning = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(tuning)  # the module alone: no JAX, starts at once
+import json, os, time
+from pathlib import Path
+from eqtrain import _cpu
+calls, go, waiting = (Path(os.environ[n]) for n in ("CALLS", "GO", "WAITING"))
 
 def run(flags):
-    with open(os.environ["CALLS"], "a") as f:
+    with open(calls, "a") as f:
         f.write(f"{os.getpid()}\\n")
-    time.sleep(0.5)
+    while not go.exists():  # measuring until the others are seen waiting
+        time.sleep(0.05)
     return {"scanned_ms": 10.0, "unrolled_ms": 9.0}
 
-said = []
-choice = tuning.choose(run=run, say=said.append)
-print(json.dumps({"source": choice.source, "said": said}))
+def say(text):
+    if "another process" in text:
+        with open(waiting, "a") as f:
+            f.write(f"{os.getpid()}\\n")
+
+print(json.dumps({"source": _cpu.choose(run=run, say=say).source}))
 """
+
+
+def _wait_for_lines(path, n, procs):
+    deadline = time.monotonic() + 60
+    while not (path.exists() and len(path.read_text().split()) >= n):
+        assert time.monotonic() < deadline and all(p.poll() is None for p in procs)
+        time.sleep(0.05)
 
 
 def test_processes_starting_together_measure_once(tmp_path):
     """Several `eqtrain fit` of one machine starting at once (a launch of
     several processes) do not all probe, each timing the others' load: one
-    measures while holding the cache's lock file, the others wait for it and
+    measures while holding the key's lock file, the others wait for it and
     read its choice."""
-    env = {**os.environ, "EQTRAIN_CACHE_DIR": str(tmp_path / "cache"),
-           "CALLS": str(tmp_path / "calls")}  # fmt: skip
-    argv = [sys.executable, "-c", LOCK_SCRIPT, _cpu_tuning.__file__]
-    procs = [
-        subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, text=True)
-        for _ in range(3)
-    ]
-    outs = [json.loads(p.communicate(timeout=60)[0]) for p in procs]
-    assert all(p.returncode == 0 for p in procs)
-    measurers = set((tmp_path / "calls").read_text().split())
-    assert len(measurers) == 1  # one process ran every probe
-    sources = sorted(o["source"] for o in outs)
-    assert sources == ["cached", "cached", "measured"]
-    waited = [o for o in outs if any("another process" in m for m in o["said"])]
-    assert waited  # at least one found the lock held and waited for it
+    names = {n: str(tmp_path / n.lower()) for n in ("CALLS", "GO", "WAITING")}
+    env = {**os.environ, "EQTRAIN_CACHE_DIR": str(tmp_path / "cache"), **names}
+    argv = [sys.executable, "-c", LOCK_SCRIPT]
+    start = lambda: subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, text=True)
+    first = start()
+    _wait_for_lines(tmp_path / "calls", 1, [first])  # it holds the lock, measuring
+    others = [start(), start()]
+    _wait_for_lines(tmp_path / "waiting", 2, [first, *others])
+    (tmp_path / "go").touch()
+    outs = [json.loads(p.communicate(timeout=60)[0]) for p in [first, *others]]
+    assert [p.returncode for p in [first, *others]] == [0, 0, 0]
+    assert set((tmp_path / "calls").read_text().split()) == {str(first.pid)}
+    assert [o["source"] for o in outs] == ["measured", "cached", "cached"]
 
 
 def test_a_measurement_held_up_elsewhere_gives_the_default(probe, monkeypatch):
@@ -324,16 +337,95 @@ def test_a_measurement_held_up_elsewhere_gives_the_default(probe, monkeypatch):
     `LOCK_WAIT_S` the default applies, nothing probed, nothing cached."""
     import fcntl
 
-    monkeypatch.setattr(_cpu_tuning, "LOCK_WAIT_S", 0.3)
+    monkeypatch.setattr(_cpu, "LOCK_WAIT_S", 0.3)
     path = _cpu_tuning.cache_path()
     path.parent.mkdir(parents=True)
     digest = hashlib.sha256(_cpu_tuning.cache_key().encode()).hexdigest()[:12]
     with open(path.parent / f"cpu_tuning-{digest}.lock", "a+b") as held:
         fcntl.flock(held, fcntl.LOCK_EX)  # another process, measuring
         said = []
-        choice = _cpu_tuning.choose(say=said.append)
+        choice = _cpu.choose(say=said.append)
     assert choice.name == _cpu_tuning.FALLBACK and "still measuring" in choice.source
     assert probe.calls == [] and not path.exists() and len(said) == 1
+
+
+def _cgroup_v2(tmp_path, cpu_max):
+    """A cgroup v2 tree whose leaf holds `cpu_max`, and its /proc/self/cgroup."""
+    leaf = tmp_path / "cg" / "kubepods" / "pod1"
+    leaf.mkdir(parents=True)
+    (leaf / "cpu.max").write_text(cpu_max)
+    (tmp_path / "proc_cgroup").write_text("0::/kubepods/pod1\n")
+    return tmp_path / "cg", tmp_path / "proc_cgroup"
+
+
+def _cpu_tree(tmp_path, siblings):
+    for n in sorted(os.sched_getaffinity(0)):
+        topology = tmp_path / "cpus" / f"cpu{n}" / "topology"
+        topology.mkdir(parents=True)
+        (topology / "thread_siblings_list").write_text(siblings(n))
+    return tmp_path / "cpus"
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 CPUs")
+def test_thread_counts_follow_a_cpu_quota_and_shared_cores(tmp_path):
+    """XLA sizes its CPU thread pool by the schedulable CPUs: fewer threads
+    are measured where a container's quota grants less CPU time (cgroup v2
+    and v1) or where two threads share each core; never past `PJRT_NPROC`."""
+    cpus = len(os.sched_getaffinity(0))
+    own = _cpu_tree(tmp_path / "own", lambda n: f"{n}")  # one thread per core
+    root, proc = _cgroup_v2(tmp_path / "v2", "100000 100000")  # 1 CPU
+    assert _cpu_tuning.thread_counts({}, root, proc, own) == [1]
+    root, proc = _cgroup_v2(tmp_path / "v2half", "50000 100000")  # 0.5: 1 thread
+    assert _cpu_tuning.thread_counts({}, root, proc, own) == [1]
+    root, proc = _cgroup_v2(tmp_path / "none", "max 100000")
+    assert _cpu_tuning.thread_counts({}, root, proc, own) == []
+    v1 = tmp_path / "v1" / "cpu,cpuacct" / "docker" / "abc"
+    v1.mkdir(parents=True)
+    (v1 / "cpu.cfs_quota_us").write_text("100000")
+    (v1 / "cpu.cfs_period_us").write_text("100000")
+    (tmp_path / "v1proc").write_text("4:cpu,cpuacct:/docker/abc\n1:name=systemd:/\n")
+    counts = _cpu_tuning.thread_counts({}, tmp_path / "v1", tmp_path / "v1proc", own)
+    assert counts == [1]
+    # two threads per core (siblings 2k and 2k+1): one thread per core
+    smt = _cpu_tree(tmp_path / "smt", lambda n: f"{n - n % 2}-{n - n % 2 + 1}")
+    none = tmp_path / "nowhere"
+    assert _cpu_tuning.thread_counts({}, none, none, smt) == [cpus // 2]
+    assert _cpu_tuning.thread_counts({}, none, none, own) == []
+    assert _cpu_tuning.thread_counts({"PJRT_NPROC": "2"}, none, none, smt) == []
+
+
+def test_fewer_threads_are_kept_only_where_faster_and_reach_pjrt_nproc(
+    probe, monkeypatch
+):
+    """The chosen flags are timed again on each thread count; a count faster
+    by `MARGIN` is chosen, cached, said, and applied as `PJRT_NPROC` (the
+    user's own stands); one within the margin is not."""
+    cpu = {"cpu": "x", "family": "6", "model": "85", "isa": ["avx2", "fma"]}
+    times = {
+        **TIMES,
+        "eigen_dots on 1 threads": {"scanned_ms": 60.0, "unrolled_ms": 30.0},
+    }
+    choice = _cpu_tuning.measure(cpu, FakeProbe(times), threads=[1])
+    assert choice.name == "eigen_dots" and choice.threads == 1
+    assert "unrolled layers, 1 threads (measured" in choice.describe()
+    entry = dataclasses.asdict(choice)
+    assert _cpu_tuning.from_entry(entry, "cached").threads == 1
+    times["eigen_dots on 1 threads"] = {"scanned_ms": 60.0, "unrolled_ms": 39.0}
+    assert _cpu_tuning.measure(cpu, FakeProbe(times), threads=[1]).threads is None
+    # applied before JAX starts, unless the user set PJRT_NPROC
+    probe.times = {
+        **TIMES,
+        "eigen_dots on 1 threads": {"scanned_ms": 9.0, "unrolled_ms": 9.0},
+    }
+    monkeypatch.setattr(_cpu_tuning, "thread_counts", lambda environ=None: [1])
+    env = {"XLA_FLAGS": ""}
+    eqtrain.tune_cpu(env)
+    assert env["PJRT_NPROC"] == "1" and "1 threads" in _cpu.cpu_settings()
+    assert "threads 1" in _cpu_tuning.cache_key(threads=[1])
+    _reset(monkeypatch)
+    env = {"XLA_FLAGS": "", "PJRT_NPROC": "2"}
+    eqtrain.tune_cpu(env)
+    assert env["PJRT_NPROC"] == "2"
 
 
 def test_arm_processors_are_told_apart_by_part_and_features():
@@ -363,12 +455,12 @@ def test_a_stale_cache_entry_is_measured_again(probe, tmp_path):
     key = _cpu_tuning.cache_key().replace("jax ", "jax 0.0.1-was-")
     version = _cpu_tuning.CACHE_VERSION
     path.write_text(json.dumps({"version": version, "choices": {key: other}}))
-    assert _cpu_tuning.choose().source == "measured" and probe.calls
+    assert _cpu.choose().source == "measured" and probe.calls
     assert set(_cache(tmp_path)["choices"]) == {key, _cpu_tuning.cache_key()}
     probe.calls.clear()
     old = {"version": version - 1, "choices": _cache(tmp_path)["choices"]}
     path.write_text(json.dumps(old))
-    assert _cpu_tuning.choose().source == "measured" and probe.calls
+    assert _cpu.choose().source == "measured" and probe.calls
 
 
 def test_explicit_settings_win_over_the_measurement(probe):
@@ -399,20 +491,20 @@ def test_a_failing_probe_falls_back_and_is_not_retried_at_every_start(probe, tmp
         calls.append(flags)
         raise RuntimeError("no CPU backend")
 
-    choice = _cpu_tuning.choose(run=broken)
+    choice = _cpu.choose(run=broken)
     assert choice.name == _cpu_tuning.FALLBACK and "no CPU backend" in choice.source
     entry = _cache(tmp_path)["choices"][_cpu_tuning.cache_key()]
     assert entry["failed"] == "no CPU backend" and "name" not in entry
-    again = _cpu_tuning.choose(run=broken)
+    again = _cpu.choose(run=broken)
     assert len(calls) == 1 and again.name == _cpu_tuning.FALLBACK
     assert "failed on" in again.describe() and "delete" in again.describe()
     # a week later: measured again (and now it works)
-    stale = datetime.date.today() - datetime.timedelta(_cpu_tuning.RETRY_AFTER_DAYS)
-    _cpu_tuning._write(
+    stale = datetime.date.today() - datetime.timedelta(_cpu.RETRY_AFTER_DAYS)
+    _cpu_tuning.write_cache(
         _cpu_tuning.cache_path(), _cpu_tuning.cache_key(),
         {**entry, "measured_at": stale.isoformat()},
     )  # fmt: skip
-    assert _cpu_tuning.choose().source == "measured" and probe.calls
+    assert _cpu.choose().source == "measured" and probe.calls
     assert "failed" not in _cache(tmp_path)["choices"][_cpu_tuning.cache_key()]
 
 
@@ -455,7 +547,7 @@ def test_the_default_stays_within_the_margin_of_noise(probe):
         "eigen_dots_512": {"scanned_ms": 98.5, "unrolled_ms": 99.0},
         "onednn_dots": {"scanned_ms": 98.0, "unrolled_ms": 98.5},
     }
-    choice = _cpu_tuning.choose()
+    choice = _cpu.choose()
     assert (choice.name, choice.scan_layers) == ("eigen_dots", False)
 
 
@@ -466,7 +558,7 @@ def test_a_command_that_trains_nothing_never_waits_for_the_probe(probe):
     eqtrain.tune_cpu(env, measure=False)
     assert probe.calls == [] and env["XLA_FLAGS"] == _cpu.XLA_CPU_FLAG
     assert "not measured yet" in _cpu.cpu_settings()
-    _cpu_tuning.choose()  # what `eqtrain fit` does the first time
+    _cpu.choose()  # what `eqtrain fit` does the first time
     probe.calls.clear()
     env = {"XLA_FLAGS": ""}
     eqtrain.tune_cpu(env, measure=False)

@@ -515,7 +515,7 @@ def test_a_dataclass_choice_round_trips_through_the_cache():
             {"onednn_dots": {"scanned_ms": 1.0, "unrolled_ms": 2.0}}, "measured",
         )
     )  # fmt: skip
-    back = _cpu_tuning._from_entry(entry, "cached")
+    back = _cpu_tuning.from_entry(entry, "cached")
     assert back is not None and back.compiler_options == _cpu_tuning.ONEDNN_OPTIONS
 
 
