@@ -5,7 +5,7 @@ keeps its tables per processor), so each benchmark prints this first, as one
 JSON line `{"machine": {...}}`: the CPU's model name, family and model, its
 cores, the instruction-set extensions that change XLA's and torch's kernels,
 the library versions, and the CPU settings in force (`XLA_FLAGS`, glibc's
-allocator thresholds, oneDNN's ISA cap, `EQTRAIN_CPU_TUNING`, what
+allocator thresholds, oneDNN's ISA cap, XLA's thread count, `EQTRAIN_CPU_TUNING`, what
 `eqtrain.tune_cpu` chose) and the load when it started.
 
     from _machine import print_machine
@@ -51,6 +51,7 @@ def settings() -> dict[str, str]:
         "MALLOC_ARENA_MAX",
         "ONEDNN_MAX_CPU_ISA",
         "DNNL_MAX_CPU_ISA",
+        "PJRT_NPROC",
     )
     found = {n: os.environ[n] for n in names if n in os.environ}
     return found | {"tune_cpu": cpu_settings()}

@@ -208,7 +208,10 @@ def tune_cpu(
     Eigen's products without measuring; `EQTRAIN_CPU_TUNING=0` turns
     everything off. `measure=False` uses a cached choice but never probes
     (the default flags until one is cached). `cpu_settings()` says what was
-    chosen. Where oneDNN's products are chosen, `ONEDNN_MAX_CPU_ISA` is set to
+    chosen. Where fewer XLA threads than schedulable CPUs measured faster (a
+    container's CPU quota, two threads per core), `PJRT_NPROC` is set to
+    that count unless the user set it. Where oneDNN's products are chosen,
+    `ONEDNN_MAX_CPU_ISA` is set to
     the kernels verified (`_cpu_tuning.ONEDNN_ISA_CAP`) unless the user set
     it or `DNNL_MAX_CPU_ISA`. The settings only speed
     up the CPU backend; on a GPU or TPU host they change nothing the device
