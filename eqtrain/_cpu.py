@@ -273,9 +273,8 @@ def _set_xla_flags(
     choice = _choice(environ, say, measure)
     _state["choice"] = choice
     _onednn.activate(choice.compiler_options)  # eqtrain.jit's, per compilation
-    names = _cpu_tuning.ONEDNN_ISA_ENV
-    if choice.compiler_options and not any(environ.get(n) for n in names):
-        environ[names[0]] = _cpu_tuning.ONEDNN_ISA_CAP  # the kernels verified
+    if choice.compiler_options:
+        _cpu_tuning.cap_onednn(environ)  # the kernels verified
     if choice.threads and not environ.get(_cpu_tuning.THREADS_ENV):
         environ[_cpu_tuning.THREADS_ENV] = str(choice.threads)
     if choice.process_flags:

@@ -27,7 +27,7 @@ import platform
 import subprocess
 import sys
 import tempfile
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, MutableMapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -122,11 +122,7 @@ def processor(text: str | None = None) -> dict[str, Any]:
     """Model name, family, model and ISA flags from `/proc/cpuinfo` (or `text`);
     on Arm the implementer and part numbers and its `Features`."""
     if text is None:
-        try:
-            with open("/proc/cpuinfo", encoding="utf-8") as f:
-                text = f.read()
-        except OSError:
-            text = ""
+        text = _read_text(Path("/proc/cpuinfo"))
     fields: dict[str, str] = {}
     for line in text.splitlines():
         key, _, value = line.partition(":")
@@ -166,6 +162,13 @@ def onednn_isa_capped(environ: Mapping[str, str] | None = None) -> str | None:
         if value and not value.startswith(ONEDNN_ISA_ALLOWED):
             return f"{name}={environ[name]}"
     return None
+
+
+def cap_onednn(environ: MutableMapping[str, str]) -> None:
+    """Hold oneDNN to the kernels verified (`ONEDNN_ISA_CAP`), unless the
+    user set a cap of their own (`ONEDNN_ISA_ENV`)."""
+    if not any(environ.get(name) for name in ONEDNN_ISA_ENV):
+        environ[ONEDNN_ISA_ENV[0]] = ONEDNN_ISA_CAP
 
 
 def onednn_verified(
@@ -307,8 +310,8 @@ def probe(flags: str, threads: int | None = None) -> dict[str, float]:
     env = {**PROBE_ALLOCATOR, **os.environ, "XLA_FLAGS": flags, "JAX_PLATFORMS": "cpu"}
     if threads:
         env[THREADS_ENV] = str(threads)
-    if "onednn" in flags and not any(env.get(n) for n in ONEDNN_ISA_ENV):
-        env[ONEDNN_ISA_ENV[0]] = ONEDNN_ISA_CAP
+    if "onednn" in flags:
+        cap_onednn(env)
     here = str(Path(__file__).resolve().parent.parent)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [here, env.get("PYTHONPATH")]))
     done = subprocess.run(
@@ -395,7 +398,7 @@ def thread_counts(
     (one per schedulable CPU): the container's CPU quota, where below the
     schedulable CPUs (XLA's threads then outnumber the CPU time the kernel
     grants), and one thread per physical core, where cores run two threads.
-    None where the user set `PJRT_NPROC`."""
+    Nothing when the user set `PJRT_NPROC`."""
     environ = os.environ if environ is None else environ
     if environ.get(THREADS_ENV):
         return []
@@ -414,12 +417,16 @@ def _cgroup_cpus(root: Path, proc_cgroup: Path) -> int | None:
         return None
     quotas = []
     for line in lines:
-        _, controllers, where = line.split(":", 2)
+        _, _, rest = line.partition(":")
+        controllers, colon, where = rest.partition(":")
+        if not colon:  # not a cgroup line
+            continue
         if controllers == "":  # v2
             for d in _ancestors(root, where):
                 quotas.append(_ratio(_read_text(d / "cpu.max"), None))
         elif "cpu" in controllers.split(","):
-            for mount in (root / controllers, root / "cpu", root / "cpu,cpuacct"):
+            mounts = dict.fromkeys([controllers, "cpu", "cpu,cpuacct"])
+            for mount in (root / name for name in mounts):
                 for d in _ancestors(mount, where):
                     quota = _read_text(d / "cpu.cfs_quota_us")
                     quotas.append(_ratio(quota, _read_text(d / "cpu.cfs_period_us")))
