@@ -383,7 +383,9 @@ def test_thread_counts_follow_a_cpu_quota_and_shared_cores(tmp_path):
     v1.mkdir(parents=True)
     (v1 / "cpu.cfs_quota_us").write_text("100000")
     (v1 / "cpu.cfs_period_us").write_text("100000")
-    (tmp_path / "v1proc").write_text("4:cpu,cpuacct:/docker/abc\n1:name=systemd:/\n")
+    (tmp_path / "v1proc").write_text(
+        "4:cpu,cpuacct:/docker/abc\n1:name=systemd:/\nnot a cgroup line\n"
+    )  # a line it cannot read is passed over
     counts = _cpu_tuning.thread_counts({}, tmp_path / "v1", tmp_path / "v1proc", own)
     assert counts == [1]
     # two threads per core (siblings 2k and 2k+1): one thread per core
