@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from ._errors import DataError
-from ._source_files import BLOCK, opened
+from ._source_files import BLOCK, compression_of, opened
 
 
 # pandas' default missing-value strings: `datasets` reads CSV with pandas, so a
@@ -170,9 +170,10 @@ def _json_array(piece: Piece) -> list:
 
 
 def _read_text_files(piece: Piece, column: str, counts: dict) -> Iterator[str]:
-    """Each file of the piece is one document (undecodable bytes replaced)."""
+    """Each file of the piece is one document (undecodable bytes replaced), a
+    `.gz` or `.zst` file decompressed (in a directory as when given alone)."""
     for path in piece.paths:
-        with opened(Path(path), piece.compression) as f:
+        with opened(Path(path), piece.compression or compression_of(path)) as f:
             data = f.read()
         yield data.decode("utf-8", errors="replace")
 

@@ -17,6 +17,14 @@ from ._errors import DataError, check_exists
 
 BLOCK = 2**20
 """Bytes read at a time."""
+COMPRESSIONS = {".gz": "gz", ".zst": "zst"}
+"""A file's last suffix -> how it is compressed."""
+
+
+def compression_of(path: str | os.PathLike) -> str | None:
+    """`"gz"` or `"zst"` when `path`'s last suffix says it is compressed, else None
+    (the rule for a single file and for each file of a directory alike)."""
+    return COMPRESSIONS.get(os.path.splitext(os.fspath(path))[1].lower())
 
 
 def stat(path: str | os.PathLike) -> os.stat_result:

@@ -16,6 +16,7 @@ from ._errors import (
     check_exists,
     missing_field,
 )
+from ._source_files import compression_of, opened
 
 
 # File suffix -> the `datasets` packaged builder that reads it.
@@ -159,7 +160,7 @@ def load_text_dir(directory: PathLike, *, pattern: str = "**/*.txt") -> list[str
 
     Files are ordered by their path relative to `directory` (as POSIX strings), so
     the order is the same on every machine; they are read as UTF-8 (undecodable
-    bytes replaced).
+    bytes replaced), a `.gz` or `.zst` file decompressed first.
 
     Raises:
         DataFileNotFoundError: `directory` does not exist.
@@ -172,7 +173,16 @@ def load_text_dir(directory: PathLike, *, pattern: str = "**/*.txt") -> list[str
             f"{root} is a file, not a directory. Pass the directory holding the text "
             "files, or read single files with `from_files(path, 'text')`."
         )
-    return [read_text(p) for p in text_files(root, pattern)]
+    return [_read_member(p) for p in text_files(root, pattern)]
+
+
+def _read_member(path: Path) -> str:
+    """A file of a text directory, decompressed when its suffix says so."""
+    compression = compression_of(path)
+    if compression is None:
+        return read_text(path)
+    with opened(path, compression) as f:
+        return f.read().decode("utf-8", errors="replace")
 
 
 def text_files(root: Path, pattern: str) -> list[Path]:

@@ -31,7 +31,14 @@ from typing import Any
 from .._errors import ConfigError
 from ._errors import DataError, DataWarning, check_exists
 from ._readers import READERS, Piece, parquet
-from ._source_files import BLOCK, opened, stat, zstd_module
+from ._source_files import (
+    BLOCK,
+    COMPRESSIONS,
+    compression_of,
+    opened,
+    stat,
+    zstd_module,
+)
 from ._sources import text_files
 
 
@@ -40,8 +47,7 @@ PIECE_BYTES = 16 * 2**20
 _EDGE = 2**20  # a fingerprint hashes a file's first and last MiB
 _NOTHING = "Point the config (data.train, data.eval) at a file that holds data."
 _KINDS = {".txt": "text_files", ".jsonl": "jsonl", ".json": "json", ".csv": "csv"}
-_COMPRESSIONS = {".gz": "gz", ".zst": "zst"}
-SUFFIXES = (".parquet", *(k + c for k in _KINDS for c in ("", *_COMPRESSIONS)))
+SUFFIXES = (".parquet", *(k + c for k in _KINDS for c in ("", *COMPRESSIONS)))
 
 
 def plan(
@@ -78,10 +84,14 @@ def plan_files(
     files: Sequence[str | os.PathLike], *, piece_bytes: int = PIECE_BYTES
 ) -> list[Piece]:
     """Pieces of text files, one document each, in the order given: consecutive
-    files grouped up to `piece_bytes` (e.g. `plan_files(stdlib_files("train"))`)."""
+    files grouped up to `piece_bytes` (e.g. `plan_files(stdlib_files("train"))`).
+    A `.gz` or `.zst` file is decompressed when read, as a single file is."""
     if not files:
         raise DataError("no text files to read. Pass at least one file.")
     paths = [os.path.abspath(f) for f in files]
+    zst = next((p for p in paths if compression_of(p) == "zst"), None)
+    if zst is not None:
+        zstd_module(Path(zst))  # fail at planning, not in a worker
     runs = _runs([stat(p).st_size for p in paths], piece_bytes)
     return [Piece("text_files", "", 0, -1, 1, n, tuple(paths[a:b])) for a, b, n in runs]
 
@@ -143,7 +153,7 @@ def fingerprint(source: str | os.PathLike, *, pattern: str = "**/*.txt") -> dict
         ]
         return {"kind": "text_files", "pattern": pattern, "files": files}
     kind, compression = _format(path)
-    files = [_key(path, path.name)]
+    files = [_key(path, path.name, member=False)]
     return {"kind": kind, "compression": compression, "files": files}
 
 
@@ -163,7 +173,7 @@ def _format(path: Path) -> tuple[str, str | None]:
     """A file's kind and compression, from its suffixes."""
     name = path.name.lower()
     stem, last = os.path.splitext(name)
-    compression = _COMPRESSIONS.get(last)
+    compression = COMPRESSIONS.get(last)
     suffix = os.path.splitext(stem)[1] if compression else last
     kind = "parquet" if suffix == ".parquet" and not compression else _KINDS.get(suffix)
     if kind is None:
@@ -276,15 +286,21 @@ def _compressed_size(group: Any) -> int:
     return sum(group.column(c).total_compressed_size for c in range(group.num_columns))
 
 
-def _key(path: Path, name: str) -> dict:
-    """A file's part of a fingerprint: name, size, mtime, sha256 of its edges."""
+def _key(path: Path, name: str, *, member: bool = True) -> dict:
+    """A file's part of a fingerprint: name, size, mtime, sha256 of its edges (and
+    for a compressed file of a directory, its compression: such files were once
+    read undecompressed, and their stores must not be reused)."""
     info = stat(path)
-    return {
+    key = {
         "name": name,
         "size": info.st_size,
         "mtime_ns": info.st_mtime_ns,
         "sha256": _edges_sha256(path, info.st_size),
     }
+    compression = compression_of(name)
+    if compression is not None and member:
+        key["compression"] = compression
+    return key
 
 
 def _edges_sha256(path: Path, size: int) -> str:
