@@ -143,16 +143,28 @@ def generation_options() -> dict[str, str]:
     return dict(XLA_OWN_PRODUCTS) if jax.default_backend() == "cpu" else {}
 
 
+def _traced(args: Any) -> bool:
+    """Whether any array among `args` is a tracer: the call is being traced
+    into another compiled function."""
+    import jax
+
+    return any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(args))
+
+
 def generation_jit(fn: Callable[..., Any]) -> Callable[..., Any]:
     """`eqx.filter_jit(fn)`, compiled with `generation_options()`: on the CPU,
     XLA's own products even where `tune_cpu` chose Eigen's for training
     (`eqtrain.generate`'s compiled functions). The options are looked up at
-    each call, since `tune_cpu` may run after the module is imported."""
+    each call, since `tune_cpu` may run after the module is imported.
+    Traced inside another compiled function (generation inside a GRPO
+    step), it becomes part of that one, without options: JAX accepts them
+    only at the top level (`jax.jit(compiler_options=)`)."""
+    import equinox as eqx
+
     versions: dict[tuple[tuple[str, str], ...], Any] = {}
+    plain = eqx.filter_jit(fn)
 
     def jitted() -> Any:
-        import equinox as eqx
-
         options = generation_options()
         key = tuple(sorted(options.items()))
         if key not in versions:
@@ -161,6 +173,8 @@ def generation_jit(fn: Callable[..., Any]) -> Callable[..., Any]:
 
     @functools.wraps(fn)
     def call(*args: Any) -> Any:
+        if _traced(args):  # inside another compiled function (a GRPO step):
+            return plain(*args)  # per-compilation options are refused there
         return jitted()(*args)
 
     call.lower = lambda *args: jitted().lower(*args)  # type: ignore[attr-defined]
