@@ -5,6 +5,7 @@ the code (the content key's reads, a mixture's memory, tiny weights, a truncated
 `.ends`)."""
 
 import gzip
+import json
 from pathlib import Path
 
 import numpy as np
@@ -12,6 +13,8 @@ import pytest
 
 from eqtrain.data import (
     ByteTokenizer,
+    DataError,
+    DataWarning,
     HFTokenizer,
     load_text_dir,
     prepare,
@@ -72,3 +75,34 @@ def test_a_directorys_compressed_files_are_decompressed(tmp_path, pattern):
     alone = prepare(tmp_path / "d" / "b" / "c.txt.gz", tok, cache_dir=cache)
     assert _documents(alone) == [texts["b/c.txt.gz"]]
     assert load_text_dir(tmp_path / "d", pattern=pattern) == want
+
+
+# -- 11: text that is not valid Unicode is skipped like other bad rows -----------
+BAD_UNICODE = '{"text": "half of a pair: \\ud800!"}'  # valid JSON, not Unicode
+
+
+@pytest.mark.parametrize("tokenizer", ["byte", "hf"])
+def test_an_unpaired_surrogate_skips_its_row_naming_it(tmp_path, tokenizer, request):
+    tok = (
+        ByteTokenizer()
+        if tokenizer == "byte"
+        else request.getfixturevalue("hf_tokenizer")
+    )
+    lines = ['{"text": "first"}', BAD_UNICODE, '{"text": null}', '{"text": "last"}']
+    source = _jsonl(tmp_path / "c.jsonl", lines)
+    with pytest.warns(DataWarning) as caught:
+        store = prepare(source, tok, cache_dir=tmp_path / "cache", executor="inline")
+    (message,) = [str(w.message) for w in caught]
+    assert "skipped 2 of 4 rows: 1 whose 'text' is not a string" in message
+    assert f"(the first: {source}:3)" in message
+    assert "not valid Unicode" in message and f"{source}:2;" in message
+    assert store.num_documents == 2
+    if tokenizer == "byte":
+        assert _documents(store) == ["first", "last"]
+    # a JSON array and a Python source: the same rule (Python's: an error)
+    array = tmp_path / "a.json"
+    array.write_text(f"[{lines[0]}, {BAD_UNICODE}]", encoding="utf-8")
+    with pytest.warns(DataWarning, match=r"a.json \(record 2\)"):
+        prepare(array, tok, cache_dir=tmp_path / "cache", executor="inline")
+    with pytest.raises(DataError, match=r"item 1 of the source .*character 16"):
+        prepare(["ok", json.loads(BAD_UNICODE)["text"]], tok, cache_dir=tmp_path)

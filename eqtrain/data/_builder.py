@@ -16,6 +16,7 @@ from ._encoder import dtype_for
 from ._errors import DataError, positive
 from ._files import write_json
 from ._parts import FORMAT, Task, grouped, read_ledger, texts_key, verify_part
+from ._readers import unpaired
 from ._stream import check_counts
 from ._workers import Built, run_tasks
 
@@ -176,7 +177,9 @@ class Builder:
         """Write `store.json` over the parts' `entries`: the store is complete."""
         counts = _counts(entries)
         check_counts(
-            self.label, {**counts, "skipped": 0}, text_column=self.text_column
+            self.label,
+            {**counts, "skipped": 0, "unpaired": 0},
+            text_column=self.text_column,
         )  # no documents is an error; skipped rows are said by `prepare`
         write_json(self.directory / "store.json", self._meta(entries, counts))
 
@@ -195,18 +198,20 @@ class Builder:
             "tokens": sum(e["tokens"] for e in entries),
             "skipped": counts["skipped"],
             "first_skipped": counts["first_skipped"],
+            "unpaired": counts["unpaired"],
+            "first_unpaired": counts["first_unpaired"],
             "parts": [_part_meta(e) for e in entries],
         }
 
 
 def _counts(entries: list[dict[str, Any]]) -> dict[str, Any]:
     """The documents and skipped records of all the parts."""
-    firsts = [e["first_skipped"] for e in entries if e.get("first_skipped")]
-    return {
-        "documents": sum(e["documents"] for e in entries),
-        "skipped": sum(e.get("skipped", 0) for e in entries),
-        "first_skipped": firsts[0] if firsts else None,
-    }
+    out: dict[str, Any] = {"documents": sum(e["documents"] for e in entries)}
+    for why in ("skipped", "unpaired"):
+        firsts = [e[f"first_{why}"] for e in entries if e.get(f"first_{why}")]
+        out[why] = sum(e.get(why, 0) for e in entries)
+        out[f"first_{why}"] = firsts[0] if firsts else None
+    return out
 
 
 def _part_meta(entry: Mapping[str, Any]) -> dict[str, Any]:
@@ -217,10 +222,11 @@ def _part_meta(entry: Mapping[str, Any]) -> dict[str, Any]:
 
 def python_documents(source: Any, text_column: str) -> Iterator[str]:
     """Documents of a Python source: strings, or records' `text_column` (a
-    non-string value is skipped, as the readers do)."""
+    non-string value is skipped, as the readers do; a string that is not valid
+    Unicode is an error naming the item)."""
     for i, item in enumerate(source):
         if isinstance(item, str):
-            yield item
+            yield _valid(item, i)
         elif isinstance(item, Mapping):
             if text_column not in item:
                 raise DataError(
@@ -229,12 +235,25 @@ def python_documents(source: Any, text_column: str) -> Iterator[str]:
                 )
             value = item[text_column]
             if isinstance(value, str):
-                yield value
+                yield _valid(value, i)
         else:
             raise DataError(
                 f"item {i} of the source is a {type(item).__name__}; pass strings or "
                 "records (mappings) with a text field."
             )
+
+
+def _valid(text: str, i: int) -> str:
+    """`text`, item `i` of a Python source, checked to be Unicode text."""
+    if unpaired(text):
+        at = next(n for n, c in enumerate(text) if "\ud800" <= c <= "\udfff")
+        raise DataError(
+            f"item {i} of the source holds an unpaired surrogate "
+            f"({text[at]!r} at character {at}), which is not Unicode text and "
+            "cannot be encoded. Repair it first, e.g. with "
+            "`text.encode('utf-8', 'replace').decode('utf-8')`."
+        )
+    return text
 
 
 class _Progress:

@@ -155,6 +155,8 @@ def _write_part(
         "characters": writer.characters,
         "skipped": counts.get("skipped", 0),
         "first_skipped": counts.get("first_skipped"),
+        "unpaired": counts.get("unpaired", 0),
+        "first_unpaired": counts.get("first_unpaired"),
         "sha256": {k: d.hexdigest() for k, d in writer.digests.items()},
     }
 

@@ -204,10 +204,11 @@ def _pieces(source: PathLike, settings: dict[str, Any]) -> list[dict[str, Any]]:
 def _opened(store: Store, label: str, text_column: str) -> Store:
     """`store`, after warning (each time it is used, as reading the source would)
     about the records its source skipped."""
+    meta = store.meta
     counts = {
         "documents": store.num_documents,
-        "skipped": store.meta.get("skipped", 0),
-        "first_skipped": store.meta.get("first_skipped"),
+        **{k: meta.get(k, 0) for k in ("skipped", "unpaired")},
+        **{k: meta.get(k) for k in ("first_skipped", "first_unpaired")},
     }
     check_counts(label, counts, text_column=text_column)
     return store

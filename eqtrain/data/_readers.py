@@ -6,6 +6,7 @@ import csv
 import dataclasses
 import io
 import json
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -52,7 +53,10 @@ def _read_jsonl(piece: Piece, column: str, counts: dict) -> Iterator[str]:
             except (ValueError, TypeError, KeyError):
                 value = _bad_line(f"{piece.path}:{number}", line, column)
             if type(value) is str:
-                yield value
+                if unpaired(value):
+                    _skip(counts, f"{piece.path}:{number}", "unpaired")
+                else:
+                    yield value
             elif value is not _BLANK:
                 _skip(counts, f"{piece.path}:{number}")
             number += 1
@@ -123,9 +127,21 @@ def _missing(where: str, column: str, fields: list[str]) -> DataError:
     )
 
 
-def _skip(counts: dict, where: str) -> None:
-    counts["skipped"] = counts.get("skipped", 0) + 1
-    counts.setdefault("first_skipped", where)
+def _skip(counts: dict, where: str, why: str = "skipped") -> None:
+    """Count a skipped record: `"skipped"` (its text is not a string) or
+    `"unpaired"` (its text holds an unpaired surrogate)."""
+    counts[why] = counts.get(why, 0) + 1
+    counts.setdefault(f"first_{why}", where)
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def unpaired(text: str) -> bool:
+    """Whether `text` holds a surrogate code point (JSON's `"\\ud800"` escape
+    alone, not as half of a pair): not Unicode text, so no tokenizer can encode it
+    (UTF-8 has no bytes for it)."""
+    return not text.isascii() and _SURROGATE.search(text) is not None
 
 
 def _read_json(piece: Piece, column: str, counts: dict) -> Iterator[str]:
@@ -134,10 +150,12 @@ def _read_json(piece: Piece, column: str, counts: dict) -> Iterator[str]:
     for i, record in enumerate(_json_array(piece), 1):
         where = f"{piece.path} (record {i})"
         value = _json_record(record, where, column)[column]
-        if isinstance(value, str):
-            yield value
-        else:
+        if not isinstance(value, str):
             _skip(counts, where)
+        elif unpaired(value):
+            _skip(counts, where, "unpaired")
+        else:
+            yield value
 
 
 def _json_record(record: Any, where: str, column: str) -> dict:

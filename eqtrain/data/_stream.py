@@ -105,7 +105,10 @@ def documents(
     skipped, as `text_column` does in memory, and counted in `counts`:
     `counts["skipped"]` and `counts["first_skipped"]` (`"<file>:<line>"`, set
     once), beside `counts["documents"]`; `check_counts` turns the totals into the
-    in-memory reading's error and warning.
+    in-memory reading's error and warning. A text that is not valid Unicode (a
+    JSON string with an unpaired surrogate escape such as `"\\ud800"`, which no
+    tokenizer can encode) is skipped the same way, counted in `counts["unpaired"]`
+    and `counts["first_unpaired"]`.
 
     Raises:
         DataError: a record that is not valid JSON, not an object, or lacks
@@ -123,16 +126,38 @@ def documents(
 def check_counts(source: str, counts: dict, *, text_column: str = "text") -> None:
     """After reading all of `source`: raise when it gave no document, warn once
     (a `DataWarning`) when records were skipped, as `text_column` does."""
-    skipped, first = counts.get("skipped", 0), counts.get("first_skipped")
+    skipped = counts.get("skipped", 0) + counts.get("unpaired", 0)
+    first = counts.get("first_skipped") or counts.get("first_unpaired")
     if not counts.get("documents"):
         raise _no_text(source, skipped, first, text_column)
     if skipped:
         warnings.warn(
-            f"{source}: skipped {skipped} of {counts['documents'] + skipped} rows "
-            f"whose {text_column!r} is not a string (the first: {first}).",
+            f"{source}: skipped {skipped} of {counts['documents'] + skipped} rows"
+            f"{_why_skipped(counts, text_column)}.",
             DataWarning,
             stacklevel=2,
         )
+
+
+def _why_skipped(counts: dict, text_column: str) -> str:
+    """Why the rows `counts` holds were skipped, with the first row of each kind."""
+    kinds = [
+        (
+            counts.get("skipped", 0),
+            f"whose {text_column!r} is not a string (the first: "
+            f"{counts.get('first_skipped')})",
+        ),
+        (
+            counts.get("unpaired", 0),
+            f"whose {text_column!r} is not valid Unicode: it holds an unpaired "
+            f'surrogate escape such as "\\ud800" (the first: '
+            f"{counts.get('first_unpaired')}; fix those rows to train on them)",
+        ),
+    ]
+    kinds = [(n, why) for n, why in kinds if n]
+    if len(kinds) == 1:
+        return " " + kinds[0][1]
+    return ": " + " and ".join(f"{n} {why}" for n, why in kinds)
 
 
 def _no_text(source: str, skipped: int, first: Any, text_column: str) -> DataError:
