@@ -6,6 +6,8 @@ the code (the content key's reads, a mixture's memory, tiny weights, a truncated
 
 import gzip
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -16,6 +18,10 @@ from eqtrain.data import (
     DataError,
     DataWarning,
     HFTokenizer,
+    _encoder,
+    _parts,
+    _stream,
+    _workers,
     load_text_dir,
     prepare,
 )
@@ -106,3 +112,62 @@ def test_an_unpaired_surrogate_skips_its_row_naming_it(tmp_path, tokenizer, requ
         prepare(array, tok, cache_dir=tmp_path / "cache", executor="inline")
     with pytest.raises(DataError, match=r"item 1 of the source .*character 16"):
         prepare(["ok", json.loads(BAD_UNICODE)["text"]], tok, cache_dir=tmp_path)
+
+
+# -- 12: long documents are encoded in bounded spans; a killed worker is explained
+def _long_document(n: int) -> str:
+    rng = np.random.default_rng(0)
+    words = ["alpha", "beta,", "gamma!", "\n", "  delta", "zeta.\n\n", "é", "\n  "]
+    return "".join(rng.choice(words, size=n)) + " the end"
+
+
+@pytest.mark.parametrize("tokenizer", ["byte", "hf"])
+def test_a_long_document_is_encoded_in_bounded_spans(
+    tmp_path, monkeypatch, tokenizer, request
+):
+    tok = (
+        ByteTokenizer()
+        if tokenizer == "byte"
+        else request.getfixturevalue("hf_tokenizer")
+    )
+    monkeypatch.setattr(_encoder, "SPAN_CHARS", 200)
+    monkeypatch.setattr(_encoder, "_WINDOW", 40)
+    seen = []
+    real = _encoder.Encoder._ids
+
+    def ids(self, texts):
+        seen.extend(len(t) for t in texts)
+        return real(self, texts)
+
+    monkeypatch.setattr(_encoder.Encoder, "_ids", ids)
+    doc = _long_document(1500)
+    short = ["a short one", "another\nshort one"]
+    source = _jsonl(
+        tmp_path / "c.jsonl", [json.dumps({"text": t}) for t in [doc, *short]]
+    )
+    store = prepare(source, tok, cache_dir=tmp_path / "cache", executor="inline")
+    assert len(doc) > 20 * 200 and max(seen) <= 200
+    eos = [tok.eos_id]
+    want = np.concatenate([np.concatenate([tok.encode(t), eos]) for t in [doc, *short]])
+    np.testing.assert_array_equal(store.read(0, store.num_tokens), want)
+
+
+def test_a_worker_killed_by_the_kernel_is_said_to_be_out_of_memory(tmp_path):
+    script = "import os, sys; sys.stdin.readline(); os.kill(os.getpid(), 9)"
+    process = subprocess.Popen(
+        [sys.executable, "-c", script],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    piece = _stream.plan(_jsonl(tmp_path / "c.jsonl", ['{"text": "x"}']))[0]
+    task = _parts.Task(3, str(tmp_path), "uint16", "text", piece=piece.to_json())
+    try:
+        answer = _workers._ask(process, task)
+    finally:
+        process.kill()
+        process.wait()
+    message = answer["message"]
+    assert "killed (SIGKILL) while building part 3" in message
+    assert f"{tmp_path / 'c.jsonl'} from line 1" in message
+    assert "out of memory" in message and "fewer workers (data.workers" in message

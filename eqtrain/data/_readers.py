@@ -77,17 +77,20 @@ _BLANK = object()
 def _line_blocks(f: io.BufferedIOBase, size: int) -> Iterator[list[bytes]]:
     """The lines of the next `size` bytes of `f` (all of it when -1), a block's
     worth at a time; the last line may lack its newline."""
-    rest = b""
+    rest: list[bytes] = []  # the blocks of a line not ended yet
     while size:
         block = f.read(BLOCK if size < 0 else min(size, BLOCK))
         if not block:
             break
         size -= len(block) if size > 0 else 0
-        lines = (rest + block).split(b"\n")
-        rest = lines.pop()
+        if b"\n" not in block:  # inside a long line: joined once, when it ends
+            rest.append(block)
+            continue
+        lines = b"".join([*rest, block]).split(b"\n")
+        rest = [lines.pop()]
         yield lines
-    if rest:
-        yield [rest]
+    if rest and rest != [b""]:
+        yield [b"".join(rest)]
 
 
 def _bad_line(where: str, line: bytes, column: str) -> Any:

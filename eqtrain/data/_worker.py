@@ -8,7 +8,9 @@ are plain JSON (no pickle), and the worker never imports the caller's script.
 
 import dataclasses
 import json
+import signal
 import sys
+import traceback
 from typing import Any
 
 from ._encoder import Encoder
@@ -17,6 +19,9 @@ from ._parts import Task, build_part
 
 
 def main() -> None:
+    # Ctrl-C reaches the whole process group: the parent decides (it kills the
+    # workers and removes their unfinished files), no traceback from here.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     out = sys.stdout
     sys.stdout = sys.stderr  # nothing else may write to the answer channel
     encoder = Encoder(json.loads(sys.stdin.readline()))
@@ -41,6 +46,9 @@ def _answer(task: Task, encoder: Encoder) -> dict[str, Any]:
         return {"error": "DataError", "message": str(error)}
     except OSError as error:
         return {"error": "OSError", "message": f"{error}"}
+    except Exception as error:  # a bug: its traceback here, the part named there
+        traceback.print_exc()
+        return {"error": type(error).__name__, "message": str(error)}
 
 
 if __name__ == "__main__":

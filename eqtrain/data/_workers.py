@@ -9,10 +9,12 @@ import itertools
 import json
 import os
 import queue
+import signal
 import subprocess
 import sys
 import threading
 from collections.abc import Iterable, Iterator, Mapping
+from pathlib import Path
 from typing import Any
 
 from ._encoder import Encoder, tokenizer_key
@@ -95,6 +97,7 @@ class WorkerPool:
     def __init__(self, workers: int, spec: Mapping[str, Any]):
         self.workers, self.spec = workers, spec
         self.processes: list[Any] = []
+        self._directories: set[str] = set()  # where the tasks' parts are
 
     def __enter__(self) -> "WorkerPool":
         env = _worker_environment()
@@ -138,25 +141,44 @@ class WorkerPool:
         yield from self._collect(len(threads))
 
     def _collect(self, running: int) -> Built:
-        """The answers of `running` serving threads, until each has ended; the
-        first error ends the run (and the processes, when some still work)."""
+        """The answers of `running` serving threads, until each has ended. After
+        the first error no task is handed out, the other processes finish (and
+        commit) the part they are building, and the error is raised. Interrupted
+        (Ctrl-C, or the consumer stops), the processes are killed at once and
+        their unfinished files removed."""
+        error: BaseException | None = None
         try:
             while running:
                 item = self._answers.get()
                 if item is None:
                     running -= 1
                     continue
-                if isinstance(item, BaseException):
-                    raise item
+                failure = item if isinstance(item, BaseException) else None
+                if failure is None and "entry" not in item[0]:
+                    failure = _failed(*item)
+                if failure is not None:
+                    error = error or failure
+                    self._stop.set()
+                    continue
                 answer, task = item
-                if "entry" not in answer:
-                    raise DataError(answer["message"])
                 yield answer["entry"], task
         finally:
             self._stop.set()
             if running:
-                for process in self.processes:
-                    process.kill()
+                self._kill()
+        if error is not None:
+            raise error
+
+    def _kill(self) -> None:
+        """End every process now, and remove the files of the parts they were
+        writing (named after their process id)."""
+        for process in self.processes:
+            process.kill()
+        for process in self.processes:
+            process.wait()
+            for directory in self._directories:
+                for tmp in (Path(directory) / "parts").glob(f"*.tmp{process.pid}"):
+                    tmp.unlink(missing_ok=True)
 
     def _serve(self, process: subprocess.Popen) -> None:
         """A thread's loop: hand `process` tasks and queue its answers; `None`
@@ -165,6 +187,8 @@ class WorkerPool:
             while not self._stop.is_set():
                 with self._lock:
                     task = next(self._tasks, None)
+                    if task is not None:
+                        self._directories.add(task.directory)
                 if task is None:
                     break
                 self._answers.put((_ask(process, task), task))
@@ -191,9 +215,51 @@ def _ask(process: subprocess.Popen, task: Task) -> dict[str, Any]:
     except (OSError, ValueError) as error:
         return {"error": "OSError", "message": str(error)}
     if not line:
-        return {
-            "error": "WorkerError",
-            "message": f"a store worker exited (code {process.poll()}) "
-            f"while building part {task.index}",
-        }
+        return {"error": "WorkerError", "message": _died(process, task)}
     return json.loads(line)
+
+
+def _failed(answer: Mapping[str, Any], task: Task) -> Exception:
+    """The error a worker's `answer` to `task` reports: a DataError for the data
+    or the disk, a RuntimeError (naming the part) for a bug."""
+    if answer["error"] in ("DataError", "OSError", "WorkerError"):
+        return DataError(answer["message"])
+    return RuntimeError(
+        f"a store worker failed while building part {task.index} "
+        f"({_where(task)}): {answer['error']}: {answer['message']} (its traceback "
+        "is above)"
+    )
+
+
+def _died(process: subprocess.Popen, task: Task) -> str:
+    """What to say when `process` ended without answering `task`."""
+    try:
+        code = process.wait(timeout=10)  # it closed its output: it is ending
+    except subprocess.TimeoutExpired:
+        code = None
+    what = f"while building part {task.index} ({_where(task)})"
+    kept = "The parts committed so far are kept; preparing again continues from them."
+    if code == -signal.SIGKILL:
+        return (
+            f"a store worker was killed (SIGKILL) {what}. Most likely the machine "
+            "ran out of memory and the kernel's out-of-memory killer ended it "
+            "(`dmesg` says so). Prepare with fewer workers (data.workers, or "
+            f"`workers=` in Python) or with more memory. {kept}"
+        )
+    if code is not None and code < 0:
+        name = signal.Signals(-code).name
+        return f"a store worker was ended by {name} {what}. {kept}"
+    return f"a store worker exited (code {code}) {what}; its error is above. {kept}"
+
+
+def _where(task: Task) -> str:
+    """The source a task reads, for messages: a file (and first line) or texts."""
+    piece = task.piece
+    if piece is None:
+        return f"{len(task.texts or ())} texts from Python"
+    if piece["kind"] == "text_files":
+        paths = piece["paths"]
+        more = f" and {len(paths) - 1} more files" if len(paths) > 1 else ""
+        return f"{paths[0]}{more}"
+    line = f" from line {piece['line']}" if piece["kind"] == "jsonl" else ""
+    return f"{piece['path']}{line}"
