@@ -13,10 +13,12 @@ aligned with the rows (e.g. `answer`).
                                         {"answer": answers})
 """
 
+import contextlib
+import contextvars
 import importlib
 import math
 import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -170,6 +172,8 @@ def _attribute(spec: str, module: Any, module_name: str, attr: str) -> Any:
 def load_reward(spec: str) -> Reward:
     """A reward function by name: a built-in (`"exact_answer"`) or
     `"package.module:function"` (the attribute may be dotted, `"mod:Class.f"`).
+    Inside `imports_deferred()`, a `"module:function"` name is checked only for
+    its form, and gives a stand-in that imports the function when called.
 
     Raises:
         ConfigError: the name is neither, the module or attribute is missing, or
@@ -178,8 +182,44 @@ def load_reward(spec: str) -> Reward:
     if spec in BUILTINS:
         return BUILTINS[spec]
     module_name, attr = _parse(spec)
+    if _deferred.get():
+        return _Deferred(spec)
     obj = _attribute(spec, _import(spec, module_name), module_name, attr)
     return _callable(spec, obj)
+
+
+_deferred = contextvars.ContextVar("eqtrain_rewards_deferred", default=False)
+
+
+@contextlib.contextmanager
+def imports_deferred() -> Iterator[None]:
+    """Within the block, `load_reward` imports no reward module (see there).
+    For what opens a finished run without scoring anything (`eqtrain export`,
+    `info`, `generate`): a GRPO run's config names its reward functions, and
+    these commands must work where their module cannot be imported."""
+    token = _deferred.set(True)
+    try:
+        yield
+    finally:
+        _deferred.reset(token)
+
+
+class _Deferred:
+    """A reward named `"module:function"`, imported when first called."""
+
+    def __init__(self, spec: str):
+        self.spec = self.__name__ = spec
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Sequence[float | None]:
+        token = _deferred.set(False)
+        try:
+            fn = load_reward(self.spec)
+        finally:
+            _deferred.reset(token)
+        return fn(*args, **kwargs)
+
+    def __repr__(self) -> str:
+        return f"load_reward({self.spec!r}) (not imported yet)"
 
 
 def _parse(spec: str) -> tuple[str, str]:
@@ -222,15 +262,21 @@ def _finite(name: str, row: int, x: float) -> float:
 
 
 class RewardError(ConfigError):
-    """A reward function raised: the message names it and what it raised (the
-    original exception is the `__cause__`)."""
+    """A reward function raised (or called `sys.exit`): the message names it and
+    what it raised (the original exception is the `__cause__`)."""
 
     def __init__(self, name: str, error: BaseException):
         self.name, self.error = name, error
+        what = f"raised {type(error).__name__}: {error}"
+        if isinstance(error, SystemExit):
+            what = (
+                f"called sys.exit({error.code!r}); a reward function returns its "
+                "scores and never ends the process"
+            )
         super().__init__(
-            f"reward {name!r} raised {type(error).__name__}: {error}. It is called "
-            "as reward(prompts=..., completions=..., **columns), one list entry "
-            "per completion, and must return one float (or None) per completion."
+            f"reward {name!r} {what}. It is called as reward(prompts=..., "
+            "completions=..., **columns), one list entry per completion, and must "
+            "return one float (or None) per completion."
         )
 
 
@@ -243,7 +289,7 @@ def _call(
 ) -> np.ndarray:
     try:
         out = fn(prompts=prompts, completions=completions, **columns)
-    except Exception as e:
+    except (Exception, SystemExit) as e:  # sys.exit inside a reward is its error
         raise RewardError(name, e) from e
     _check_returned(name, out, len(completions))
     return np.array([_value(name, i, v) for i, v in enumerate(out)], np.float32)
