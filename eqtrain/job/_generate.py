@@ -3,6 +3,7 @@ ids from a run directory or a Hugging Face directory (`open_model`), prompts
 made into tokens (`prompt_tokens`), and batches of them completed
 (`complete`) by `eqtrain.generate`."""
 
+import contextlib
 import dataclasses
 import os
 from collections.abc import Iterator, Sequence
@@ -12,10 +13,10 @@ from typing import Any
 import jax.random as jr
 import numpy as np
 
-from .. import checkpoint, data as data_lib, hf
+from .. import checkpoint, data as data_lib, hf, rewards
 from .._errors import ConfigError
 from ..generate import Sampling, generate, left_pad, stream
-from . import _open, _resolve
+from . import _open, _preflight, _resolve
 
 
 # End-of-turn tokens that chat templates write after an answer; a template that
@@ -120,7 +121,8 @@ def _tokenizer(name: str) -> Any:
 def _run_model(path: Path, step: int | None) -> Generator:
     if step is not None:
         path = _step_dir(path, step)
-    job, state = _open.restore_run(path)
+    with rewards.imports_deferred():  # a GRPO run's: generation scores nothing
+        job, state = _open.restore_run(path)
     model = job.exported(state.model)  # the policy, at its real vocabulary
     template = job.template
     if template is None:
@@ -253,19 +255,47 @@ def complete(
     m: Generator, prompts: Sequence[np.ndarray], options: Options
 ) -> Iterator[Completion]:
     """The completions of `prompts` (token ids), `options.batch_size` at a time,
-    in order. Batch i samples with `fold_in(key(seed), i)`."""
+    in order. Batch i samples with `fold_in(key(seed), i)`. Running out of
+    memory is a `ConfigError` naming the options that lower it."""
     multiple = check_fits(m, prompts, options)
     key = jr.key(options.seed)
     size = options.batch_size
     for i in range(0, len(prompts), size):
-        tokens, lengths = left_pad(prompts[i : i + size], pad_id=0, multiple=multiple)
-        out = generate(
-            m.model, tokens, lengths, max_new_tokens=options.max_new_tokens,
-            key=jr.fold_in(key, i // size), sampling=options.sampling,
-            stop_ids=options.stop_ids,
-        )  # fmt: skip
-        for row, n in zip(np.asarray(out.tokens), np.asarray(out.lengths), strict=True):
+        batch = prompts[i : i + size]
+        tokens, lengths = left_pad(batch, pad_id=0, multiple=multiple)
+        with _out_of_memory_said(options, batch):
+            out = generate(
+                m.model, tokens, lengths, max_new_tokens=options.max_new_tokens,
+                key=jr.fold_in(key, i // size), sampling=options.sampling,
+                stop_ids=options.stop_ids,
+            )  # fmt: skip
+            done = np.asarray(out.tokens), np.asarray(out.lengths)
+        for row, n in zip(*done, strict=True):
             yield _completion(m, row[:n], options)
+
+
+@contextlib.contextmanager
+def _out_of_memory_said(
+    options: Options, prompts: Sequence[np.ndarray]
+) -> Iterator[None]:
+    """The device (or host) running out of memory in the block, as a
+    `ConfigError` that says what lowers generation's memory (as `eqtrain fit`
+    says what lowers training's)."""
+    try:
+        yield
+    except Exception as e:
+        if not _preflight.is_out_of_memory(e):
+            raise
+        first = next((ln for ln in str(e).splitlines() if ln.strip()), "")[:200]
+        longest = max(len(p) for p in prompts)
+        raise ConfigError(
+            f"generation ran out of memory ({first or type(e).__name__}). A batch "
+            "holds a cache of every layer's keys and values for the prompt and "
+            "the new tokens of each of its prompts: lower --batch-size (now "
+            f"{options.batch_size}) or --max-new-tokens (now "
+            f"{options.max_new_tokens}), or shorten the longest prompt "
+            f"({longest} tokens)."
+        ) from e
 
 
 def _completion(m: Generator, ids: np.ndarray, options: Options) -> Completion:
@@ -285,7 +315,8 @@ def stream_text(
         key=jr.fold_in(jr.key(options.seed), 0), sampling=options.sampling,
         stop_ids=options.stop_ids, multiple=multiple,
     )  # fmt: skip
-    yield from _decoded(m, pieces, options)
+    with _out_of_memory_said(options, [prompt]):
+        yield from _decoded(m, pieces, options)
 
 
 def _decoded(
