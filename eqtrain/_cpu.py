@@ -50,6 +50,7 @@ from pathlib import Path
 from typing import Any
 
 from . import _cpu_tuning, _onednn
+from ._errors import ConfigError
 
 
 ALLOCATOR_ENV = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")
@@ -59,7 +60,7 @@ ARENA_ENV = "MALLOC_ARENA_MAX"
 XLA_CPU_FLAG = _cpu_tuning.EIGEN_DOTS
 USER_FLAGS = ("ynn_fusion_type", "prefer_vector_width")
 """Any of these in `XLA_FLAGS`: the user chose XLA's CPU flags (never replaced)."""
-OPT_OUT = "EQTRAIN_CPU_TUNING"
+OPT_OUT = _cpu_tuning.ENV
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD, _M_ARENA_MAX = -1, -3, -8  # mallopt's
 _THRESHOLD = _cpu_tuning.ALLOCATOR_THRESHOLD  # the variables' 4e9 in spirit
 
@@ -92,18 +93,23 @@ def _opted_out(environ: MutableMapping[str, str]) -> bool:
     return environ.get(OPT_OUT, "1").strip().lower() in ("0", "false", "no", "off")
 
 
-def _fixed(environ: MutableMapping[str, str]) -> bool:
-    return environ.get(OPT_OUT, "").strip().lower() == "fixed"
+def _pinned(environ: MutableMapping[str, str]) -> _cpu_tuning.Choice | None:
+    """The setting `EQTRAIN_CPU_TUNING` names (`_cpu_tuning.pinned`), if any;
+    ConfigError for a value that names none."""
+    try:
+        return _cpu_tuning.pinned(environ.get(OPT_OUT, ""))
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
 def _choice(
     environ: MutableMapping[str, str], say: Callable[[str], None] | None, measure: bool
 ) -> _cpu_tuning.Choice:
-    """This processor's measured (or cached) choice; the fixed one with
-    `EQTRAIN_CPU_TUNING=fixed`."""
-    if _fixed(environ):
-        flags = _cpu_tuning.CANDIDATES[_cpu_tuning.FALLBACK]
-        return _cpu_tuning.Choice(_cpu_tuning.FALLBACK, flags, False, {}, "fixed")
+    """This processor's measured (or cached) choice; the one
+    `EQTRAIN_CPU_TUNING` names (`fixed`: the default), without measuring."""
+    named = _pinned(environ)
+    if named is not None:
+        return named
     return choose(
         say=say, measure_now=measure, threads=_cpu_tuning.thread_counts(environ)
     )
@@ -185,13 +191,38 @@ def cpu_settings() -> str:
     """What `tune_cpu` chose for XLA in this process, in one line."""
     choice = _state["choice"]
     if isinstance(choice, _cpu_tuning.Choice):
-        capped = _cpu_tuning.onednn_isa_capped()
-        if capped is None:
-            return choice.describe()
-        why = "its kernels below AVX-512 corrupt memory in this jaxlib"
-        unmeasured = f"oneDNN's products not measured under {capped} ({why})"
-        return f"{choice.describe()}; {unmeasured}"
+        return choice.describe()
     return str(choice or "none (eqtrain.tune_cpu was not called)")
+
+
+def shared_setting() -> dict[str, str]:
+    """`EQTRAIN_CPU_TUNING` for other processes of this run (the Ray
+    launcher's workers), so that they apply this process's choice without
+    measuring it again: every process then computes alike (processes equal
+    devices bit for bit only under one setting). {} where this process
+    chose nothing (tuning not called, or the user's own XLA flags, which
+    the user passes on)."""
+    choice = _state["choice"]
+    if isinstance(choice, _cpu_tuning.Choice):
+        return {OPT_OUT: choice.spec}
+    if isinstance(choice, str) and choice.startswith("off"):
+        return {OPT_OUT: "0"}
+    return {}
+
+
+def setting_code() -> int:
+    """A number that differs between processes applying different CPU
+    settings (`cpu_settings()`'s setting, without how it was found), for
+    `eqtrain.distributed.agree`."""
+    import zlib
+
+    choice = _state["choice"]
+    what = choice.spec if isinstance(choice, _cpu_tuning.Choice) else str(choice)
+    flags = [f for f in os.environ.get("XLA_FLAGS", "").split()
+             if not f.startswith("--xla_force_host_platform_device_count")]  # fmt: skip
+    threads = os.environ.get(_cpu_tuning.THREADS_ENV, "")
+    text = "|".join([what, *flags, threads])
+    return zlib.crc32(text.encode()) & 0x7FFFFFFF
 
 
 def allocator_tuned(environ: MutableMapping[str, str] | None = None) -> bool:
@@ -324,6 +355,9 @@ def hint_cpu_settings() -> None:
 RETRY_AFTER_DAYS = 7
 """A probe that failed (a crash, a timeout on a loaded machine) is tried again
 this many days later; until then the default (`FALLBACK`) applies at once."""
+NOISY_RETRY_DAYS = 1
+"""A measurement whose rounds disagreed (a busy machine) is tried again this
+many days later; until then the default applies at once."""
 LOCK_WAIT_S = 900
 """How long a process waits for another one of the same machine measuring
 (`_measuring`): the probes' own timeouts end a measurement before."""
@@ -336,17 +370,25 @@ def _default(reason: str) -> _cpu_tuning.Choice:
 
 def _failed(entry: Mapping[str, Any], path: Path) -> _cpu_tuning.Choice | None:
     """`FALLBACK` for a cached failure of the probe younger than
-    `RETRY_AFTER_DAYS` (else None: measure again)."""
+    `RETRY_AFTER_DAYS`, or a cached disagreement of its rounds younger than
+    `NOISY_RETRY_DAYS` (else None: measure again)."""
     try:
         day = datetime.date.fromisoformat(str(entry.get("measured_at")))
     except ValueError:
         return None
-    retry = day + datetime.timedelta(days=RETRY_AFTER_DAYS)
-    if "failed" not in entry or datetime.date.today() >= retry:
+    noisy = "noisy" in entry and "failed" not in entry
+    days = NOISY_RETRY_DAYS if noisy else RETRY_AFTER_DAYS
+    retry = day + datetime.timedelta(days=days)
+    if not ("failed" in entry or noisy) or datetime.date.today() >= retry:
         return None
+    what = (
+        f"the probe's rounds disagreed on {day} (a busy machine?): {entry['noisy']}"
+        if noisy
+        else f"the probe failed on {day}: {entry['failed']}"
+    )
     return _default(
-        f"the probe failed on {day}: {entry['failed']}; measured again from "
-        f"{retry}, or delete {path} to measure at the next `eqtrain fit`"
+        f"{what}; measured again from {retry}, or delete {path} to measure at "
+        "the next `eqtrain fit`"
     )
 
 
@@ -448,6 +490,13 @@ def _measure_and_cache(
             path, key, {"failed": str(e)[:300], "measured_at": today}
         )
         return _default(f"the probe failed: {e}")
+    if choice.source == "noisy":  # nothing chosen: tried again later
+        times = choice.describe().partition("a probe step: ")[2].removesuffix(")")
+        noisy = {"noisy": times, "measured": choice.measured, "measured_at": today}
+        _cpu_tuning.write_cache(path, key, noisy)
+        return _failed(noisy, path) or _default(
+            f"the probe's rounds disagreed: {times}"
+        )
     entry = dataclasses.asdict(choice) | {"measured_at": today}
     _cpu_tuning.write_cache(
         path, key, {k: v for k, v in entry.items() if k != "source"}

@@ -1,15 +1,32 @@
 """CPU settings chosen by measurement: the first time `eqtrain.tune_cpu` meets
 a processor and JAX version, it times each candidate set of XLA flags on a
 small training step (`_cpu_probe`, one process per candidate: XLA reads its
-flags once), keeps the fastest, and caches the choice in the user's cache
-directory, keyed by the processor (model name, family/model, the instruction
+flags once), in `ROUNDS` rounds that interleave the candidates in time,
+keeps the fastest, and caches the choice in the user's cache directory,
+keyed by the processor (model name, family/model, the instruction
 sets that change XLA's kernels, cores) and the jax/jaxlib versions. A new
 processor, JAX version or candidate list measures again; a cached key never
-does (a cached failure of the probe, after a week). The processes of one
-machine measure one at a time (`eqtrain._cpu.choose` decides when to measure;
-this module what and how). The default
-(Eigen's products, unrolled layers) stays unless another candidate is faster
-by more than `MARGIN`.
+does (a cached failure of the probe, after a week; rounds that disagreed,
+after a day). The processes of one machine measure one at a time
+(`eqtrain._cpu.choose` decides when to measure; this module what and how).
+The default (Eigen's products, unrolled layers) stays unless another
+candidate is faster by more than `MARGIN`.
+
+Each round chooses on its own, from its candidates' times taken back to
+back; a choice is cached only when every round made it and each
+candidate's time relative to the default's in the same round varies by
+less than `MARGIN` over the rounds (`noise`). A busy machine (another job
+beside the probe) breaks one or the other, and then nothing is cached: the
+default applies and the probe runs again the next day. `eqtrain info` shows
+each candidate's median and range over the rounds.
+
+`EQTRAIN_CPU_TUNING` may also name a setting, which applies without
+measuring (`pinned`): `fixed` (the default's), or a candidate with
+`scanned`/`unrolled` and `threads=N`, e.g. `eigen_dots_512,scanned`. That
+is how oneDNN's products are had (`onednn_dots`, never chosen by
+measurement: this jaxlib computes some of its fusions wrongly, silently;
+`eqtrain._onednn` checks each compiled step), and how the processes of a
+multi-process run share one setting (the Ray launcher passes its own).
 
 The choice also says whether a model's layers train faster scanned or
 unrolled here (`model.scan_layers = "auto"` on the CPU follows it).
@@ -69,10 +86,20 @@ CANDIDATES = {
     "eigen_dots_512": f"{EIGEN_DOTS} --xla_cpu_prefer_vector_width=512",
     "onednn_dots": f"{EIGEN_DOTS} {ONEDNN_FLAGS}",  # eqtrain.jit's steps by oneDNN
 }
-"""The XLA flag sets measured, by name. `eigen_dots_512` and `onednn_dots`
-only where the processor has AVX-512; `onednn_dots` only where oneDNN may
-run its AVX-512 kernels (`ONEDNN_ISA`, `ONEDNN_ISA_ENV`) and with a verified
-jaxlib (`ONEDNN_JAXLIB`)."""
+"""The XLA flag sets, by name. `eigen_dots_512` is measured only where the
+processor has AVX-512. `onednn_dots` is never measured (`AUTOMATIC`); it is
+had by naming it (`pinned`), only where oneDNN may run its AVX-512 kernels
+(`ONEDNN_ISA`, `ONEDNN_ISA_ENV`) and with a verified jaxlib
+(`ONEDNN_JAXLIB`)."""
+AUTOMATIC = ("eigen_dots", "xla_default", "eigen_dots_512")
+"""The flag sets measurement may choose. Not `onednn_dots`: this jaxlib's
+oneDNN fusions can compute wrongly without a sign (a fusion writing over an
+input it reads later, `eqtrain._onednn`), and a setting that a known defect
+can make silently wrong is had only by asking for it."""
+ENV = "EQTRAIN_CPU_TUNING"
+MEASURED = ("", "1", "on", "true", "yes", "auto")
+"""`ENV` values that measure (the default); `0`/`off`/`false`/`no` turn
+tuning off (`eqtrain._cpu`); anything else names a setting (`pinned`)."""
 ONEDNN_ISA = ("avx512f", "avx512bw", "avx512vl")
 """oneDNN's products are a candidate only where oneDNN runs its AVX-512
 kernels (`brg_matmul:avx512_core`, which needs these three): there they
@@ -100,7 +127,7 @@ abort the process and which compute wrongly change between versions.
 jaxlib 0.11.2 (on an Intel Xeon with AVX-512) aborted on `c - x @ y`, which
 0.10.2 runs; a new version is added here once the tests pass on it."""
 FALLBACK = "eigen_dots"  # what is applied when nothing can be measured
-CACHE_VERSION = 3  # 3: eqtrain's Llama step under tune_cpu's allocator settings
+CACHE_VERSION = 4  # 4: interleaved rounds, each candidate's times kept
 ALLOCATOR_THRESHOLD = 2**31 - 1  # mallopt takes an int: ~2 GB
 PROBE_ALLOCATOR = {
     "MALLOC_ARENA_MAX": "1",
@@ -111,8 +138,18 @@ PROBE_ALLOCATOR = {
 the variables at a new one's start), for the probe processes: a candidate is
 timed as training will run. The user's own variables win."""
 PROBE_TIMEOUT_S = 180
+ROUNDS = 3
+"""How many times each candidate is timed, interleaved with the others."""
+STEPS = 3
+"""Steps per form in a round (their median is the round's time)."""
+PROBE_MEMORY = 3 * 2**30
+"""What one probe process may hold (about 2.2 GB measured: the JAX runtime,
+two compiled steps, and glibc keeping freed memory, as `tune_cpu`'s
+allocator settings make it). `Probes` keeps only as many alive as the
+available memory holds this often; the others are stopped and started
+again for their next round (a compilation more each)."""
 
-Probe = Callable[..., dict[str, float]]  # (flags) or (flags, threads)
+Probe = Callable[..., dict[str, float]]  # (flags) or (flags, threads): one round
 THREADS_ENV = "PJRT_NPROC"
 """The variable XLA's CPU client sizes its thread pool by (else the
 schedulable CPUs)."""
@@ -188,13 +225,49 @@ def onednn_verified(
 
 
 def candidates(cpu: Mapping[str, Any]) -> dict[str, str]:
-    """The flag sets worth measuring on `cpu` (`processor()`)."""
-    skip = set()
-    if "avx512f" not in cpu["isa"]:
-        skip.add("eigen_dots_512")
-    if not onednn_verified(cpu):
-        skip.add("onednn_dots")
-    return {k: v for k, v in CANDIDATES.items() if k not in skip}
+    """The flag sets measured on `cpu` (`processor()`): `AUTOMATIC`, less
+    512-bit vectors without AVX-512."""
+    skip = set() if "avx512f" in cpu["isa"] else {"eigen_dots_512"}
+    return {k: CANDIDATES[k] for k in AUTOMATIC if k not in skip}
+
+
+def pinned(value: str, cpu: Mapping[str, Any] | None = None) -> "Choice | None":
+    """The setting `EQTRAIN_CPU_TUNING=value` names, applied without
+    measuring; None where `value` asks for measurement (`MEASURED`).
+    `fixed` is the default (`FALLBACK`, unrolled); otherwise a name of
+    `CANDIDATES`, then optionally `scanned` or `unrolled` and `threads=N`,
+    comma-separated. Raises ValueError, saying what is accepted, for
+    anything else, and for `onednn_dots` where oneDNN's products cannot run
+    safely (`onednn_verified`)."""
+    text = value.strip().lower()
+    if text in MEASURED:
+        return None
+    name, *rest = [part.strip() for part in text.split(",")]
+    name, source = (FALLBACK, "fixed") if name == "fixed" else (name, "pinned")
+    accepted = (
+        f"expected 0 (off), fixed, or one of {', '.join(CANDIDATES)} followed "
+        "by ',scanned' or ',unrolled' and ',threads=N' if wanted (e.g. "
+        "eigen_dots_512,scanned)"
+    )
+    if name not in CANDIDATES:
+        raise ValueError(f"{ENV}={value!r}: {name!r} is no setting; {accepted}.")
+    scan, threads = False, None
+    for part in rest:
+        count = part.removeprefix("threads=")
+        if part in ("scanned", "unrolled"):
+            scan = part == "scanned"
+        elif part.startswith("threads=") and count.isdigit() and int(count) > 0:
+            threads = int(count)
+        else:
+            raise ValueError(f"{ENV}={value!r}: cannot read {part!r}; {accepted}.")
+    if name == "onednn_dots" and not onednn_verified(cpu or processor()):
+        raise ValueError(
+            f"{ENV}={value!r}: oneDNN's products run safely only with AVX-512 "
+            f"({'/'.join(ONEDNN_ISA)}), oneDNN not held below it "
+            f"({'/'.join(ONEDNN_ISA_ENV)}) and jaxlib {ONEDNN_JAXLIB[0]}x; "
+            "choose another setting."
+        )
+    return Choice(name, CANDIDATES[name], scan, {}, source, threads)
 
 
 def cache_key(
@@ -237,9 +310,12 @@ class Choice:
         name: the chosen flag set (a key of `CANDIDATES`).
         flags: its XLA flags.
         scan_layers: whether scanned layers trained faster than unrolled ones.
-        measured: each candidate's probe (`{"scanned_ms", "unrolled_ms"}`),
-            empty when nothing was measured (`FALLBACK`).
-        source: "measured", "cached" or "default" (nothing could be measured).
+        measured: each candidate's times, a list of one per round by form
+            (`{"scanned_ms": [...], "unrolled_ms": [...]}`), empty when
+            nothing was measured.
+        source: "measured", "cached", "noisy" (the rounds disagreed: the
+            default applies), "fixed"/"pinned" (`EQTRAIN_CPU_TUNING` named
+            it) or why nothing was measured.
         threads: XLA's CPU threads (`PJRT_NPROC`) where fewer than the
             schedulable CPUs measured faster (a container's CPU quota, one
             thread per core); None: XLA's own count.
@@ -248,7 +324,7 @@ class Choice:
     name: str
     flags: str
     scan_layers: bool
-    measured: dict[str, dict[str, float]]
+    measured: dict[str, dict[str, list[float]]]
     source: str
     threads: int | None = None
 
@@ -263,18 +339,28 @@ class Choice:
         """The options `eqtrain.jit` compiles its steps with on the CPU."""
         return dict(ONEDNN_OPTIONS) if ONEDNN_FLAGS in self.flags else {}
 
+    @property
+    def spec(self) -> str:
+        """The `EQTRAIN_CPU_TUNING` value that applies this choice anywhere
+        without measuring (`pinned`)."""
+        layers = "scanned" if self.scan_layers else "unrolled"
+        threads = f",threads={self.threads}" if self.threads else ""
+        return f"{self.name},{layers}{threads}"
+
     def describe(self) -> str:
-        """One line for `eqtrain info` and the dry run."""
-        if not self.measured:
-            return f"{self.name} (not measured: {self.source})"
-        ms = {n: min(m.values()) for n, m in self.measured.items()}
-        times = ", ".join(f"{n} {t:.0f} ms" for n, t in sorted(ms.items()))
+        """One line for `eqtrain info` and the dry run: the setting, why, and
+        each candidate's probe step over the rounds (median, and the range
+        where the rounds differ)."""
         layers = "scanned" if self.scan_layers else "unrolled"
         threads = f", {self.threads} threads" if self.threads else ""
-        return (
-            f"{self.name}, {layers} layers{threads} ({self.source}; a probe step:"
-            f" {times})"
-        )
+        if self.source in ("fixed", "pinned"):
+            spec = "fixed" if self.source == "fixed" else self.spec
+            return f"{self.name}, {layers} layers{threads} ({ENV}={spec})"
+        if not self.measured:
+            return f"{self.name} (not measured: {self.source})"
+        times = ", ".join(f"{n} {_spread(m)}" for n, m in sorted(self.measured.items()))
+        said = f"{self.source}; a probe step: {times}"
+        return f"{self.name}, {layers} layers{threads} ({said})"
 
 
 MARGIN = 0.05
@@ -284,29 +370,44 @@ machine, and a choice made on noise would flip from one measurement to the
 next."""
 
 
+def _rounds_of(m: Mapping[str, Any]) -> list[float]:
+    """A candidate's time per round, its faster form's (a cached single
+    number counts as one round)."""
+    forms = [v if isinstance(v, list) else [v] for v in m.values()]
+    return [min(ts) for ts in zip(*forms, strict=False)]
+
+
+def _spread(m: Mapping[str, Any]) -> str:
+    """`1317 ms` or `1317 ms (1290-1402)`: the median round and the range."""
+    ts = sorted(_rounds_of(m))
+    mid = ts[len(ts) // 2]
+    return f"{mid:.0f} ms" + (f" ({ts[0]:.0f}-{ts[-1]:.0f})" if ts[-1] > ts[0] else "")
+
+
 def _faster(a: float, b: float) -> bool:
     """Whether `a` ms beats `b` ms by more than `MARGIN`."""
     return a < b * (1 - MARGIN)
 
 
-def _best(measured: Mapping[str, Mapping[str, float]]) -> tuple[str, bool]:
-    """The fastest flag set (by its faster layer form), unless the default is
-    within `MARGIN` of it; and whether scanned layers beat unrolled ones by
-    more than `MARGIN` under it."""
+def _best(
+    measured: Mapping[str, Mapping[str, float]], base: str = FALLBACK
+) -> tuple[str, bool]:
+    """One round's choice: the fastest variant (by its faster layer form),
+    unless `base` is within `MARGIN` of it; and whether scanned layers beat
+    unrolled ones by more than `MARGIN` under it."""
     name = min(measured, key=lambda n: min(measured[n].values()))
-    if FALLBACK in measured:
-        fallback, best = min(measured[FALLBACK].values()), min(measured[name].values())
-        name = name if _faster(best, fallback) else FALLBACK
+    if base in measured:
+        fallback, best = min(measured[base].values()), min(measured[name].values())
+        name = name if _faster(best, fallback) else base
     timings = measured[name]
     return name, _faster(timings["scanned_ms"], timings["unrolled_ms"])
 
 
-def probe(flags: str, threads: int | None = None) -> dict[str, float]:
-    """`_cpu_probe` (eqtrain's own Llama step) run in a fresh process under
-    `flags` and `PROBE_ALLOCATOR` (and `ONEDNN_ISA_CAP` for oneDNN's
-    products; `PJRT_NPROC` for `threads`), importing this eqtrain (its parent
-    directory first on the path; `-P`: the working directory's files never
-    shadow a module)."""
+def probe_env(flags: str, threads: int | None = None) -> dict[str, str]:
+    """The environment of a probe process: `flags`, `PROBE_ALLOCATOR` (the
+    user's own variables win), `ONEDNN_ISA_CAP` for oneDNN's products,
+    `PJRT_NPROC` for `threads`, and this eqtrain's parent directory first
+    on the path."""
     env = {**PROBE_ALLOCATOR, **os.environ, "XLA_FLAGS": flags, "JAX_PLATFORMS": "cpu"}
     if threads:
         env[THREADS_ENV] = str(threads)
@@ -314,13 +415,91 @@ def probe(flags: str, threads: int | None = None) -> dict[str, float]:
         cap_onednn(env)
     here = str(Path(__file__).resolve().parent.parent)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [here, env.get("PYTHONPATH")]))
-    done = subprocess.run(
-        [sys.executable, "-P", "-m", "eqtrain._cpu_probe"], capture_output=True,
-        text=True, timeout=PROBE_TIMEOUT_S, env=env,
-    )  # fmt: skip
-    if done.returncode != 0:
-        raise RuntimeError(done.stderr.strip().splitlines()[-1:] or "probe failed")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return env
+
+
+class Probes:
+    """The probe processes of one measurement: `probes(flags, threads)` times
+    one round of `_cpu_probe` (eqtrain's own Llama step) under `flags`, in a
+    process started for that setting at its first round and kept until
+    `close()`, so that the rounds of several settings interleave and each
+    compiles once (`-P`: the working directory's files never shadow a
+    module). A process that fails, or takes over `PROBE_TIMEOUT_S` for a
+    start or a round, raises RuntimeError and is stopped. At most `alive`
+    processes run at once (by default as many as the available memory
+    holds, `PROBE_MEMORY` each): starting one more stops the oldest."""
+
+    def __init__(self, alive: int | None = None) -> None:
+        self.alive = _memory_allows() if alive is None else alive
+        self._procs: dict[tuple[str, int | None], subprocess.Popen[str]] = {}
+        self._errs: dict[int, Any] = {}  # each process's standard error, a file
+
+    def __call__(self, flags: str, threads: int | None = None) -> dict[str, float]:
+        key = (flags, threads)
+        proc = self._procs.get(key)
+        if proc is None:
+            while len(self._procs) >= max(1, self.alive):
+                self._stop(next(iter(self._procs)))
+            err = tempfile.TemporaryFile()  # noqa: SIM115 (closed with the probe)
+            proc = self._procs[key] = subprocess.Popen(
+                [sys.executable, "-P", "-m", "eqtrain._cpu_probe", "--serve",
+                 f"--steps={STEPS}"],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                stderr=err, text=True, env=probe_env(flags, threads),
+            )  # fmt: skip
+            self._errs[proc.pid] = err
+            self._line(proc)  # READY: compiled and warmed up
+        try:
+            assert proc.stdin is not None
+            proc.stdin.write("round\n")
+            proc.stdin.flush()
+        except OSError as e:
+            raise RuntimeError(self._failure(proc, str(e))) from None
+        return json.loads(self._line(proc))
+
+    def _line(self, proc: subprocess.Popen[str]) -> str:
+        import select
+
+        assert proc.stdout is not None
+        ready, _, _ = select.select([proc.stdout], [], [], PROBE_TIMEOUT_S)
+        line = proc.stdout.readline() if ready else ""
+        if not line:
+            why = "it exited" if ready else f"no answer within {PROBE_TIMEOUT_S} s"
+            raise RuntimeError(self._failure(proc, why))
+        return line.strip()
+
+    def _failure(self, proc: subprocess.Popen[str], why: str) -> str:
+        proc.kill()
+        proc.wait()
+        err = self._errs[proc.pid]
+        err.seek(0)
+        last = err.read().decode(errors="replace").strip().splitlines()[-1:] or [why]
+        return f"the probe failed ({why}): {last[0]}"
+
+    def _stop(self, key: tuple[str, int | None]) -> None:
+        proc = self._procs.pop(key)
+        proc.kill()
+        proc.wait()
+        self._errs.pop(proc.pid).close()
+
+    def close(self) -> None:
+        for key in list(self._procs):
+            self._stop(key)
+
+
+def _memory_allows(meminfo: Path = Path("/proc/meminfo")) -> int:
+    """How many probe processes the available memory holds (`PROBE_MEMORY`
+    each; 1 where it cannot be read)."""
+    for line in _read_text(meminfo).splitlines():
+        if line.startswith("MemAvailable:"):
+            kb = line.split()[1]
+            return max(1, int(kb) * 1024 // PROBE_MEMORY) if kb.isdigit() else 1
+    return 1
+
+
+def probe() -> Probes:
+    """A new set of probe processes (`Probes`); the tests put a fake here."""
+    return Probes()
 
 
 def read_cache(path: Path) -> dict[str, Any]:
@@ -361,31 +540,94 @@ def from_entry(entry: Mapping[str, Any], source: str) -> Choice | None:
 
 
 def measure(
-    cpu: Mapping[str, Any], run: Probe | None = None, threads: Sequence[int] = ()
+    cpu: Mapping[str, Any],
+    run: Probe | None = None,
+    threads: Sequence[int] = (),
+    rounds: int = ROUNDS,
 ) -> Choice:
-    """Probe every candidate of `cpu` (`run(flags)`, default `probe`) and
-    choose the fastest; then the chosen flags on each of `threads`
-    (`run(flags, n)`), kept where faster by `MARGIN`. A candidate whose probe
-    fails is left out (the default's failing fails the measurement)."""
-    run = probe if run is None else run
-    measured = {}
-    for name, flags in candidates(cpu).items():
-        try:
-            measured[name] = run(flags)
-        except (OSError, RuntimeError, ValueError, subprocess.SubprocessError):
-            if name == FALLBACK:
-                raise
-    name, scan = _best(measured)
-    best, chosen = min(measured[name].values()), None
-    for n in threads:
-        try:
-            timings = measured[f"{name} on {n} threads"] = run(CANDIDATES[name], n)
-        except (OSError, RuntimeError, ValueError, subprocess.SubprocessError):
-            continue
-        if _faster(min(timings.values()), best):
-            best, chosen = min(timings.values()), n
-            scan = _faster(timings["scanned_ms"], timings["unrolled_ms"])
-    return Choice(name, CANDIDATES[name], scan, measured, "measured", chosen)
+    """Time every candidate of `cpu` in `rounds` interleaved rounds (`run(flags)`
+    times one round; by default the processes of `probe()`), and choose in
+    each round on its own (`_best`); then the chosen flags on each of
+    `threads` beside its own count (`run(flags, n)`), kept where faster by
+    `MARGIN`. The choice holds only if every round made it and the rounds'
+    `noise` stays under `MARGIN`: otherwise the default, with source "noisy"
+    (a busy machine). A candidate whose probe fails is left out (the
+    default's failing fails the measurement)."""
+    own = probe() if run is None else None
+    try:
+        return _measure(cpu, own or run, threads, rounds)  # type: ignore[arg-type]
+    finally:
+        if own is not None:
+            own.close()
+
+
+def _measure(
+    cpu: Mapping[str, Any], run: Probe, threads: Sequence[int], rounds: int
+) -> Choice:
+    flags = candidates(cpu)
+    measured = _interleave(run, {n: (f, None) for n, f in flags.items()}, rounds)
+    picks = {_best(_round(measured, i)) for i in range(rounds)}
+    if len(picks) > 1 or noise(measured, FALLBACK) >= MARGIN:
+        return Choice(FALLBACK, CANDIDATES[FALLBACK], False, measured, "noisy")
+    ((name, scan),) = picks
+    variants = {f"{name} on {n} threads": (CANDIDATES[name], n) for n in threads}
+    if not variants:
+        return Choice(name, CANDIDATES[name], scan, measured, "measured")
+    more = _interleave(run, {name: (CANDIDATES[name], None), **variants}, rounds)
+    picks = {_best(_round(more, i), name) for i in range(rounds)}
+    measured.update((k, v) for k, v in more.items() if k != name)
+    if len(picks) > 1 or noise(more, name) >= MARGIN:
+        return Choice(FALLBACK, CANDIDATES[FALLBACK], False, measured, "noisy")
+    ((label, faster_scan),) = picks
+    if label == name:
+        return Choice(name, CANDIDATES[name], scan, measured, "measured")
+    n = variants[label][1]
+    return Choice(name, CANDIDATES[name], faster_scan, measured, "measured", n)
+
+
+def _interleave(
+    run: Probe, variants: Mapping[str, tuple[str, int | None]], rounds: int
+) -> dict[str, dict[str, list[float]]]:
+    """Each variant's times per round, the variants taken in turn within a
+    round (their order rotating from round to round). A variant whose probe
+    fails is dropped, except the first (the baseline), whose failure raises."""
+    names, base = list(variants), next(iter(variants))
+    out: dict[str, dict[str, list[float]]] = {}
+    for i in range(rounds):
+        for name in names[i % len(names) :] + names[: i % len(names)]:
+            flags, n = variants[name]
+            try:
+                times = run(flags) if n is None else run(flags, n)
+            except (OSError, RuntimeError, ValueError, subprocess.SubprocessError):
+                if name == base:
+                    raise
+                names.remove(name)
+                out.pop(name, None)
+                continue
+            for form, ms in times.items():
+                out.setdefault(name, {}).setdefault(form, []).append(float(ms))
+    return out
+
+
+def noise(measured: Mapping[str, Mapping[str, list[float]]], base: str) -> float:
+    """How much the rounds disagree: the widest range, over the rounds, of a
+    candidate's time (each form) over `base`'s in the same round (its faster
+    form). Taking the ratio within a round cancels what slows every
+    candidate alike; what remains is the noise a choice must stand above
+    (`MARGIN`)."""
+    ref = _rounds_of(measured[base])
+    widths = [0.0]
+    for m in measured.values():
+        for ts in m.values():
+            ratios = [t / r for t, r in zip(ts, ref, strict=True)]
+            widths.append(max(ratios) - min(ratios))
+    return max(widths)
+
+
+def _round(
+    measured: Mapping[str, Mapping[str, list[float]]], i: int
+) -> dict[str, dict[str, float]]:
+    return {n: {f: ts[i] for f, ts in m.items()} for n, m in measured.items()}
 
 
 def thread_counts(

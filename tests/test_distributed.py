@@ -180,3 +180,41 @@ def test_discover_errors(env, match):
 
 def test_agree_single_process_is_identity():
     assert agree([3, 0]).tolist() == [3, 0]
+
+
+def test_processes_with_different_cpu_settings_are_refused(tmp_path):
+    """Issue 51: processes equal devices bit for bit only under one CPU
+    setting. Each process of a multi-process `eqtrain fit` says its setting;
+    processes whose settings differ (here named two ways) are refused, every
+    one of them, naming the setting to give them all."""
+    port = _free_port()
+    argv = [sys.executable, "-m", "eqtrain.cli", "fit", "--dry-run"]
+    argv += ["--set", f"run_dir={tmp_path / 'run'}", "--set", "distributed.processes=2"]
+    settings = ["eigen_dots", "xla_default,scanned"]
+    procs = [
+        subprocess.Popen(
+            argv,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=_env(
+                1,
+                EQTRAIN_COORDINATOR=f"127.0.0.1:{port}",
+                EQTRAIN_NUM_PROCESSES=2,
+                EQTRAIN_PROCESS_ID=i,
+                EQTRAIN_CPU_TUNING=settings[i],
+            ),
+        )
+        for i in range(2)
+    ]
+    try:
+        outs = [p.communicate(timeout=180) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    for i, (p, (_, err)) in enumerate(zip(procs, outs, strict=True)):
+        assert p.returncode == 2, err[-3000:]
+        assert f"process {i}: CPU settings" in err and "Traceback" not in err
+        assert "apply different CPU settings" in err, err[-3000:]
+        spec = ["eigen_dots,unrolled", "xla_default,scanned"][i]
+        assert f"EQTRAIN_CPU_TUNING={spec}" in err

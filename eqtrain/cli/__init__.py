@@ -8,6 +8,7 @@ import sys
 
 import typer
 
+from .._errors import ConfigError
 from . import _fit
 from ._config import config_
 from ._data import data_prepare
@@ -54,6 +55,10 @@ def main() -> None:
 
     say = lambda text: print(text, file=sys.stderr, flush=True)
     command = sys.argv[1:2]  # only a run that trains waits for the probe
-    tune_cpu(dots=command != ["generate"], say=say, measure=command == ["fit"])
+    try:
+        tune_cpu(dots=command != ["generate"], say=say, measure=command == ["fit"])
+    except ConfigError as e:  # EQTRAIN_CPU_TUNING names no setting
+        say(f"error: {e}")
+        raise SystemExit(2) from None
     _fit.owns_process = True
     app(prog_name="eqtrain")

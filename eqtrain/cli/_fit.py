@@ -136,6 +136,8 @@ def _train(request: _Request, where: dict[str, Any]) -> Any:
     with _signals.guarded() as guard:
         cfg = config_lib.load(request.config, request.overrides)
         _check_processes(cfg, cluster.num_processes)
+        if cluster.num_processes > 1:
+            _same_cpu_settings(cluster)
         if request.report_only:
             return _dry_run(cfg, request.memory_budget)
         where["run_dir"] = cfg.run_dir
@@ -157,6 +159,32 @@ def _check_processes(cfg: Any, running: int) -> None:
             f"distributed.processes = {wanted} needs a launcher that starts the "
             "processes: add `--launcher ray`, or start them yourself with "
             "EQTRAIN_* or SLURM variables (docs/distributed.md)."
+        )
+
+
+def _same_cpu_settings(cluster: Any) -> None:
+    """Say this process's CPU settings, and refuse a multi-process run on the
+    CPU whose processes apply different ones (a processor of another kind, a
+    cache of its own): their products would round differently, and the
+    processes would no longer compute as the devices of one process do."""
+    import jax
+
+    from .. import _cpu, distributed
+
+    if jax.default_backend() != "cpu":
+        return
+    settings = _cpu.cpu_settings()
+    echo_err(f"process {cluster.process_id}: CPU settings {settings}")
+    code = _cpu.setting_code()
+    highest, lowest = distributed.agree([code, -code])
+    if highest != -lowest:
+        spec = _cpu.shared_setting().get(_cpu.OPT_OUT, "fixed")
+        raise ConfigError(
+            f"the {cluster.num_processes} processes of this run apply different "
+            f"CPU settings (process {cluster.process_id}: {settings}); the "
+            "products would round differently from process to process. Give "
+            f"every process the same: EQTRAIN_CPU_TUNING={spec} (and the same "
+            "XLA_FLAGS and PJRT_NPROC), as `eqtrain fit --launcher ray` does."
         )
 
 

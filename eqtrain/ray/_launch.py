@@ -6,7 +6,7 @@ import sys
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from .. import job
+from .. import _cpu, job
 from ..config import Config
 from ._connect import connected, import_ray
 from ._plan import absolute, plan as make_plan
@@ -40,7 +40,10 @@ def fit(
         overwrite: the first attempt's `--overwrite`.
         echo: where the workers' prefixed lines and the launcher's notes go
             (default: standard error).
-        env: variables set for every worker process (e.g. `XLA_FLAGS`).
+        env: variables set for every worker process (e.g. `XLA_FLAGS`). The
+            workers also get this process's CPU setting (`tune_cpu`'s choice,
+            as `EQTRAIN_CPU_TUNING`), unless `env` sets that variable: they
+            apply it without measuring, and all compute alike.
 
     Returns:
         A `LaunchResult`.
@@ -58,7 +61,9 @@ def fit(
     with connected(ray, the_plan, say), Signals(say) as signals:
         if config.task.kind == "lm":  # the stores, as Ray tasks, before any worker
             job.prepare_data(config, executor="ray", verify=False, say=say)
-        supervisor = Supervisor(ray, the_plan, config, say, dict(env or {}), signals)
+        # one CPU setting for every worker: this process's (`tune_cpu`'s)
+        env = {**_cpu.shared_setting(), **(env or {})}
+        supervisor = Supervisor(ray, the_plan, config, say, env, signals)
         return supervisor.run(resume=resume, overwrite=overwrite)
 
 
