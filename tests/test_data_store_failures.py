@@ -4,10 +4,17 @@ or are interrupted, files left by killed builds, and the gaps between the docs a
 the code (the content key's reads, a mixture's memory, tiny weights, a truncated
 `.ends`)."""
 
+import contextlib
+import errno
 import gzip
 import json
+import os
+import signal
 import subprocess
 import sys
+import time
+import tracemalloc
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -18,7 +25,10 @@ from eqtrain.data import (
     DataError,
     DataWarning,
     HFTokenizer,
+    Mixture,
     _encoder,
+    _files,
+    _mixture,
     _parts,
     _stream,
     _workers,
@@ -171,3 +181,234 @@ def test_a_worker_killed_by_the_kernel_is_said_to_be_out_of_memory(tmp_path):
     assert "killed (SIGKILL) while building part 3" in message
     assert f"{tmp_path / 'c.jsonl'} from line 1" in message
     assert "out of memory" in message and "fewer workers (data.workers" in message
+
+
+# -- a mixture: its epoch order's memory, and weights below its resolution --------
+class _Rows:
+    """A row source of `num_rows` rows (what a Mixture reads of one)."""
+
+    def __init__(self, num_rows: int):
+        self.num_rows = num_rows
+
+    def take(self, indices):
+        return {"tokens": np.zeros((len(indices), 4), np.int32)}
+
+
+def _old_epoch_order(mixture, epoch, *, seed, shuffle):
+    """The order as eqtrain computed it before (kept: checkpoints' positions
+    index into it)."""
+    g = np.arange(epoch * mixture.num_rows, (epoch + 1) * mixture.num_rows)
+    slot = g % _mixture.PERIOD
+    source = mixture.schedule[slot]
+    k = (g // _mixture.PERIOD) * mixture.quota[source] + mixture.rank[slot]
+    out = np.empty_like(g)
+    for s, n in enumerate(mixture.sizes):
+        passes, index = np.divmod(k[source == s], n)
+        rows = np.empty_like(passes)
+        for e in np.unique(passes):
+            rng = np.random.default_rng([seed, s, int(e)])
+            order = rng.permutation(int(n)) if shuffle else np.arange(n)
+            rows[passes == e] = order[index[passes == e]]
+        out[source == s] = mixture.offsets[s] + rows
+    return out
+
+
+def test_a_mixtures_order_is_unchanged_and_takes_12_bytes_a_row(monkeypatch):
+    monkeypatch.setattr(_mixture, "CHUNK", 1000, raising=False)
+    small = Mixture([_Rows(5000), _Rows(300), _Rows(1700)], [0.5, 0.3, 0.2])
+    for epoch, shuffle in [(0, True), (3, True), (1, False)]:
+        np.testing.assert_array_equal(
+            small.epoch_order(epoch, seed=7, shuffle=shuffle),
+            _old_epoch_order(small, epoch, seed=7, shuffle=shuffle),
+        )
+    monkeypatch.setattr(_mixture, "CHUNK", 1 << 16, raising=False)
+    rows = 2_000_000
+    big = Mixture([_Rows(rows // 2), _Rows(rows // 2)], [0.7, 0.3])
+    tracemalloc.start()
+    try:
+        big.epoch_order(1, seed=0, shuffle=True)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 12 * rows + (8 << 20), peak / rows  # was about 64 bytes a row
+
+
+def test_a_weight_below_the_schedules_resolution_is_warned_about():
+    with pytest.warns(DataWarning, match=r"source 'rare' has weight 0.0001 .*1/4096"):
+        mixture = Mixture(
+            [_Rows(100), _Rows(100)], [0.9999, 0.0001], names=["web", "rare"]
+        )
+    assert mixture.quota.tolist() == [4095, 1]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        Mixture([_Rows(100), _Rows(100)], [4095.0, 1.0])  # exactly 1/4096: no warning
+
+
+# -- 13: files killed builds leave, writes that fail ------------------------------
+def test_a_build_removes_what_a_killed_build_left(tmp_path):
+    source = _jsonl(tmp_path / "c.jsonl", [json.dumps({"text": "x" * 50})] * 40)
+    tok, cache = ByteTokenizer(), tmp_path / "cache"
+    said = []
+    store = prepare(
+        source,
+        tok,
+        cache_dir=cache,
+        piece_bytes=500,
+        say=said.append,
+        executor="inline",
+    )
+    # what a SIGKILL leaves: no store.json, a part not committed, temporary files
+    (store.directory / "store.json").unlink()
+    (store.directory / "parts" / "00002.json").unlink()
+    left = [
+        store.directory / "parts" / "00002.tokens.tmp4242",
+        store.directory / "parts" / "00003.ends.tmp4243",
+        store.directory / "store.json.tmp4242",
+    ]
+    for path in left:
+        path.write_bytes(b"\0" * 1000)
+    again = prepare(
+        source,
+        tok,
+        cache_dir=cache,
+        piece_bytes=500,
+        say=said.append,
+        executor="inline",
+    )
+    assert not [p for p in left if p.exists()]
+    assert any("removed 3 unfinished files" in line for line in said), said
+    assert again.num_documents == 40
+
+
+def test_a_truncated_ends_file_is_said_to_be_damaged(tmp_path):
+    source = _jsonl(tmp_path / "c.jsonl", [json.dumps({"text": "x" * 50})] * 40)
+    tok, cache = ByteTokenizer(), tmp_path / "cache"
+    store = prepare(source, tok, cache_dir=cache, piece_bytes=500, executor="inline")
+    ends = _parts.part_paths(store.directory, 1)["ends"]
+    ends.write_bytes(ends.read_bytes()[:-3])
+    said = []
+    prepare(
+        source,
+        tok,
+        cache_dir=cache,
+        piece_bytes=500,
+        verify=True,
+        say=said.append,
+        executor="inline",
+    )
+    (line,) = [line for line in said if "damaged" in line]
+    assert f"part 1 of {store.directory} is damaged (its 00001.ends is" in line
+    assert ends.stat().st_size % 8 == 0
+
+
+def test_a_store_json_that_cannot_be_written_is_named(tmp_path, monkeypatch):
+    from eqtrain import job
+
+    source = _jsonl(tmp_path / "c.jsonl", [json.dumps({"text": "x" * 50})] * 4)
+
+    real = _files.replace_durably
+
+    def fails(code):
+        def replace(tmp, path, **kwargs):
+            if Path(path).name != "store.json":
+                return real(tmp, path, **kwargs)
+            raise OSError(code, os.strerror(code))  # as a failed write(): no name
+
+        return replace
+
+    monkeypatch.setattr(_files, "replace_durably", fails(errno.EROFS))
+    with pytest.raises(OSError) as caught:
+        prepare(source, ByteTokenizer(), cache_dir=tmp_path / "cache")
+    message = job.write_error_message(caught.value, tmp_path / "run")
+    assert (
+        message.startswith(f"writing {tmp_path / 'cache'}") and "store.json" in message
+    )
+    monkeypatch.setattr(_files, "replace_durably", fails(errno.ENOSPC))
+    with pytest.raises(DataError, match=r"disk is full: .*store.json could not be"):
+        prepare(source, ByteTokenizer(), cache_dir=tmp_path / "cache")
+    assert not list((tmp_path / "cache").rglob("*.tmp*"))
+
+
+def test_opening_a_directory_store_again_reads_no_file(tmp_path, monkeypatch):
+    for i in range(5):
+        (tmp_path / "d").mkdir(exist_ok=True)
+        (tmp_path / "d" / f"{i}.txt").write_text(f"text {i}", encoding="utf-8")
+    tok, cache = ByteTokenizer(), tmp_path / "cache"
+    first = prepare(tmp_path / "d", tok, cache_dir=cache)
+    read = []
+    real = _stream._edges_sha256
+    monkeypatch.setattr(
+        _stream, "_edges_sha256", lambda p, size: read.append(p) or real(p, size)
+    )
+    assert prepare(tmp_path / "d", tok, cache_dir=cache).directory == first.directory
+    assert read == []
+    (tmp_path / "d" / "3.txt").write_text("text 3, longer", encoding="utf-8")
+    changed = prepare(tmp_path / "d", tok, cache_dir=cache)
+    assert read == [tmp_path / "d" / "3.txt"] and changed.directory != first.directory
+
+
+def test_after_a_workers_error_the_others_commit_their_part(tmp_path, hf_tokenizer):
+    """Part 0 fails at its first line while the other worker builds part 1 (a
+    second or more of work): part 1 is committed (it was killed, and its files
+    left, before)."""
+    good = json.dumps({"text": "alpha beta, gamma!\n  delta  zeta.\n" * 30})
+    source = _jsonl(tmp_path / "c.jsonl", ["{not json", *[good] * 3000])
+    with pytest.raises(DataError, match=rf"{source}:1 is not valid JSON"):
+        prepare(
+            source,
+            hf_tokenizer,
+            cache_dir=tmp_path / "cache",
+            piece_bytes=1_500_000,
+            workers=2,
+            executor="processes",
+        )
+    (directory,) = (tmp_path / "cache").iterdir()
+    ledgers = sorted(p.name for p in directory.glob("parts/*.json"))
+    assert "00001.json" in ledgers and "00000.json" not in ledgers
+    assert not list(directory.rglob("*.tmp*"))
+
+
+def test_ctrl_c_ends_data_prepare_at_once_and_leaves_no_files(tmp_path, hf_tokenizer):
+    """SIGINT to the process group, as a terminal's Ctrl-C sends it, while two
+    workers build: one line, exit 130, no traceback, no unfinished file."""
+    rng = np.random.default_rng(0)
+    words = np.array(["alpha", "beta,", "gamma!", "delta", "zeta.\n", "é", "θ"])
+    (tmp_path / "d").mkdir()
+    for i in range(2):  # two pieces of 16 MiB at most
+        text = " ".join(rng.choice(words, 1_500_000))
+        (tmp_path / "d" / f"{i}.txt").write_text(text, encoding="utf-8")
+    cache = tmp_path / "cache"
+    settings = {
+        "data.train": tmp_path / "d",
+        "data.tokenizer": Path(hf_tokenizer.directory) / "tokenizer.json",
+        "data.cache": cache,
+        "data.workers": 2,
+        "data.eval": "none",
+    }
+    command = [sys.executable, "-m", "eqtrain.cli", "data", "prepare"]
+    for key, value in settings.items():
+        command += ["--set", f"{key}={value}"]
+    env = {**os.environ, "EQTRAIN_CPU_TUNING": "0"}
+    process = subprocess.Popen(
+        command, stderr=subprocess.PIPE, text=True, start_new_session=True, env=env
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while not list(cache.glob("*/parts/*.tokens.tmp*")):
+            assert process.poll() is None and time.monotonic() < deadline
+            time.sleep(0.02)
+        time.sleep(0.2)
+        sent = time.monotonic()
+        os.killpg(process.pid, signal.SIGINT)
+        code = process.wait(timeout=30)
+        took = time.monotonic() - sent
+        err = process.stderr.read()
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+    assert code == 128 + signal.SIGINT, err
+    assert err.splitlines()[-1].startswith("error: interrupted by SIGINT: the parts")
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err
+    assert took < 5, took  # about 1 s under load; the workers are killed
+    assert not list(cache.rglob("*.tmp*"))

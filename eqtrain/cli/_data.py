@@ -2,6 +2,10 @@
 with local worker processes (`eqtrain.job.prepare_data`) or Ray tasks
 (`eqtrain.ray.prepare_data`)."""
 
+import contextlib
+import signal
+import threading
+from collections.abc import Iterator
 from typing import Annotated, Any
 
 import typer
@@ -45,10 +49,43 @@ def data_prepare(
     Prints one JSON line per store."""
     if launcher not in ("local", "ray"):
         fail(f"--launcher must be 'local' or 'ray'; got {launcher!r}.")
-    with errors():
+    with _interruptible(), errors():
         stores = _prepare(load_config(config, set_), verify, launcher)
     for entry in stores:
         typer.echo(json_text(entry))
+
+
+@contextlib.contextmanager
+def _interruptible() -> Iterator[None]:
+    """SIGINT (Ctrl-C) or SIGTERM ends the command at once, with one line and
+    exit 128 + the signal's number. The build stops where it is: its worker
+    processes (which ignore SIGINT) are killed and their unfinished files
+    removed, the parts committed so far are kept. Nothing else runs here that a
+    `KeyboardInterrupt` could tear (no checkpoint, no JAX), so SIGTERM is simply
+    turned into one."""
+    if threading.current_thread() is not threading.main_thread():
+        yield  # signal handlers are set from the main thread only
+        return
+    received = [signal.SIGINT]
+
+    def on_term(signum: int, frame: Any) -> None:
+        received[0] = signal.SIGTERM
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, on_term)
+    try:
+        yield
+    except KeyboardInterrupt:
+        name = signal.Signals(received[0]).name
+        typer.echo(
+            f"error: interrupted by {name}: the parts committed so far are kept "
+            "(the unfinished ones were removed); `eqtrain data prepare` with the "
+            "same config continues from them.",
+            err=True,
+        )
+        raise typer.Exit(128 + received[0]) from None
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _prepare(cfg: Any, verify: bool, launcher: str) -> list[dict[str, Any]]:

@@ -3,6 +3,8 @@ from Python grouped into parts), run where `_workers` says, with a progress line
 then its `store.json`, written last.
 """
 
+import contextlib
+import errno
 import os
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -15,7 +17,15 @@ from .._errors import ConfigError
 from ._encoder import dtype_for
 from ._errors import DataError, positive
 from ._files import write_json
-from ._parts import FORMAT, Task, grouped, read_ledger, texts_key, verify_part
+from ._parts import (
+    FORMAT,
+    Task,
+    grouped,
+    ledger,
+    read_ledger,
+    texts_key,
+    verify_part,
+)
 from ._readers import unpaired
 from ._stream import check_counts
 from ._workers import Built, run_tasks
@@ -77,9 +87,10 @@ class Builder:
         progress = self._progress(pieces, done)
         tasks = [self._task(i, piece=p) for i, p in enumerate(pieces) if i not in done]
         try:
-            for entry, task in self._run(tasks):
-                done[task.index] = entry
-                progress.add(pieces[task.index]["nbytes"], entry)
+            with contextlib.closing(self._run(tasks)) as built:
+                for entry, task in built:
+                    done[task.index] = entry
+                    progress.add(pieces[task.index]["nbytes"], entry)
         except DataError as error:
             if "disk is full" not in str(error):
                 raise
@@ -94,12 +105,15 @@ class Builder:
         files still match their sha256), by index."""
         done: dict[int, dict[str, Any]] = {}
         for index, piece in enumerate(pieces):
-            entry = read_ledger(self.directory, index, self.dtype)
+            entry, damage = ledger(self.directory, index, self.dtype)
             if entry is None or entry.get("piece") != piece:
                 continue
-            if verify and not verify_part(self.directory, entry):
+            if damage is None and verify and not verify_part(self.directory, entry):
+                damage = "its files do not match their sha256"
+            if damage is not None:
                 self.say(
-                    f"data: part {index} of {self.directory} is damaged; rebuilding it"
+                    f"data: part {index} of {self.directory} is damaged ({damage}); "
+                    "rebuilding it"
                 )
                 continue
             done[index] = entry
@@ -147,9 +161,11 @@ class Builder:
         up to `piece_bytes`."""
         progress = _Progress(self.label, None, None, self.say)
         entries: dict[int, dict[str, Any]] = {}
-        for entry, task in self._run(self._texts_todo(source, entries, progress)):
-            entries[task.index] = entry
-            progress.add(sum(len(t) for t in task.texts or ()), entry)
+        todo = self._texts_todo(source, entries, progress)
+        with contextlib.closing(self._run(todo)) as built:
+            for entry, task in built:
+                entries[task.index] = entry
+                progress.add(sum(len(t) for t in task.texts or ()), entry)
         progress.finish()
         if not entries:
             raise DataError(
@@ -181,7 +197,17 @@ class Builder:
             {**counts, "skipped": 0, "unpaired": 0},
             text_column=self.text_column,
         )  # no documents is an error; skipped rows are said by `prepare`
-        write_json(self.directory / "store.json", self._meta(entries, counts))
+        path = self.directory / "store.json"
+        try:
+            write_json(path, self._meta(entries, counts))
+        except OSError as error:
+            if error.errno not in (errno.ENOSPC, errno.EDQUOT):
+                raise  # it names the file
+            raise DataError(
+                f"the disk is full: {path} could not be written ({error.strerror}). "
+                "Every part is committed and kept; free space and prepare again "
+                "to finish the store."
+            ) from None
 
     def _meta(
         self, entries: list[dict[str, Any]], counts: Mapping[str, Any]

@@ -33,11 +33,34 @@ def json_sha256(value: Any) -> str:
 
 
 def write_json(path: Path, value: Any, tmp: Path | None = None) -> None:
-    """Write `value` to `path` atomically (a temporary file, fsync, rename)."""
+    """Write `value` to `path` atomically (a temporary file, fsync, rename). A
+    failed write leaves no temporary file, and its `OSError` names `path` (a
+    failed `write()` names no file, and the caller's message would guess)."""
     tmp = tmp or path.with_name(f"{path.name}.tmp{os.getpid()}")
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(json.dumps(value, indent=1, sort_keys=True) + "\n")
-    replace_durably(tmp, path)
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(json.dumps(value, indent=1, sort_keys=True) + "\n")
+        replace_durably(tmp, path)
+    except BaseException as error:
+        tmp.unlink(missing_ok=True)
+        if isinstance(error, OSError) and error.errno is not None:
+            raise type(error)(error.errno, error.strerror, str(path)) from None
+        raise
+
+
+def remove_unfinished(directory: Path) -> tuple[int, int]:
+    """Remove the temporary files (`*.tmp<pid>`) in a store `directory` and its
+    parts: call it holding the directory's `BuildLock`, which every writer holds,
+    so any there are left by a build that was killed. Returns (files, bytes)."""
+    removed = size = 0
+    for tmp in [*directory.glob("*.tmp*"), *directory.glob("parts/*.tmp*")]:
+        try:
+            nbytes = tmp.stat().st_size
+            tmp.unlink()
+        except FileNotFoundError:
+            continue
+        removed, size = removed + 1, size + nbytes
+    return removed, size
 
 
 def file_sha256(path: Path) -> str:

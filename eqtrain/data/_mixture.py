@@ -13,17 +13,20 @@ depends on the other's.
 """
 
 import math
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
 from .._errors import ConfigError
-from ._errors import DataError
+from ._errors import DataError, DataWarning
 
 
 PERIOD = 4096
 """Rows in one period of the schedule (weights are honoured to 1 / PERIOD)."""
+CHUNK = 1 << 16
+"""Rows of an epoch's order computed at once."""
 
 
 class Mixture:
@@ -57,6 +60,7 @@ class Mixture:
         self.sources = list(sources)
         total = float(sum(weights))
         self.weights = [float(w) / total for w in weights]
+        _warn_tiny(self.names, self.weights)
         self.sizes = np.array([int(s.num_rows) for s in sources], np.int64)
         self.offsets = np.concatenate([[0], np.cumsum(self.sizes)])
         self.num_rows = int(self.offsets[-1])
@@ -86,19 +90,23 @@ class Mixture:
         return self.num_rows
 
     def epoch_order(self, epoch: int, *, seed: int, shuffle: bool) -> np.ndarray:
-        """Row ids (into the concatenated sources) of mixture epoch `epoch`."""
-        g = np.arange(
-            epoch * self.num_rows, (epoch + 1) * self.num_rows, dtype=np.int64
-        )
-        slot = g % PERIOD
-        source = self.schedule[slot]
-        k = (g // PERIOD) * self.quota[source] + self.rank[slot]
-        out = np.empty_like(g)
-        for s, n in enumerate(self.sizes):
-            where = source == s
-            if where.any():
-                rows = _source_rows(k[where], int(n), seed=seed, s=s, shuffle=shuffle)
-                out[where] = self.offsets[s] + rows
+        """Row ids (into the concatenated sources) of mixture epoch `epoch`.
+
+        Memory: the result (8 bytes per row) and, while it is made, one pass's
+        order of each source (4 bytes per row of the sources), computed
+        `CHUNK` rows at a time."""
+        out = np.empty(self.num_rows, np.int64)
+        passes = _Passes(self.sizes, seed=seed, shuffle=shuffle)
+        for low in range(0, self.num_rows, CHUNK):
+            high = min(low + CHUNK, self.num_rows)
+            g = np.arange(low, high, dtype=np.int64) + epoch * self.num_rows
+            slot = g % PERIOD
+            source = self.schedule[slot]
+            k = (g // PERIOD) * self.quota[source] + self.rank[slot]
+            for s in range(len(self.sources)):
+                where = source == s
+                if where.any():
+                    out[low:high][where] = self.offsets[s] + passes.rows(s, k[where])
         return out
 
     def take(self, indices: np.ndarray) -> dict[str, np.ndarray]:
@@ -154,6 +162,21 @@ def _check_weights(sources: Sequence[Any], weights: Sequence[float]) -> None:
             )
 
 
+def _warn_tiny(names: Sequence[str], weights: Sequence[float]) -> None:
+    """Warn about each weight the schedule raises to its resolution, 1 / PERIOD."""
+    for name, weight in zip(names, weights, strict=True):
+        if weight < 1 / PERIOD:
+            warnings.warn(
+                f"the mixture's source {name!r} has weight {weight:.3g} (of the "
+                f"weights' sum), below 1/{PERIOD}, the finest share the mixture's "
+                f"schedule gives: it is raised to 1/{PERIOD} = {1 / PERIOD:.3g} "
+                "(the other sources give up that much). Give it a larger weight, or "
+                "leave it out.",
+                DataWarning,
+                stacklevel=3,
+            )
+
+
 def _names(names: Sequence[str] | None, count: int) -> list[str]:
     """The sources' names: `names`, distinct and one per source, or `source<i>`."""
     out = list(names) if names is not None else [f"source{i}" for i in range(count)]
@@ -162,22 +185,37 @@ def _names(names: Sequence[str] | None, count: int) -> list[str]:
     return out
 
 
-def _source_rows(
-    ks: np.ndarray, n: int, *, seed: int, s: int, shuffle: bool
-) -> np.ndarray:
-    """Source `s`'s rows for its draws `ks` (the k-th row it gives, over all
-    epochs): each pass over its `n` rows in an order from `(seed, s, pass)`."""
-    passes, index = np.divmod(ks, n)
-    rows = np.empty_like(ks)
-    for e in np.unique(passes):
-        here = passes == e
-        order = (
-            np.random.default_rng([seed, s, int(e)]).permutation(n)
-            if shuffle
-            else np.arange(n)
-        )
-        rows[here] = order[index[here]]
-    return rows
+class _Passes:
+    """Each source's rows for its draws (the k-th row it gives, over all epochs):
+    each pass over its `n` rows in an order from `(seed, source, pass)`, the
+    last pass's order kept (a source's draws come in increasing order)."""
+
+    def __init__(self, sizes: np.ndarray, *, seed: int, shuffle: bool):
+        self.sizes, self.seed, self.shuffle = sizes, seed, shuffle
+        self._orders: dict[int, tuple[int, np.ndarray] | None] = {}
+
+    def rows(self, s: int, ks: np.ndarray) -> np.ndarray:
+        n = int(self.sizes[s])
+        passes, index = np.divmod(ks, n)
+        if not self.shuffle:
+            return index
+        rows = np.empty_like(ks)
+        for e in np.unique(passes):
+            here = passes == e
+            rows[here] = self._order(s, int(e), n)[index[here]]
+        return rows
+
+    def _order(self, s: int, e: int, n: int) -> np.ndarray:
+        """`default_rng([seed, s, e]).permutation(n)`, as int32 when it fits (the
+        same draws: `permutation` shuffles an `arange`)."""
+        kept = self._orders.get(s)
+        if kept is not None and kept[0] == e:
+            return kept[1]
+        kept = self._orders[s] = None  # the last pass's: not needed again
+        order = np.arange(n, dtype=np.int32 if n < 2**31 else np.int64)
+        np.random.default_rng([self.seed, s, e]).shuffle(order)
+        self._orders[s] = (e, order)
+        return order
 
 
 def _quotas(weights: Sequence[float], period: int) -> np.ndarray:

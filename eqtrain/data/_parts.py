@@ -202,17 +202,33 @@ def texts_key(texts: Iterable[str]) -> str:
 def read_ledger(directory: PathLike, index: int, dtype: str) -> dict[str, Any] | None:
     """Part `index`'s ledger entry, or None when it is not committed (no entry, one
     that does not parse, or part files missing or of the wrong size)."""
+    entry, damage = ledger(directory, index, dtype)
+    return entry if damage is None else None
+
+
+def ledger(
+    directory: PathLike, index: int, dtype: str
+) -> tuple[dict[str, Any] | None, str | None]:
+    """Part `index`'s ledger entry (None when there is none, or it does not
+    parse) and, when its files are missing or not of the sizes it records, what
+    is wrong with them (a part damaged since it was committed)."""
     paths = part_paths(directory, index)
     try:
         entry = json.loads(paths["ledger"].read_text(encoding="utf-8"))
-        sizes = {k: paths[k].stat().st_size for k in ("tokens", "ends")}
         expected = {
             "tokens": entry["tokens"] * np.dtype(dtype).itemsize,
             "ends": entry["documents"] * 8,
         }
     except (OSError, ValueError, KeyError, TypeError):
-        return None
-    return entry if sizes == expected else None
+        return None, None
+    for name, size in expected.items():
+        try:
+            found = f"{paths[name].stat().st_size} bytes"
+        except OSError as error:
+            found = f"unreadable ({error.strerror})"
+        if found != f"{size} bytes":
+            return entry, f"its {paths[name].name} is {found}, the ledger says {size}"
+    return entry, None
 
 
 def verify_part(directory: PathLike, entry: Mapping[str, Any]) -> bool:

@@ -2,6 +2,8 @@
 cache under the source's content key, else built (resumably, in parallel).
 """
 
+import contextlib
+import json
 import os
 import sys
 import time
@@ -13,10 +15,18 @@ from ._builder import Builder, python_documents
 from ._corpus import stdlib_files
 from ._encoder import tokenizer_key, tokenizer_spec
 from ._errors import PathLike
-from ._files import BuildLock, default_cache, json_sha256, make_dir
+from ._files import (
+    BuildLock,
+    default_cache,
+    json_sha256,
+    make_dir,
+    remove_unfinished,
+    write_json,
+)
 from ._parts import FORMAT, texts_key
 from ._store import Store
 from ._stream import (
+    Memo,
     check_counts,
     fingerprint as path_fingerprint,
     fingerprint_files,
@@ -82,8 +92,8 @@ def prepare(
         "pattern": pattern,
         "piece_bytes": piece_bytes or PIECE_BYTES,
     }
-    identity = _identity(_source_key(source, key, pattern), spec, settings)
     cache = Path(cache_dir) if cache_dir is not None else default_cache()
+    identity = _identity(_source_key(source, key, pattern, cache), spec, settings)
     directory, identity = _located(cache, identity, source, text_column)
     label = os.fspath(source) if _is_path(source) else f"a {type(source).__name__}"
     complete = (directory / "store.json").is_file() and not verify
@@ -127,10 +137,12 @@ def _stderr(text: str) -> None:
     print(text, file=sys.stderr, flush=True)
 
 
-def _source_key(source: Any, key: str | None, pattern: str) -> dict[str, Any] | None:
+def _source_key(
+    source: Any, key: str | None, pattern: str, cache: Path
+) -> dict[str, Any] | None:
     """A source's part of the content key; None for a Python source without one."""
     if _is_path(source):
-        return _fingerprint(source, pattern)
+        return _fingerprint(source, pattern, cache)
     return _python_key(source, key)
 
 
@@ -142,14 +154,38 @@ def _stdlib(name: str) -> list[Path] | None:
     return stdlib_files("eval" if name.endswith(":eval") else "train")
 
 
-def _fingerprint(source: PathLike, pattern: str) -> dict[str, Any]:
-    """The content key of a path source (see `_stream.fingerprint`): stat calls
-    and 2 MiB read per file, never the whole file."""
+def _fingerprint(source: PathLike, pattern: str, cache: Path) -> dict[str, Any]:
+    """The content key of a path source (see `_stream.fingerprint`): a stat call
+    per file, and up to 2 MiB read of each file not hashed before at the same
+    status (remembered under `<cache>/fingerprints/`)."""
     name = os.fspath(source)
     files = _stdlib(name)
+    if files is None and not os.path.isdir(name):
+        return path_fingerprint(name, pattern=pattern)  # one file: 2 MiB at most
+    memo_path = (
+        cache
+        / "fingerprints"
+        / f"{json_sha256([os.path.abspath(name), pattern])[:20]}.json"
+    )
+    memo = Memo(_read_memo(memo_path))
     if files is not None:
-        return {"stdlib": name, "files": fingerprint_files(files)}
-    return path_fingerprint(name, pattern=pattern)
+        key = {"stdlib": name, "files": fingerprint_files(files, memo=memo)}
+    else:
+        key = path_fingerprint(name, pattern=pattern, memo=memo)
+    if memo.used != memo.known:
+        with contextlib.suppress(OSError):  # a cache: reading the files again is fine
+            memo_path.parent.mkdir(parents=True, exist_ok=True)
+            write_json(memo_path, memo.used)
+    return key
+
+
+def _read_memo(path: Path) -> dict[str, Any] | None:
+    """The hashes a `Memo` remembered at `path`, if they can be read."""
+    try:
+        known = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return known if isinstance(known, dict) else None
 
 
 def _python_key(source: Any, key: str | None) -> dict[str, Any] | None:
@@ -183,6 +219,12 @@ def _build(builder: Builder, source: Any, *, verify: bool) -> None:
     with BuildLock(builder.directory):
         if (builder.directory / "store.json").is_file() and not verify:
             return
+        files, nbytes = remove_unfinished(builder.directory)
+        if files:
+            builder.say(
+                f"data: removed {files} unfinished files ({nbytes / 1e6:,.1f} MB) "
+                f"that an interrupted build left in {builder.directory}"
+            )
         if _is_path(source):
             pieces = _pieces(source, builder.settings)
             builder.build_pieces(pieces, verify=verify)

@@ -28,6 +28,7 @@ import numpy as np
 
 from ._encoder import Encoder
 from ._errors import DataError, PathLike, positive, too_few_tokens
+from ._files import BuildLock
 from ._parts import BLOCK, FORMAT, Task, build_part, part_paths
 
 
@@ -172,7 +173,8 @@ class Store:
             self.meta["settings"]["text_column"],
             piece=entry["piece"],
         )
-        rebuilt = build_part(task, Encoder(self._spec))
+        with BuildLock(self.directory):  # what a builder removes it does not own
+            rebuilt = build_part(task, Encoder(self._spec))
         if rebuilt["sha256"] != entry["sha256"]:
             raise DataError(
                 f"part {index} of the store {self.directory} was rebuilt but differs "

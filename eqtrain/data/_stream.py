@@ -168,29 +168,68 @@ def _no_text(source: str, skipped: int, first: Any, text_column: str) -> DataErr
     )
 
 
-def fingerprint(source: str | os.PathLike, *, pattern: str = "**/*.txt") -> dict:
-    """The content key of `source` (the rule is in the module docstring)."""
+class Memo:
+    """The edge hashes of files already fingerprinted, by absolute path, with the
+    status they were hashed at: size, `mtime_ns`, `ctime_ns` and inode. A file
+    whose status is the same is not read again (its content cannot have changed
+    without its `ctime`, which no program can set back, changing too).
+
+    `known` is what an earlier `used` held; `used` collects the hashes of the
+    files fingerprinted now (so files gone from the source are forgotten)."""
+
+    def __init__(self, known: dict[str, list] | None = None):
+        self.known = known or {}
+        self.used: dict[str, list] = {}
+
+    def sha256(self, path: Path, info: os.stat_result) -> str:
+        status = [info.st_size, info.st_mtime_ns, info.st_ctime_ns, info.st_ino]
+        entry = self.known.get(str(path))
+        if isinstance(entry, list) and entry[:4] == status and len(entry) == 5:
+            sha = entry[4]
+        else:
+            sha = _edges_sha256(path, info.st_size)
+        self.used[str(path)] = [*status, sha]
+        return sha
+
+
+def fingerprint(
+    source: str | os.PathLike,
+    *,
+    pattern: str = "**/*.txt",
+    memo: Memo | None = None,
+) -> dict:
+    """The content key of `source` (the rule is in the module docstring). With
+    `memo` (see `Memo`), a file whose status has not changed since it was
+    hashed is not read again."""
     check_exists(source, "data source")
     path = Path(os.path.abspath(source))
     if path.is_dir():
         files = [
-            _key(f, f.relative_to(path).as_posix()) for f in text_files(path, pattern)
+            _key(f, f.relative_to(path).as_posix(), memo=memo)
+            for f in text_files(path, pattern)
         ]
         return {"kind": "text_files", "pattern": pattern, "files": files}
     kind, compression = _format(path)
-    files = [_key(path, path.name, member=False)]
+    files = [_key(path, path.name, member=False, memo=memo)]
     return {"kind": kind, "compression": compression, "files": files}
 
 
-def fingerprint_files(files: Sequence[str | os.PathLike]) -> dict:
+def fingerprint_files(
+    files: Sequence[str | os.PathLike], *, memo: Memo | None = None
+) -> dict:
     """The content key of a list of text files, named relative to their common
     directory (e.g. `fingerprint_files(stdlib_files("train"))`)."""
     paths = [os.path.abspath(f) for f in files]
     if not paths:
         raise DataError("no text files to read. Pass at least one file.")
     root = os.path.commonpath([os.path.dirname(p) for p in paths])
-    files = [_key(Path(p), Path(os.path.relpath(p, root)).as_posix()) for p in paths]
-    return {"kind": "text_files", "files": files}
+    return {
+        "kind": "text_files",
+        "files": [
+            _key(Path(p), Path(os.path.relpath(p, root)).as_posix(), memo=memo)
+            for p in paths
+        ],
+    }
 
 
 # -- planning ---------------------------------------------------------------------
@@ -311,7 +350,9 @@ def _compressed_size(group: Any) -> int:
     return sum(group.column(c).total_compressed_size for c in range(group.num_columns))
 
 
-def _key(path: Path, name: str, *, member: bool = True) -> dict:
+def _key(
+    path: Path, name: str, *, member: bool = True, memo: Memo | None = None
+) -> dict:
     """A file's part of a fingerprint: name, size, mtime, sha256 of its edges (and
     for a compressed file of a directory, its compression: such files were once
     read undecompressed, and their stores must not be reused)."""
@@ -320,7 +361,11 @@ def _key(path: Path, name: str, *, member: bool = True) -> dict:
         "name": name,
         "size": info.st_size,
         "mtime_ns": info.st_mtime_ns,
-        "sha256": _edges_sha256(path, info.st_size),
+        "sha256": (
+            _edges_sha256(path, info.st_size)
+            if memo is None
+            else memo.sha256(path, info)
+        ),
     }
     compression = compression_of(name)
     if compression is not None and member:

@@ -191,7 +191,10 @@ class WorkerPool:
                         self._directories.add(task.directory)
                 if task is None:
                     break
-                self._answers.put((_ask(process, task), task))
+                answer = _ask(process, task)
+                if "entry" not in answer:
+                    self._stop.set()  # no task after an error, from any thread
+                self._answers.put((answer, task))
         except BaseException as error:  # e.g. the source failed: re-raised above
             self._answers.put(error)
         finally:
