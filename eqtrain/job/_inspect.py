@@ -7,7 +7,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from .. import checkpoint, hf, lora
+from .. import checkpoint, hf, lora, rewards
 from .._errors import ConfigError
 from .._loop import evaluate
 from ..config import (
@@ -65,8 +65,10 @@ def export_run(
 ) -> Path:
     """Export a run's latest checkpoint (or a step directory) in Hugging Face
     format to `out_dir`. A LoRA run's export is its adapter in PEFT's format, or
-    with `merged` the full model with the adapters folded in."""
-    job = _open.open_job(path, _open.open_run(path, overrides))
+    with `merged` the full model with the adapters folded in. A GRPO run's
+    reward functions are not imported (an export scores nothing)."""
+    with rewards.imports_deferred():
+        job = _open.open_job(path, _open.open_run(path, overrides))
     _check_merged(job, merged, path)
     state = _open.restore(Path(path), job, _place.placement(job)).state
     model = job.exported(_weights(state, ema, path))
@@ -127,7 +129,9 @@ def _export_model(
             max_shard_size=job.config.export.max_shard_size,
             tokenizer=job.tokenizer,
             model_type=job.model_type,
-            chat_template=getattr(job.template, "source", None),
+            chat_template=_resolve.exported_template(
+                job.config, job.template, job.tokenizer
+            ),
             overwrite=overwrite,
         )
     )
@@ -135,10 +139,13 @@ def _export_model(
 
 def run_info(path: str | os.PathLike[str]) -> dict[str, Any]:
     """What a run directory holds: config, checkpoints with their metrics and
-    stop reasons, the last logged metrics, and exports."""
+    stop reasons, the last logged metrics, and exports. A GRPO run's reward
+    functions are not imported."""
     p = Path(path)
     run_dir = _open.run_dir_of(p)
-    config = _with_architecture(_open.open_run(p), _open.record_of(p))
+    with rewards.imports_deferred():
+        config = _open.open_run(p)
+    config = _with_architecture(config, _open.record_of(p))
     directory = run_dir / "checkpoints"
     checkpoints, trained = _checkpoints(run_dir)
     return {
