@@ -12,7 +12,7 @@ from .. import checkpoint, hooks as hooks_lib
 from .._stops import StopConditions
 from ..config import Config, to_dict
 from ..data import Loader
-from . import _build, _claim, _plan, _run_hooks, _rundir, _start, _steps
+from . import _build, _claim, _identity, _plan, _run_hooks, _rundir, _start, _steps
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,14 +111,20 @@ def _checkpointer(config: Config, start: _start.Start) -> checkpoint.Checkpointe
         run_id=start.restored.run_id,
         started_from=start.restored.started_from,
         base=start.base,  # LoRA: store the trained leaves and a reference to the base
-        extra=_manifest_extra(start.architecture),
+        extra=_manifest_extra(start),
     )
 
 
-def _manifest_extra(architecture: dict[str, Any] | None) -> dict[str, Any] | None:
-    """What every checkpoint's manifest adds: the architecture of
-    `model.init_from`, when the run has one."""
-    return {_rundir.RECORD: architecture} if architecture else None
+def _manifest_extra(start: _start.Start) -> dict[str, Any]:
+    """What every checkpoint's manifest adds: what identifies the run (which
+    every resume compares), and the architecture of `model.init_from`, when the
+    run has one."""
+    extra: dict[str, Any] = {}
+    if start.identity is not None:
+        extra[_identity.MANIFEST_ENTRY] = start.identity
+    if start.architecture:
+        extra[_rundir.RECORD] = start.architecture
+    return extra
 
 
 def _stop_conditions(config: Config) -> StopConditions:

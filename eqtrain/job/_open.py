@@ -11,7 +11,7 @@ from typing import Any
 from .. import checkpoint
 from .._errors import ConfigError
 from ..config import ARCH_KEYS, Config, apply_overrides, from_dict, read_toml, validate
-from . import _build, _place, _rundir
+from . import _build, _place, _resumable, _rundir
 
 
 def run_dir_of(path: Path) -> Path:
@@ -40,8 +40,13 @@ def open_run(path: str | os.PathLike[str], overrides: Iterable[str] = ()) -> Con
     else:
         config = from_dict(read_toml(run_dir / "config.toml"), source=str(run_dir))
     config = dataclasses.replace(config, run_dir=str(run_dir))
+    overrides = list(overrides)
     config = apply_overrides(config, overrides)
     validate(config)
+    if overrides:  # not one that reads the weights as another model
+        _resumable.check_same_identity(
+            config, p, record_of(p), advice=_resumable.OPEN_ADVICE
+        )
     return config
 
 

@@ -27,13 +27,20 @@ from . import _grpo
 def make_tokenizer(config: Config, init_from: str | None = None) -> Any:
     """The tokenizer `data.tokenizer` names (`auto`: the one in `init_from`, by
     default `model.init_from`)."""
+    name = tokenizer_name(config, init_from)
+    if name == "byte":
+        return data_lib.ByteTokenizer()
+    return data_lib.HFTokenizer.from_file(name)
+
+
+def tokenizer_name(config: Config, init_from: str | None = None) -> str:
+    """`data.tokenizer` resolved, without reading the tokenizer: `"byte"` or the
+    path of its tokenizer.json (`auto`: `init_from`'s, as `make_tokenizer`)."""
     name = config.data.tokenizer
     if name == "auto":
         init_from = init_from or config.model.init_from
         name = hf.tokenizer_for(init_from) if init_from else "byte"
-    if name == "byte":
-        return data_lib.ByteTokenizer()
-    return data_lib.HFTokenizer.from_file(_tokenizer_file(name))
+    return name if name == "byte" else str(_tokenizer_file(name))
 
 
 def _tokenizer_file(name: str) -> Path:
@@ -74,6 +81,16 @@ def architecture(
 def _loaded_architecture(
     config: Config, tokenizer: Any, source: str | None
 ) -> tuple[Config, Any, str]:
+    config, model_config, model_type = loaded_model(config, source)
+    config = _fit_seq_len(config)
+    _check_vocab(config, tokenizer, model_config.vocab_size, "model.init_from")
+    return config, model_config, model_type
+
+
+def loaded_model(config: Config, source: str | None) -> tuple[Config, Any, str]:
+    """`(config, model_config, model_type)` of `model.init_from`'s config.json
+    (read from `source`): `config` with its `[model]` architecture keys filled
+    in from it, and the model config with the `[model]` runtime options."""
     m = config.model
     model_config, hf_type = hf.load_config(source, dtype=m.param_dtype)
     # the [model] runtime options, as `base_model` applies them to the weights
@@ -83,12 +100,8 @@ def _loaded_architecture(
         **models.moe_options(m, model_config),
     )
     model_type = hf.infer_model_type(model_config, hf_type)
-    config = dataclasses.replace(
-        config, model=model_section(model_config, model_type, base=m)
-    )
-    config = _fit_seq_len(config)
-    _check_vocab(config, tokenizer, model_config.vocab_size, "model.init_from")
-    return config, model_config, model_type
+    section = model_section(model_config, model_type, base=m)
+    return dataclasses.replace(config, model=section), model_config, model_type
 
 
 def _section_architecture(config: Config, tokenizer: Any) -> tuple[Any, str]:

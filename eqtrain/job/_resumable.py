@@ -1,22 +1,36 @@
 """Before a run is planned: can this config continue the checkpoints in its
-directory (the same LoRA and reference layout of the state), and where is the
-run's record of `model.init_from` when that directory is gone."""
+directory (the same LoRA and reference layout of the state, the same identity:
+`_identity`), and where is the run's record of `model.init_from` when that
+directory is gone."""
 
+import os
 from pathlib import Path
+from typing import Any
 
 from .. import checkpoint
 from .._errors import ConfigError
 from ..config import Config, from_dict, lora_on, read_toml, reference_mode
+from . import _identity
 from ._rundir import RECORD
+
+
+RESUME_ADVICE = (
+    "Drop the override (the run's config.toml holds what it was trained with), "
+    "or train this config in a new run directory (--run-dir)."
+)
+OPEN_ADVICE = "Drop the --set override: a checkpoint is read as what it was trained as."
 
 
 def check(config: Config, resume: str) -> Path | None:
     """Refuse a config its run's checkpoints cannot continue
-    (`check_same_state_layout`), before any data is read; return the run's
-    record of `model.init_from` to build from, if that directory is gone
-    (`fallback_record`)."""
-    check_same_state_layout(config, Path(config.run_dir), resume)
-    return fallback_record(config)
+    (`check_same_state_layout`, `check_same_identity`), before any data is read
+    or anything written; return the run's record of `model.init_from` to build
+    from, if that directory is gone (`fallback_record`)."""
+    run_dir = Path(config.run_dir)
+    check_same_state_layout(config, run_dir, resume)
+    recorded = fallback_record(config)
+    check_same_identity(config, resumed_from(run_dir, resume), recorded)
+    return recorded
 
 
 def check_same_state_layout(config: Config, run_dir: Path, resume: str) -> None:
@@ -83,3 +97,95 @@ def fallback_record(config: Config) -> Path | None:
         return None
     record = Path(config.run_dir) / RECORD
     return record if (record / "config.json").is_file() else None
+
+
+# -- identity ---------------------------------------------------------------------
+def resumed_from(run_dir: Path, resume: str | os.PathLike[str]) -> Path | None:
+    """The checkpoints a resume continues: the run directory's (`auto`, when it
+    holds any), the checkpoint `resume` names, or None (`never`, or none)."""
+    if resume == "never":
+        return None
+    if resume != "auto":
+        return Path(resume)
+    try:
+        return run_dir if checkpoint.list_steps(run_dir) else None
+    except checkpoint.CheckpointError:  # no such directory
+        return None
+
+
+def check_same_identity(
+    config: Config,
+    source: Path | None,
+    recorded: Path | None,
+    advice: str = RESUME_ADVICE,
+) -> None:
+    """Refuse `config` for the checkpoint at `source` (a step, or a run's newest)
+    when a key that identifies the run (`_identity`) differs from what the
+    checkpoint was trained with: naming each such key, both values and
+    `advice`. Nothing to compare (no checkpoint, no manifest that says) passes;
+    a damaged checkpoint is the restore's to report."""
+    found = None if source is None else recorded_identity(source)
+    if found is None:
+        return
+    identity, step_dir = found
+    now = _identity.of_config(config, recorded)
+    changed = _identity.differences(identity, now)
+    if changed:
+        raise checkpoint.IncompatibleCheckpointError(
+            _refusal(step_dir, changed, advice)
+        )
+
+
+def recorded_identity(path: Path) -> tuple[dict[str, Any], Path] | None:
+    """The identity the checkpoint at `path` (a step, or a run's newest readable
+    one) was trained with, and its step directory: its manifest's entry, else
+    (a manifest written before there was one) what its config says, else the
+    run's config.toml; None where nothing says."""
+    for step_dir in _newest_first(path):
+        try:
+            manifest = checkpoint.read_manifest(step_dir)
+        except checkpoint.CheckpointError:
+            continue  # a damaged step: the restore moves it aside, or says so
+        identity = manifest.get(_identity.MANIFEST_ENTRY)
+        if isinstance(identity, dict):
+            return identity, step_dir
+        settings = manifest.get("config") or _config_toml(step_dir.parent.parent)
+        return (_identity.of_settings(settings), step_dir) if settings else None
+    return None
+
+
+def _newest_first(path: Path) -> list[Path]:
+    """The step directory `path` names, or its run's steps, newest first."""
+    try:
+        directory, step = checkpoint.resolve(path)
+        steps = [step] if step is not None else checkpoint.list_steps(directory)
+    except checkpoint.CheckpointError:
+        return []  # not a checkpoint: the restore says what it is
+    return [directory / str(s) for s in reversed(steps)]
+
+
+def _config_toml(run_dir: Path) -> dict[str, Any] | None:
+    try:
+        return read_toml(run_dir / "config.toml")
+    except ConfigError:
+        return None
+
+
+def _refusal(step_dir: Path, changed: list[tuple[str, Any, Any]], advice: str) -> str:
+    said = "; ".join(
+        f"{key} = {_shown(now)} here, {_shown(was)} there" for key, was, now in changed
+    )
+    return (
+        f"this config describes another model than the checkpoint {step_dir} "
+        f"was trained as ({said}): its arrays would be read as a model they are "
+        f"not, whatever their shapes. {advice}"
+    )
+
+
+def _shown(value: Any) -> str:
+    """A value as the config writes it; a tokenizer's digest shortened."""
+    if value is None:
+        return "unset"
+    if isinstance(value, str) and value.startswith("sha256:"):
+        return f"the tokenizer file with sha256 {value[7:19]}..."
+    return repr(value)

@@ -11,7 +11,7 @@ import jax
 
 from .. import checkpoint
 from ..data import Loader
-from . import _plan, _reference, _rundir
+from . import _identity, _plan, _reference, _rundir
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,6 +38,8 @@ class Start:
         loader: the training `Loader`, at the restored position.
         architecture: the manifests' entry of `model.init_from`'s architecture
             (once the run's files are written), or None.
+        identity: the manifests' entry of what identifies the run
+            (`_identity.of_config`), which every resume compares.
     """
 
     state: Any
@@ -47,6 +49,7 @@ class Start:
     eval_rows: Any
     loader: Loader
     architecture: dict[str, Any] | None = None
+    identity: dict[str, Any] | None = None
 
 
 def start(planned: _plan.Plan, request: Request) -> Start:
@@ -60,7 +63,8 @@ def start(planned: _plan.Plan, request: Request) -> Start:
         if planned.job.reference == "precomputed":
             begun = _with_reference(planned, begun, request.say)
         architecture = _rundir.write_run_files(planned.job.config)
-        return dataclasses.replace(begun, architecture=architecture)
+        identity = _identity.of_job(planned.job)
+        return dataclasses.replace(begun, architecture=architecture, identity=identity)
     except BaseException:
         loader.close()
         raise
