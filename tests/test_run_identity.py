@@ -1,7 +1,8 @@
 """What identifies a run (issue 52): a finished Llama run resumed with
 `--set model.arch=gemma` has the same shapes and must still be refused by name,
-before anything is written. One tiny run is trained for the module; the rest
-compiles nothing."""
+before anything is written; `eqtrain import` keeps the model's chat template
+(and the EOS it names), and a failed import leaves nothing behind. One tiny run
+is trained for the module; the rest compiles nothing."""
 
 import dataclasses
 import json
@@ -13,12 +14,12 @@ import pytest
 import eqtrain.checkpoint as ckpt
 import eqtrain.config as config_lib
 import eqtrain.hf
-from eqtrain import models
+from eqtrain import ConfigError, job, models
 from eqtrain.config import Config, LoRAConfig, ModelConfig
-from eqtrain.job import _build, _identity
+from eqtrain.job import _build, _identity, _import, _resolve
 
 from .test_cli import assert_clean_error, inproc
-from .test_generate_cli import write_tokenizer
+from .test_generate_cli import CHATML, write_tokenizer
 
 
 TEXT = "def f(x):\n    return x + 1\n\nclass A:\n    pass\n" * 40
@@ -191,3 +192,55 @@ def hf_dir(path, *, tokenizer=False):
     if tokenizer:
         write_tokenizer(path)
     return path
+
+
+# -- 3. import keeps the chat template; a failed import leaves nothing ----------------
+def test_import_keeps_the_chat_template_and_its_end_of_turn(tmp_path):
+    src = hf_dir(tmp_path / "src", tokenizer=True)
+    out = tmp_path / "imported"
+    inproc("import", src, out, "--set", "data.seq_len=16", check_rc=0)
+    m = job.open_model(out)
+    assert getattr(m.template, "source", None) == CHATML
+    assert 3 in job.chat_stop_ids(m)  # <|im_end|>, which the template writes
+    # SFT on the run renders conversations with the model's template.
+    chat = tmp_path / "chat.jsonl"
+    chat.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}]}))
+    cfg = config_lib.load(out / "config.toml", ["task.kind=sft", f"data.train={chat}"])
+    assert _resolve.chat_template_of(cfg).source == CHATML
+    back = tmp_path / "back"
+    inproc("export", out, back, check_rc=0)
+    assert (back / "chat_template.jinja").read_text() == CHATML
+    assert (
+        json.loads((back / "tokenizer_config.json").read_text())["eos_token"] == "</s>"
+    )
+
+
+def test_a_failed_import_leaves_nothing(tmp_path, monkeypatch):
+    src = hf_dir(tmp_path / "src", tokenizer=True)
+    out = tmp_path / "out"
+    config = config_lib.load(None, ["data.seq_len=16"])
+
+    def full_disk(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(_import, "_save_step_zero", full_disk)
+        with pytest.raises(OSError, match="No space"):
+            job.import_hf(src, out, config=config)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
+    job.import_hf(src, out, config=config)  # the retry needs no --overwrite
+    before = sorted(p.relative_to(out) for p in out.rglob("*"))
+    with monkeypatch.context() as patch:
+        patch.setattr(_import, "_save_step_zero", full_disk)
+        with pytest.raises(OSError, match="No space"):
+            job.import_hf(src, out, config=config, overwrite=True)
+    assert sorted(p.relative_to(out) for p in out.rglob("*")) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "src"]
+    assert ckpt.list_steps(out) == [0]
+    # --overwrite replaces a run, never a directory of someone's files.
+    notes = tmp_path / "notes"
+    notes.mkdir()
+    (notes / "todo.txt").write_text("mine")
+    with pytest.raises(ConfigError, match="is not a run directory"):
+        job.import_hf(src, notes, config=config, overwrite=True)
+    assert (notes / "todo.txt").read_text() == "mine"

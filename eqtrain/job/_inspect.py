@@ -15,7 +15,17 @@ from ..config import (
     to_dict,
 )
 from ..plot import read_metrics
-from . import _build, _data, _open, _place, _reference, _resolve, _rows, _steps
+from . import (
+    _build,
+    _data,
+    _open,
+    _place,
+    _reference,
+    _resolve,
+    _rows,
+    _run_hooks,
+    _steps,
+)
 
 
 def evaluate_run(
@@ -129,9 +139,7 @@ def _export_model(
             max_shard_size=job.config.export.max_shard_size,
             tokenizer=job.tokenizer,
             model_type=job.model_type,
-            chat_template=_resolve.exported_template(
-                job.config, job.template, job.tokenizer
-            ),
+            chat_template=_run_hooks.exported_template(job),
             overwrite=overwrite,
         )
     )

@@ -8,7 +8,7 @@ from typing import Any
 
 import jax
 
-from .. import hf, hooks as hooks_lib
+from .. import data as data_lib, hf, hooks as hooks_lib
 from .._hooks import at_end, every
 from ..config import Config, explicit, steps_export_dir, to_dict
 from ..generate import Sampling
@@ -108,12 +108,24 @@ def _export_kwargs(job: _build.Job) -> dict[str, Any]:
         which="ema" if export.ema else "model",
         pick=job.exported,  # the policy, at its real vocabulary
     )
-    template = getattr(job.template, "source", None)  # a Jinja chat template
-    if template is not None:
+    template = exported_template(job)
+    if template is not None:  # a Jinja chat template
         kwargs["chat_template"] = template
     if job.lora is not None:
         kwargs["spec"] = job.lora
     return kwargs
+
+
+def exported_template(job: _build.Job) -> str | None:
+    """The Jinja chat template a run's Hugging Face export writes beside its
+    tokenizer: the run's own (`job.template`), or for a run on plain text, which
+    has none, the one `data.chat_template` names (`auto`: its tokenizer
+    directory's), so that a model keeps its template; None for the built-in."""
+    template, name = job.template, job.config.data.chat_template
+    if template is None and name != "builtin":
+        where = name if name != "auto" else getattr(job.tokenizer, "directory", None)
+        template = data_lib.chat_template(where)  # None: the built-in one
+    return getattr(template, "source", None)
 
 
 def samples_hooks(

@@ -19,14 +19,15 @@ RECORD = "init_from"
 """`<run_dir>/init_from/`: the config and tokenizer files of `model.init_from`
 (no weights), so that the run's architecture and tokenizer never depend on that
 directory staying where it was."""
-RECORD_FILES = (
-    "config.json",
-    "generation_config.json",
+TOKENIZER_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
     "special_tokens_map.json",
     "chat_template.jinja",
 )
+"""A model's tokenizer and what goes with it: its special tokens (which set the
+tokenizer's EOS id) and its chat template (`eqtrain.data.chat_template`)."""
+RECORD_FILES = ("config.json", "generation_config.json", *TOKENIZER_FILES)
 
 
 def write_run_files(config: Config) -> dict[str, Any] | None:
