@@ -1,6 +1,7 @@
 """The data cache on disk, shared by the tokenized store and the rows cache: where
 it lives, atomic JSON writes, sha256 of files, a directory made with a message,
-and one builder per directory (an exclusive lock).
+one builder per directory (an exclusive lock), and the removal of the temporary
+files a killed builder left.
 """
 
 import hashlib

@@ -24,7 +24,8 @@ COMPRESSIONS = {".gz": "gz", ".zst": "zst"}
 def compression_of(path: str | os.PathLike) -> str | None:
     """`"gz"` or `"zst"` when `path`'s last suffix says it is compressed, else None
     (the rule for a single file and for each file of a directory alike)."""
-    return COMPRESSIONS.get(os.path.splitext(os.fspath(path))[1].lower())
+    tail = os.fspath(path)[-4:].lower()  # (cheap: called for every file)
+    return next((c for s, c in COMPRESSIONS.items() if tail.endswith(s)), None)
 
 
 def stat(path: str | os.PathLike) -> os.stat_result:

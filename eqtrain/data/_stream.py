@@ -15,7 +15,8 @@ directory's files matching `pattern`, by path relative to it; a single file by
 its name) its relative name, size, `mtime_ns` and the sha256 of its first and
 last MiB (of the whole file when it is under 2 MiB). Renaming the source's
 directory keeps the key; touching, growing or editing a file changes it (an edit
-in the middle through its mtime).
+in the middle through its mtime). A `Memo` keeps the hashes of a directory's files
+between starts, so that files whose status did not change are not read again.
 """
 
 import codecs
@@ -39,7 +40,7 @@ from ._source_files import (
     stat,
     zstd_module,
 )
-from ._sources import text_files
+from ._sources import named_files, text_files
 
 
 PIECE_BYTES = 16 * 2**20
@@ -204,10 +205,7 @@ def fingerprint(
     check_exists(source, "data source")
     path = Path(os.path.abspath(source))
     if path.is_dir():
-        files = [
-            _key(f, f.relative_to(path).as_posix(), memo=memo)
-            for f in text_files(path, pattern)
-        ]
+        files = [_key(f, name, memo=memo) for name, f in named_files(path, pattern)]
         return {"kind": "text_files", "pattern": pattern, "files": files}
     kind, compression = _format(path)
     files = [_key(path, path.name, member=False, memo=memo)]
