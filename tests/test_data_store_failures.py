@@ -163,9 +163,14 @@ def test_a_long_document_is_encoded_in_bounded_spans(
 
 
 def test_a_worker_killed_by_the_kernel_is_said_to_be_out_of_memory(tmp_path):
-    script = "import os, sys; sys.stdin.readline(); os.kill(os.getpid(), 9)"
+    script = (  # a worker that starts its part, then is killed as by the kernel
+        "import os, sys; sys.stdin.readline(); "
+        "open(f'{sys.argv[1]}/parts/00003.tokens.tmp{os.getpid()}', 'w'); "
+        "os.kill(os.getpid(), 9)"
+    )
+    (tmp_path / "parts").mkdir()
     process = subprocess.Popen(
-        [sys.executable, "-c", script],
+        [sys.executable, "-c", script, str(tmp_path)],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,
@@ -181,6 +186,7 @@ def test_a_worker_killed_by_the_kernel_is_said_to_be_out_of_memory(tmp_path):
     assert "killed (SIGKILL) while building part 3" in message
     assert f"{tmp_path / 'c.jsonl'} from line 1" in message
     assert "out of memory" in message and "fewer workers (data.workers" in message
+    assert not list(tmp_path.glob("parts/*.tmp*"))  # what it began is removed
 
 
 # -- a mixture: its epoch order's memory, and weights below its resolution --------

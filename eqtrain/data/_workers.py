@@ -176,9 +176,7 @@ class WorkerPool:
             process.kill()
         for process in self.processes:
             process.wait()
-            for directory in self._directories:
-                for tmp in (Path(directory) / "parts").glob(f"*.tmp{process.pid}"):
-                    tmp.unlink(missing_ok=True)
+            _remove_files_of(process, self._directories)
 
     def _serve(self, process: subprocess.Popen) -> None:
         """A thread's loop: hand `process` tasks and queue its answers; `None`
@@ -235,24 +233,34 @@ def _failed(answer: Mapping[str, Any], task: Task) -> Exception:
 
 
 def _died(process: subprocess.Popen, task: Task) -> str:
-    """What to say when `process` ended without answering `task`."""
+    """What to say when `process` ended without answering `task` (the files it
+    left are removed)."""
     try:
         code = process.wait(timeout=10)  # it closed its output: it is ending
     except subprocess.TimeoutExpired:
         code = None
+    else:
+        _remove_files_of(process, [task.directory])
     what = f"while building part {task.index} ({_where(task)})"
     kept = "The parts committed so far are kept; preparing again continues from them."
     if code == -signal.SIGKILL:
         return (
             f"a store worker was killed (SIGKILL) {what}. Most likely the machine "
             "ran out of memory and the kernel's out-of-memory killer ended it "
-            "(`dmesg` says so). Prepare with fewer workers (data.workers, or "
-            f"`workers=` in Python) or with more memory. {kept}"
+            "(the kernel's log, `dmesg`, says so). Prepare with fewer workers "
+            f"(data.workers, or `workers=` in Python) or with more memory. {kept}"
         )
     if code is not None and code < 0:
         name = signal.Signals(-code).name
         return f"a store worker was ended by {name} {what}. {kept}"
     return f"a store worker exited (code {code}) {what}; its error is above. {kept}"
+
+
+def _remove_files_of(process: subprocess.Popen, directories: Iterable[str]) -> None:
+    """Remove the unfinished part files of `process` (ended) in `directories`."""
+    for directory in directories:
+        for tmp in (Path(directory) / "parts").glob(f"*.tmp{process.pid}"):
+            tmp.unlink(missing_ok=True)
 
 
 def _where(task: Task) -> str:
