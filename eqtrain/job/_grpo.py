@@ -253,6 +253,23 @@ def reward_failure(job: Any) -> ConfigError | None:
     )
 
 
+class RewardCheck:
+    """A hook for every step of a GRPO run: a reward function's failure
+    (`Rollout.failures`) ends the run as the exception it is, at the first step
+    whose metrics show it, as any exception ends `fit`: no end hooks (no final
+    export), no "nonfinite" record. The failing step left the state as it was
+    (`halted`), so nothing after the last checkpoint is saved either. Put it
+    before the metrics writers: the failed step is then not logged."""
+
+    def __init__(self, job: Any):
+        self.job = job
+
+    def __call__(self, info: Any) -> None:
+        failed = reward_failure(self.job)
+        if failed is not None:
+            raise failed
+
+
 def make_rollout(job: Any) -> rollout_lib.Rollout:
     """The run's `Rollout`: sampling from `[task]`, scoring with `task.rewards` on
     the prompts `rows` read (call it after them)."""
