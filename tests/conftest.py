@@ -5,8 +5,15 @@ import os
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 # The CLI's CPU settings without measuring them (tests/test_cpu.py measures):
 # every test process, the `eqtrain` ones started by tests included, computes
-# alike whatever this processor would choose.
+# alike whatever this processor would choose. tests/test_tuned_settings.py runs
+# the tests marked `tuned` again under each other setting tune_cpu can choose,
+# named here (`EQTRAIN_CPU_TUNING=xla_default,scanned`): then this process
+# applies it too, as `eqtrain fit` would, before JAX starts.
 os.environ.setdefault("EQTRAIN_CPU_TUNING", "fixed")
+if os.environ["EQTRAIN_CPU_TUNING"].strip().lower() != "fixed":
+    import eqtrain
+
+    eqtrain.tune_cpu(measure=False)
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # Tokenized stores go to one directory per test session (never ~/.cache); keyed
 # by content, so the tests share the built-in corpus's store.

@@ -15,6 +15,9 @@ def main() -> None:
     parser.add_argument("--single", action="store_true")
     parser.add_argument("--every", type=int, default=1000)
     args = parser.parse_args()
+    import eqtrain
+
+    eqtrain.tune_cpu()  # what `eqtrain fit` applies (the tests name it)
     if not args.single:
         initialize()  # from EQTRAIN_* variables
 

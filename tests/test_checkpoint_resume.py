@@ -157,6 +157,7 @@ def _assert_bitwise(out, straight):
         assert np.array_equal(got[name], want[name]), name
 
 
+@pytest.mark.tuned  # re-run under each CPU setting (test_tuned_settings.py)
 def test_sigterm_then_resume_is_bit_identical(tmp_path, straight):
     run = tmp_path / "run"
     deadline = time.monotonic() + 150

@@ -73,6 +73,7 @@ def _finish(procs, timeout=240):
     return outs
 
 
+@pytest.mark.tuned  # re-run under each CPU setting (test_tuned_settings.py)
 def test_two_processes_equal_one_process_with_two_devices(tmp_path):
     single = subprocess.run(
         [sys.executable, str(WORKER), "--single", "--run-dir", str(tmp_path / "one")],

@@ -107,6 +107,7 @@ def _run(model: Any, prompts=PROMPTS, **kw: Any) -> Any:
         for n in CONFIGS
     ],
 )
+@pytest.mark.tuned  # re-run under each CPU setting (test_tuned_settings.py)
 def test_greedy_equals_the_full_forward(name):
     model = _model(name)
     out = _run(model)
@@ -363,6 +364,7 @@ def test_a_second_call_of_the_same_shapes_does_not_retrace(dead_run):
 
 
 # -- a mesh, bf16 --------------------------------------------------------------------
+@pytest.mark.tuned  # re-run under each CPU setting (test_tuned_settings.py)
 def test_a_sharded_run_equals_one_device():
     assert jax.device_count() == 8, (
         "needs XLA_FLAGS=--xla_force_host_platform_device_count=8"

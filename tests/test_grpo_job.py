@@ -79,6 +79,7 @@ def metrics(root, run_name="run"):
     return [json.loads(line) for line in lines if '"reward"' in line]
 
 
+@pytest.mark.tuned  # re-run under each CPU setting (test_tuned_settings.py)
 def test_rewards_see_the_prompts_groups_and_columns(files):
     result = run(files)
     assert result.fit.stop_reason.kind == "max_steps"
@@ -119,6 +120,7 @@ def test_kl_to_a_frozen_copy_and_several_passes(files):
     assert 0 < rows[0]["kl"] < 0.05
 
 
+@pytest.mark.tuned  # re-run under each CPU setting (test_tuned_settings.py)
 @pytest.mark.slow
 def test_resume_is_exact(files):
     # a constant schedule: with another loop.steps a cosine one would differ

@@ -86,6 +86,7 @@ def test_equals_a_manual_loop(step, batches):
     assert eqx.tree_equal(result.state, manual, rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.tuned  # re-run under each CPU setting (test_tuned_settings.py)
 def test_num_steps_is_absolute_and_resume_is_exact(step, batches):
     straight = eqtrain.fit(fresh_state(), step, batches, num_steps=8)
     first = eqtrain.fit(fresh_state(), step, batches, num_steps=5)

@@ -141,6 +141,7 @@ def test_exports_are_a_peft_adapter_and_a_merged_model(lora_run):
     np.testing.assert_allclose(np.asarray(again(tokens)), ours, atol=1e-6)
 
 
+@pytest.mark.tuned  # re-run under each CPU setting (test_tuned_settings.py)
 def test_resume_is_exact_and_rereads_the_base(lora_run, tmp_path):
     """Continue the finished run's step-3 checkpoint to step 6, from a copy of the
     base at another path (the checkpoint names its base by content): the same

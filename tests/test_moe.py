@@ -346,6 +346,7 @@ def _train(model, axes=None, steps=3):
     ],
     ids=["sorted", "ragged", "fsdp"],
 )
+@pytest.mark.tuned  # re-run under each CPU setting (test_tuned_settings.py)
 def test_expert_parallel_mesh_training_equals_one_device(qwen_like, impl, axes):
     # scanned layers and full remat: the router statistics ride the scan's carry
     model = qwen_like.with_options(moe_impl=impl, scan_layers=True, remat="full")

@@ -435,6 +435,7 @@ def uninterrupted(ray_home, text_dir, tmp_path_factory):
     return run_dir, result, lines, listeners
 
 
+@pytest.mark.tuned  # re-run under each CPU setting (test_tuned_settings.py)
 def test_killed_worker_restarts_the_group_and_a_sigterm_reaches_the_workers(
     ray_home, text_dir, tmp_path
 ):
@@ -493,6 +494,7 @@ def test_killed_worker_restarts_the_group_and_a_sigterm_reaches_the_workers(
 
 
 @pytest.mark.slow
+@pytest.mark.tuned  # re-run under each CPU setting (test_tuned_settings.py)
 def test_two_ray_workers_equal_one_process_with_two_devices(
     uninterrupted, text_dir, tmp_path
 ):

@@ -115,6 +115,7 @@ def scheme_results(request, mesh, qkv):
     return scheme, got, _reference(q, k, v, ct, 7)
 
 
+@pytest.mark.tuned  # re-run under each CPU setting (test_tuned_settings.py)
 def test_scheme_equals_unsharded_attention(scheme_results):
     _, (got, _), want = scheme_results
     _close(got, want)

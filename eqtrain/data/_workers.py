@@ -64,14 +64,19 @@ def _run_ray(tasks: Iterator[Task], workers: int, spec: Mapping[str, Any]) -> Bu
     spec = ray.put(dict(spec))
     pending: dict[Any, Task] = {}
     limit = max(2 * int(ray.cluster_resources().get("CPU", 1)), 2)
-    while True:
-        while len(pending) < limit and (task := next(tasks, None)) is not None:
-            pending[remote.remote(task, spec)] = task
-        if not pending:
-            return
-        ready, _ = ray.wait(list(pending), num_returns=1)
-        task = pending.pop(ready[0])
-        yield ray.get(ready[0]), task
+    try:
+        while True:
+            while len(pending) < limit and (task := next(tasks, None)) is not None:
+                pending[remote.remote(task, spec)] = task
+            if not pending:
+                return
+            ready, _ = ray.wait(list(pending), num_returns=1)
+            task = pending.pop(ready[0])
+            yield ray.get(ready[0]), task
+    finally:
+        for ref in pending:  # stopped early (an error, Ctrl-C): the rest stop too
+            with contextlib.suppress(Exception):
+                ray.cancel(ref)  # a KeyboardInterrupt in the task: its files go
 
 
 def build_with_spec(task: Task, spec: Mapping[str, Any]) -> dict[str, Any]:
