@@ -15,8 +15,10 @@ from ._rundir import RECORD
 
 
 RESUME_ADVICE = (
-    "Drop the override (the run's config.toml holds what it was trained with), "
-    "or train this config in a new run directory (--run-dir)."
+    "Drop the override, or put back what changed (the run's config.toml holds "
+    "what it was trained with; with model.init_from, that directory's "
+    "config.json says the rest), or train this config in a new run directory "
+    "(--run-dir)."
 )
 OPEN_ADVICE = "Drop the --set override: a checkpoint is read as what it was trained as."
 
