@@ -235,19 +235,14 @@ def _arch_fields(
     """The switches of architecture `arch`, but those the section set itself
     (`given`), with its `model_type` and activation."""
     section_keys = {_SECTION_KEYS.get(k, k) for k in given}
-    fixed = spec.fixed(decoder.DecoderConfig(**_sizes(fields)))
+    # switches may depend on the section's other keys (Qwen2-MoE's o_proj bias)
+    fixed = spec.fixed(decoder.DecoderConfig(**fields))
     out = {k: v for k, v in fixed.items() if k not in section_keys}
     return {**out, "model_type": arch, "hidden_act": spec.act[1]}
 
 
 # `[model]` keys under their `DecoderConfig` names, where they differ
 _SECTION_KEYS = {"tie_embeddings": "tie_word_embeddings", "norm_eps": "rms_norm_eps"}
-
-
-def _sizes(fields: dict[str, Any]) -> dict[str, Any]:
-    keys = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers")
-    keys += ("num_attention_heads", "num_key_value_heads", "head_dim")
-    return {k: fields[k] for k in keys}
 
 
 def _decoder_to_section(c: decoder.DecoderConfig) -> dict[str, Any]:

@@ -73,8 +73,8 @@ class Arch:
         model_type: `config.json`'s `model_type`.
         architecture: its `architectures` entry (`LlamaForCausalLM`).
         switches: `DecoderConfig` fields this architecture fixes (a value, or a
-            function of the config for size-dependent ones like Gemma's
-            embedding scale).
+            function of the config: Gemma's embedding scale of its size,
+            Qwen2-MoE's o_proj bias of its q/k/v biases).
         free: fields (beyond `COMMON_FREE`) that it can hold with any value.
         read: `(reader, common) -> {field: value}`: its own keys of
             `config.json` (after the common ones, which it may override).

@@ -132,9 +132,15 @@ def _read_qwen2_moe(r: Reader, common: dict[str, Any]) -> dict[str, Any]:
             r.get("shared_expert_intermediate_size", 5632)
         ),
         attention_bias=bias,
-        o_proj_bias=False if bias else None,  # never one on o_proj
+        o_proj_bias=_qkv_only(bias),
         **_windows(r, common, lambda i: i % 2 == 0 and i < first),
     )
+
+
+def _qkv_only(bias: bool, o_proj_bias: bool | None = None) -> bool | None:
+    """Qwen2-MoE's `o_proj_bias`: False beside q/k/v biases (`qkv_bias`), as
+    given without them (`_check_qwen2_moe` refuses an o_proj bias)."""
+    return False if bias else o_proj_bias
 
 
 def _write_qwen2_moe(c: DecoderConfig) -> dict[str, Any]:
@@ -204,8 +210,10 @@ MIXTRAL = Arch(
 QWEN2_MOE = Arch(
     "qwen2_moe",
     "Qwen2MoeForCausalLM",
+    # a `[model]` section's attention_bias is qkv_bias: no o_proj bias with it
+    switches=dict(o_proj_bias=lambda c: _qkv_only(c.attention_bias, c.o_proj_bias)),
     free=_QWEN
-    | {"shared_expert_intermediate_size", "attention_bias", "o_proj_bias"}
+    | {"shared_expert_intermediate_size", "attention_bias"}
     | {"sliding_window", "layer_types"},
     read=_read_qwen2_moe,
     write=_write_qwen2_moe,
