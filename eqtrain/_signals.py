@@ -39,11 +39,15 @@ class SignalGuard:
         received: the first signal's number, or None.
         note: called on the second signal, in the watchdog thread; returns the
             text that says what the abort left behind (e.g. the last checkpoint).
+        first_note: called on the first signal, in the watchdog thread, with
+            its number; returns the text said at once (`fit`'s notice, which
+            a long step would otherwise hold back until it ends), or None.
     """
 
     def __init__(self) -> None:
         self.received: int | None = None
         self.note: Callable[[], str] | None = None
+        self.first_note: Callable[[int], str | None] | None = None
         self._previous: dict[int, Any] = {}
         self._wakeup: int | None = None
         self._pipe: tuple[int, int] | None = None
@@ -97,7 +101,10 @@ class SignalGuard:
 
     def _on(self, sig: signal.Signals) -> None:
         if self.received is None:
-            self.received = sig  # only this: `fit`'s loop says it, outside
+            self.received = sig
+            text = None if self.first_note is None else self.first_note(sig)
+            if text:  # written with os.write: no Python stream's lock is taken
+                _say(text)
             return
         text = f"error: aborted by a second signal ({sig.name})."
         if self.note is not None:

@@ -79,6 +79,7 @@ class Stopper:
         self._guard = contextlib.ExitStack()
         self.signals: _signals.SignalGuard | None = None
         self.announced = False  # the first signal's notice was printed
+        self.checked = first  # the steps done at the last `check`
         self.start = now()
         self.hook_stop: StopReason | None = None
         self.warned_late = False
@@ -87,10 +88,14 @@ class Stopper:
     def __enter__(self) -> "Stopper":
         handle = self.conditions.handle_signals
         self.signals = self._guard.enter_context(_signals.guarded(handle))
+        if self.signals is not None:
+            self.signals.first_note = self._notice
         self.start = now()
         return self
 
     def __exit__(self, *exc: Any) -> None:
+        if self.signals is not None:
+            self.signals.first_note = None
         self._guard.close()
 
     # -- what the loop reports --------------------------------------------------
@@ -114,6 +119,7 @@ class Stopper:
         reason (a signal, the kill switch, the time limit, a hook, a non-finite
         loss) is pooled every `agree_every` steps, so every process stops at the
         same step; reaching `num_steps` needs no agreement."""
+        self.checked = done
         reason = self._local(done)
         if self.processes == 1 or (
             reason is not None and reason.kind == StopKind.MAX_STEPS
@@ -184,20 +190,30 @@ class Stopper:
         self._announce(name, done)
         return StopReason(StopKind.SIGNAL, done, name)
 
+    def _notice_text(self, name: str, done: int) -> str:
+        when = "after the current step" if done > self.first else "before training"
+        return (
+            f"[eqtrain] {name} received: stopping {when} (send it again to "
+            "abort without saving)."
+        )
+
+    def _notice(self, sig: int) -> str | None:
+        """The notice, said by the signal guard's watchdog the moment the first
+        signal comes (a GRPO step may run for seconds), with `os.write`:
+        never Python's stream, which the signal may have interrupted (a second
+        Ctrl-C during compilation once crashed a handler that printed)."""
+        if self.announced:
+            return None
+        self.announced = True
+        return self._notice_text(signal.Signals(sig).name, self.checked)
+
     def _announce(self, name: str, done: int) -> None:
-        """Say once that the first signal was heard. The loop says it, not the
-        signal's handler: a handler that prints can re-enter the stream it
-        interrupted (a second Ctrl-C during compilation crashed that way)."""
+        """Say once that the first signal was heard, if the guard's watchdog
+        did not (a guard installed elsewhere)."""
         if self.announced:
             return
         self.announced = True
-        when = "after the current step" if done > self.first else "before training"
-        print(
-            f"\n[eqtrain] {name} received: stopping {when} (send it again to "
-            "abort without saving).",
-            file=sys.stderr,
-            flush=True,
-        )
+        print("\n" + self._notice_text(name, done), file=sys.stderr, flush=True)
 
     def _max_steps(self, done: int) -> StopReason | None:
         if done < self.num_steps:

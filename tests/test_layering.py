@@ -13,9 +13,11 @@
   `eqtrain.config._validate` may not import each other, even lazily).
 - Every top-level piece sits on the floor docs/architecture.md gives it, and
   imports only pieces on lower floors: the page is the plan, this is its check.
-- The size targets of issue 31 hold: function lengths (methods and nested
-  functions counted, docstrings not) have median <= 7 lines, 90th percentile
-  <= 22, none over 60; no file over 500 lines.
+- The function-size targets of issue 31 hold: function lengths (methods and
+  nested functions counted, docstrings not) have median <= 7 lines, 90th
+  percentile <= 22, none over 60. Its file-size target (500 lines) was met and
+  is retired (2026-12-07): a file is split where a second concept can be
+  named and the floors allow it, not at a line count.
 
 Imports inside functions count too: a lazy import still ties the layers.
 """
@@ -251,7 +253,7 @@ def _function_lengths() -> list[tuple[int, str]]:
     return out
 
 
-def test_functions_and_files_stay_small():
+def test_functions_stay_small():
     found = _function_lengths()
     lengths = sorted(n for n, _ in found)
     assert len(lengths) > 1000
@@ -262,9 +264,3 @@ def test_functions_and_files_stay_small():
     median, p90 = statistics.median(lengths), lengths[int(0.9 * len(lengths))]
     assert median <= 7, f"median function length {median} lines (target <= 7)"
     assert p90 <= 22, f"90th percentile function length {p90} lines (target <= 22)"
-    big = sorted(
-        f"{p.relative_to(ROOT.parent)} ({n} lines)"
-        for p in ROOT.rglob("*.py")
-        if (n := len(p.read_text(encoding="utf-8").splitlines())) > 500
-    )
-    assert not big, "files over 500 lines; split them by topic:\n  " + "\n  ".join(big)

@@ -224,8 +224,8 @@ def test_the_first_signal_is_recorded_by_the_watchdog():
 
 def test_the_first_signal_prints_nothing_from_the_handler(capfd):
     """Printing from a signal's path can re-enter the stream it interrupted (a
-    second Ctrl-C during compilation crashed so): the handler and the watchdog
-    only record the first signal; `fit`'s loop says it, at a step boundary."""
+    second Ctrl-C during compilation crashed so): the handler prints nothing,
+    and outside `fit` (no `first_note`) neither does the watchdog."""
     with _signals.guarded() as guard:
         os.kill(os.getpid(), signal.SIGINT)
         deadline = time.monotonic() + 10
@@ -234,3 +234,22 @@ def test_the_first_signal_prints_nothing_from_the_handler(capfd):
         assert guard.received == signal.SIGINT
         time.sleep(0.1)  # anything the watchdog would write, it has written
     assert capfd.readouterr() == ("", "")
+
+
+def test_fit_says_the_first_signal_at_once_not_after_a_long_step(capfd):
+    """Issue 52: a GRPO step can run for seconds, and `fit`'s notice came only
+    when it ended. Inside `fit` (its `Stopper`), the watchdog says it the
+    moment the signal comes, with `os.write` (no Python stream, which the
+    signal may have interrupted), once; the loop then stops as before."""
+    from eqtrain._stops import StopConditions, Stopper, StopKind
+
+    with Stopper(StopConditions(), num_steps=10) as stopper:
+        stopper.check(3)  # three steps done; the fourth is running
+        os.kill(os.getpid(), signal.SIGINT)
+        deadline = time.monotonic() + 1.0  # within a second
+        while "received" not in capfd.readouterr().err:
+            assert time.monotonic() < deadline, "no notice within a second"
+            time.sleep(0.01)
+        reason = stopper.check(4)
+    assert (reason.kind, reason.step, reason.message) == (StopKind.SIGNAL, 4, "SIGINT")
+    assert capfd.readouterr().err == ""  # said once

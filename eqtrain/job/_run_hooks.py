@@ -12,7 +12,7 @@ from .. import data as data_lib, hf, hooks as hooks_lib
 from .._hooks import at_end, every
 from ..config import Config, explicit, steps_export_dir, to_dict
 from ..generate import Sampling
-from . import _build, _data, _samples
+from . import _build, _data, _grpo, _samples
 
 
 def run_hooks(
@@ -29,6 +29,8 @@ def run_hooks(
     starting at step `start`, the resumed one (the redone steps' earlier lines
     and events are replaced); and every process's samples writer."""
     out: list[Any] = []
+    if job.grpo is not None:  # a reward's failure ends the run, unlogged
+        out.append(every(1, _grpo.RewardCheck(job)))
     if jax.process_index() == 0:  # process 0 logs and exports for the run
         out += _logging_hooks(job.config, start, rows)
         out += _export_hooks(job, targets)
