@@ -166,3 +166,30 @@ def test_a_reward_failure_is_not_recorded_as_nonfinite_nor_exported(finished):
     assert not (run / "hf").exists()  # nothing trained on the failed step
     reasons = [c.get("stop_reason") for c in job.run_info(run)["checkpoints"]]
     assert all(r is None or r["kind"] != "nonfinite" for r in reasons), reasons
+
+
+def test_grpo_under_the_clis_cpu_settings_plans_and_trains(tmp_path):
+    """Issue 52, case 1 (issue 51): wherever `tune_cpu` put Eigen's products in
+    `XLA_FLAGS` (`fixed` included), generation compiled with options of its own
+    and GRPO's step, which samples inside, was refused by JAX at step 1 and in
+    `--dry-run` ("compiler_options can only be passed to top-level jax.jit").
+    The real `eqtrain` command, with its CPU settings, plans and trains."""
+    import os
+    import subprocess
+
+    write_prompts(tmp_path, PROMPTS)
+    sets = tiny(tmp_path, "task.rewards=exact_answer", "checkpoint.every=0")
+    argv = [sys.executable, "-m", "eqtrain.cli", "fit"]
+    argv += [f"--set={s}" for s in sets]
+    env = {**os.environ, "EQTRAIN_CPU_TUNING": "fixed"}
+    for extra in (["--dry-run"], []):
+        done = subprocess.run(
+            argv + extra, capture_output=True, text=True, env=env, timeout=600
+        )
+        assert done.returncode == 0, done.stderr[-3000:]
+        if extra:
+            assert "eigen_dots, unrolled layers (EQTRAIN_CPU_TUNING=fixed)" in (
+                done.stdout
+            )
+    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").open()]
+    assert [r["step"] for r in rows if "reward" in r] == [1, 2]
