@@ -60,11 +60,16 @@ def _files_with_marked_tests():
 MARK = "@pytest.mark." + "tuned"
 
 
-def _run_marked(setting, marks, least):
+RAY_EQUALS_DEVICES = "two_ray_workers_equal_one_process_with_two_devices"
+"""Slow in the suite's own setting, but among the default suite's tuned runs:
+"processes equal devices" is what a setting can break (issue 51)."""
+
+
+def _run_marked(setting, marks, names, least):
     env = {**os.environ, _cpu.OPT_OUT: setting}
     for name in ("PJRT_NPROC", "PYTEST_XDIST_WORKER", "PYTEST_CURRENT_TEST"):
         env.pop(name, None)
-    argv = [sys.executable, "-m", "pytest", "-m", marks, "-n", "0", "-q"]
+    argv = [sys.executable, "-m", "pytest", "-m", marks, "-k", names, "-n", "0", "-q"]
     argv += ["-p", "no:cacheprovider", "-x", *_files_with_marked_tests()]
     done = subprocess.run(
         argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=2400
@@ -78,14 +83,14 @@ def _run_marked(setting, marks, least):
 
 @pytest.mark.parametrize("setting", SETTINGS)
 def test_the_tuned_tests_pass_under(setting):
-    """The default suite's share of the marked tests, under `setting`."""
-    _run_marked(setting, "tuned and not slow", 13)
+    """The default suite's share of the marked tests, under `setting`: those
+    not slow, and Ray's two workers equal to two devices."""
+    _run_marked(setting, "tuned", f"not slow or {RAY_EQUALS_DEVICES}", 14)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("setting", SETTINGS)
 def test_the_slow_tuned_tests_pass_under(setting):
-    """The slow suite's share (GRPO's exact resume, Ray's two workers equal
-    to two devices and its export after a restart, the other mixture-of-
+    """The slow suite's share (GRPO's exact resume, the other mixture-of-
     experts meshes, generation of the MoE and GPT-2), under `setting`."""
-    _run_marked(setting, "tuned and slow", 6)
+    _run_marked(setting, "tuned and slow", f"not {RAY_EQUALS_DEVICES}", 5)
