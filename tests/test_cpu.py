@@ -538,10 +538,16 @@ def test_the_cli_measures_once_and_the_dry_run_says_what_it_chose(tmp_path):
     assert set(entry["measured"]) == set(
         _cpu_tuning.candidates(_cpu_tuning.processor())
     )
-    for name, times in entry["measured"].items():
-        assert times["scanned_ms"] > 0 and times["unrolled_ms"] > 0, name
+    for name, times in entry["measured"].items():  # each form, each round
+        for form in ("scanned_ms", "unrolled_ms"):
+            assert len(times[form]) == _cpu_tuning.ROUNDS, name
+            assert all(t > 0 for t in times[form]), name
     lines = [ln for ln in runs[1].stdout.splitlines() if ln.startswith("cpu ")]
-    assert len(lines) == 1 and entry["name"] in lines[0] and "cached" in lines[0]
+    assert len(lines) == 1
+    if "noisy" in entry:  # a busy machine: nothing chosen, the default said
+        assert "the probe's rounds disagreed on" in lines[0]
+    else:
+        assert entry["name"] in lines[0] and "cached" in lines[0]
 
 
 def test_the_default_stays_within_the_margin_of_noise(probe):

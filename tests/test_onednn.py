@@ -23,7 +23,7 @@ from eqtrain.models._attention import key_ranges
 
 needs_onednn = pytest.mark.skipif(
     not _cpu_tuning.onednn_verified(_cpu_tuning.processor()),
-    reason="oneDNN's products are a candidate with AVX-512 and a verified jaxlib only",
+    reason="oneDNN's products can be named with AVX-512 and a verified jaxlib only",
 )
 
 
