@@ -35,11 +35,14 @@ def _env(devices, **extra):
     return env
 
 
-def _start_pair(run_dir, *args):
+def _start_pair(run_dir, *args, argv=None, each=({}, {})):
+    """Two processes of one run (`dist_worker.py`, or `argv`), one device each;
+    `each`: more variables for process 0 and process 1."""
     port = _free_port()
+    argv = argv or [sys.executable, str(WORKER), "--run-dir", str(run_dir), *args]
     procs = [
         subprocess.Popen(
-            [sys.executable, str(WORKER), "--run-dir", str(run_dir), *args],
+            argv,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
@@ -48,6 +51,7 @@ def _start_pair(run_dir, *args):
                 EQTRAIN_COORDINATOR=f"127.0.0.1:{port}",
                 EQTRAIN_NUM_PROCESSES=2,
                 EQTRAIN_PROCESS_ID=i,
+                **each[i],
             ),
         )
         for i in range(2)
@@ -188,26 +192,11 @@ def test_processes_with_different_cpu_settings_are_refused(tmp_path):
     setting. Each process of a multi-process `eqtrain fit` says its setting;
     processes whose settings differ (here named two ways) are refused, every
     one of them, naming the setting to give them all."""
-    port = _free_port()
     argv = [sys.executable, "-m", "eqtrain.cli", "fit", "--dry-run"]
     argv += ["--set", f"run_dir={tmp_path / 'run'}", "--set", "distributed.processes=2"]
     settings = ["eigen_dots", "xla_default,scanned"]
-    procs = [
-        subprocess.Popen(
-            argv,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            env=_env(
-                1,
-                EQTRAIN_COORDINATOR=f"127.0.0.1:{port}",
-                EQTRAIN_NUM_PROCESSES=2,
-                EQTRAIN_PROCESS_ID=i,
-                EQTRAIN_CPU_TUNING=settings[i],
-            ),
-        )
-        for i in range(2)
-    ]
+    each = [{"EQTRAIN_CPU_TUNING": s} for s in settings]
+    procs, _ = _start_pair(tmp_path / "run", argv=argv, each=each)
     try:
         outs = [p.communicate(timeout=180) for p in procs]
     finally:
