@@ -6,6 +6,7 @@ one process with two devices bit for bit, a group restarted twice exports what a
 uninterrupted run exports, and a worker that always fails ends the run after
 `max_restarts`."""
 
+import fcntl
 import importlib.util
 import json
 import os
@@ -13,6 +14,7 @@ import re
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -302,6 +304,15 @@ def ray_home(tmp_path_factory):
     Ray writes ~/.ray); always shut down, leaving no Ray process behind."""
     if importlib.util.find_spec("ray") is None:  # a failure in CI (conftest.py)
         pytest.skip("needs the `ray` extra")
+    # One local Ray at a time on this machine: the tuned runs
+    # (test_tuned_settings.py) start this module in a pytest process of their
+    # own, and two Rays starting together timed out waiting for their GCS.
+    with open(Path(tempfile.gettempdir()) / "eqtrain-tests-ray.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        yield from _local_ray(tmp_path_factory)
+
+
+def _local_ray(tmp_path_factory):
     home = tmp_path_factory.mktemp("home")
     saved = {k: os.environ.get(k) for k in ("HOME", "RAY_USAGE_STATS_ENABLED")}
     os.environ["HOME"] = str(home)
