@@ -446,7 +446,6 @@ def uninterrupted(ray_home, text_dir, tmp_path_factory):
     return run_dir, result, lines, listeners
 
 
-@pytest.mark.tuned  # re-run under each CPU setting (test_tuned_settings.py)
 def test_killed_worker_restarts_the_group_and_a_sigterm_reaches_the_workers(
     ray_home, text_dir, tmp_path
 ):
