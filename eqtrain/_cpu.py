@@ -491,7 +491,7 @@ def _measure_and_cache(
         )
         return _default(f"the probe failed: {e}")
     if choice.source == "noisy":  # nothing chosen: tried again later
-        times = choice.describe().partition("a probe step: ")[2].removesuffix(")")
+        times = _cpu_tuning.spreads(choice.measured)
         noisy = {"noisy": times, "measured": choice.measured, "measured_at": today}
         _cpu_tuning.write_cache(path, key, noisy)
         return _failed(noisy, path) or _default(

@@ -358,8 +358,7 @@ class Choice:
             return f"{self.name}, {layers} layers{threads} ({ENV}={spec})"
         if not self.measured:
             return f"{self.name} (not measured: {self.source})"
-        times = ", ".join(f"{n} {_spread(m)}" for n, m in sorted(self.measured.items()))
-        said = f"{self.source}; a probe step: {times}"
+        said = f"{self.source}; a probe step: {spreads(self.measured)}"
         return f"{self.name}, {layers} layers{threads} ({said})"
 
 
@@ -382,6 +381,11 @@ def _spread(m: Mapping[str, Any]) -> str:
     ts = sorted(_rounds_of(m))
     mid = ts[len(ts) // 2]
     return f"{mid:.0f} ms" + (f" ({ts[0]:.0f}-{ts[-1]:.0f})" if ts[-1] > ts[0] else "")
+
+
+def spreads(measured: Mapping[str, Mapping[str, Any]]) -> str:
+    """Each candidate's probe step over the rounds, by name (`_spread`)."""
+    return ", ".join(f"{n} {_spread(m)}" for n, m in sorted(measured.items()))
 
 
 def _faster(a: float, b: float) -> bool:

@@ -26,7 +26,6 @@ def main() -> None:
     import numpy as np
     import optax
 
-    import eqtrain
     from eqtrain import checkpoint, sharding
     from eqtrain.data import Loader
     from eqtrain.losses import causal_lm_loss
