@@ -12,6 +12,7 @@ from . import (
     sharding as sharding,
     step as step,
 )
+from ._copy import copy as copy
 from ._cpu import (
     CPUPerformanceWarning as CPUPerformanceWarning,
     cpu_settings as cpu_settings,

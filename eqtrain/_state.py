@@ -16,7 +16,7 @@ import jax.tree_util as jtu
 import optax
 from jaxtyping import Array, Int, PRNGKeyArray, PyTree
 
-from ._errors import ConfigError
+from ._errors import ConfigError, DonatedStateError
 
 
 def _is_inexact(x: Any) -> bool:
@@ -74,6 +74,25 @@ def _predicate(spec: Any) -> Callable[[Any], Any]:
         f"prefix of the model made of those; found a leaf {spec!r} of type "
         f"{type(spec).__name__}. Example: trainable=eqx.is_inexact_array."
     )
+
+
+def _check_live_model(model: Any) -> None:
+    """Refuse a model whose arrays a donating step deleted, by the first one's path
+    (not with JAX's "Array has been deleted" from deep inside the optimizer)."""
+    for path, leaf in jtu.tree_flatten_with_path(model)[0]:
+        if _is_deleted(leaf):
+            raise DonatedStateError(
+                "the model given to `TrainState.create` has deleted arrays (first: "
+                f"`model{jtu.keystr(path)}`): it belongs to a state that a step "
+                "compiled with donate=True consumed. Use the model of the state that "
+                "step returned (`new_state.model`), or keep this one alive with "
+                "`eqtrain.copy(state.model)` before the step."
+            )
+
+
+def _is_deleted(x: Any) -> bool:
+    concrete = isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer)
+    return concrete and x.is_deleted()
 
 
 def _as_key(key: PRNGKeyArray | int) -> PRNGKeyArray:
@@ -139,6 +158,9 @@ class TrainState(eqx.Module):
             ema: keep an exponential moving average of the trainable weights
                 (needed by `train_step(..., ema=decay)`).
 
+        Raises:
+            DonatedStateError: `model` holds arrays a donating step consumed.
+
         Example:
             >>> import equinox as eqx, jax.random as jr, optax
             >>> model = eqx.nn.MLP(2, 1, 8, 1, key=jr.key(0))
@@ -146,6 +168,7 @@ class TrainState(eqx.Module):
             >>> int(state.step)
             0
         """
+        _check_live_model(model)
         mask = trainable_mask(model, trainable)
         params = eqx.filter(model, mask)
         return cls(

@@ -162,23 +162,36 @@ def batch_sharding(mesh: Mesh, *, sequence: bool = False) -> NamedSharding:
     `expert`.
 
     Args:
-        mesh: from `make_mesh`.
+        mesh: any `jax.sharding.Mesh` (from `make_mesh`, or `jax.make_mesh`);
+            the batch axes it lacks count as size 1.
         sequence: also split dimension 1 (`[batch, seq, ...]`) over the `sequence`
             axis. Every batch entry then needs at least two dimensions; give
             the loader a dict of shardings if some entries are `[batch]`.
 
     Returns:
-        `NamedSharding(mesh, P(("data", "fsdp", "expert")))`, or
-        `P(("data", "fsdp", "expert"), "sequence")` with `sequence=True`.
+        `NamedSharding(mesh, P(("data", "fsdp", "expert")))` (the axes the mesh
+        has), or `P(("data", "fsdp", "expert"), "sequence")` with `sequence=True`.
+
+    Raises:
+        ConfigError: `sequence=True` on a mesh without a `sequence` axis.
     """
     if sequence:
         if "sequence" not in mesh.shape:
-            raise ConfigError(
-                "sequence=True needs a mesh with a `sequence` axis; build it with "
-                "`eqtrain.sharding.make_mesh`."
-            )
+            raise ConfigError(_no_sequence_axis(mesh))
         return NamedSharding(mesh, PartitionSpec(_batch_axes(mesh), "sequence"))
     return NamedSharding(mesh, PartitionSpec(_batch_axes(mesh)))
+
+
+def _no_sequence_axis(mesh: Mesh) -> str:
+    names = (*map(str, mesh.axis_names), "sequence")
+    return (
+        "batch_sharding(mesh, sequence=True): the mesh has no axis 'sequence' "
+        f"(its axes: {list(mesh.shape)}) to split dimension 1 over. Build it with "
+        "one of n devices: `eqtrain.sharding.make_mesh({'data': -1, 'sequence': "
+        f"n}})`, or `jax.make_mesh((..., n), axis_names={names}, "
+        f"axis_types=(jax.sharding.AxisType.Auto,) * {len(names)})`; or leave "
+        "out sequence=True."
+    )
 
 
 def batch_divisor(mesh: Mesh) -> int:

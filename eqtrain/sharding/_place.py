@@ -15,6 +15,7 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, Sharding
 
+from .._copy import check_not_donated
 from .._errors import StructureError
 from .._state import TrainState
 from ._rules import Rule, Rules, as_rules
@@ -253,7 +254,11 @@ def shard(tree: Any, shardings: Any) -> Any:
 
     Returns:
         `tree` with every array on its sharding.
+
+    Raises:
+        DonatedStateError: `tree` holds arrays a donating step consumed.
     """
+    check_not_donated(tree, "`eqtrain.sharding.shard`")
     leaves, treedef = jtu.tree_flatten(tree)
     targets = _flat_shardings(tree, shardings)
     index = [i for i, s in enumerate(targets) if s is not None]

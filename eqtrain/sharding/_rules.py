@@ -37,7 +37,9 @@ class Rules:
     A leaf's spec is that of the first rule whose regex matches its dotted path
     (`model.layers.self_attn.q_proj.weight`), padded with `None`; no match means
     replicated. The mesh axes `data`, `sequence` and `tensor` in a rule are
-    binding: if their sizes do not divide the dimension, it is an error.
+    binding: if their sizes do not divide the dimension, it is an error. An axis
+    the mesh lacks (one built with `jax.make_mesh`) counts as size 1: it splits
+    nothing, as on a `make_mesh` mesh where that axis has size 1.
 
     `fsdp` is a memory optimisation and never an error. When the pass is on
     (`fsdp_min_size` is not None) and the mesh's `fsdp` axis is > 1, a leaf with
@@ -96,7 +98,7 @@ class Rules:
                 twice, or an axis size does not divide the dimension it splits.
         """
         spec = self.match(path)
-        entries = _padded(spec, shape, path)
+        entries = [_on_mesh(e, mesh) for e in _padded(spec, shape, path)]
         if fsdp and self.fsdp_min_size is not None:
             entries = _with_fsdp(entries, shape, axis_sizes(mesh), self.fsdp_min_size)
         _check_fits(entries, shape, mesh, path, spec)
@@ -214,7 +216,6 @@ def _check_fits(
 ) -> None:
     sizes = axis_sizes(mesh)
     resolved = PartitionSpec(*entries)
-    _check_axes(resolved, mesh, path)
     for dim, (entry, n) in enumerate(zip(entries, shape, strict=True)):
         ways = _ways(entry, sizes)
         if n % ways:
@@ -240,15 +241,14 @@ def _origin(spec: PartitionSpec | None, resolved: PartitionSpec) -> str:
     return f" (the rule's {spec} plus FSDP)" if added else ""
 
 
-def _check_axes(resolved: PartitionSpec, mesh: Mesh, path: str) -> None:
-    """Every axis a leaf's spec names is the mesh's."""
-    for name in (n for entry in resolved for n in _names(entry)):
-        if name != LAYERS and name not in mesh.shape:
-            raise ConfigError(
-                f"`{path}` gets {resolved}, but the mesh has no axis {name!r} (it "
-                f"has {list(mesh.shape)}). Build the mesh with "
-                "`eqtrain.sharding.make_mesh`, which always has all five axes."
-            )
+def _on_mesh(entry: Any, mesh: Mesh) -> Any:
+    """A spec entry without the axes `mesh` lacks (size 1: they split nothing)."""
+    if entry == LAYERS:
+        return entry
+    for name in _names(entry):
+        if name not in mesh.shape:
+            entry = _without(entry, name)
+    return entry
 
 
 def _names_in(spec: PartitionSpec) -> set[str]:
