@@ -6,7 +6,7 @@ JSON line `{"machine": {...}}`: the CPU's model name, family and model, its
 cores, the instruction-set extensions that change XLA's and torch's kernels,
 the library versions, and the CPU settings in force (`XLA_FLAGS`, glibc's
 allocator thresholds, oneDNN's ISA cap, XLA's thread count, `EQTRAIN_CPU_TUNING`, what
-`eqtrain.tune_cpu` chose) and the load when it started.
+`eqtrain.cpu.tune_cpu` chose) and the load when it started.
 
     from _machine import print_machine
     print_machine()  # first thing in main(), after the CPU settings are chosen
@@ -17,8 +17,8 @@ import json
 import os
 from typing import Any
 
-from eqtrain._cpu import cpu_settings
-from eqtrain._cpu_tuning import processor
+from eqtrain.cpu._tune import cpu_settings
+from eqtrain.cpu._tuning import processor
 
 
 LIBRARIES = ("jax", "jaxlib", "equinox", "torch", "transformers")
@@ -26,7 +26,7 @@ LIBRARIES = ("jax", "jaxlib", "equinox", "torch", "transformers")
 
 def cpuinfo(text: str | None = None) -> dict[str, Any]:
     """Model name, family, model and ISA flags from `/proc/cpuinfo` (or `text`),
-    as `eqtrain.tune_cpu` keys its choices."""
+    as `eqtrain.cpu.tune_cpu` keys its choices."""
     return processor(text)
 
 

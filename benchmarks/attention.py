@@ -59,7 +59,10 @@ def _kernel(impl: str | None) -> Callable[..., Any]:
         return jnp.sum(jax.vmap(one)(q, k, v) ** 2)
 
     grad = jax.grad(loss, (0, 1, 2))
-    compiled = eqtrain.jit(lambda state, qkv: grad(*qkv), donate=False)
+    compiled = eqtrain.jit(
+        lambda state, qkv: grad(*qkv), donate=False,
+        compiler_options=eqtrain.cpu.step_options(),
+    )  # fmt: skip
     none = jnp.zeros(())
 
     def call(q: Any, k: Any, v: Any) -> Any:
@@ -129,7 +132,7 @@ def measure(seq: int, args: argparse.Namespace) -> dict[str, Any]:
     if "torch" in ms:
         record["blocks_vs_torch"] = round(ms["torch"] / ms["blocks"], 3)
     record["cpu_products"] = {
-        name: fn.compiled.cpu_products for name, fn in fns.items() if name != "torch"
+        name: fn.compiled.compile_note for name, fn in fns.items() if name != "torch"
     }
     return {**record, "rounds": args.rounds}
 
@@ -154,7 +157,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    eqtrain.tune_cpu()
+    eqtrain.cpu.tune_cpu()
     print_machine()
     for seq in args.seqs:
         print(json.dumps(measure(seq, args)), flush=True)

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from _machine import print_machine
 
-from eqtrain._cpu_tuning import CANDIDATES, PROBE_ALLOCATOR
+from eqtrain.cpu._tuning import CANDIDATES, PROBE_ALLOCATOR
 
 
 def make_cgroup(cpus: int, name: str = "eqtrain_cpu_quota") -> Path:
@@ -49,7 +49,7 @@ def probe_in(group: Path, threads: int | None) -> float:
         env["PJRT_NPROC"] = str(threads)
     procs = "cgroup.procs" if (group / "cgroup.procs").exists() else "tasks"
     enter = f'echo $$ > {group / procs} && exec "$@"'
-    argv = ["sh", "-c", enter, "sh", sys.executable, "-P", "-m", "eqtrain._cpu_probe"]
+    argv = ["sh", "-c", enter, "sh", sys.executable, "-P", "-m", "eqtrain.cpu._probe"]
     done = subprocess.run(argv, env=env, capture_output=True, text=True, check=True)
     return json.loads(done.stdout.strip().splitlines()[-1])["unrolled_ms"]
 

@@ -1,4 +1,4 @@
-"""What `eqtrain.tune_cpu()` (the CLI's CPU settings) is worth: the training step of
+"""What `eqtrain.cpu.tune_cpu()` (the CLI's CPU settings) is worth: the training step of
 `benchmarks/models.py`'s Llama, and of `benchmarks/overhead.py`'s many-small-leaves
 model, in fresh processes with and without each setting.
 
@@ -13,7 +13,7 @@ Variants (each a new Python process, since both settings act at start-up):
 - `allocator_env`: the same as environment variables set before start-up (the
   two thresholds and `MALLOC_ARENA_MAX=1`);
 - `xla_flag`: `--xla_cpu_experimental_ynn_fusion_type=` only (Eigen dots);
-- `tune_cpu`: both, as `eqtrain.tune_cpu()` applies them (what the CLI runs).
+- `tune_cpu`: both, as `eqtrain.cpu.tune_cpu()` applies them (what the CLI runs).
 
 Every process compiles and warms up, then times `--steps` steps `--repeats` times
 and reports its best-of-median rate; the variants' processes alternate over
@@ -53,7 +53,7 @@ def worker(args: argparse.Namespace) -> None:
 
     if args.variant in ("allocator", "tune_cpu"):
         flags = os.environ.get("XLA_FLAGS")
-        applied = eqtrain.tune_cpu()
+        applied = eqtrain.cpu.tune_cpu()
         if args.variant == "allocator":  # keep only the allocator part
             if flags is None:
                 os.environ.pop("XLA_FLAGS", None)

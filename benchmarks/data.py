@@ -246,7 +246,7 @@ def sized(args: argparse.Namespace, size: str) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    eqtrain.tune_cpu()  # as the CLI does: both sides alike
+    eqtrain.cpu.tune_cpu()  # as the CLI does: both sides alike
     print_machine()  # the processor and settings: figures are per machine
     for size in args.sizes:
         print(json.dumps(benchmark(sized(args, size))), flush=True)

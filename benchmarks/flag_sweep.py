@@ -1,7 +1,7 @@
-"""XLA:CPU's flags on `eqtrain.tune_cpu`'s probe step, one fresh process per
+"""XLA:CPU's flags on `eqtrain.cpu.tune_cpu`'s probe step, one fresh process per
 flag set (XLA reads its flags once, when its CPU backend starts).
 
-The step is `eqtrain._cpu_probe`'s: eqtrain's Llama (4 layers of 256 wide, an
+The step is `eqtrain.cpu._probe`'s: eqtrain's Llama (4 layers of 256 wide, an
 MLP of 704, vocabulary 2048) trained by `eqtrain.train_step` + `eqtrain.jit`
 with AdamW on 16 rows of 256 tokens, layers unrolled, under `tune_cpu`'s
 allocator settings (`MALLOC_ARENA_MAX=1` and the two thresholds), with
@@ -21,7 +21,7 @@ The flag sets (all but `xla_default` on top of Eigen's products,
 - `onednn_custom_call`: oneDNN's custom calls for products;
 - `onednn_fusion`: oneDNN's fusions of products (what `tune_cpu`'s
   `onednn_dots` candidate measures, process-wide: safe for this step only,
-  see `eqtrain._onednn`);
+  see `eqtrain.cpu._onednn`);
 - `fast_math`: XLA's fast math;
 - `xnn_dot`: XNNPACK's dot fusions.
 
@@ -64,7 +64,7 @@ ALLOCATOR = {
     "MALLOC_TRIM_THRESHOLD_": "2147483647",
 }
 WORKER = (
-    "import json; from eqtrain._cpu_probe import time_step; "
+    "import json; from eqtrain.cpu._probe import time_step; "
     "print(json.dumps({'ms': time_step(False, 6)}))"
 )
 ROOT = Path(__file__).resolve().parent.parent

@@ -228,7 +228,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--tune-cpu",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help="eqtrain.tune_cpu() first, as the eqtrain command does",
+        help="eqtrain.cpu.tune_cpu() first, as the eqtrain command does",
     )
     parser.add_argument("--quick", action="store_true", help="tiny smoke test")
     args = parser.parse_args(argv)
@@ -248,7 +248,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    args.cpu_settings = eqtrain.tune_cpu() if args.tune_cpu else []
+    args.cpu_settings = eqtrain.cpu.tune_cpu() if args.tune_cpu else []
     print_machine()  # the processor and settings: figures are per machine
     print(json.dumps(benchmark(args)), flush=True)
 

@@ -68,7 +68,7 @@ import optax
 from _machine import print_machine
 
 import eqtrain
-from eqtrain._cpu_probe import CONFIG  # the step tune_cpu's probe times
+from eqtrain.cpu._probe import CONFIG  # the step tune_cpu's probe times
 from eqtrain.losses import causal_lm_loss
 from eqtrain.models import Llama, LlamaConfig, num_params
 
@@ -106,7 +106,8 @@ class JaxRunner:
         self.model = model
         self.optimizer = optax.adamw(LR, weight_decay=WEIGHT_DECAY)
         step = eqtrain.train_step(causal_lm_loss, self.optimizer)
-        self.step = eqtrain.jit(step, donate=True)
+        options = eqtrain.cpu.step_options()  # as `eqtrain fit` compiles
+        self.step = eqtrain.jit(step, donate=True, compiler_options=options)
         self.batches = [jax.device_put(b) for b in batches]
 
     def fresh(self) -> eqtrain.TrainState:
@@ -243,7 +244,7 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any]:
     paired = [e / t for e, t in zip(rates["eqtrain"], rates["torch"], strict=True)]
     return {
         **_settings(args, model),
-        "cpu_products": jax_runner.step.cpu_products,
+        "cpu_products": jax_runner.step.compile_note,
         "eqtrain_tokens_per_s": round(statistics.median(rates["eqtrain"]), 1),
         "torch_tokens_per_s": round(statistics.median(rates["torch"]), 1),
         "ratio": round(statistics.median(paired), 4),
@@ -339,7 +340,7 @@ def family_benchmark(model_type: str, args: argparse.Namespace) -> dict[str, Any
         "family": model_type,
         "architecture": type(torch_model).__name__,
         **_settings(args, model),
-        "cpu_products": jax_runner.step.cpu_products,
+        "cpu_products": jax_runner.step.compile_note,
         "eqtrain_step_ms": round(step_ms(statistics.median(rates["eqtrain"])), 1),
         "torch_step_ms": round(step_ms(statistics.median(rates["torch"])), 1),
         "eqtrain_tokens_per_s": round(statistics.median(rates["eqtrain"]), 1),
@@ -406,8 +407,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--tune-cpu",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help="eqtrain.tune_cpu() first, as the eqtrain command does (--no-tune-cpu: "
-        "XLA's and glibc's defaults)",
+        help="eqtrain.cpu.tune_cpu() first, as the eqtrain command does "
+        "(--no-tune-cpu: XLA's and glibc's defaults)",
     )
     parser.add_argument(
         "--attention",
@@ -438,7 +439,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    args.cpu_settings = eqtrain.tune_cpu() if args.tune_cpu else []
+    args.cpu_settings = eqtrain.cpu.tune_cpu() if args.tune_cpu else []
     print_machine()  # the processor and settings: figures are per machine
     if args.family is None:
         print(json.dumps(benchmark(args)), flush=True)

@@ -181,7 +181,7 @@ def main() -> None:
     if args.quick:
         args.rounds, args.steps, args.balance_steps = 1, 1, 3
         args.seq, args.hidden, args.expert_size = 32, 32, 32
-    settings = eqtrain.tune_cpu()  # as the eqtrain command does, before JAX starts
+    settings = eqtrain.cpu.tune_cpu()  # as the eqtrain command does, before JAX starts
     result = {"machine": machine(), "cpu_settings": settings, **vars(args)}
     result.update(time_steps(args))
     result["balance"] = balance(args)

@@ -68,8 +68,8 @@ from _machine import print_machine
 
 import eqtrain
 import eqtrain.hooks
-from eqtrain import _onednn
 from eqtrain._jit import _compiler_options
+from eqtrain.cpu import _onednn
 
 
 @dataclasses.dataclass(frozen=True)
@@ -219,7 +219,7 @@ def raw_jit(step: Callable, state: eqtrain.TrainState, batch: Any) -> Callable:
     """`jax.jit(step)` over the flat array leaves of `state`, donated; the static
     part of the state (its structure and non-array leaves) is closed over. It
     compiles with the products `eqtrain.jit` would use (oneDNN's, where
-    `tune_cpu` chose them and the step's fusions pass `eqtrain._onednn`'s
+    `tune_cpu` chose them and the step's fusions pass `eqtrain.cpu._onednn`'s
     check for `batch`), so that both loops run the same kernels."""
     leaves, treedef = jtu.tree_flatten(state)
     is_array = [eqx.is_array(x) for x in leaves]
@@ -425,7 +425,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    eqtrain.tune_cpu()  # as the CLI does: every loop alike
+    eqtrain.cpu.tune_cpu()  # as the CLI does: every loop alike
     print_machine()  # the processor and settings: figures are per machine
     configs = QUICK_CONFIGS if args.quick else CONFIGS
     names = list(configs) if args.config == "all" else [args.config]

@@ -1,5 +1,5 @@
 """Where a CPU step's system time goes: page faults on the step's temporary
-buffer, with and without each of `eqtrain.tune_cpu()`'s allocator settings.
+buffer, with and without each of `eqtrain.cpu.tune_cpu()`'s allocator settings.
 
 XLA:CPU allocates one temporary buffer per step (`temp_size_in_bytes` of the
 compiled step: 600 MB for `benchmarks/models.py`'s Llama at 16 x 256) and
@@ -17,7 +17,7 @@ Variants, each in a fresh process (glibc reads its settings at start-up; the
   `tune_cpu` set before it also kept one arena);
 - `arena`: `MALLOC_ARENA_MAX=1` only;
 - `both`: the thresholds and `MALLOC_ARENA_MAX=1` (XLA's own products);
-- `tune_cpu`: `eqtrain.tune_cpu()`'s settings (the thresholds and one arena, by
+- `tune_cpu`: `eqtrain.cpu.tune_cpu()`'s settings (the thresholds and one arena, by
   `mallopt`) with its cached choice of XLA flags, as the `eqtrain` command runs.
 
 Each process compiles `models.py`'s Llama step (`eqtrain.train_step`, AdamW,
@@ -63,7 +63,7 @@ def worker(args: argparse.Namespace) -> None:
     """One process: the step, timed with its page faults and CPU times."""
     import eqtrain
 
-    eqtrain.tune_cpu(measure=False)
+    eqtrain.cpu.tune_cpu(measure=False)
     import dataclasses
 
     import jax

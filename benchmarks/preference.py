@@ -53,9 +53,10 @@ import optax
 from _machine import print_machine
 
 import eqtrain
-from eqtrain import lora, preference
+from eqtrain import lora
 from eqtrain.losses import causal_lm_loss
 from eqtrain.models import Llama, LlamaConfig
+from eqtrain.post_training import preference
 
 
 VARIANTS = ("sft", "copy", "precomputed", "lora_sft", "adapters_off")

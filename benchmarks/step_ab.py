@@ -157,7 +157,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--scan-layers", action="store_true")
     parser.add_argument("--quick", action="store_true", help="tiny smoke test")
     args = parser.parse_args(argv)
-    eqtrain.tune_cpu()  # as the CLI does, for every variant alike
+    eqtrain.cpu.tune_cpu()  # as the CLI does, for every variant alike
     print_machine()
     batch = args.batch or (2 if args.quick else 16)
     seq = args.seq or (16 if args.quick else 256)
@@ -203,7 +203,7 @@ def main(argv: list[str] | None = None) -> None:
             "ratio": round(statistics.median(ratios), 4),
             "quartiles": [round(quartiles[0], 4), round(quartiles[-1], 4)],
             "pairs": pairs,
-            "cpu_products": runs[name][0].step.cpu_products,
+            "cpu_products": runs[name][0].step.compile_note,
             "first_loss": runs[name][2],
             "temp_mib": round(runs[name][3] / 2**20, 3),
         }

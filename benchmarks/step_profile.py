@@ -30,7 +30,7 @@ Usage (CPU; torch needs `pip install torch==2.13.0 transformers`):
         [--batch 16] [--seq 256] [--steps 4] [--no-scan-layers] [--top 15]
         [--tune-cpu] [--quick]
 
-`--tune-cpu` profiles under the CLI's CPU settings (`eqtrain.tune_cpu()`):
+`--tune-cpu` profiles under the CLI's CPU settings (`eqtrain.cpu.tune_cpu()`):
 where it chose oneDNN's products each of them is one traced op (its fusion,
 `onednn_fusion.N`), so the products show; under Eigen's they are untraced.
 """
@@ -232,7 +232,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--tune-cpu",
         action="store_true",
-        help="profile under eqtrain.tune_cpu()'s settings (the CLI's: its "
+        help="profile under eqtrain.cpu.tune_cpu()'s settings (the CLI's: its "
         "products, oneDNN's where it chose them, traced as one op each)",
     )
     parser.add_argument("--quick", action="store_true", help="tiny smoke test")
@@ -240,7 +240,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.tune_cpu:
         import eqtrain
 
-        eqtrain.tune_cpu()
+        eqtrain.cpu.tune_cpu()
     print_machine()  # the processor and settings: figures are per machine
     args.batch = args.batch or (2 if args.quick else 16)
     args.seq = args.seq or (16 if args.quick else 256)

@@ -13,11 +13,6 @@ from . import (
     step as step,
 )
 from ._copy import copy as copy
-from ._cpu import (
-    CPUPerformanceWarning as CPUPerformanceWarning,
-    cpu_settings as cpu_settings,
-    tune_cpu as tune_cpu,
-)
 from ._errors import (
     ConfigError as ConfigError,
     DonatedStateError as DonatedStateError,
@@ -25,6 +20,15 @@ from ._errors import (
     EqtrainWarning as EqtrainWarning,
     StopTraining as StopTraining,
     StructureError as StructureError,
+)
+from ._fit import (
+    CheckpointerProtocol as CheckpointerProtocol,
+    Evaluation as Evaluation,
+    FitResult as FitResult,
+    Reading as Reading,
+    StopConditions as StopConditions,
+    evaluate as evaluate,
+    fit as fit,
 )
 from ._hooks import (
     Scheduled as Scheduled,
@@ -39,18 +43,9 @@ from ._hooks import (
     metrics_only as metrics_only,
     uses_state as uses_state,
 )
-from ._jit import Jitted as Jitted, jit as jit
-from ._loop import (
-    Checkpointer as Checkpointer,
-    Evaluation as Evaluation,
-    FitResult as FitResult,
-    evaluate as evaluate,
-    fit as fit,
-)
+from ._jit import CheckedOptions as CheckedOptions, Jitted as Jitted, jit as jit
 from ._precision import Precision as Precision
-from ._reading import Reading as Reading
 from ._state import TrainState as TrainState, trainable_mask as trainable_mask
-from ._stops import StopConditions as StopConditions
 from .step import (
     TrainStep as TrainStep,
     batch_weight as batch_weight,
@@ -60,3 +55,50 @@ from .step import (
 
 
 __version__ = "0.1.0"
+
+# The sub-packages a user reaches for, imported on first use (`eqtrain.data`
+# works after `import eqtrain` alone) and not before: `import eqtrain` stays
+# the core's import.
+_SUBPACKAGES = frozenset(
+    {
+        "checkpoint", "config", "cpu", "data", "distributed", "generate", "hf",
+        "losses", "models", "plot", "post_training",
+    }
+)  # fmt: skip
+
+# Names that moved, kept for one release: `name -> (new module, new name)`.
+_MOVED = {
+    "tune_cpu": ("eqtrain.cpu", "tune_cpu"),
+    "cpu_settings": ("eqtrain.cpu", "cpu_settings"),
+    "CPUPerformanceWarning": ("eqtrain.cpu", "CPUPerformanceWarning"),
+    "Checkpointer": ("eqtrain._fit", "CheckpointerProtocol"),
+}
+
+
+def __getattr__(name: str) -> object:
+    import importlib
+
+    if name in _SUBPACKAGES:
+        return importlib.import_module(f"eqtrain.{name}")
+    if name in _MOVED:
+        import warnings
+
+        module, new = _MOVED[name]
+        public = "eqtrain" if module == "eqtrain._fit" else module
+        hint = (
+            " (the class that saves checkpoints is `eqtrain.checkpoint.Checkpointer`)"
+            if name == "Checkpointer"
+            else ""
+        )
+        warnings.warn(
+            f"`eqtrain.{name}` is now `{public}.{new}`{hint}; the old name goes "
+            "in the next release.",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return getattr(importlib.import_module(module), new)
+    raise AttributeError(f"module 'eqtrain' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | _SUBPACKAGES)

@@ -6,15 +6,14 @@ and, when given, shardings). This keeps JAX's asynchronous dispatch: unlike
 `eqx.filter_jit`, nothing here waits for the result or re-walks the module tree.
 """
 
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Protocol, runtime_checkable
 
 import equinox as eqx
 import jax
 import jax.tree_util as jtu
 from jax.sharding import Sharding
 
-from . import _onednn
 from ._errors import DonatedStateError, StructureError
 from ._types import Batch
 
@@ -99,6 +98,27 @@ class _Layout:
         )
 
 
+@runtime_checkable
+class CheckedOptions(Protocol):
+    """XLA options for `eqtrain.jit`'s compilations that a compiled step must
+    pass a check with before it first runs, else it is compiled again without
+    them (`eqtrain.cpu.step_options()`: oneDNN's products on the CPU, whose
+    fusions some jaxlibs abort or miscompute on). One object per `Jitted`:
+    `note` says what the checks found."""
+
+    note: str | None
+
+    def options(self, dump: bool) -> dict[str, Any]:
+        """The options for one compilation; `dump`: with what `check` reads
+        (XLA's dump of the compilation), for a step that will run."""
+        ...
+
+    def check(self, jitted: Any, options: Mapping[str, Any], *args: Any) -> bool:
+        """Compile `jitted` (a `jax.jit` built with `options`) for `args`, as
+        a call with the same arguments then reuses; whether it may run."""
+        ...
+
+
 class Jitted:
     """A step compiled by `eqtrain.jit`. Call it like the step it wraps.
 
@@ -109,9 +129,8 @@ class Jitted:
     Attributes:
         num_traces: how many times the step has been traced (1 in a healthy loop;
             tests use it to prove there is no retrace).
-        cpu_products: on the CPU where `tune_cpu` chose oneDNN's products:
-            `"onednn"` once a compiled step runs them, or why it does not
-            (`"eigen: ..."`, the step compiled again without them); else None.
+        compile_note: what the check of `compiler_options` said (a
+            `CheckedOptions`' `note`), else None.
     """
 
     def __init__(
@@ -120,6 +139,7 @@ class Jitted:
         *,
         donate: bool = True,
         shardings: tuple[Any, Any] | None = None,
+        compiler_options: Mapping[str, Any] | CheckedOptions | None = None,
     ):
         self.fn = fn
         self.donate = donate
@@ -129,11 +149,19 @@ class Jitted:
         self._jitted: Any = None
         self._mode: str | None = None  # "step": returns (state, aux); "fn": anything
         self._out_static: Any = None
+        self._checker: CheckedOptions | None = None
+        self._given: dict[str, Any] = {}  # plain XLA options, used as they are
+        if isinstance(compiler_options, Mapping):
+            self._given = dict(compiler_options)
+        else:
+            self._checker = compiler_options
         self._options: dict[str, Any] = {}  # XLA options of each compilation
-        self._dump = ""  # where XLA dumps each compilation with them (`_onednn`)
         self._checked: set[Any] = set()  # (state, batch) signatures checked
         self._state_sig: Any = None
-        self.cpu_products: str | None = None
+
+    @property
+    def compile_note(self) -> str | None:
+        return None if self._checker is None else self._checker.note
 
     def __repr__(self) -> str:
         name = getattr(self.fn, "__name__", self.fn)
@@ -145,12 +173,12 @@ class Jitted:
         leaves, treedef = jtu.tree_flatten(state)
         if self._layout is None or not self._layout.matches(treedef, leaves):
             self._layout = _Layout(treedef, leaves)
-            self._options = _compiler_options()
+            self._options = self._compiler_options(dump=True)
             self._jitted = self._build(self._layout)
             self._mode = None
             self._checked.clear()
         arrays = self._layout.arrays(leaves)
-        if self._options:  # a state of other shapes compiles anew: check it too
+        if self._checking:  # a state of other shapes compiles anew: check it too
             self._state_sig = _signature(arrays)
         return arrays, self._layout
 
@@ -160,7 +188,7 @@ class Jitted:
         Returns `(new_arrays, aux)` for a step (a function returning a state of the
         same structure and something else), or the function's output otherwise.
         """
-        if self._options:
+        if self._checking:
             self._check_compiled(arrays, batch)
         try:
             out = self._jitted(arrays, batch)
@@ -189,34 +217,35 @@ class Jitted:
         leaves, treedef = jtu.tree_flatten(state)
         layout = _Layout(treedef, leaves, abstract=True)
         traces, mode, options = self.num_traces, self._mode, self._options
-        self._options = _compiler_options()
+        self._options = self._compiler_options(dump=False)
         try:
-            return self._build(layout, dump=False).lower(layout.arrays(leaves), batch)
+            return self._build(layout).lower(layout.arrays(leaves), batch)
         finally:
             self.num_traces, self._mode = traces, mode
             self._options = options
 
+    @property
+    def _checking(self) -> bool:
+        return self._checker is not None and self._options != self._given
+
+    def _compiler_options(self, dump: bool) -> dict[str, Any]:
+        if self._checker is None:
+            return dict(self._given)
+        return {**self._given, **self._checker.options(dump)}
+
     def _check_compiled(self, arrays: list[Any], batch: Batch) -> None:
-        """Before a new input signature first runs with oneDNN's products,
-        compile it and read its oneDNN fusions and their buffers
-        (`eqtrain._onednn`): one this jaxlib would abort the process on, or
-        compute wrongly, sends the step back to Eigen's products, compiled
-        again without the options."""
+        """Before a new input signature first runs with checked options,
+        compile it and ask the check (`CheckedOptions.check`); a step it
+        refuses is compiled again without them."""
         sig = (self._state_sig, _signature(batch))
         if sig in self._checked:
             return
-        assert self._layout is not None
-        hlo, bad = _onednn.compile_checked(self._jitted, self._dump, arrays, batch)
-        if bad is not None:
-            self._options = {}
+        assert self._layout is not None and self._checker is not None
+        if not self._checker.check(self._jitted, self._options, arrays, batch):
+            self._options = dict(self._given)
             self._jitted = self._build(self._layout)
-            self.cpu_products = f"eigen: a oneDNN fusion this jaxlib cannot run ({bad})"
             return
         self._checked.add(sig)
-        if _onednn.uses_onednn(hlo):
-            self.cpu_products = "onednn"
-        elif self.cpu_products is None:
-            self.cpu_products = "eigen"
 
     def _explain_deleted(self, arrays: list[Any], error: Exception) -> None:
         assert self._layout is not None
@@ -228,7 +257,7 @@ class Jitted:
         return self._mode
 
     # -- building -----------------------------------------------------------------
-    def _build(self, layout: _Layout, *, dump: bool = True) -> Any:
+    def _build(self, layout: _Layout) -> Any:
         def flat_fn(arrays: list[Any], batch: Batch) -> Any:
             self.num_traces += 1
             out = self.fn(layout.rebuild(arrays), batch)
@@ -246,7 +275,7 @@ class Jitted:
             dynamic, self._out_static = eqx.partition(out, eqx.is_array)
             return dynamic
 
-        return jax.jit(flat_fn, **self._jit_options(layout, dump))
+        return jax.jit(flat_fn, **self._jit_options(layout))
 
     def _as_step(self, layout: _Layout, out: Any) -> tuple[list[Any], Any] | None:
         """`(new arrays, metrics)` when `out` is `(state, metrics)` with the state
@@ -260,15 +289,11 @@ class Jitted:
         self._mode = "step"
         return layout.arrays(new_leaves), out[1]
 
-    def _jit_options(self, layout: _Layout, dump: bool) -> dict[str, Any]:
-        """`jax.jit`'s donation, shardings and XLA options for this function
-        (`dump`: XLA dumps each compilation for `_check_compiled`)."""
+    def _jit_options(self, layout: _Layout) -> dict[str, Any]:
+        """`jax.jit`'s donation, shardings and XLA options for this function."""
         kwargs: dict[str, Any] = {}
         if self._options:
-            options = dict(self._options)
-            if dump:
-                options, self._dump = _onednn.dump_options(options)
-            kwargs["compiler_options"] = options
+            kwargs["compiler_options"] = dict(self._options)
         if self.donate:
             kwargs["donate_argnums"] = (0,)
         if self.shardings is not None:
@@ -301,12 +326,6 @@ class Jitted:
                 "eqx.is_array))`."
             )
         return flat
-
-
-def _compiler_options() -> dict[str, Any]:
-    """`tune_cpu`'s per-compilation XLA options (oneDNN's products), on the CPU."""
-    options = _onednn.compiler_options()
-    return options if options and jax.default_backend() == "cpu" else {}
 
 
 def _signature(tree: Any) -> Any:
@@ -342,6 +361,7 @@ def jit(
     *,
     donate: bool = True,
     shardings: tuple[Any, Any] | None = None,
+    compiler_options: Mapping[str, Any] | CheckedOptions | None = None,
 ) -> Jitted:
     """Compile a step for the training loop.
 
@@ -361,6 +381,11 @@ def jit(
             `Sharding` for every array or a pytree of them shaped like
             `eqx.filter(state, eqx.is_array)`; `batch_shardings` is a `Sharding`
             or a pytree prefix of the batch. `None` lets JAX follow the inputs.
+        compiler_options: XLA options for each compilation of the step
+            (`jax.jit(compiler_options=)`), or a `CheckedOptions` whose check a
+            compiled step must pass before it first runs (e.g.
+            `eqtrain.cpu.step_options()`, what `eqtrain fit` passes). `None`:
+            XLA's defaults.
 
     Returns:
         A `Jitted` callable with the same call signature as `fn`.
@@ -369,4 +394,6 @@ def jit(
         >>> step = eqtrain.jit(eqtrain.train_step(loss_fn, optimizer))  # doctest: +SKIP
         >>> state, metrics = step(state, batch)  # doctest: +SKIP
     """
-    return Jitted(fn, donate=donate, shardings=shardings)
+    return Jitted(
+        fn, donate=donate, shardings=shardings, compiler_options=compiler_options
+    )

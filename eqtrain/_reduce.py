@@ -21,7 +21,7 @@ The start values are arrays: `lax.reduce` would turn a Python `-0.0` into a
 plain sum that starts from 0. A factor past 32 with no divisor up to 32 (a
 prime) is reduced as it is, and XLA rewrites that one.
 
-This holds where XLA:CPU runs reductions itself: under `eqtrain.tune_cpu`'s
+This holds where XLA:CPU runs reductions itself: under `eqtrain.cpu.tune_cpu`'s
 settings on processor B (`--xla_cpu_experimental_ynn_fusion_type=`, empty).
 With XLA's default settings YNNPACK takes a long reduction whole, faster than
 the pieces (a `[4, 4, 256, 1024]` row max: 1.2 ms whole, 1.8 ms in pieces).

@@ -25,7 +25,8 @@ greedy decoding. The log-probabilities are of the sampled token under
 """
 
 import dataclasses
-from collections.abc import Callable, Iterator, Sequence
+import functools
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import equinox as eqx
@@ -36,7 +37,6 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
-from ._cpu import generation_jit
 from ._errors import ConfigError
 from .losses import vocab_mask
 
@@ -187,6 +187,34 @@ class _Loop(NamedTuple):
     lengths: Int[Array, " rows"]
 
 
+def _traced(args: Any) -> bool:
+    """Whether any array among `args` is a tracer: the call is being traced
+    into another compiled function."""
+    return any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(args))
+
+
+def _compiled(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """`eqx.filter_jit(fn)`, compiled with the XLA options its caller passes
+    as `options=` (`generate`'s `compiler_options`), one compilation per set
+    of options. Traced inside another compiled function (generation inside a
+    GRPO step) it becomes part of that one, without options: JAX accepts them
+    only at the top level (`jax.jit(compiler_options=)`)."""
+    versions: dict[tuple[tuple[str, Any], ...], Any] = {}
+
+    def jitted(options: Mapping[str, Any] | None) -> Any:
+        key = tuple(sorted((options or {}).items()))
+        if key not in versions:
+            versions[key] = eqx.filter_jit(fn, compiler_options=dict(key) or None)
+        return versions[key]
+
+    @functools.wraps(fn)
+    def call(*args: Any, options: Mapping[str, Any] | None = None) -> Any:
+        return jitted(None if _traced(args) else options)(*args)
+
+    call.lower = lambda *args, options=None: jitted(options).lower(*args)  # type: ignore[attr-defined]
+    return call
+
+
 @dataclasses.dataclass(frozen=True)
 class _Settings:
     """What a compiled generation is specialised to (hashable: a static jit
@@ -325,7 +353,7 @@ def _run_until(
     return jax.lax.while_loop(more, lambda st: _advance(model, prompts, key, st, s), st)
 
 
-@generation_jit
+@_compiled
 def _generate(
     model: Any,
     prompts: Int[Array, "rows prompt"],
@@ -350,6 +378,7 @@ def generate(
     pad_id: int = 0,
     vocab_size: int | None = None,
     mesh: Any = None,
+    compiler_options: Mapping[str, Any] | None = None,
 ) -> Generation:
     """Sample up to `max_new_tokens` tokens after each prompt (see the module
     docstring).
@@ -371,10 +400,15 @@ def generate(
             (`models.resize_vocab`): padded ids are never produced.
         mesh: the device mesh the model lies on: the cache is sharded over it
             (rows over the batch axes, key/value heads over `tensor`).
+        compiler_options: XLA options for the compilation
+            (`jax.jit(compiler_options=)`), e.g. `eqtrain.cpu.generation_options()`
+            (`eqtrain generate` passes them); ignored when traced inside
+            another compiled function.
     """
     settings = _settings(max_new_tokens, sampling, stop_ids, pad_id, vocab_size, mesh)
     prompts, lengths = _arrays(prompts, lengths)
-    return _generate(model, prompts, lengths, key, settings)
+    options = compiler_options
+    return _generate(model, prompts, lengths, key, settings, options=options)
 
 
 def _settings(
@@ -417,14 +451,14 @@ def _check_lengths(lengths: np.ndarray, width: int) -> None:
         )
 
 
-@generation_jit
+@_compiled
 def _stream_start(
     model: Any, prompts: Array, lengths: Array, key: PRNGKeyArray, s: _Settings
 ) -> _Loop:
     return _prefill(model, prompts, lengths, key, s)
 
 
-@generation_jit
+@_compiled
 def _stream_more(
     model: Any, prompts: Array, key: PRNGKeyArray, st: _Loop, chunk: int, s: _Settings
 ) -> _Loop:
@@ -443,6 +477,7 @@ def stream(
     vocab_size: int | None = None,
     chunk: int = 8,
     multiple: int = 16,
+    compiler_options: Mapping[str, Any] | None = None,
 ) -> Iterator[np.ndarray]:
     """The new tokens of one prompt, yielded as they are made: first the prompt's
     first token (after a compiled prefill), then up to `chunk` tokens per
@@ -457,15 +492,18 @@ def stream(
         chunk: new tokens per compiled call after the first (each call returns
             to the host, so smaller is smoother and a little slower).
         multiple: the padded prompt's length is a multiple of it (`left_pad`'s).
-        max_new_tokens, key, sampling, stop_ids, pad_id, vocab_size: as
-            `generate`'s.
+        max_new_tokens, key, sampling, stop_ids, pad_id, vocab_size,
+            compiler_options: as `generate`'s.
     """
     if chunk < 1:
         raise ConfigError(f"`chunk` must be >= 1; got {chunk}.")
     s = _settings(max_new_tokens, sampling, stop_ids, pad_id, vocab_size, None)
     prompts, lengths = _arrays(*left_pad([prompt], pad_id=pad_id, multiple=multiple))
-    st = _stream_start(model, prompts, lengths, key, s)
-    more = lambda st: _stream_more(model, prompts, key, st, int(chunk), s)
+    options = compiler_options
+    st = _stream_start(model, prompts, lengths, key, s, options=options)
+    more = lambda st: _stream_more(
+        model, prompts, key, st, int(chunk), s, options=options
+    )
     yield from _pieces(st, more, s.max_new_tokens)
 
 

@@ -13,7 +13,7 @@ os.environ.setdefault("EQTRAIN_CPU_TUNING", "fixed")
 if os.environ["EQTRAIN_CPU_TUNING"].strip().lower() != "fixed":
     import eqtrain
 
-    eqtrain.tune_cpu(measure=False)
+    eqtrain.cpu.tune_cpu(measure=False)
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # Tokenized stores go to one directory per test session (never ~/.cache); keyed
 # by content, so the tests share the built-in corpus's store.

@@ -17,7 +17,7 @@ def main() -> None:
     args = parser.parse_args()
     import eqtrain
 
-    eqtrain.tune_cpu()  # what `eqtrain fit` applies (the tests name it)
+    eqtrain.cpu.tune_cpu()  # what `eqtrain fit` applies (the tests name it)
     if not args.single:
         initialize()  # from EQTRAIN_* variables
 

@@ -14,8 +14,9 @@ import optax
 import pytest
 
 import eqtrain
-from eqtrain import ConfigError, _chunked, lora, losses, preference, sharding
+from eqtrain import ConfigError, _chunked, lora, losses, sharding
 from eqtrain.models import GPT2, GPT2Config, Llama, LlamaConfig, resize_vocab
+from eqtrain.post_training import preference
 
 
 LLAMA = LlamaConfig(

@@ -1,4 +1,4 @@
-"""`eqtrain.tune_cpu`: the CPU settings the CLI applies to itself, chosen by
+"""`eqtrain.cpu.tune_cpu`: the CPU settings the CLI applies to itself, chosen by
 measurement once per processor and cached; and the hint."""
 
 import dataclasses
@@ -9,13 +9,12 @@ import os
 import subprocess
 import sys
 import time
-import warnings
 from pathlib import Path
 
 import pytest
 
 import eqtrain
-from eqtrain import _cpu, _cpu_tuning, _onednn
+from eqtrain.cpu import _onednn, _tune as _cpu, _tuning as _cpu_tuning
 
 
 # What the fake probe reports per candidate: Eigen's products fastest, unrolled.
@@ -74,13 +73,13 @@ def fresh(probe):
 
 def test_applies_both_settings_once(fresh):
     env = {"XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
-    assert eqtrain.tune_cpu(env) == ["allocator", "arena", "xla_flags"]
+    assert eqtrain.cpu.tune_cpu(env) == ["allocator", "arena", "xla_flags"]
     assert env["XLA_FLAGS"].split() == [
         "--xla_force_host_platform_device_count=8",
         "--xla_cpu_experimental_ynn_fusion_type=",
     ]
     assert _cpu.allocator_tuned(env)
-    assert eqtrain.tune_cpu(env) == []  # idempotent: nothing twice
+    assert eqtrain.cpu.tune_cpu(env) == []  # idempotent: nothing twice
     assert env["XLA_FLAGS"].count("ynn_fusion_type") == 1
 
 
@@ -91,36 +90,24 @@ def test_user_choices_stand(fresh, monkeypatch):
         "XLA_FLAGS": "--xla_cpu_experimental_ynn_fusion_type=individual_dot",
     }
     before = dict(env)
-    assert eqtrain.tune_cpu(env) == []
+    assert eqtrain.cpu.tune_cpu(env) == []
     assert env == before
     _reset(monkeypatch)  # each allocator setting stands on its own
-    assert eqtrain.tune_cpu({"MALLOC_ARENA_MAX": "4"}) == ["allocator", "xla_flags"]
+    assert eqtrain.cpu.tune_cpu({"MALLOC_ARENA_MAX": "4"}) == ["allocator", "xla_flags"]
     _reset(monkeypatch)
-    assert eqtrain.tune_cpu({"MALLOC_MMAP_THRESHOLD_": "1"}) == ["arena", "xla_flags"]
+    assert eqtrain.cpu.tune_cpu({"MALLOC_MMAP_THRESHOLD_": "1"}) == [
+        "arena",
+        "xla_flags",
+    ]
 
 
 def test_opt_out_and_started_backend(fresh, monkeypatch):
     env = {_cpu.OPT_OUT: "0"}
-    assert eqtrain.tune_cpu(env) == [] and env == {_cpu.OPT_OUT: "0"}
+    assert eqtrain.cpu.tune_cpu(env) == [] and env == {_cpu.OPT_OUT: "0"}
     monkeypatch.setattr(_cpu, "_backends_started", lambda: True)
     env = {}
-    assert eqtrain.tune_cpu(env) == ["allocator", "arena"]  # too late for XLA_FLAGS
+    assert eqtrain.cpu.tune_cpu(env) == ["allocator", "arena"]  # too late for XLA_FLAGS
     assert "XLA_FLAGS" not in env
-
-
-def test_hint_once_on_cpu(fresh, monkeypatch):
-    with pytest.warns(eqtrain.CPUPerformanceWarning, match="tune_cpu"):
-        _cpu.hint_cpu_settings()
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        _cpu.hint_cpu_settings()  # once per process
-        _reset(monkeypatch)
-        monkeypatch.setenv(_cpu.OPT_OUT, "0")
-        _cpu.hint_cpu_settings()  # the user opted out: no hint
-        monkeypatch.delenv(_cpu.OPT_OUT)
-        for name in _cpu.ALLOCATOR_ENV:
-            monkeypatch.setenv(name, "4000000000")
-        _cpu.hint_cpu_settings()  # set in the environment: no hint
 
 
 def test_the_cli_tunes_its_process_before_jax_starts():
@@ -129,7 +116,7 @@ def test_the_cli_tunes_its_process_before_jax_starts():
     code = (
         "import os, sys\n"
         "sys.argv = ['eqtrain', '--help']\n"
-        "import eqtrain.cli, eqtrain._cpu as c\n"
+        "import eqtrain.cli, eqtrain.cpu._tune as c\n"
         "try:\n"
         "    eqtrain.cli.main()\n"
         "except SystemExit:\n"
@@ -156,7 +143,7 @@ def test_the_cli_tunes_its_process_before_jax_starts():
 _FAULTS = """
 import resource
 import eqtrain
-eqtrain.tune_cpu(measure=False)
+eqtrain.cpu.tune_cpu(measure=False)
 import jax, jax.numpy as jnp
 x = jnp.ones((24576, 256))
 w1, w2 = jnp.full((256, 1024), 1 / 1024), jnp.full((1024, 256), 1 / 256)
@@ -219,7 +206,7 @@ def _cache(tmp_path):
 def test_measures_once_per_processor_then_reads_the_cache(probe, monkeypatch, tmp_path):
     said = []
     env = {"XLA_FLAGS": ""}
-    applied = eqtrain.tune_cpu(env, say=said.append)
+    applied = eqtrain.cpu.tune_cpu(env, say=said.append)
     assert applied == ["allocator", "arena", "xla_flags"]
     expected = set(_cpu_tuning.candidates(_cpu_tuning.processor()))
     assert set(probe.calls) == expected and len(said) == 1
@@ -231,7 +218,7 @@ def test_measures_once_per_processor_then_reads_the_cache(probe, monkeypatch, tm
     _reset(monkeypatch)
     probe.calls.clear()
     env = {"XLA_FLAGS": ""}
-    assert "xla_flags" in eqtrain.tune_cpu(env, say=said.append)
+    assert "xla_flags" in eqtrain.cpu.tune_cpu(env, say=said.append)
     assert probe.calls == [] and len(said) == 1
     assert env["XLA_FLAGS"] == _cpu_tuning.CANDIDATES["eigen_dots"]
     assert "(cached;" in _cpu.cpu_settings()
@@ -239,6 +226,7 @@ def test_measures_once_per_processor_then_reads_the_cache(probe, monkeypatch, tm
 
 def test_the_fastest_candidate_wins_and_says_scanned_or_unrolled(probe, monkeypatch):
     from eqtrain import config, models
+    from eqtrain.job import _resolve
 
     probe.times = {
         "eigen_dots": {"scanned_ms": 50.0, "unrolled_ms": 52.0},
@@ -247,14 +235,15 @@ def test_the_fastest_candidate_wins_and_says_scanned_or_unrolled(probe, monkeypa
         "onednn_dots": {"scanned_ms": 52.0, "unrolled_ms": 51.0},
     }
     env = {"XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
-    eqtrain.tune_cpu(env)
+    eqtrain.cpu.tune_cpu(env)
     # XLA's defaults: nothing added to the flags
     assert env["XLA_FLAGS"] == "--xla_force_host_platform_device_count=8"
     assert _cpu.cpu_settings().startswith("xla_default, scanned layers")
-    section = config.load(None, []).model  # scan_layers = "auto"
-    assert models.runtime_options(section)["scan_layers"] is True
+    auto = config.load(None, [])  # scan_layers = "auto": the job resolves it
+    assert _resolve.scan_layers(auto).model.scan_layers is True
+    assert models.runtime_options(auto.model)["scan_layers"] is False  # the core
     _reset(monkeypatch)  # without a measured choice: unrolled on the CPU
-    assert models.runtime_options(section)["scan_layers"] is False
+    assert _resolve.scan_layers(auto).model.scan_layers is False
 
 
 def test_the_cache_key_holds_processor_cores_versions_and_candidates(monkeypatch):
@@ -289,7 +278,7 @@ CPU revision\t: 1
 LOCK_SCRIPT = """
 import json, os, time
 from pathlib import Path
-from eqtrain import _cpu
+from eqtrain.cpu import _tune as _cpu
 calls, go, waiting = (Path(os.environ[n]) for n in ("CALLS", "GO", "WAITING"))
 
 def run(flags):
@@ -424,12 +413,12 @@ def test_fewer_threads_are_kept_only_where_faster_and_reach_pjrt_nproc(
     }
     monkeypatch.setattr(_cpu_tuning, "thread_counts", lambda environ=None: [1])
     env = {"XLA_FLAGS": ""}
-    eqtrain.tune_cpu(env)
+    eqtrain.cpu.tune_cpu(env)
     assert env["PJRT_NPROC"] == "1" and "1 threads" in _cpu.cpu_settings()
     assert "threads 1" in _cpu_tuning.cache_key(threads=[1])
     _reset(monkeypatch)
     env = {"XLA_FLAGS": "", "PJRT_NPROC": "2"}
-    eqtrain.tune_cpu(env)
+    eqtrain.cpu.tune_cpu(env)
     assert env["PJRT_NPROC"] == "2"
 
 
@@ -474,14 +463,14 @@ def test_explicit_settings_win_over_the_measurement(probe):
         "--xla_cpu_prefer_vector_width=256",
     ):
         env = {"XLA_FLAGS": flags}
-        eqtrain.tune_cpu(env)
+        eqtrain.cpu.tune_cpu(env)
         assert env == {"XLA_FLAGS": flags} and probe.calls == []
         assert _cpu.cpu_settings().startswith("yours")
 
 
 def test_fixed_applies_the_settings_without_measuring(probe):
     env = {_cpu.OPT_OUT: "fixed", "XLA_FLAGS": ""}
-    assert eqtrain.tune_cpu(env) == ["allocator", "arena", "xla_flags"]
+    assert eqtrain.cpu.tune_cpu(env) == ["allocator", "arena", "xla_flags"]
     assert env["XLA_FLAGS"] == _cpu.XLA_CPU_FLAG and probe.calls == []
     assert _cpu.cpu_settings() == (
         "eigen_dots, unrolled layers (EQTRAIN_CPU_TUNING=fixed)"
@@ -568,13 +557,13 @@ def test_a_command_that_trains_nothing_never_waits_for_the_probe(probe):
     """`measure=False` (the CLI's commands other than `fit`): the default flags
     until a choice is cached, no probe; a cached choice is used."""
     env = {"XLA_FLAGS": ""}
-    eqtrain.tune_cpu(env, measure=False)
+    eqtrain.cpu.tune_cpu(env, measure=False)
     assert probe.calls == [] and env["XLA_FLAGS"] == _cpu.XLA_CPU_FLAG
     assert "not measured yet" in _cpu.cpu_settings()
     _cpu.choose()  # what `eqtrain fit` does the first time
     probe.calls.clear()
     env = {"XLA_FLAGS": ""}
-    eqtrain.tune_cpu(env, measure=False)
+    eqtrain.cpu.tune_cpu(env, measure=False)
     assert probe.calls == [] and "(cached;" in _cpu.cpu_settings()
 
 
@@ -614,7 +603,7 @@ def test_probe_processes_answer_round_after_round_and_fail_by_name(
     monkeypatch, tmp_path
 ):
     """`Probes` starts one process per setting at its first round and keeps
-    it for the next (`-P -m eqtrain._cpu_probe --serve`); one that dies
+    it for the next (`-P -m eqtrain.cpu._probe --serve`); one that dies
     raises RuntimeError with its last line; `close` stops them all; no more
     run at once than the available memory holds."""
     started = []
@@ -622,7 +611,7 @@ def test_probe_processes_answer_round_after_round_and_fail_by_name(
 
     def popen(argv, **kwargs):
         started.append((argv, kwargs["env"]["XLA_FLAGS"]))
-        assert argv[1:5] == ["-P", "-m", "eqtrain._cpu_probe", "--serve"]
+        assert argv[1:5] == ["-P", "-m", "eqtrain.cpu._probe", "--serve"]
         return real([sys.executable, "-c", PROBE_SCRIPT], **kwargs)
 
     monkeypatch.setattr(_cpu_tuning.subprocess, "Popen", popen)
@@ -663,12 +652,12 @@ def test_probe_processes_answer_round_after_round_and_fail_by_name(
 def test_a_onednn_choice_reaches_eqtrain_jit_not_xla_flags(probe, monkeypatch):
     """Where oneDNN's products are named, the process gets Eigen's
     products in `XLA_FLAGS` and oneDNN as `eqtrain.jit`'s per-compilation
-    options (never process-wide: `eqtrain._onednn`); the user's own XLA
+    options (never process-wide: `eqtrain.cpu._onednn`); the user's own XLA
     flags for the products win over the choice, oneDNN included."""
     if not _cpu_tuning.onednn_verified(_cpu_tuning.processor()):
         pytest.skip("oneDNN may be named with AVX-512 and a verified jaxlib only")
     env = {"XLA_FLAGS": "", _cpu.OPT_OUT: "onednn_dots"}
-    eqtrain.tune_cpu(env)
+    eqtrain.cpu.tune_cpu(env)
     assert probe.calls == []  # named, never measured
     assert env["XLA_FLAGS"] == _cpu_tuning.EIGEN_DOTS
     assert _onednn.compiler_options() == _cpu_tuning.ONEDNN_OPTIONS
@@ -683,7 +672,7 @@ def test_a_onednn_choice_reaches_eqtrain_jit_not_xla_flags(probe, monkeypatch):
         "ONEDNN_MAX_CPU_ISA": "AVX512_CORE",
         _cpu.OPT_OUT: "onednn_dots",
     }
-    eqtrain.tune_cpu(env)
+    eqtrain.cpu.tune_cpu(env)
     assert env["ONEDNN_MAX_CPU_ISA"] == "AVX512_CORE"
     # the user's own products (or EQTRAIN_CPU_TUNING=0): none of eqtrain's
     for env in (
@@ -691,7 +680,7 @@ def test_a_onednn_choice_reaches_eqtrain_jit_not_xla_flags(probe, monkeypatch):
         {"XLA_FLAGS": "", _cpu.OPT_OUT: "0"},
     ):
         _onednn.activate(_cpu_tuning.ONEDNN_OPTIONS)
-        eqtrain.tune_cpu(env)
+        eqtrain.cpu.tune_cpu(env)
         assert _onednn.compiler_options() == {}
         assert "onednn" not in env["XLA_FLAGS"]
 
@@ -835,7 +824,7 @@ def test_the_ray_launcher_gives_its_workers_its_own_setting(probe, monkeypatch):
 
     result = object.__new__(_launch.LaunchResult)
     assert _cpu.shared_setting() == {}  # tune_cpu not called: nothing to share
-    eqtrain.tune_cpu({"XLA_FLAGS": "", _cpu.OPT_OUT: "eigen_dots_512,scanned"})
+    eqtrain.cpu.tune_cpu({"XLA_FLAGS": "", _cpu.OPT_OUT: "eigen_dots_512,scanned"})
     assert _cpu.shared_setting() == {_cpu.OPT_OUT: "eigen_dots_512,scanned"}
     seen = []
 
@@ -860,5 +849,5 @@ def test_the_ray_launcher_gives_its_workers_its_own_setting(probe, monkeypatch):
     _launch.fit(config, env={_cpu.OPT_OUT: "fixed"})
     assert seen[-1] == {_cpu.OPT_OUT: "fixed"}
     _reset(monkeypatch)
-    eqtrain.tune_cpu({"XLA_FLAGS": "", _cpu.OPT_OUT: "0"})
+    eqtrain.cpu.tune_cpu({"XLA_FLAGS": "", _cpu.OPT_OUT: "0"})
     assert _cpu.shared_setting() == {_cpu.OPT_OUT: "0"}

@@ -366,7 +366,7 @@ def test_preference_skips():
 def test_preference_rows_feed_preference_loss_fn():
     import jax.numpy as jnp
 
-    from eqtrain.preference import preference_loss_fn
+    from eqtrain.post_training.preference import preference_loss_fn
 
     rows, _ = preference_rows(PAIRS, BYTES, seq_len=16)
     uniform = lambda tokens, key=None: jnp.zeros((tokens.shape[0], BYTES.vocab_size))

@@ -142,7 +142,7 @@ def _interrupted_prepare(source: Path, cache: Path, stop_after: int) -> None:
     committed (SIGKILL: no cleanup of any kind)."""
     script = textwrap.dedent(
         f"""
-        import eqtrain.data._workers as s
+        import eqtrain.data.store._workers as s
         from eqtrain.data import ByteTokenizer, prepare
         real = s.build_part
         def slow(task, encoder):

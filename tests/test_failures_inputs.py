@@ -368,7 +368,7 @@ def test_out_of_memory_names_the_failed_step_and_the_dry_runs_peak(tiny, monkeyp
 def test_second_signal_during_the_final_save_says_what_was_saved(tiny, monkeypatch):
     # The note the signal guard writes before it ends the process (the real
     # signals are sent in tests/test_signals.py).
-    from eqtrain import _signals
+    from eqtrain._fit import _signals
     from eqtrain.job import _run
 
     notes = []

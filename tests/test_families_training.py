@@ -26,8 +26,9 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import eqtrain
-from eqtrain import hf, lora, losses, models, preference, sharding
+from eqtrain import hf, lora, losses, models, sharding
 from eqtrain.models import decoder
+from eqtrain.post_training import preference
 
 from . import _hf_families as fam
 

@@ -1,5 +1,5 @@
 """Generation compiles with XLA's own products on the CPU, whatever `tune_cpu`
-chose for training (`eqtrain._cpu.generation_options`).
+chose for training (`eqtrain.cpu._tune.generation_options`).
 
 Each case runs in a fresh process: XLA reads `XLA_FLAGS` once, when JAX starts.
 """
@@ -18,9 +18,9 @@ SCRIPT = textwrap.dedent(
     import json, os, re, sys
     import eqtrain
     if os.environ.get("TUNE") == "1":
-        eqtrain.tune_cpu()
+        eqtrain.cpu.tune_cpu()
     import jax.numpy as jnp, jax.random as jr
-    from eqtrain._cpu import generation_options
+    from eqtrain.cpu._tune import generation_options
     from eqtrain.generate import GREEDY, _generate, _settings, left_pad
     from eqtrain.models import Llama, LlamaConfig
 
@@ -31,7 +31,9 @@ SCRIPT = textwrap.dedent(
     model = Llama(config, jr.key(0))
     tokens, lengths = left_pad([[5, 17, 33], [23, 4]], pad_id=0)
     args = (model, jnp.asarray(tokens), jnp.asarray(lengths), jr.key(0))
-    hlo = _generate.lower(*args, _settings(4, GREEDY, (), 0, None, None))
+    hlo = _generate.lower(
+        *args, _settings(4, GREEDY, (), 0, None, None), options=generation_options()
+    )
     text = hlo.lowered.compile().as_text()
     entry = text[text.index("\\nENTRY"):]
     kinds = sorted(re.findall(r'"kind":"(__\\w+)"', text))

@@ -15,8 +15,9 @@ import jax.random as jr
 import numpy as np
 import pytest
 
-from eqtrain import ConfigError, grpo, lora, preference, rewards
+from eqtrain import ConfigError, lora
 from eqtrain.models import Llama, LlamaConfig
+from eqtrain.post_training import grpo, preference, rewards
 
 
 RNG = np.random.default_rng(0)

@@ -12,9 +12,10 @@ import types
 
 import pytest
 
-from eqtrain import ConfigError, config as config_lib, data, job, rewards
+from eqtrain import ConfigError, config as config_lib, data, job
 from eqtrain.job import _build, _grpo
-from eqtrain.rollout import Rollout
+from eqtrain.post_training import rewards
+from eqtrain.post_training.rollout import Rollout
 
 from .test_cli import assert_clean_error, inproc
 

@@ -181,8 +181,8 @@ def test_a_failing_reward_is_one_paragraph(files, capfd):
 
 def test_grpo_keys_reach_the_run(files, monkeypatch):
     """Every [task] key of GRPO reaches the rollout or the loss (no training)."""
-    from eqtrain import grpo
     from eqtrain.job import _build, _grpo
+    from eqtrain.post_training import grpo
 
     seen = {}
     real = grpo.grpo_loss_fn

@@ -2,7 +2,7 @@
 
 - No import cycle between eqtrain's top-level pieces. A node is the first name
   after `eqtrain` (`eqtrain.hf._load` is `hf`), so the root package's private
-  modules (`eqtrain._step`, `eqtrain._loop`) are nodes of their own, and
+  modules (`eqtrain._step`, `eqtrain._fit._loop`) are nodes of their own, and
   `eqtrain` itself (its `__init__`) is one more.
 - No module imports another package's private module (`eqtrain.models._layers`
   from `eqtrain.hf`): what packages share is re-exported by the owner's facade.
@@ -13,11 +13,13 @@
   `eqtrain.config._validate` may not import each other, even lazily).
 - Every top-level piece sits on the floor docs/architecture.md gives it, and
   imports only pieces on lower floors: the page is the plan, this is its check.
-- The function-size targets of issue 31 hold: function lengths (methods and
-  nested functions counted, docstrings not) have median <= 7 lines, 90th
-  percentile <= 22, none over 60. Its file-size target (500 lines) was met and
-  is retired (2026-12-07): a file is split where a second concept can be
-  named and the floors allow it, not at a line count.
+- The root holds the core: every module at the root sits below the facade,
+  except the old paths kept for one release (each hands over its new module).
+- The core takes its options from its caller: no piece below the job reaches
+  `eqtrain.cpu`, directly or through another piece.
+
+The function-size targets of issue 31 (and its 500-line file limit) were met
+and retired: a function is split at a seam that can be named, not at a count.
 
 Imports inside functions count too: a lazy import still ties the layers.
 """
@@ -25,7 +27,6 @@ Imports inside functions count too: a lazy import still ties the layers.
 import ast
 import dataclasses
 import re
-import statistics
 from pathlib import Path
 
 import pytest
@@ -237,30 +238,61 @@ def test_every_piece_imports_only_lower_floors():
     )
 
 
-def _function_lengths() -> list[tuple[int, str]]:
-    """Lines of every function and method (nested ones too), docstring not counted."""
-    out = []
-    for path in sorted(ROOT.rglob("*.py")):
-        tree = ast.parse(path.read_text(encoding="utf-8"))
-        for node in ast.walk(tree):
-            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
-                lines = node.end_lineno - node.lineno + 1
-                if ast.get_docstring(node, clean=False) is not None:
-                    doc = node.body[0]
-                    lines -= doc.end_lineno - doc.lineno + 1
-                rel = path.relative_to(ROOT.parent)
-                out.append((lines, f"{rel}:{node.lineno} {node.name}"))
-    return out
+SHIM = "sys.modules[__name__] = _moved"
+"""The line that makes a root module an old path (see eqtrain/grpo.py)."""
 
 
-def test_functions_stay_small():
-    found = _function_lengths()
-    lengths = sorted(n for n, _ in found)
-    assert len(lengths) > 1000
-    long = sorted((f"{where} ({n} lines)" for n, where in found if n > 60))
-    assert not long, "functions over 60 lines; split them at their seams:\n  " + (
-        "\n  ".join(long)
+def _root_modules() -> dict[str, Path]:
+    return {p.stem: p for p in sorted(ROOT.glob("*.py")) if p.name != "__init__.py"}
+
+
+def test_the_root_holds_the_core():
+    floors = _floors()
+    facade = floors["eqtrain"]
+    shims = [n for n, p in _root_modules().items() if SHIM in p.read_text()]
+    assert shims, "no old-path module found: has the shim's line changed?"
+    above = [
+        f"eqtrain/{n}.py (floor {floors.get(n)})"
+        for n in _root_modules()
+        if n not in shims and floors.get(n, facade) >= facade
+    ]
+    assert not above, (
+        "modules at the root that sit on or above the facade: move each into "
+        "the subsystem's folder (the root holds the core):\n  " + "\n  ".join(above)
     )
-    median, p90 = statistics.median(lengths), lengths[int(0.9 * len(lengths))]
-    assert median <= 7, f"median function length {median} lines (target <= 7)"
-    assert p90 <= 22, f"90th percentile function length {p90} lines (target <= 22)"
+    for name in shims:
+        imports = {i.target for i in _imports(_root_modules()[name])}
+        assert len(imports) == 1, (
+            f"eqtrain/{name}.py is an old path: it imports its new module only"
+        )
+
+
+def _reaches(graph: dict[str, set[str]], start: str) -> dict[str, str]:
+    """Every piece `start` reaches, each with the piece it was reached from."""
+    seen, todo = {start: start}, [start]
+    while todo:
+        node = todo.pop()
+        for nxt in sorted(graph.get(node, ())):
+            if nxt not in seen:
+                seen[nxt] = node
+                todo.append(nxt)
+    return seen
+
+
+def test_the_core_never_reaches_the_cpu_package():
+    floors = _floors()
+    graph = _graph(_all_imports())
+    outside = {"cpu", "job", "ray", "cli"}
+    bad = []
+    for piece in sorted(set(floors) - outside):
+        reached = _reaches(graph, piece)
+        if "cpu" in reached:
+            path, node = ["cpu"], "cpu"
+            while node != piece:
+                node = reached[node]
+                path.append(node)
+            bad.append(" -> ".join(reversed(path)))
+    assert not bad, (
+        "pieces below the job that import eqtrain.cpu (take the options as "
+        "an argument, and let the job pass them):\n  " + "\n  ".join(bad)
+    )

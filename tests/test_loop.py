@@ -281,7 +281,7 @@ def heavy_loss(model, batch, key):
 
 def _spy_on(step, monkeypatch):
     """Record the loop's dispatches and metric reads, in order."""
-    import eqtrain._loop as loop_module
+    import eqtrain._fit._loop as loop_module
 
     events, dispatched, ready_at_next_dispatch = [], [], []
     original_call = step.call_flat

@@ -18,7 +18,7 @@ from eqtrain import (
     checkpoint,
     every,
 )
-from eqtrain._loop import failed_at
+from eqtrain._fit._loop import failed_at
 
 from .conftest import make_batches, mse_loss
 from .test_loop import FakeCheckpointer, _spy_on, fresh_state

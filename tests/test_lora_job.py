@@ -303,7 +303,7 @@ def test_cli_export_adapter_and_merged(lora_run, tmp_path):
     cli("export", root / "run", tmp_path / "merged", "--merged", check_rc=0)
     a, _ = hf.load(tmp_path / "merged")
     b, _ = hf.load(root / "run" / "hf-merged")
-    # the command runs with Eigen's dots (`eqtrain.tune_cpu`), this process with
+    # the command runs with Eigen's dots (`eqtrain.cpu.tune_cpu`), this process with
     # XLA's default ones: `B @ A` of the merge may round differently in the last bit
     for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
         np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-6, atol=1e-8)

@@ -1,7 +1,7 @@
 """oneDNN's products in `eqtrain.jit`'s steps: chosen by `tune_cpu`'s
 measurement, applied per compilation (never process-wide), and checked before
 a step runs, since this jaxlib aborts the process on oneDNN fusions it cannot
-compile (`eqtrain._onednn`)."""
+compile (`eqtrain.cpu._onednn`)."""
 
 import dataclasses
 import itertools
@@ -15,7 +15,7 @@ import optax
 import pytest
 
 import eqtrain
-from eqtrain import _cpu_tuning, _onednn
+from eqtrain.cpu import _onednn, _tuning as _cpu_tuning, step_options
 from eqtrain.losses import causal_lm_loss
 from eqtrain.models import Llama, LlamaConfig
 from eqtrain.models._attention import key_ranges
@@ -52,6 +52,12 @@ def _batch():
     for i in range(5):
         batch[f"z{i}"] = jnp.asarray(rng.normal(size=(64, 48)), jnp.float32)
     return batch
+
+
+def _jit(fn, **kwargs):
+    """`eqtrain.jit` with the CPU setting's checked options
+    (`eqtrain.cpu.step_options`), as `eqtrain fit` compiles its steps."""
+    return eqtrain.jit(fn, compiler_options=step_options(), **kwargs)
 
 
 def _plain(fn, batch):
@@ -195,16 +201,16 @@ def test_a_step_oneDNN_cannot_run_goes_back_to_eigen_before_it_runs(onednn):
     computes what Eigen's products compute."""
     batch, state = _batch(), jnp.zeros(())
     for fn in (_chain(5), _chain(1, branch=True)):
-        step = eqtrain.jit(fn, donate=False)
+        step = _jit(fn, donate=False)
         _, got = step(state, batch)
-        assert step.cpu_products.startswith("eigen: a oneDNN fusion this jaxlib")
+        assert step.compile_note.startswith("eigen: a oneDNN fusion this jaxlib")
         np.testing.assert_allclose(got, _plain(fn, batch), rtol=1e-5)
         _, again = step(state, batch)
         assert float(again) == float(got) and step.num_traces == 2  # once per build
     # a short chain runs in oneDNN, to rounding what Eigen computes
-    short = eqtrain.jit(_chain(2), donate=False)
+    short = _jit(_chain(2), donate=False)
     _, got = short(state, batch)
-    assert short.cpu_products == "onednn" and short.num_traces == 1
+    assert short.compile_note == "onednn" and short.num_traces == 1
     np.testing.assert_allclose(got, _plain(_chain(2), batch), rtol=1e-5)
 
 
@@ -235,18 +241,18 @@ def test_a_fusion_sharing_memory_with_its_input_goes_back_to_eigen(onednn):
     hlo, why = _onednn.compile_checked(raw, dump, batch)
     assert _onednn.uses_onednn(hlo) and _onednn.unsafe_fusion(hlo) is None
     assert why is not None and "shares memory with its input" in why, why
-    step = eqtrain.jit(_scaled_by_a_temporary, donate=False)
+    step = _jit(_scaled_by_a_temporary, donate=False)
     _, got = step(jnp.zeros(()), batch)
     assert (
-        step.cpu_products.startswith("eigen: ") and "shares memory" in step.cpu_products
+        step.compile_note.startswith("eigen: ") and "shares memory" in step.compile_note
     )
     np.testing.assert_allclose(
         got, _plain(_scaled_by_a_temporary, batch), rtol=1e-5, atol=1e-4
     )
     # its inputs as the step's own arrays share nothing: oneDNN runs it
-    direct = eqtrain.jit(lambda s, b: (s, (b["x"] @ b["y"]) * b["z"]), donate=False)
+    direct = _jit(lambda s, b: (s, (b["x"] @ b["y"]) * b["z"]), donate=False)
     _, got = direct(jnp.zeros(()), batch)
-    assert direct.cpu_products == "onednn"
+    assert direct.compile_note == "onednn"
     want = (
         np.asarray(batch["x"], np.float64) @ np.asarray(batch["y"], np.float64)
     ) * np.asarray(batch["z"])
@@ -339,9 +345,9 @@ def _grid(dtype, batched, ops, length):
                     out = OPS[op](out, b[k])
                 return state, out
 
-            step = eqtrain.jit(fn, donate=False)
+            step = _jit(fn, donate=False)
             _, got = step(jnp.zeros(()), batch)
-            assert step.cpu_products == "onednn", (chain, step.cpu_products)
+            assert step.compile_note == "onednn", (chain, step.compile_note)
             want = np.asarray(_plain(fn, batch), np.float32)
             np.testing.assert_allclose(np.asarray(got, np.float32), want, rtol=tol)
 
@@ -388,9 +394,9 @@ def _shared_grid(ops, length, depth):
                     out = OPS[op](out, jnp.sin(b[k]))
                 return state, out
 
-            step = eqtrain.jit(fn, donate=False)
+            step = _jit(fn, donate=False)
             _, got = step(jnp.zeros(()), batch)
-            products = step.cpu_products
+            products = step.compile_note
             assert products == "onednn" or "shares memory" in products, products
             if products != "onednn":
                 refused.append(chain)
@@ -436,7 +442,7 @@ def _train(seq, steps=3):
     config = _llama(seq)
     optimizer = optax.adamw(1e-3)
     state = eqtrain.TrainState.create(Llama(config, jr.key(0)), optimizer, key=0)
-    step = eqtrain.jit(eqtrain.train_step(causal_lm_loss, optimizer), donate=True)
+    step = _jit(eqtrain.train_step(causal_lm_loss, optimizer), donate=True)
     tokens = np.random.default_rng(1).integers(0, 128, (2, seq + 1), np.int32)
     batch = {
         "tokens": tokens[:, :-1],
@@ -461,12 +467,12 @@ def test_a_llama_step_trains_with_onednn_as_with_eigen(onednn, monkeypatch, seq)
     range by range rather than as one chain after a product), traced once,
     and trains as the same step without oneDNN does, to f32 rounding."""
     step, losses = _train(seq)
-    assert step.cpu_products == "onednn" and step.num_traces == 1
+    assert step.compile_note == "onednn" and step.num_traces == 1
     if seq == 64:  # a run is repeatable bit for bit (resume depends on it)
         assert _train(seq)[1] == losses
     monkeypatch.setattr(_onednn, "_active", {})
     plain, want = _train(seq)
-    assert plain.cpu_products is None
+    assert plain.compile_note is None
     np.testing.assert_allclose(losses, want, rtol=2e-5)
 
 
@@ -499,9 +505,9 @@ def test_no_onednn_unless_tune_cpu_chose_it():
     """The default (`EQTRAIN_CPU_TUNING=fixed`, the tests' setting; a user's
     own XLA flags) compiles with no options of eqtrain's."""
     assert _onednn.compiler_options() == {}
-    step = eqtrain.jit(_chain(1), donate=False)
+    step = _jit(_chain(1), donate=False)
     step(jnp.zeros(()), _batch())
-    assert step.cpu_products is None and step._options == {}
+    assert step.compile_note is None and step._options == {}
 
 
 def test_a_dataclass_choice_round_trips_through_the_cache():
@@ -518,7 +524,7 @@ def test_a_dataclass_choice_round_trips_through_the_cache():
 def _family_losses(config, steps=2):
     optimizer = optax.adamw(1e-3)
     state = eqtrain.TrainState.create(Llama(config, jr.key(0)), optimizer, key=0)
-    step = eqtrain.jit(eqtrain.train_step(causal_lm_loss, optimizer), donate=True)
+    step = _jit(eqtrain.train_step(causal_lm_loss, optimizer), donate=True)
     tokens = np.random.default_rng(2).integers(0, config.vocab_size, (2, 41), np.int32)
     batch = {
         "tokens": tokens[:, :-1],
@@ -529,7 +535,7 @@ def _family_losses(config, steps=2):
     for _ in range(steps):
         state, metrics = step(state, batch)
         losses.append(float(metrics["loss"]))
-    return step.cpu_products, losses
+    return step.compile_note, losses
 
 
 MOE = ("mixtral", "qwen2_moe", "qwen3_moe")
@@ -604,12 +610,12 @@ def test_a_data_parallel_step_runs_onednn_as_one_device(onednn, monkeypatch):
         if shardings is not None:
             state, data = jax.device_put(state, whole), jax.device_put(batch, rows)
         step = eqtrain.train_step(causal_lm_loss, optimizer)
-        step = eqtrain.jit(step, shardings=shardings)
+        step = _jit(step, shardings=shardings)
         out = []
         for _ in range(2):
             state, metrics = step(state, data)
             out.append(float(metrics["loss"]))
-        return step.cpu_products, out
+        return step.compile_note, out
 
     products, sharded = losses((whole, rows))
     assert products == "onednn"

@@ -12,10 +12,11 @@ import jax.random as jr
 import numpy as np
 import pytest
 
-from eqtrain import ConfigError, config as config_lib, data, hf, job, preference
+from eqtrain import ConfigError, config as config_lib, data, hf, job
 from eqtrain.job import _build, _reference, _rows
 from eqtrain.losses import causal_lm_loss
 from eqtrain.models import Llama, LlamaConfig
+from eqtrain.post_training import preference
 
 from .test_cli import cli
 
@@ -587,7 +588,7 @@ def test_precomputed_reference_survives_a_kill_and_resume(files, tmp_path):
         ]
 
     # the same run uninterrupted, through the CLI as well: the command applies
-    # its CPU settings (eqtrain.tune_cpu's XLA flags), which change the last bits
+    # its CPU settings (eqtrain.cpu.tune_cpu's XLA flags), which change the last bits
     # of a run in this process
     straight = subprocess.run(
         args(tmp_path / "straight"), capture_output=True, text=True, timeout=240

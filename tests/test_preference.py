@@ -6,7 +6,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from eqtrain import ConfigError, preference
+from eqtrain import ConfigError
+from eqtrain.post_training import preference
 
 
 RNG = np.random.default_rng(0)

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 import eqtrain.checkpoint
-from eqtrain import _signals
+from eqtrain._fit import _signals
 
 from .test_cli import write_tiny_config
 
@@ -241,7 +241,7 @@ def test_fit_says_the_first_signal_at_once_not_after_a_long_step(capfd):
     when it ended. Inside `fit` (its `Stopper`), the watchdog says it the
     moment the signal comes, with `os.write` (no Python stream, which the
     signal may have interrupted), once; the loop then stops as before."""
-    from eqtrain._stops import StopConditions, StopKind, Stopper
+    from eqtrain._fit._stops import StopConditions, StopKind, Stopper
 
     with Stopper(StopConditions(), num_steps=10) as stopper:
         stopper.check(3)  # three steps done; the fourth is running

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import pytest
 
-from eqtrain import _cpu, _cpu_tuning
+from eqtrain.cpu import _tune as _cpu, _tuning as _cpu_tuning
 
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -47,11 +47,11 @@ app.add_typer(data_app, name="data")
 
 def main() -> None:
     """The console entry point. It first applies eqtrain's CPU settings to its own
-    process (`eqtrain.tune_cpu`: glibc's allocator thresholds and the XLA flags
+    process (`eqtrain.cpu.tune_cpu`: glibc's allocator thresholds and the XLA flags
     measured fastest on this processor, but not XLA's flags for `eqtrain
     generate`, whose decode Eigen's products slow down; `EQTRAIN_CPU_TUNING=0`
     opts out), before JAX starts a backend."""
-    from .._cpu import tune_cpu
+    from ..cpu import tune_cpu
 
     say = lambda text: print(text, file=sys.stderr, flush=True)
     command = sys.argv[1:2]  # only a run that trains waits for the probe

@@ -124,7 +124,7 @@ def _finish(result: Any, result_file: str | None) -> None:
 def _train(request: _Request, where: dict[str, Any]) -> Any:
     """`eqtrain.job.run` in this process (one of several with EQTRAIN_* or
     SLURM variables), under a signal guard; None after a dry run."""
-    from .. import _signals, config as config_lib, distributed, job
+    from .. import _fit, config as config_lib, distributed, job
 
     cluster = distributed.initialize()  # a no-op unless EQTRAIN_* or SLURM say so
     # After `initialize`: JAX's preemption notice takes SIGTERM over when it
@@ -132,8 +132,8 @@ def _train(request: _Request, where: dict[str, Any]) -> Any:
     if owns_process:
         # This process is `eqtrain fit`: a second signal at any moment from
         # here to the interpreter's exit aborts at once (exit 128 + signal).
-        _signals.install_for_process()
-    with _signals.guarded() as guard:
+        _fit.install_for_process()
+    with _fit.guarded() as guard:
         cfg = config_lib.load(request.config, request.overrides)
         _check_processes(cfg, cluster.num_processes)
         if cluster.num_processes > 1:
@@ -169,7 +169,7 @@ def _same_cpu_settings(cluster: Any) -> None:
     processes would no longer compute as the devices of one process do."""
     import jax
 
-    from .. import _cpu, distributed
+    from .. import cpu as _cpu, distributed
 
     if jax.default_backend() != "cpu":
         return

@@ -291,12 +291,12 @@ class _Output:
 def _interruptible(output: _Output | None) -> Iterator[None]:
     """SIGINT and SIGTERM end `generate` within a moment, wherever it is (a
     compiled batch does not return to Python before it ends): the signal guard
-    (`eqtrain._signals`) records the signal from its watchdog thread, and a
+    (`eqtrain._fit._signals`) records the signal from its watchdog thread, and a
     thread of ours then discards --out's temporary file, says so in one line and
     exits 128 + the signal's number. Generation has nothing to save."""
-    from .. import _signals
+    from .. import _fit
 
-    with _signals.guarded() as guard:
+    with _fit.guarded() as guard:
         if guard is None:  # not the main thread: signals are not ours
             yield
             return

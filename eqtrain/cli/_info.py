@@ -1,12 +1,12 @@
 """`eqtrain info`: a run's steps, checkpoints, metrics, export and config
 (`eqtrain.job.run_info`), as text or JSON; the text ends with the CPU settings
-this process chose (`eqtrain.tune_cpu`)."""
+this process chose (`eqtrain.cpu.tune_cpu`)."""
 
 from typing import Annotated, Any
 
 import typer
 
-from .._cpu import cpu_settings as describe_cpu
+from ..cpu import cpu_settings as describe_cpu
 from ._shared import RunPath, errors, json_text
 
 

@@ -24,7 +24,8 @@ from ._resolve import (
     export_targets as export_targets,
     lora_on as lora_on,
     reference_mode as reference_mode,
-    rewards_of as rewards_of,
+    reward_names as reward_names,
+    reward_weights as reward_weights,
     steps_export_dir as steps_export_dir,
 )
 from ._run import (
@@ -52,3 +53,20 @@ from ._units import (
     parse_size as parse_size,
 )
 from ._validate import ARCH_KEYS as ARCH_KEYS, validate as validate
+
+
+def __getattr__(name: str) -> object:
+    """`rewards_of`, moved to the job (it imports the reward functions, which
+    a config no longer does): kept for one release, with a warning."""
+    if name == "rewards_of":
+        import importlib
+        import warnings
+
+        warnings.warn(
+            "`eqtrain.config.rewards_of` moved: the job imports task.rewards' "
+            "functions (`eqtrain.config.reward_names` checks the names).",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return importlib.import_module("eqtrain.job._grpo").rewards_of
+    raise AttributeError(f"module 'eqtrain.config' has no attribute {name!r}")

@@ -3,9 +3,7 @@ metrics a run reports, its data format, reference model, eval data, whether LoRA
 is on, its reward functions, and where it exports."""
 
 from pathlib import Path
-from typing import Any
 
-from .. import rewards as rewards_lib
 from .._errors import ConfigError
 from ..losses import CAUSAL_LM_AUX
 from ._config import Config
@@ -15,7 +13,8 @@ from ._schema import PREFERENCE_TASKS
 # What `eval_step(causal_lm_loss)` reports, the loss of lm and sft runs:
 # "eval/" + "loss" and the loss's aux names.
 EVAL_METRICS = ("eval/loss", *(f"eval/{name}" for name in CAUSAL_LM_AUX))
-# What a preference run's evaluations report (`eqtrain.preference`'s metrics).
+# What a preference run's evaluations report
+# (`eqtrain.post_training.preference`'s metrics).
 PREFERENCE_METRICS = (
     "rewards/chosen",
     "rewards/rejected",
@@ -76,20 +75,23 @@ def lora_on(config: Config) -> bool:
     return config.lora.rank > 0 or config.model.adapter_from is not None
 
 
-def rewards_of(config: Config) -> list[tuple[str, Any, float]]:
-    """`task.rewards` as `(name, function, weight)` triples, each function
-    imported (`eqtrain.rewards.load_reward`); a config error names the key."""
+def reward_names(config: Config) -> list[str]:
+    """`task.rewards`' names, each with its weight checked (`task.reward_weights`)
+    and `format` with its pattern; the functions themselves are imported where
+    the job resolves them (`eqtrain.job`)."""
     names = [n for n in config.task.rewards.split(",") if n]
     if not names:
         raise ConfigError("`task.rewards` is empty: name at least one reward.")
-    weights = _reward_weights(config.task.reward_weights, names)
-    return [
-        (name, _reward(name, config.task.format_regex), weight)
-        for name, weight in zip(names, weights, strict=True)
-    ]
+    reward_weights(config.task.reward_weights, names)
+    if "format" in names and config.task.format_regex is None:
+        raise ConfigError(
+            "task.rewards names `format`, which needs task.format_regex "
+            "(the pattern a completion must match)."
+        )
+    return names
 
 
-def _reward_weights(text: str, names: list[str]) -> list[float]:
+def reward_weights(text: str, names: list[str]) -> list[float]:
     """`task.reward_weights`, one per reward (1 each when empty)."""
     weights = [w for w in text.split(",") if w]
     if weights and len(weights) != len(names):
@@ -104,21 +106,6 @@ def _reward_weights(text: str, names: list[str]) -> list[float]:
         raise ConfigError(
             f"`task.reward_weights` must be numbers; got {text!r}."
         ) from None
-
-
-def _reward(name: str, format_regex: str | None) -> Any:
-    """The reward function `name` of `task.rewards`."""
-    if name == "format":
-        if format_regex is None:
-            raise ConfigError(
-                "task.rewards names `format`, which needs task.format_regex "
-                "(the pattern a completion must match)."
-            )
-        return rewards_lib.format_regex(format_regex)
-    try:
-        return rewards_lib.load_reward(name)
-    except ConfigError as e:
-        raise ConfigError(f"`task.rewards`: {e}") from None
 
 
 def export_targets(config: Config, run_dir: Path) -> dict[str, Path]:

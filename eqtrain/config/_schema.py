@@ -45,8 +45,13 @@ TASKS = ("lm", "sft", "dpo", "ipo", "orpo", "simpo", "grpo")
 PREFERENCE_TASKS = ("dpo", "ipo", "orpo", "simpo")
 DATA_FORMATS = ("auto", "text", "chat", "prompt_completion", "preference")
 REFERENCES = ("auto", "copy", "adapters_off", "precomputed")
-GRPO_LOSSES = ("dapo", "grpo", "dr_grpo", "bnpo")  # = eqtrain.grpo.LOSS_TYPES
-REWARD_SCALES = ("group", "batch", "none")  # = eqtrain.grpo.SCALES
+GRPO_LOSSES = (
+    "dapo",
+    "grpo",
+    "dr_grpo",
+    "bnpo",
+)  # = eqtrain.post_training.grpo.LOSS_TYPES
+REWARD_SCALES = ("group", "batch", "none")  # = eqtrain.post_training.grpo.SCALES
 OPTIMIZERS = ("adamw", "adam", "lion", "sgd", "adafactor")
 SCHEDULES = ("constant", "linear", "cosine", "wsd")
 DTYPES = ("float32", "bfloat16", "float16")

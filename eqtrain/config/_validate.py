@@ -7,7 +7,7 @@ from .._errors import ConfigError
 from . import _run_rules as run
 from ._config import Config, explicit
 from ._fields import schema
-from ._resolve import data_format, lora_on, reference_mode, rewards_of
+from ._resolve import data_format, lora_on, reference_mode, reward_names
 from ._schema import PREFERENCE_TASKS
 
 
@@ -275,9 +275,10 @@ def _grpo_no_eval(config: Config, given: frozenset[str]) -> None:
 
 
 def _grpo_rewards(config: Config, given: frozenset[str]) -> None:
-    """Every reward function of task.rewards imports, with its weight."""
+    """task.rewards names functions, with a weight each (they are imported
+    when the job is planned)."""
     if config.task.kind == "grpo":
-        rewards_of(config)
+        reward_names(config)
 
 
 def _lm_data_keys(config: Config, given: frozenset[str]) -> None:

@@ -35,7 +35,6 @@ from ._files import default_cache as default_cache
 from ._loader import Loader as Loader
 from ._mixture import Mixture as Mixture
 from ._post import preference_rows as preference_rows, sft_rows as sft_rows
-from ._prepare import prepare as prepare
 from ._records import SkipReport as SkipReport, infer_format as infer_format
 from ._rows_cache import (
     cached_rows as cached_rows,
@@ -48,7 +47,6 @@ from ._sources import (
     read_text as read_text,
     text_column as text_column,
 )
-from ._store import LMRows as LMRows, MappedRows as MappedRows, Store as Store
 from ._stream import fingerprint as fingerprint
 from ._text import (
     chat_examples as chat_examples,
@@ -61,4 +59,10 @@ from ._tokenizers import (
     ByteTokenizer as ByteTokenizer,
     HFTokenizer as HFTokenizer,
     Tokenizer as Tokenizer,
+)
+from .store import (
+    LMRows as LMRows,
+    MappedRows as MappedRows,
+    Store as Store,
+    prepare as prepare,
 )

@@ -1,5 +1,6 @@
 """Post-training rows: SFT rows (the LM batch format, loss on completions only)
-and preference pairs (what `eqtrain.preference.preference_loss_fn` reads), built
+and preference pairs (what
+`eqtrain.post_training.preference.preference_loss_fn` reads), built
 from chat, prompt/completion or preference records with a chat template
 (`_chat.py`); bad rows are skipped and counted in a `SkipReport` (`_records.py`).
 
@@ -124,7 +125,8 @@ def preference_rows(
 ) -> tuple[Rows, SkipReport]:
     """One row per preference pair: `chosen_tokens`, `chosen_targets`,
     `chosen_mask` and the same for `rejected_` (int32 tokens/targets, float32
-    masks, `[N, seq_len]`), as `eqtrain.preference.preference_loss_fn` reads them.
+    masks, `[N, seq_len]`), as
+    `eqtrain.post_training.preference.preference_loss_fn` reads them.
 
     Each sequence is prompt + completion (at most `seq_len + 1` ids): tokens are
     `ids[:-1]`, targets `ids[1:]`, the mask is 1 where the target is a completion

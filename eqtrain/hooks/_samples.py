@@ -54,6 +54,8 @@ class SamplesWriter:
         start: the step a resumed run starts from: `path`'s lines after it are
             dropped on the first call (None: keep them).
         write: False: generate (every process takes part) but write nothing.
+        compiler_options: XLA options for generation's compilation (see
+            `generate`).
     """
 
     uses_state = True
@@ -76,6 +78,7 @@ class SamplesWriter:
         tensorboard: str | os.PathLike[str] | None = None,
         start: int | None = None,
         write: bool = True,
+        compiler_options: dict[str, Any] | None = None,
     ):
         _check_prompts(prompts, tokens)
         self.prompts = list(prompts)
@@ -84,7 +87,7 @@ class SamplesWriter:
         self.stop_ids = tuple(int(i) for i in stop_ids)
         self.options = dict(
             max_new_tokens=max_new_tokens, sampling=sampling, vocab_size=vocab_size,
-            mesh=mesh, stop_ids=self.stop_ids,
+            mesh=mesh, stop_ids=self.stop_ids, compiler_options=compiler_options,
         )  # fmt: skip
         self.key = jr.key(seed)
         self.pick = pick

@@ -9,7 +9,7 @@ from typing import Any
 import jax
 
 from .. import checkpoint, hooks as hooks_lib
-from .._stops import StopConditions
+from .._fit import StopConditions
 from ..config import Config, to_dict
 from ..data import Loader
 from . import _build, _claim, _identity, _plan, _run_hooks, _rundir, _start, _steps

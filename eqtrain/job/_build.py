@@ -15,11 +15,12 @@ import jax
 import jax.random as jr
 import numpy as np
 
-from .. import hf, lora as lora_lib, models, preference, sharding
+from .. import hf, lora as lora_lib, models, sharding
 from .._errors import ConfigError
 from .._state import TrainState
 from ..config import PREFERENCE_TASKS, Config, lora_on, reference_mode
 from ..losses import causal_lm_loss
+from ..post_training import preference
 from . import _grpo, _resolve
 
 
@@ -277,7 +278,7 @@ def _pieces(config: Config, recorded: Path | None) -> Job:
         template=None if kind == "lm" else _resolve.chat_template(config, source),
         lora=_resolve.lora_spec(config) if lora_on(config) else None,
         vocab_size=None if padded == vocab else vocab,
-        grpo=_grpo.Online() if kind == "grpo" else None,
+        grpo=_grpo.Online(rewards=_grpo.rewards_of(config)) if kind == "grpo" else None,
     )
 
 

@@ -9,9 +9,9 @@ import equinox as eqx
 import jax
 
 from .. import lora, models, sharding
-from .._cpu import cpu_settings as describe_cpu
 from .._state import TrainState
 from ..config import Config
+from ..cpu import cpu_settings as describe_cpu
 from . import _build, _memory, _plan, _rows, _samples
 
 
@@ -146,7 +146,7 @@ def _devices_line(mesh: Any) -> str:
 
 
 def _cpu_lines(mesh: Any) -> list[str]:
-    """On the CPU, the XLA settings `eqtrain.tune_cpu` chose for it."""
+    """On the CPU, the XLA settings `eqtrain.cpu.tune_cpu` chose for it."""
     if mesh.devices.flat[0].platform != "cpu":
         return []
     return [f"cpu          {describe_cpu()}"]

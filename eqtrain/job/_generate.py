@@ -13,9 +13,11 @@ from typing import Any
 import jax.random as jr
 import numpy as np
 
-from .. import checkpoint, data as data_lib, hf, rewards
+from .. import checkpoint, data as data_lib, hf
 from .._errors import ConfigError
+from ..cpu import generation_options
 from ..generate import Sampling, generate, left_pad, stream
+from ..post_training import rewards
 from . import _open, _preflight, _resolve
 
 
@@ -267,7 +269,7 @@ def complete(
             out = generate(
                 m.model, tokens, lengths, max_new_tokens=options.max_new_tokens,
                 key=jr.fold_in(key, i // size), sampling=options.sampling,
-                stop_ids=options.stop_ids,
+                stop_ids=options.stop_ids, compiler_options=generation_options(),
             )  # fmt: skip
             done = np.asarray(out.tokens), np.asarray(out.lengths)
         for row, n in zip(*done, strict=True):
@@ -314,6 +316,7 @@ def stream_text(
         m.model, prompt, max_new_tokens=options.max_new_tokens,
         key=jr.fold_in(jr.key(options.seed), 0), sampling=options.sampling,
         stop_ids=options.stop_ids, multiple=multiple,
+        compiler_options=generation_options(),
     )  # fmt: skip
     with _out_of_memory_said(options, [prompt]):
         yield from _decoded(m, pieces, options)

@@ -1,6 +1,6 @@
 """`task.kind = "grpo"` in a job: the prompt rows of `data.train`, the loss, and
-the rollout (`eqtrain.rollout.Rollout`) that the compiled step samples and scores
-with.
+the rollout (`eqtrain.post_training.rollout.Rollout`) that the compiled step
+samples and scores with.
 
 A prompt row is `prompt` (`[width]` int32, left-padded with the pad id, width =
 `data.seq_len - task.max_completion_len`), `prompt_len` and `index` (its record in
@@ -16,10 +16,11 @@ from typing import Any
 
 import numpy as np
 
-from .. import data as data_lib, grpo, hf, rollout as rollout_lib
+from .. import data as data_lib, hf
 from .._errors import ConfigError
-from ..config import Config, rewards_of
+from ..config import Config, reward_names, reward_weights
 from ..generate import Sampling
+from ..post_training import grpo, rewards as rewards_lib, rollout as rollout_lib
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,6 +39,30 @@ class Online:
 
     prompts: Prompts | None = None
     rollout: rollout_lib.Rollout | None = None
+    rewards: list[tuple[str, Any, float]] = dataclasses.field(default_factory=list)
+
+
+def rewards_of(config: Config) -> list[tuple[str, Any, float]]:
+    """`task.rewards` as `(name, function, weight)` triples, each function
+    imported (`eqtrain.post_training.rewards.load_reward`); a config error
+    names the key."""
+    names = reward_names(config)
+    weights = reward_weights(config.task.reward_weights, names)
+    return [
+        (name, _reward(name, config.task.format_regex), weight)
+        for name, weight in zip(names, weights, strict=True)
+    ]
+
+
+def _reward(name: str, format_regex: str | None) -> Any:
+    """The reward function `name` of `task.rewards`."""
+    if name == "format":
+        assert format_regex is not None  # `reward_names` checked it
+        return rewards_lib.format_regex(format_regex)
+    try:
+        return rewards_lib.load_reward(name)
+    except ConfigError as e:
+        raise ConfigError(f"`task.rewards`: {e}") from None
 
 
 def prompt_width(config: Config) -> int:
@@ -276,7 +301,7 @@ def make_rollout(job: Any) -> rollout_lib.Rollout:
     prompts = job.grpo.prompts
     if prompts is None:
         raise RuntimeError("make_rollout before the prompt rows were read")
-    rewards = rewards_of(job.config)
+    rewards = job.grpo.rewards or rewards_of(job.config)
     job.grpo.rollout = rollout_lib.Rollout(
         score=rollout_lib.text_scorer(
             job.tokenizer, prompts.prompts, prompts.columns, rewards

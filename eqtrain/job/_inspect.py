@@ -7,14 +7,15 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from .. import checkpoint, hf, lora, rewards
+from .. import checkpoint, hf, lora
 from .._errors import ConfigError
-from .._loop import evaluate
+from .._fit import evaluate
 from ..config import (
     Config,
     to_dict,
 )
 from ..plot import read_metrics
+from ..post_training import rewards
 from . import (
     _build,
     _data,

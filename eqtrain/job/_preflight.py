@@ -16,7 +16,7 @@ from typing import Any
 
 from .._errors import ConfigError
 from .._files import describe_names, foreign_files
-from .._loop import failed_at
+from .._fit import failed_at
 from ..config import Config, export_targets, steps_export_dir
 
 

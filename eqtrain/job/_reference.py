@@ -25,8 +25,9 @@ import numpy as np
 from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
-from .. import preference, sharding
+from .. import sharding
 from .._files import replace_durably, set_default_mode
+from ..post_training import preference
 from . import _build
 
 

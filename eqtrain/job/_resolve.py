@@ -11,7 +11,7 @@ from typing import Any
 
 import jax
 
-from .. import data as data_lib, hf, lora as lora_lib, models, optim, preference
+from .. import data as data_lib, hf, lora as lora_lib, models, optim
 from .._errors import ConfigError
 from ..config import (
     AUTO_LOSS_CHUNK,
@@ -19,7 +19,9 @@ from ..config import (
     Config,
     explicit,
 )
+from ..cpu import layers_scanned
 from ..losses import causal_lm_loss, causal_lm_loss_fn, chunked_causal_lm_loss_fn
+from ..post_training import preference
 from . import _grpo
 
 
@@ -66,12 +68,27 @@ def architecture_source(config: Config, recorded: Path | None) -> str | None:
     return str(recorded) if (recorded / "config.json").is_file() else init_from
 
 
+def scan_layers(config: Config) -> Config:
+    """`model.scan_layers = "auto"` made true or false: scanned on GPUs and
+    TPUs; on the CPU, as `eqtrain.cpu.tune_cpu` measured on this processor
+    (unrolled without a measurement)."""
+    m = config.model
+    if m.scan_layers != "auto":
+        return config
+    scanned = jax.default_backend() != "cpu" or layers_scanned()
+    return dataclasses.replace(
+        config, model=dataclasses.replace(m, scan_layers=scanned)
+    )
+
+
 def architecture(
     config: Config, tokenizer: Any, source: str | None
 ) -> tuple[Config, Any, str]:
     """`(config, model_config, model_type)`: the model `[model]` describes, or
     `model.init_from`'s (read from `source`), with the config's architecture
-    fields filled in from it."""
+    fields filled in from it, and `model.scan_layers = "auto"` resolved
+    (`scan_layers`)."""
+    config = scan_layers(config)
     if config.model.init_from is not None:
         return _loaded_architecture(config, tokenizer, source)
     model_config, model_type = _section_architecture(config, tokenizer)

@@ -6,8 +6,8 @@ import dataclasses
 from collections.abc import Callable
 from pathlib import Path
 
+from .._fit import FitResult, fit
 from .._hooks import StopKind, StopReason
-from .._loop import FitResult, fit
 from ..config import Config
 from . import _grpo, _preflight
 from ._prepare import Prepared, prepare, stderr

@@ -11,6 +11,7 @@ import jax
 from .. import data as data_lib, hf, hooks as hooks_lib
 from .._hooks import at_end, every
 from ..config import Config, explicit, steps_export_dir, to_dict
+from ..cpu import generation_options
 from ..generate import Sampling
 from . import _build, _data, _grpo, _samples
 
@@ -161,4 +162,5 @@ def _writer(
         tensorboard=run_dir / "tb" if log.tensorboard else None,
         start=start,
         write=jax.process_index() == 0,
+        compiler_options=generation_options(),
     )

@@ -4,11 +4,13 @@ the evaluation step with its loader."""
 
 from typing import Any
 
-from .. import models, rollout
+from .. import models
+from .._fit import Evaluation
 from .._jit import Jitted, jit
-from .._loop import Evaluation
 from ..config import Config
+from ..cpu import step_options
 from ..data import Loader
+from ..post_training import rollout
 from ..step import eval_step, train_step as _train_step
 from . import _build, _grpo, _place
 from ._rows import Rows
@@ -45,7 +47,9 @@ def train_step(job: _build.Job, placement: _place.Placement) -> Jitted:
     )
     if config.task.kind == "grpo":
         step = rollout.grpo_step(step, _grpo.make_rollout(job))
-    return jit(models.under_mesh(step, placement.mesh), shardings=_shardings(placement))
+    under = models.under_mesh(step, placement.mesh)
+    options = step_options()  # the CPU setting's products, checked per step
+    return jit(under, shardings=_shardings(placement), compiler_options=options)
 
 
 def evaluation(
@@ -74,7 +78,10 @@ def _eval_step(job: _build.Job, placement: _place.Placement) -> Any:
     """The compiled eval step: the task's loss, without gradients or donation."""
     step = eval_step(job.loss_fn, precision=_precision(job.config))
     under = models.under_mesh(step, placement.mesh)
-    return jit(under, donate=False, shardings=_shardings(placement))
+    return jit(
+        under, donate=False, shardings=_shardings(placement),
+        compiler_options=step_options(),
+    )  # fmt: skip
 
 
 def fit_evaluation(

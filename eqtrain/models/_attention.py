@@ -213,7 +213,7 @@ def _softmax_attention(
       (forward) or the softmax's gradient: XLA would fuse a multiplication or
       subtraction into the product, and oneDNN's fusions of this jaxlib
       compute one wrongly when its other operand (a broadcast scale) shares
-      the result's memory (`eqtrain._onednn`).
+      the result's memory (`eqtrain.cpu._onednn`).
     - The keys' and values' gradients come out as `[d, k]` (`q^T ds`,
       `do^T p`), reading the large `[q, k]` operand as it lies, where
       autodiff's `ds^T q` first writes `ds` transposed (4 of a layer's 38 ms
@@ -390,7 +390,7 @@ def key_ranges(
     range of one array, in order, where autodiff pads every cotangent to the
     whole sequence and adds them all: half the additions at 1,024 tokens, and
     no chain of additions after one product, which oneDNN's fusions of this
-    jaxlib abort on (`eqtrain._onednn`).
+    jaxlib abort on (`eqtrain.cpu._onednn`).
 
     `x` passes an optimization barrier first, so XLA takes it as it lies (heads
     first) and does not fold the transpose that made it into the products: it

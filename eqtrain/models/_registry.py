@@ -15,7 +15,6 @@ from typing import Any
 
 from jax.sharding import PartitionSpec
 
-from .._cpu import layers_scanned
 from .._errors import ConfigError
 from . import decoder, gpt2
 from .archs import ARCHS as DECODER_ARCHS
@@ -96,13 +95,13 @@ class Family:
 
 
 def scan_layers(value: bool | str) -> bool:
-    """`model.scan_layers`: `"auto"` scans on GPUs and TPUs; on the CPU it
-    follows what `eqtrain.tune_cpu` measured on this processor (unrolled
-    without a measurement: faster on the processors of docs/performance.md)."""
+    """`model.scan_layers`: `"auto"` scans on GPUs and TPUs and unrolls on
+    the CPU (`eqtrain fit` resolves `"auto"` itself first, from what
+    `eqtrain.cpu.tune_cpu` measured on this processor)."""
     if value == "auto":
         import jax
 
-        return jax.default_backend() != "cpu" or layers_scanned()
+        return jax.default_backend() != "cpu"
     return bool(value)
 
 

@@ -6,7 +6,7 @@ import sys
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from .. import _cpu, job
+from .. import cpu as _cpu, job
 from ..config import Config
 from ._connect import connected, import_ray
 from ._plan import absolute, plan as make_plan

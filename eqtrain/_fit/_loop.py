@@ -12,14 +12,17 @@ from typing import Any
 
 import jax
 
+from .._errors import ConfigError, StopTraining
+from .._hooks import Hook, Scheduled, StepInfo, StopKind, StopReason, as_scheduled, now
+from .._jit import Jitted, check_live, jit
+from .._state import TrainState
+from .._types import Batch
 from ._checkpointer import (
-    Checkpointer as Checkpointer,
+    CheckpointerProtocol as CheckpointerProtocol,
     CheckpointFailed,
     GuardedCheckpointer,
     close_checkpointer,
 )
-from ._cpu import hint_cpu_settings
-from ._errors import ConfigError, StopTraining
 from ._evaluation import (
     Evaluation as Evaluation,
     compiled_eval,
@@ -27,12 +30,8 @@ from ._evaluation import (
 )
 from ._failures import FailedAt, failed_at as failed_at, first_line, say_ended
 from ._fit_keywords import regroup
-from ._hooks import Hook, Scheduled, StepInfo, StopKind, StopReason, as_scheduled, now
-from ._jit import Jitted, check_live, jit
 from ._reading import Pending, Reading, Throughput, count_tokens, to_host as _to_host
-from ._state import TrainState
 from ._stops import StopConditions, Stopper
-from ._types import Batch
 
 
 @dataclasses.dataclass(frozen=True)
@@ -334,7 +333,7 @@ def fit(
     hooks: Sequence[Hook | Scheduled] = (),
     evaluation: Evaluation | None = None,
     stop: StopConditions | None = None,
-    checkpointer: Checkpointer | None = None,
+    checkpointer: CheckpointerProtocol | None = None,
     reading: Reading | None = None,
     flops_per_token: float | int | None = None,
     peak_flops: float | int | None = None,
@@ -373,7 +372,8 @@ def fit(
         evaluation: an `Evaluation` (eval step, data, period, at the end).
         stop: `StopConditions` (time limit, kill switch, signals, multi-process
             agreement).
-        checkpointer: see `Checkpointer`; saved when due, and once at any stop.
+        checkpointer: see `CheckpointerProtocol` (e.g. an
+            `eqtrain.checkpoint.Checkpointer`); saved when due, and once at any stop.
         reading: a `Reading`: how often metrics are read from the device, and
             how many history entries are kept (default: `Reading()`).
         flops_per_token: training FLOPs per token (forward and backward, e.g.
@@ -395,7 +395,6 @@ def fit(
     if not isinstance(num_steps, int) or num_steps < 0:
         raise ConfigError(f"`num_steps` must be an int >= 0; got {num_steps!r}.")
     compiled = step if isinstance(step, Jitted) else jit(step)
-    hint_cpu_settings()
     scheduled = [as_scheduled(h) for h in hooks]
     check_live(state, "`fit`")
     first = int(jax.device_get(state.step))

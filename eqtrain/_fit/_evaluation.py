@@ -8,11 +8,11 @@ from typing import Any
 
 import numpy as np
 
-from ._errors import ConfigError
-from ._jit import Jitted, jit
+from .._errors import ConfigError
+from .._jit import Jitted, jit
+from .._state import TrainState
+from .._types import Batch
 from ._reading import to_host
-from ._state import TrainState
-from ._types import Batch
 
 
 @dataclasses.dataclass(frozen=True)

@@ -56,7 +56,7 @@ def activate(options: Mapping[str, Any]) -> None:
 
 def compiler_options() -> dict[str, Any]:
     """The options `activate` set: oneDNN's products where `tune_cpu` chose
-    them (`_cpu_tuning.Choice.compiler_options`), else none."""
+    them (`_tuning.Choice.compiler_options`), else none."""
     return dict(_active)
 
 
@@ -261,3 +261,34 @@ def compiled_text(jitted: Any, *args: Any) -> str:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", ".*thunk kind: onednn", UserWarning)
         return jitted.lower(*args).compile().as_text()
+
+
+class StepOptions:
+    """oneDNN's products as `eqtrain.jit`'s checked options
+    (`eqtrain.CheckedOptions`): each compilation dumps to a fresh folder, and
+    a step whose oneDNN fusions `compile_checked` refuses is compiled again
+    without them (Eigen's products) before it runs. `note`: `"onednn"` once
+    a compiled step runs them, or why it does not (`"eigen: ..."`); `"eigen"`
+    where XLA gave no product to oneDNN; None before the first check."""
+
+    def __init__(self, options: Mapping[str, Any]) -> None:
+        self._base = dict(options)
+        self.note: str | None = None
+
+    def options(self, dump: bool) -> dict[str, Any]:
+        import jax
+
+        if not self._base or jax.default_backend() != "cpu":
+            return {}
+        return dump_options(self._base)[0] if dump else dict(self._base)
+
+    def check(self, jitted: Any, options: Mapping[str, Any], *args: Any) -> bool:
+        hlo, bad = compile_checked(jitted, options["xla_dump_to"], *args)
+        if bad is not None:
+            self.note = f"eigen: a oneDNN fusion this jaxlib cannot run ({bad})"
+            return False
+        if uses_onednn(hlo):
+            self.note = "onednn"
+        elif self.note is None:
+            self.note = "eigen"
+        return True

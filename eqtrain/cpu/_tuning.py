@@ -1,6 +1,6 @@
-"""CPU settings chosen by measurement: the first time `eqtrain.tune_cpu` meets
+"""CPU settings chosen by measurement: the first time `eqtrain.cpu.tune_cpu` meets
 a processor and JAX version, it times each candidate set of XLA flags on a
-small training step (`_cpu_probe`, one process per candidate: XLA reads its
+small training step (`_probe`, one process per candidate: XLA reads its
 flags once), in `ROUNDS` rounds that interleave the candidates in time,
 keeps the fastest, and caches the choice in the user's cache directory,
 keyed by the processor (model name, family/model, the instruction
@@ -8,7 +8,7 @@ sets that change XLA's kernels, cores) and the jax/jaxlib versions. A new
 processor, JAX version or candidate list measures again; a cached key never
 does (a cached failure of the probe, after a week; rounds that disagreed,
 after a day). The processes of one machine measure one at a time
-(`eqtrain._cpu.choose` decides when to measure; this module what and how).
+(`eqtrain.cpu._tune.choose` decides when to measure; this module what and how).
 The default (Eigen's products, unrolled layers) stays unless another
 candidate is faster by more than `MARGIN`.
 
@@ -25,7 +25,7 @@ measuring (`pinned`): `fixed` (the default's), or a candidate with
 `scanned`/`unrolled` and `threads=N`, e.g. `eigen_dots_512,scanned`. That
 is how oneDNN's products are had (`onednn_dots`, never chosen by
 measurement: this jaxlib computes some of its fusions wrongly, silently;
-`eqtrain._onednn` checks each compiled step), and how the processes of a
+`eqtrain.cpu._onednn` checks each compiled step), and how the processes of a
 multi-process run share one setting (the Ray launcher passes its own).
 
 The choice also says whether a model's layers train faster scanned or
@@ -94,12 +94,12 @@ had by naming it (`pinned`), only where oneDNN may run its AVX-512 kernels
 AUTOMATIC = ("eigen_dots", "xla_default", "eigen_dots_512")
 """The flag sets measurement may choose. Not `onednn_dots`: this jaxlib's
 oneDNN fusions can compute wrongly without a sign (a fusion writing over an
-input it reads later, `eqtrain._onednn`), and a setting that a known defect
+input it reads later, `eqtrain.cpu._onednn`), and a setting that a known defect
 can make silently wrong is had only by asking for it."""
 ENV = "EQTRAIN_CPU_TUNING"
 MEASURED = ("", "1", "on", "true", "yes", "auto")
 """`ENV` values that measure (the default); `0`/`off`/`false`/`no` turn
-tuning off (`eqtrain._cpu`); anything else names a setting (`pinned`)."""
+tuning off (`eqtrain.cpu._tune`); anything else names a setting (`pinned`)."""
 ONEDNN_ISA = ("avx512f", "avx512bw", "avx512vl")
 """oneDNN's products are a candidate only where oneDNN runs its AVX-512
 kernels (`brg_matmul:avx512_core`, which needs these three): there they
@@ -121,7 +121,7 @@ and a process that chose them) and the user set no cap: oneDNN stays on the
 the AMX or AVX10 ones of newer processors, which no test has run. For f32
 products it changes nothing (oneDNN runs AMX for bf16 and int8 only)."""
 ONEDNN_JAXLIB = ("0.10.",)
-"""The jaxlib versions whose oneDNN fusions `eqtrain._onednn`'s check was
+"""The jaxlib versions whose oneDNN fusions `eqtrain.cpu._onednn`'s check was
 verified against, shape by shape (`tests/test_onednn.py`): which fusions
 abort the process and which compute wrongly change between versions.
 jaxlib 0.11.2 (on an Intel Xeon with AVX-512) aborted on `c - x @ y`, which
@@ -216,7 +216,7 @@ def onednn_verified(
     """Whether oneDNN's products may be measured on `cpu` with `jaxlib` (the
     installed one by default): AVX-512 (`ONEDNN_ISA`), oneDNN not held below it
     (`ONEDNN_ISA_ENV` in `environ`, the process's by default), and a jaxlib
-    whose oneDNN fusions `eqtrain._onednn`'s check was verified against
+    whose oneDNN fusions `eqtrain.cpu._onednn`'s check was verified against
     (`ONEDNN_JAXLIB`)."""
     jaxlib = _version("jaxlib") if jaxlib is None else jaxlib
     isa = all(name in cpu["isa"] for name in ONEDNN_ISA)
@@ -417,14 +417,14 @@ def probe_env(flags: str, threads: int | None = None) -> dict[str, str]:
         env[THREADS_ENV] = str(threads)
     if "onednn" in flags:
         cap_onednn(env)
-    here = str(Path(__file__).resolve().parent.parent)
+    here = str(Path(__file__).resolve().parents[2])  # the folder holding eqtrain/
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [here, env.get("PYTHONPATH")]))
     return env
 
 
 class Probes:
     """The probe processes of one measurement: `probes(flags, threads)` times
-    one round of `_cpu_probe` (eqtrain's own Llama step) under `flags`, in a
+    one round of `_probe` (eqtrain's own Llama step) under `flags`, in a
     process started for that setting at its first round and kept until
     `close()`, so that the rounds of several settings interleave and each
     compiles once (`-P`: the working directory's files never shadow a
@@ -446,7 +446,7 @@ class Probes:
                 self._stop(next(iter(self._procs)))
             err = tempfile.TemporaryFile()  # noqa: SIM115 (closed with the probe)
             proc = self._procs[key] = subprocess.Popen(
-                [sys.executable, "-P", "-m", "eqtrain._cpu_probe", "--serve",
+                [sys.executable, "-P", "-m", "eqtrain.cpu._probe", "--serve",
                  f"--steps={STEPS}"],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                 stderr=err, text=True, env=probe_env(flags, threads),

@@ -9,8 +9,8 @@ from typing import Any
 
 import numpy as np
 
-from ._errors import DataError
-from ._files import json_sha256
+from .._errors import DataError
+from .._files import json_sha256
 
 
 def tokenizer_spec(tokenizer: Any) -> dict[str, Any]:
@@ -27,7 +27,7 @@ def tokenizer_spec(tokenizer: Any) -> dict[str, Any]:
             "EOS. Use a tokenizer with one (or name it: HFTokenizer.from_file(path, "
             "eos=...))."
         )
-    from ._tokenizers import ByteTokenizer, HFTokenizer
+    from .._tokenizers import ByteTokenizer, HFTokenizer
 
     if isinstance(tokenizer, ByteTokenizer):
         return {"kind": "byte", "eos": int(eos), "vocab_size": 259}

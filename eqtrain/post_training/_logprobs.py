@@ -1,7 +1,8 @@
 """A model's per-token log-probabilities (and entropy) of given targets, for GRPO:
 through its logits, or chunked from its final hidden states and head matrix
-(`losses.chunked_token_logprobs`), never holding the full logits. `eqtrain.grpo`
-re-exports `token_logprobs` and `token_logprobs_and_entropy`.
+(`losses.chunked_token_logprobs`), never holding the full logits.
+`eqtrain.post_training.grpo` re-exports `token_logprobs` and
+`token_logprobs_and_entropy`.
 """
 
 from typing import Any, NamedTuple
@@ -11,9 +12,9 @@ import jax.lax as lax
 import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, Float, Int, PRNGKeyArray
 
-from ._chunked import _chunks, _logits
-from ._errors import ConfigError
-from .losses import (
+from .._chunked import _chunks, _logits
+from .._errors import ConfigError
+from ..losses import (
     _batch_features,
     _lm_logits,
     _logit_options,

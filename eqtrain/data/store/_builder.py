@@ -13,10 +13,12 @@ from typing import Any
 
 import numpy as np
 
-from .._errors import ConfigError
+from ..._errors import ConfigError
+from .._errors import DataError, positive
+from .._files import write_json
+from .._readers import unpaired
+from .._stream import check_counts
 from ._encoder import dtype_for
-from ._errors import DataError, positive
-from ._files import write_json
 from ._parts import (
     FORMAT,
     Task,
@@ -26,8 +28,6 @@ from ._parts import (
     texts_key,
     verify_part,
 )
-from ._readers import unpaired
-from ._stream import check_counts
 from ._workers import Built, run_tasks
 
 

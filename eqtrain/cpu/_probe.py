@@ -1,4 +1,4 @@
-"""`python -P -m eqtrain._cpu_probe`: the training step `eqtrain.tune_cpu`
+"""`python -P -m eqtrain.cpu._probe`: the training step `eqtrain.cpu.tune_cpu`
 times its candidate settings with, one process per candidate (XLA reads its
 flags once, when its CPU backend starts).
 
@@ -19,7 +19,7 @@ With `--serve` it compiles and warms up both forms, prints `READY`, and then
 times a round for each line `round` read from its standard input (the median
 of `--steps` steps of each form, the forms' order alternating from round to
 round), one JSON line per round, until its input closes. `tune_cpu` keeps one
-such process per candidate alive and asks them in turn (`_cpu_tuning.Probes`),
+such process per candidate alive and asks them in turn (`_tuning.Probes`),
 so that rounds of different candidates interleave in time and each
 compilation is paid once.
 """
@@ -40,6 +40,8 @@ import optax
 import eqtrain
 from eqtrain.losses import causal_lm_loss
 from eqtrain.models import Llama, LlamaConfig
+
+from ._tune import step_options
 
 
 CONFIG = LlamaConfig(
@@ -73,7 +75,7 @@ class Stepper:
         model = Llama(config, jr.key(0))
         self.state = eqtrain.TrainState.create(model, optimizer, key=0)
         loss = eqtrain.train_step(causal_lm_loss, optimizer)
-        self.step = eqtrain.jit(loss, donate=True)
+        self.step = eqtrain.jit(loss, donate=True, compiler_options=step_options())
         self.batch = jax.device_put(_batch())
         self.time(2)
 
@@ -99,7 +101,7 @@ def serve(steps: int, lines: Iterable[str]) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description="eqtrain.tune_cpu's probe")
+    parser = argparse.ArgumentParser(description="eqtrain.cpu.tune_cpu's probe")
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--serve", action="store_true")
     args = parser.parse_args(argv)

@@ -10,10 +10,10 @@ from typing import Any
 import jax
 import numpy as np
 
-from ._errors import ConfigError
-from ._hooks import Scheduled, StepInfo, StopReason, now
-from ._state import TrainState
-from ._types import Batch
+from .._errors import ConfigError
+from .._hooks import Scheduled, StepInfo, StopReason, now
+from .._state import TrainState
+from .._types import Batch
 
 
 @dataclasses.dataclass(frozen=True)

@@ -15,11 +15,11 @@ from typing import Any
 
 import numpy as np
 
+from .._errors import DataError, PathLike
+from .._files import file_sha256, write_json
+from .._readers import Piece
+from .._stream import documents
 from ._encoder import Encoder
-from ._errors import DataError, PathLike
-from ._files import file_sha256, write_json
-from ._readers import Piece
-from ._stream import documents
 
 
 FORMAT = 2

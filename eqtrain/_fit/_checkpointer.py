@@ -1,15 +1,15 @@
-"""What `fit` needs from a checkpointer (`Checkpointer`), and the guard that tells
-the checkpointer's own failures from the run's (`fit` must not retry a save that
-just failed when it saves on the way out of an error)."""
+"""What `fit` needs from a checkpointer (`CheckpointerProtocol`), and the
+guard that tells the checkpointer's own failures from the run's (`fit` must
+not retry a save that just failed when it saves on the way out of an error)."""
 
 from typing import Protocol, runtime_checkable
 
+from .._hooks import StepInfo
 from ._failures import first_line, say
-from ._hooks import StepInfo
 
 
 @runtime_checkable
-class Checkpointer(Protocol):
+class CheckpointerProtocol(Protocol):
     """What `fit(..., checkpointer=...)` needs from a checkpointer.
 
     `due(step)` is asked after every step (before the next is dispatched);
@@ -33,7 +33,7 @@ class GuardedCheckpointer:
     """Marks the checkpointer's own failures, so `fit` does not retry a save that
     just failed when it saves on the way out of an error."""
 
-    def __init__(self, inner: "Checkpointer"):
+    def __init__(self, inner: CheckpointerProtocol):
         self.inner = inner
 
     def due(self, step: int) -> bool:

@@ -13,9 +13,9 @@ from typing import Any
 
 import jax
 
+from .._errors import ConfigError
+from .._hooks import StopKind, StopReason, now
 from . import _signals
-from ._errors import ConfigError
-from ._hooks import StopKind, StopReason, now
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,7 +127,7 @@ class Stopper:
             return reason
         if done % self.conditions.agree_every:
             return None  # local reasons persist until the next agreement
-        from .distributed import agree
+        from ..distributed import agree
 
         code = 0 if reason is None else _AGREED.index(reason.kind) + 1
         agreed = int(agree([code])[0])

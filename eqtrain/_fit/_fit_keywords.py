@@ -7,7 +7,7 @@ import warnings
 from collections.abc import Mapping
 from typing import Any
 
-from ._errors import ConfigError
+from .._errors import ConfigError
 from ._evaluation import Evaluation, check_every
 from ._reading import Reading
 from ._stops import StopConditions

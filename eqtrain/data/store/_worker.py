@@ -1,4 +1,4 @@
-"""A store-building worker process: `python -m eqtrain.data._worker`.
+"""A store-building worker process: `python -m eqtrain.data.store._worker`.
 
 It reads JSON lines on standard input (first the tokenizer spec, then one task
 per line), builds each part, and answers one JSON line per task on standard
@@ -13,8 +13,8 @@ import sys
 import traceback
 from typing import Any
 
+from .._errors import DataError
 from ._encoder import Encoder
-from ._errors import DataError
 from ._parts import Task, build_part
 
 

@@ -1,5 +1,6 @@
-"""Settings that make training on the CPU faster, measured in docs/performance.md
-("CPU settings"), and the one-time hint when a CPU run lacks them.
+"""Settings that make training on the CPU faster (docs/performance.md, "CPU
+settings"), applied by `tune_cpu`, and the options the core's compilations
+take from them (`step_options`, `generation_options`).
 
 Two settings, both for this process only:
 
@@ -15,14 +16,14 @@ Two settings, both for this process only:
   afresh (`mmap`, whatever the thresholds) and the step pays a page fault for
   each of its pages; in the one main arena it stays in the heap
   (docs/performance.md, "Per processor").
-- **XLA's flags**, chosen by measurement (`_cpu_tuning`): Eigen's products
+- **XLA's flags**, chosen by measurement (`_tuning`): Eigen's products
   (`--xla_cpu_experimental_ynn_fusion_type=`, empty: split over all of XLA's
   threads, where YNNPACK fusions run each product on one thread), XLA's own
   defaults, Eigen's with 512-bit vectors on AVX-512, or oneDNN's products on
   AVX-512, whichever trained a probe step fastest on this processor (measured
   once, cached). They have to be in `XLA_FLAGS` before JAX starts its CPU
   backend, except oneDNN's, which `eqtrain.jit` passes to each step it
-  compiles and checks there (`eqtrain._onednn`).
+  compiles and checks there (`eqtrain.cpu._onednn`).
   The same measurement says whether layers train faster scanned or unrolled
   here (`layers_scanned`, which `model.scan_layers = "auto"` follows).
 
@@ -38,39 +39,39 @@ import ctypes
 import ctypes.util
 import dataclasses
 import datetime
-import functools
 import hashlib
 import os
 import subprocess
 import sys
 import time
-import warnings
 from collections.abc import Callable, Iterator, Mapping, MutableMapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from . import _cpu_tuning, _onednn
-from ._errors import ConfigError
+from .._errors import ConfigError
+from . import _onednn, _tuning
 
 
 ALLOCATOR_ENV = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")
 """The environment variables that set glibc's two thresholds at start-up."""
 ARENA_ENV = "MALLOC_ARENA_MAX"
 """The environment variable that sets glibc's number of arenas at start-up."""
-XLA_CPU_FLAG = _cpu_tuning.EIGEN_DOTS
+XLA_CPU_FLAG = _tuning.EIGEN_DOTS
 USER_FLAGS = ("ynn_fusion_type", "prefer_vector_width")
 """Any of these in `XLA_FLAGS`: the user chose XLA's CPU flags (never replaced)."""
-OPT_OUT = _cpu_tuning.ENV
+OPT_OUT = _tuning.ENV
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD, _M_ARENA_MAX = -1, -3, -8  # mallopt's
-_THRESHOLD = _cpu_tuning.ALLOCATOR_THRESHOLD  # the variables' 4e9 in spirit
+_THRESHOLD = _tuning.ALLOCATOR_THRESHOLD  # the variables' 4e9 in spirit
 
 _state: dict[str, object] = {
-    "allocator": False, "arena": False, "hinted": False, "choice": None,
+    "allocator": False, "arena": False, "choice": None,
 }  # fmt: skip
 
 
 class CPUPerformanceWarning(UserWarning):
-    """A CPU run without eqtrain's CPU settings (see `eqtrain.tune_cpu`)."""
+    """A CPU run without eqtrain's CPU settings (see `eqtrain.cpu.tune_cpu`).
+    Nothing warns with it since `fit` stopped hinting at them; kept for code
+    that filters it."""
 
 
 def _glibc() -> ctypes.CDLL | None:
@@ -93,33 +94,31 @@ def _opted_out(environ: MutableMapping[str, str]) -> bool:
     return environ.get(OPT_OUT, "1").strip().lower() in ("0", "false", "no", "off")
 
 
-def _pinned(environ: MutableMapping[str, str]) -> _cpu_tuning.Choice | None:
-    """The setting `EQTRAIN_CPU_TUNING` names (`_cpu_tuning.pinned`), if any;
+def _pinned(environ: MutableMapping[str, str]) -> _tuning.Choice | None:
+    """The setting `EQTRAIN_CPU_TUNING` names (`_tuning.pinned`), if any;
     ConfigError for a value that names none."""
     try:
-        return _cpu_tuning.pinned(environ.get(OPT_OUT, ""))
+        return _tuning.pinned(environ.get(OPT_OUT, ""))
     except ValueError as e:
         raise ConfigError(str(e)) from None
 
 
 def _choice(
     environ: MutableMapping[str, str], say: Callable[[str], None] | None, measure: bool
-) -> _cpu_tuning.Choice:
+) -> _tuning.Choice:
     """This processor's measured (or cached) choice; the one
     `EQTRAIN_CPU_TUNING` names (`fixed`: the default), without measuring."""
     named = _pinned(environ)
     if named is not None:
         return named
-    return choose(
-        say=say, measure_now=measure, threads=_cpu_tuning.thread_counts(environ)
-    )
+    return choose(say=say, measure_now=measure, threads=_tuning.thread_counts(environ))
 
 
 def layers_scanned() -> bool:
     """Whether `model.scan_layers = "auto"` scans the layers on the CPU: as this
     process's measured choice says (`tune_cpu`), else unrolled."""
     choice = _state["choice"]
-    return isinstance(choice, _cpu_tuning.Choice) and choice.scan_layers
+    return isinstance(choice, _tuning.Choice) and choice.scan_layers
 
 
 XLA_OWN_PRODUCTS = {
@@ -140,7 +139,7 @@ def generation_options() -> dict[str, str]:
     (docs/generation.md). Flags the user set stand (`tune_cpu` then chose
     nothing)."""
     choice = _state["choice"]
-    if not isinstance(choice, _cpu_tuning.Choice):
+    if not isinstance(choice, _tuning.Choice):
         return {}
     if XLA_CPU_FLAG not in choice.process_flags.split():
         return {}
@@ -149,50 +148,19 @@ def generation_options() -> dict[str, str]:
     return dict(XLA_OWN_PRODUCTS) if jax.default_backend() == "cpu" else {}
 
 
-def _traced(args: Any) -> bool:
-    """Whether any array among `args` is a tracer: the call is being traced
-    into another compiled function."""
-    import jax
-
-    return any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(args))
-
-
-def generation_jit(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """`eqx.filter_jit(fn)`, compiled with `generation_options()`: on the CPU,
-    XLA's own products even where `tune_cpu` chose Eigen's for training
-    (`eqtrain.generate`'s compiled functions). The options are looked up at
-    each call, since `tune_cpu` may run after the module is imported.
-    Traced inside another compiled function (generation inside a GRPO
-    step), it becomes part of that one, without options: JAX accepts them
-    only at the top level (`jax.jit(compiler_options=)`)."""
-    import equinox as eqx
-
-    versions: dict[tuple[tuple[str, str], ...], Any] = {}
-    plain = eqx.filter_jit(fn)
-
-    def jitted() -> Any:
-        options = generation_options()
-        key = tuple(sorted(options.items()))
-        if key not in versions:
-            versions[key] = eqx.filter_jit(fn, compiler_options=options or None)
-        return versions[key]
-
-    @functools.wraps(fn)
-    def call(*args: Any) -> Any:
-        if _traced(args):  # inside another compiled function (a GRPO step):
-            return plain(*args)  # per-compilation options are refused there
-        return jitted()(*args)
-
-    call.lower = lambda *args: jitted().lower(*args)  # type: ignore[attr-defined]
-    return call
+def step_options() -> _onednn.StepOptions:
+    """The checked XLA options for one step compiled with `eqtrain.jit`
+    (`compiler_options=`): oneDNN's products where `tune_cpu` chose them
+    (each compiled step checked before it runs), else none."""
+    return _onednn.StepOptions(_onednn.compiler_options())
 
 
 def cpu_settings() -> str:
     """What `tune_cpu` chose for XLA in this process, in one line."""
     choice = _state["choice"]
-    if isinstance(choice, _cpu_tuning.Choice):
+    if isinstance(choice, _tuning.Choice):
         return choice.describe()
-    return str(choice or "none (eqtrain.tune_cpu was not called)")
+    return str(choice or "none (eqtrain.cpu.tune_cpu was not called)")
 
 
 def shared_setting() -> dict[str, str]:
@@ -203,7 +171,7 @@ def shared_setting() -> dict[str, str]:
     chose nothing (tuning not called, or the user's own XLA flags, which
     the user passes on)."""
     choice = _state["choice"]
-    if isinstance(choice, _cpu_tuning.Choice):
+    if isinstance(choice, _tuning.Choice):
         return {OPT_OUT: choice.spec}
     if isinstance(choice, str) and choice.startswith("off"):
         return {OPT_OUT: "0"}
@@ -217,10 +185,10 @@ def setting_code() -> int:
     import zlib
 
     choice = _state["choice"]
-    what = choice.spec if isinstance(choice, _cpu_tuning.Choice) else str(choice)
+    what = choice.spec if isinstance(choice, _tuning.Choice) else str(choice)
     flags = [f for f in os.environ.get("XLA_FLAGS", "").split()
              if not f.startswith("--xla_force_host_platform_device_count")]  # fmt: skip
-    threads = os.environ.get(_cpu_tuning.THREADS_ENV, "")
+    threads = os.environ.get(_tuning.THREADS_ENV, "")
     text = "|".join([what, *flags, threads])
     return zlib.crc32(text.encode()) & 0x7FFFFFFF
 
@@ -244,10 +212,10 @@ def tune_cpu(
     `MALLOC_MMAP_THRESHOLD_` or `MALLOC_TRIM_THRESHOLD_` is set: the user's
     choice stands) and its arenas to one (unless `MALLOC_ARENA_MAX` is set),
     and appends this processor's XLA flags to `XLA_FLAGS`:
-    the fastest of `_cpu_tuning.CANDIDATES` on a probe training step, measured
+    the fastest of `_tuning.CANDIDATES` on a probe training step, measured
     the first time this processor and JAX version are met (a minute or two, said
     through `say`) and cached in the user's cache directory
-    (`_cpu_tuning.cache_path`). Not when the flags already set the products or
+    (`_tuning.cache_path`). Not when the flags already set the products or
     the vector width (the user's choice stands), nor once JAX's backends have
     started (too late to take effect). `EQTRAIN_CPU_TUNING=fixed` applies
     Eigen's products without measuring; `EQTRAIN_CPU_TUNING=0` turns
@@ -257,7 +225,7 @@ def tune_cpu(
     container's CPU quota, two threads per core), `PJRT_NPROC` is set to
     that count unless the user set it. Where oneDNN's products are chosen,
     `ONEDNN_MAX_CPU_ISA` is set to
-    the kernels verified (`_cpu_tuning.ONEDNN_ISA_CAP`) unless the user set
+    the kernels verified (`_tuning.ONEDNN_ISA_CAP`) unless the user set
     it or `DNNL_MAX_CPU_ISA`. The settings only speed
     up the CPU backend; on a GPU or TPU host they change nothing the device
     runs. Products computed by Eigen round differently from YNNPACK's (within
@@ -269,7 +237,7 @@ def tune_cpu(
 
     Example:
         >>> import eqtrain
-        >>> applied = eqtrain.tune_cpu()  # first thing in a CPU training script
+        >>> applied = eqtrain.cpu.tune_cpu()  # first thing in a CPU training script
     """
     environ = os.environ if environ is None else environ
     if _opted_out(environ):
@@ -319,37 +287,12 @@ def _set_xla_flags(
     _state["choice"] = choice
     _onednn.activate(choice.compiler_options)  # eqtrain.jit's, per compilation
     if choice.compiler_options:
-        _cpu_tuning.cap_onednn(environ)  # the kernels verified
-    if choice.threads and not environ.get(_cpu_tuning.THREADS_ENV):
-        environ[_cpu_tuning.THREADS_ENV] = str(choice.threads)
+        _tuning.cap_onednn(environ)  # the kernels verified
+    if choice.threads and not environ.get(_tuning.THREADS_ENV):
+        environ[_tuning.THREADS_ENV] = str(choice.threads)
     if choice.process_flags:
         environ["XLA_FLAGS"] = f"{flags} {choice.process_flags}".strip()
     return True
-
-
-def hint_cpu_settings() -> None:
-    """Warn once per process when training runs on the CPU without the allocator
-    settings (not after `EQTRAIN_CPU_TUNING=0`: the user chose)."""
-    if _state["hinted"] or allocator_tuned() or _opted_out(os.environ):
-        return
-    if _glibc() is None:
-        return
-    import jax
-
-    if jax.default_backend() != "cpu":
-        return
-    _state["hinted"] = True
-    warnings.warn(
-        "training on the CPU with glibc's default allocator thresholds: call "
-        "`eqtrain.tune_cpu()` at the start of the script (before any JAX "
-        "computation), or set MALLOC_MMAP_THRESHOLD_=4000000000 "
-        "MALLOC_TRIM_THRESHOLD_=4000000000 MALLOC_ARENA_MAX=1: up to 25-30% "
-        "faster steps for models with many small arrays, about 20% for a step "
-        "whose temporaries outgrow 64 MB (docs/performance.md, 'CPU settings'). "
-        "The `eqtrain` command does it itself.",
-        CPUPerformanceWarning,
-        stacklevel=3,
-    )
 
 
 RETRY_AFTER_DAYS = 7
@@ -363,12 +306,12 @@ LOCK_WAIT_S = 900
 (`_measuring`): the probes' own timeouts end a measurement before."""
 
 
-def _default(reason: str) -> _cpu_tuning.Choice:
-    name = _cpu_tuning.FALLBACK
-    return _cpu_tuning.Choice(name, _cpu_tuning.CANDIDATES[name], False, {}, reason)
+def _default(reason: str) -> _tuning.Choice:
+    name = _tuning.FALLBACK
+    return _tuning.Choice(name, _tuning.CANDIDATES[name], False, {}, reason)
 
 
-def _failed(entry: Mapping[str, Any], path: Path) -> _cpu_tuning.Choice | None:
+def _failed(entry: Mapping[str, Any], path: Path) -> _tuning.Choice | None:
     """`FALLBACK` for a cached failure of the probe younger than
     `RETRY_AFTER_DAYS`, or a cached disagreement of its rounds younger than
     `NOISY_RETRY_DAYS` (else None: measure again)."""
@@ -392,10 +335,10 @@ def _failed(entry: Mapping[str, Any], path: Path) -> _cpu_tuning.Choice | None:
     )
 
 
-def _cached(path: Path, key: str) -> _cpu_tuning.Choice | None:
+def _cached(path: Path, key: str) -> _tuning.Choice | None:
     """The cache's choice (or cached failure) for `key`, if any."""
-    cached = _cpu_tuning.read_cache(path).get(key) or {}
-    return _failed(cached, path) or _cpu_tuning.from_entry(cached, "cached")
+    cached = _tuning.read_cache(path).get(key) or {}
+    return _failed(cached, path) or _tuning.from_entry(cached, "cached")
 
 
 @contextlib.contextmanager
@@ -442,20 +385,20 @@ def _measuring(
 
 def choose(
     *,
-    run: _cpu_tuning.Probe | None = None,
+    run: _tuning.Probe | None = None,
     say: Callable[[str], None] | None = None,
     measure_now: bool = True,
     threads: Sequence[int] = (),
-) -> _cpu_tuning.Choice:
+) -> _tuning.Choice:
     """The cached choice for this processor, or a new one measured (`run`;
-    `threads`: thread counts to measure too, `_cpu_tuning.thread_counts`) and cached;
+    `threads`: thread counts to measure too, `_tuning.thread_counts`) and cached;
     `FALLBACK` if measuring fails (the failure is cached too, so that a probe
     that cannot run here is not paid for at every start: it is tried again
     after `RETRY_AFTER_DAYS`), or without a cached choice when `measure_now`
     is False (a command that trains nothing should not wait for the probe).
     One process of a machine measures at a time (`_measuring`)."""
-    path, cpu = _cpu_tuning.cache_path(), _cpu_tuning.processor()
-    key = _cpu_tuning.cache_key(cpu, threads=threads)
+    path, cpu = _tuning.cache_path(), _tuning.processor()
+    key = _tuning.cache_key(cpu, threads=threads)
     found = _cached(path, key)
     if found is not None:
         return found
@@ -474,31 +417,27 @@ def _measure_and_cache(
     path: Path,
     key: str,
     cpu: Mapping[str, Any],
-    run: _cpu_tuning.Probe | None,
+    run: _tuning.Probe | None,
     say: Callable[[str], None] | None,
     threads: Sequence[int],
-) -> _cpu_tuning.Choice:
+) -> _tuning.Choice:
     if say is not None:
         say(f"eqtrain: measuring the CPU settings for this processor, once "
             f"(a minute or two; cached in {path})")  # fmt: skip
     today = time.strftime("%Y-%m-%d")
     try:
-        choice = _cpu_tuning.measure(cpu, run, threads)
+        choice = _tuning.measure(cpu, run, threads)
     except (OSError, RuntimeError, ValueError, subprocess.SubprocessError) as e:
         # cached too: not measured again at every start
-        _cpu_tuning.write_cache(
-            path, key, {"failed": str(e)[:300], "measured_at": today}
-        )
+        _tuning.write_cache(path, key, {"failed": str(e)[:300], "measured_at": today})
         return _default(f"the probe failed: {e}")
     if choice.source == "noisy":  # nothing chosen: tried again later
-        times = _cpu_tuning.spreads(choice.measured)
+        times = _tuning.spreads(choice.measured)
         noisy = {"noisy": times, "measured": choice.measured, "measured_at": today}
-        _cpu_tuning.write_cache(path, key, noisy)
+        _tuning.write_cache(path, key, noisy)
         return _failed(noisy, path) or _default(
             f"the probe's rounds disagreed: {times}"
         )
     entry = dataclasses.asdict(choice) | {"measured_at": today}
-    _cpu_tuning.write_cache(
-        path, key, {k: v for k, v in entry.items() if k != "source"}
-    )
+    _tuning.write_cache(path, key, {k: v for k, v in entry.items() if k != "source"})
     return choice

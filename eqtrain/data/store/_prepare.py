@@ -11,11 +11,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ._builder import Builder, python_documents
-from ._corpus import stdlib_files
-from ._encoder import tokenizer_key, tokenizer_spec
-from ._errors import PathLike
-from ._files import (
+from .._corpus import stdlib_files
+from .._errors import PathLike
+from .._files import (
     BuildLock,
     default_cache,
     json_sha256,
@@ -23,9 +21,7 @@ from ._files import (
     remove_unfinished,
     write_json,
 )
-from ._parts import FORMAT, texts_key
-from ._store import Store
-from ._stream import (
+from .._stream import (
     Memo,
     check_counts,
     fingerprint as path_fingerprint,
@@ -33,6 +29,10 @@ from ._stream import (
     plan,
     plan_files,
 )
+from ._builder import Builder, python_documents
+from ._encoder import tokenizer_key, tokenizer_spec
+from ._parts import FORMAT, texts_key
+from ._store import Store
 
 
 PIECE_BYTES = 16 << 20

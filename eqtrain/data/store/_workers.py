@@ -1,5 +1,5 @@
 """Where a store's parts are built: in this process, in worker processes
-(`python -m eqtrain.data._worker`, fed JSON tasks) or as Ray tasks. Each way
+(`python -m eqtrain.data.store._worker`, fed JSON tasks) or as Ray tasks. Each way
 yields the same ledger entries (a part's bytes never depend on where it was built).
 """
 
@@ -17,8 +17,8 @@ from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
+from .._errors import DataError
 from ._encoder import Encoder, tokenizer_key
-from ._errors import DataError
 from ._parts import Task, build_part
 
 
@@ -96,7 +96,7 @@ def _worker_environment() -> dict[str, str]:
 
 
 class WorkerPool:
-    """`workers` processes running `python -m eqtrain.data._worker`, fed JSON
+    """`workers` processes running `python -m eqtrain.data.store._worker`, fed JSON
     tasks on standard input (one thread per process waits on its answers)."""
 
     def __init__(self, workers: int, spec: Mapping[str, Any]):
@@ -113,7 +113,7 @@ class WorkerPool:
     def _start(self, env: Mapping[str, str]) -> subprocess.Popen:
         """A worker process, told the tokenizer spec."""
         process = subprocess.Popen(
-            [sys.executable, "-m", "eqtrain.data._worker"],
+            [sys.executable, "-m", "eqtrain.data.store._worker"],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             env=env,

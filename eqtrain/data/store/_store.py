@@ -26,9 +26,9 @@ from typing import Any
 
 import numpy as np
 
+from .._errors import DataError, PathLike, positive, too_few_tokens
+from .._files import BuildLock
 from ._encoder import Encoder
-from ._errors import DataError, PathLike, positive, too_few_tokens
-from ._files import BuildLock
 from ._parts import BLOCK, FORMAT, Task, build_part, part_paths
 
 
