@@ -278,7 +278,7 @@ def _pieces(config: Config, recorded: Path | None) -> Job:
         template=None if kind == "lm" else _resolve.chat_template(config, source),
         lora=_resolve.lora_spec(config) if lora_on(config) else None,
         vocab_size=None if padded == vocab else vocab,
-        grpo=_grpo.Online(rewards=_grpo.rewards_of(config)) if kind == "grpo" else None,
+        grpo=_grpo.Online() if kind == "grpo" else None,
     )
 
 

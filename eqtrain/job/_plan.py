@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from ..config import Config
-from . import _build, _place, _rows, _samples
+from . import _build, _grpo, _place, _rows, _samples
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,6 +28,8 @@ def plan(config: Config, *, recorded: Path | None = None) -> Plan:
     it on the mesh: every check that can fail does so here, before any
     compilation."""
     job = _build.build(config, recorded=recorded)
+    if job.grpo is not None:  # task.rewards' functions imported: they must be
+        job.grpo.rewards = _grpo.rewards_of(config)
     _place.check_sequence(job)
     placed = _place.placement(job)  # the mesh and the batch split: before any data
     samples = _samples.prompts_of(job)  # log.samples: read and tokenized
