@@ -3,9 +3,9 @@ elements each, which XLA:CPU runs fused and vectorised.
 
 XLA:CPU rewrites a reduction over more than 32 elements into a `reduce-window`
 of 32 and a reduction of the windows, for a sum's accuracy. That
-`reduce-window` runs on its own, unfused and unvectorised: the row max of a
-`[4, 4, 256, 1024]` score block took 2.4-2.9 ms on processor B, a pass as slow
-as the softmax around it. A reduction over at most 32 elements is left as it
+`reduce-window` runs on its own, unfused and unvectorised: the row max of an
+attention score block becomes a pass over memory of its own, as costly as the
+softmax around it. A reduction over at most 32 elements is left as it
 is and takes its elementwise producer in (the mask and scale before a max, the
 square before a norm's sum).
 
@@ -21,11 +21,11 @@ The start values are arrays: `lax.reduce` would turn a Python `-0.0` into a
 plain sum that starts from 0. A factor past 32 with no divisor up to 32 (a
 prime) is reduced as it is, and XLA rewrites that one.
 
-This holds where XLA:CPU runs reductions itself: under `eqtrain.cpu.tune_cpu`'s
-settings on processor B (`--xla_cpu_experimental_ynn_fusion_type=`, empty).
-With XLA's default settings YNNPACK takes a long reduction whole, faster than
-the pieces (a `[4, 4, 256, 1024]` row max: 1.2 ms whole, 1.8 ms in pieces).
-So the pieces are used only where a compiled 1,024-wide row max shows the
+This holds where XLA:CPU runs reductions itself, as with Eigen's products
+(`--xla_cpu_experimental_ynn_fusion_type=`, empty). With XLA's default
+settings YNNPACK takes a long reduction whole, faster than the pieces
+(`benchmarks/attention.py` compares them). So the pieces are used only where
+a compiled 1,024-wide row max shows the
 rewrite (`windowed`, asked once per process); elsewhere, and on other
 backends, `row_sum` and `row_max` are `jnp.sum` and `jnp.max`.
 

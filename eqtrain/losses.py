@@ -44,7 +44,7 @@ def _token_cross_entropy(
     One max serves both the stable log-sum-exp and the accuracy: "correct" is
     `target logit == max logit` held by no other class. A tie for the max is not
     correct: a collapsed model with uniform logits must not report accuracy 1.
-    An `argmax` instead cost ~3% of a small Llama's training step on CPU.
+    An `argmax` instead would be one more pass over the logits.
     """
     logits = logits.astype(jnp.float32)
     top = lax.stop_gradient(row_max(logits))

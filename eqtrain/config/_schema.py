@@ -56,9 +56,9 @@ OPTIMIZERS = ("adamw", "adam", "lion", "sgd", "adafactor")
 SCHEDULES = ("constant", "linear", "cosine", "wsd")
 DTYPES = ("float32", "bfloat16", "float16")
 TRAIN_DTYPES = ("float32", "bfloat16")  # float16 would need loss scaling
-# `model.loss_chunk = "auto"` chunks the loss from this vocabulary size on (see
-# docs/performance.md, "Memory", for the measurement behind it: at 2048 ids the
-# chunked loss was 0.79x the plain one's time, at 259 ids 1.56x).
+# `model.loss_chunk = "auto"` chunks the loss from this vocabulary size on: below
+# it the chunks' overhead outweighs the logits they never hold (docs/performance.md,
+# "Memory", measures it).
 LOSS_CHUNK_MIN_VOCAB = 2048
 AUTO_LOSS_CHUNK = 256
 SEQUENCE_SCHEMES = ("ulysses", "ring", "all_gather")  # = eqtrain.models.SCHEMES

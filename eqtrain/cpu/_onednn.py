@@ -3,9 +3,8 @@ keeps them from taking the process down.
 
 With `xla_cpu_use_onednn` and the `dot` fusion type, XLA:CPU gives each matrix
 product to oneDNN, fused with the elementwise operations around it
-(`__onednn_fusion`); on processor B that trained the Llama step of
-`benchmarks/models.py` 10-15% faster than Eigen's products
-(docs/performance.md, "oneDNN's products"). But this jaxlib (0.10.2) grows a
+(`__onednn_fusion`), which can train faster than Eigen's products
+(docs/performance.md, "oneDNN's products"). But jaxlib 0.10 grows a
 fusion as far as its operations allow, and oneDNN fails to compile one with a
 product and five or more of them (e.g. `x @ y + a + b + c + d + e`, or the
 causal blocks' key gradients summed over eight blocks), or one whose
@@ -22,11 +21,11 @@ runs.
 
 The same jaxlib also computes some fusions wrongly, silently. XLA gives a
 fusion's result the memory of an elementwise input that dies there, and
-oneDNN, not told, reads that input after writing over it (as the size of the
-errors suggests): `(x @ y) * sin(z)` and `(x @ y) * 0.125` over 1,024-long products came
-out 40-700x off (measured); `(x @ y) * sin(z) + w` with any length. Only an
-input that oneDNN adds (`x @ y + sin(z)`, its "sum" operation, made to
-accumulate into the result) computed right in every case measured. So the
+oneDNN, not told, reads that input after writing over it: `(x @ y) * sin(z)`
+and `(x @ y) * 0.125` over long products come out far off, `(x @ y) * sin(z) +
+w` with any length (`tests/test_onednn.py`). Only an input that oneDNN adds
+(`x @ y + sin(z)`, its "sum" operation, made to accumulate into the result)
+computed right in every case tested. So the
 check also reads the compilation's buffer assignment (XLA's dump of it,
 `compile_checked`) and refuses a step in which a oneDNN fusion shares memory
 with an input that anything but an addition reads (`shared_buffer`).
@@ -62,7 +61,7 @@ def compiler_options() -> dict[str, Any]:
 
 MAX_FUSED = 3
 """Elementwise operations a oneDNN fusion may hold after its product (a
-product with four additions ran in this jaxlib, five aborted; later XLA fuses
+product with four additions ran in jaxlib 0.10, five aborted; later XLA fuses
 at most four operations in all)."""
 
 _COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
@@ -115,7 +114,7 @@ def _unsafe(body: list[Instruction]) -> str | None:
     one product of two parameters followed by a chain of at most `MAX_FUSED`
     operations, each taking the previous one's result and otherwise only
     parameters. (An operation on a side branch, e.g. `x @ y + z * 2 + w`,
-    aborted this jaxlib with as few as three operations.)"""
+    aborted jaxlib 0.10 with as few as three operations.)"""
     params = {name for name, opcode, _ in body if opcode == "parameter"}
     ops = [(n, o, a) for n, o, a in body if o != "parameter"]
     if not ops or ops[0][1] != "dot" or not set(ops[0][2]) <= params:
@@ -153,7 +152,7 @@ def shared_buffer(hlo: str, assignment: str) -> str | None:
     its inputs, other than an input only added to the product, by the
     compilation's buffer assignment (`assignment`: XLA's
     `*buffer-assignment*.txt` dumps, concatenated), described; None if none
-    does. Such a fusion computes wrong results in this jaxlib (see above)."""
+    does. Such a fusion computes wrong results in jaxlib 0.10 (see above)."""
     calls = dict(_fusion_calls(hlo))  # fusion -> its fused computation
     fused = set(calls)
     if not fused:
@@ -285,7 +284,7 @@ class StepOptions:
     def check(self, jitted: Any, options: Mapping[str, Any], *args: Any) -> bool:
         hlo, bad = compile_checked(jitted, options["xla_dump_to"], *args)
         if bad is not None:
-            self.note = f"eigen: a oneDNN fusion this jaxlib cannot run ({bad})"
+            self.note = f"eigen: a oneDNN fusion jaxlib cannot run ({bad})"
             return False
         if uses_onednn(hlo):
             self.note = "onednn"

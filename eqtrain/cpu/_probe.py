@@ -6,10 +6,9 @@ The workload is eqtrain's own: `eqtrain.models.Llama` at the sizes of
 `benchmarks/models.py` (4 layers of 256 wide, 4 heads, an MLP of 704, a
 vocabulary of 2048) trained by `eqtrain.train_step` with AdamW on 16 rows of
 256 tokens, the step `docs/performance.md`'s figures are about. A plain-JAX
-decoder of the same shapes ranked the candidates differently from this step
-(Eigen's products 3-5% ahead on it; XLA's own ahead on the Llama in two
-rounds of three of `benchmarks/cpu_settings.py`, on processor B), so the
-probe runs the real step. It runs once with the layers
+decoder of the same shapes can rank the candidates differently from this
+step (`benchmarks/cpu_settings.py`), so the probe runs the real step. It runs
+once with the layers
 scanned and once unrolled, and prints one JSON line,
 `{"scanned_ms": ..., "unrolled_ms": ...}` (the median step of `--steps`, after
 two untimed). It never calls `tune_cpu` itself: the caller sets `XLA_FLAGS`

@@ -15,7 +15,7 @@ Two settings, both for this process only:
   arenas, whose heaps are at most 64 MB, so glibc maps every such buffer
   afresh (`mmap`, whatever the thresholds) and the step pays a page fault for
   each of its pages; in the one main arena it stays in the heap
-  (docs/performance.md, "Per processor").
+  (docs/performance.md, "One glibc arena: `benchmarks/page_faults.py`").
 - **XLA's flags**, chosen by measurement (`_tuning`): Eigen's products
   (`--xla_cpu_experimental_ynn_fusion_type=`, empty: split over all of XLA's
   threads, where YNNPACK fusions run each product on one thread), XLA's own
@@ -126,7 +126,7 @@ XLA_OWN_PRODUCTS = {
         "LIBRARY_FUSION_TYPE_DOT,LIBRARY_FUSION_TYPE_REDUCE"
     ),
 }
-"""XLA's default YNNPACK fusions in this jaxlib (products and reductions), as
+"""XLA's default YNNPACK fusions in jaxlib 0.10 (products and reductions), as
 one compilation's options: they undo `EIGEN_DOTS` for that compilation
 (`tests/test_generate_cpu.py` compiles generation both ways and compares)."""
 
@@ -135,7 +135,7 @@ def generation_options() -> dict[str, str]:
     """XLA options for compiling generation on the CPU: XLA's own products
     (`XLA_OWN_PRODUCTS`) where `tune_cpu` put Eigen's into `XLA_FLAGS`, else
     none. `tune_cpu` measured a training step; a decode step multiplies one
-    row per prompt, and there YNNPACK's products ran 3x faster than Eigen's
+    row per prompt, and there YNNPACK's products are faster than Eigen's
     (docs/generation.md). Flags the user set stand (`tune_cpu` then chose
     nothing)."""
     choice = _state["choice"]
@@ -232,7 +232,7 @@ def tune_cpu(
     f32 tolerances), so a CPU result changes in its last bits with the flags.
     `dots=False` leaves XLA's dots alone (the allocator only), as `eqtrain
     generate` does. Generation compiles with XLA's own products whatever was
-    chosen here (`generation_options`): its one-row-per-prompt products ran 3x
+    chosen here (`generation_options`): its one-row-per-prompt products are
     faster with YNNPACK than with Eigen (docs/generation.md).
 
     Example:

@@ -24,7 +24,7 @@ each candidate's median and range over the rounds.
 measuring (`pinned`): `fixed` (the default's), or a candidate with
 `scanned`/`unrolled` and `threads=N`, e.g. `eigen_dots_512,scanned`. That
 is how oneDNN's products are had (`onednn_dots`, never chosen by
-measurement: this jaxlib computes some of its fusions wrongly, silently;
+measurement: jaxlib 0.10 computes some of its fusions wrongly, silently;
 `eqtrain.cpu._onednn` checks each compiled step), and how the processes of a
 multi-process run share one setting (the Ray launcher passes its own).
 
@@ -92,7 +92,7 @@ had by naming it (`pinned`), only where oneDNN may run its AVX-512 kernels
 (`ONEDNN_ISA`, `ONEDNN_ISA_ENV`) and with a verified jaxlib
 (`ONEDNN_JAXLIB`)."""
 AUTOMATIC = ("eigen_dots", "xla_default", "eigen_dots_512")
-"""The flag sets measurement may choose. Not `onednn_dots`: this jaxlib's
+"""The flag sets measurement may choose. Not `onednn_dots`: jaxlib 0.10's
 oneDNN fusions can compute wrongly without a sign (a fusion writing over an
 input it reads later, `eqtrain.cpu._onednn`), and a setting that a known defect
 can make silently wrong is had only by asking for it."""
@@ -105,10 +105,9 @@ ONEDNN_ISA = ("avx512f", "avx512bw", "avx512vl")
 kernels (`brg_matmul:avx512_core`, which needs these three): there they
 train the Llama step as Eigen's do, to f32 rounding (`tests/test_onednn.py`).
 Its older kernels (`gemm:jit:f32`, chosen on AVX2-only processors or under
-`ONEDNN_MAX_CPU_ISA=AVX2`) corrupt the heap in this jaxlib's fusions. On
-processor B held to AVX2, the tests' Llama at 1,024 tokens died in 3 of 4
-runs of three steps (`double free or corruption`, a segmentation fault), and
-its forward pass alone aborted or hung; at full ISA 6 of 6 runs matched."""
+`ONEDNN_MAX_CPU_ISA=AVX2`) corrupt the heap in jaxlib 0.10's fusions: the
+tests' Llama at 1,024 tokens, held to AVX2, dies (`double free or
+corruption`, a segmentation fault) where the AVX-512 kernels match."""
 ONEDNN_ISA_ENV = ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA")
 """The variables that hold oneDNN below the processor's ISA. A value that
 still allows `avx512_core` (`ONEDNN_ISA_ALLOWED`) keeps oneDNN a candidate;
@@ -117,8 +116,8 @@ ONEDNN_ISA_ALLOWED = ("ALL", "DEFAULT", "AVX512_CORE", "AVX10")
 ONEDNN_ISA_CAP = "AVX512_CORE_BF16"
 """`ONEDNN_MAX_CPU_ISA` wherever eqtrain runs oneDNN's products (its probe,
 and a process that chose them) and the user set no cap: oneDNN stays on the
-`avx512_core` kernels verified on processor B (whose own ISA this is), never
-the AMX or AVX10 ones of newer processors, which no test has run. For f32
+`avx512_core` kernels the tests verified, never the AMX or AVX10 ones of newer
+processors, which no test has run. For f32
 products it changes nothing (oneDNN runs AMX for bf16 and int8 only)."""
 ONEDNN_JAXLIB = ("0.10.",)
 """The jaxlib versions whose oneDNN fusions `eqtrain.cpu._onednn`'s check was
@@ -143,7 +142,7 @@ ROUNDS = 3
 STEPS = 3
 """Steps per form in a round (their median is the round's time)."""
 PROBE_MEMORY = 3 * 2**30
-"""What one probe process may hold (about 2.2 GB measured: the JAX runtime,
+"""What one probe process may hold, with room to spare (the JAX runtime,
 two compiled steps, and glibc keeping freed memory, as `tune_cpu`'s
 allocator settings make it). `Probes` keeps only as many alive as the
 available memory holds this often; the others are stopped and started
@@ -364,7 +363,7 @@ class Choice:
 
 MARGIN = 0.05
 """How much faster a candidate must be than the default (`FALLBACK`, unrolled
-layers) to be chosen: one probe's step varies by 3-5% on a shared 2-core
+layers) to be chosen: one probe's step varies by a few percent on a shared
 machine, and a choice made on noise would flip from one measurement to the
 next."""
 

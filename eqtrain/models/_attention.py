@@ -211,13 +211,13 @@ def _softmax_attention(
     - Every product stands alone. What follows one is first a `where` of the
       mask, which oneDNN's fusions do not take in, and only then the scale
       (forward) or the softmax's gradient: XLA would fuse a multiplication or
-      subtraction into the product, and oneDNN's fusions of this jaxlib
-      compute one wrongly when its other operand (a broadcast scale) shares
+      subtraction into the product, and oneDNN's fusions in the jaxlibs
+      `eqtrain.cpu` verified compute one wrongly when its other operand (a
+      broadcast scale) shares
       the result's memory (`eqtrain.cpu._onednn`).
     - The keys' and values' gradients come out as `[d, k]` (`q^T ds`,
       `do^T p`), reading the large `[q, k]` operand as it lies, where
-      autodiff's `ds^T q` first writes `ds` transposed (4 of a layer's 38 ms
-      at 16 x 256 on processor B).
+      autodiff's `ds^T q` first writes `ds` transposed.
     """
     return _softmax_forward(q, k, v, keep, scale)[0]
 
@@ -327,9 +327,8 @@ def causal_block_size(seq: int) -> int:
 
     Smaller blocks skip more of the masked scores, larger ones copy fewer keys:
     each block reads the keys before it as one slice, and the slices add up to
-    about `seq * blocks / 2` rows. On processor B a Llama step ran 3% faster
-    with 256-query blocks than with 128 at 1,024 and 2,048 tokens, and 2%
-    slower at 512 (`docs/performance.md`)."""
+    about `seq * blocks / 2` rows: 256-query blocks pay off from 1,024 tokens,
+    128 below (`docs/performance.md`, "Flash attention on the CPU")."""
     base = CAUSAL_BLOCK_MIN if seq <= CAUSAL_BLOCK_SHORT else CAUSAL_BLOCK_LONG
     per_block = -(-seq // CAUSAL_BLOCKS_MAX)
     return max(base, -(-per_block // 8) * 8)
@@ -350,8 +349,8 @@ def causal_blocks(
     `i - sliding_window + 1` with a window). The keys after a block, masked out
     anyway, are never multiplied, so the work (scores, softmax and their
     backward) is about half of the full `[seq, seq]` one, in pieces that stay in
-    cache: on the CPU a layer's attention runs 1.3x (256 tokens) to 3x (4096)
-    faster (docs/performance.md). The heads are moved in front once
+    cache, faster on the CPU the longer the sequence (docs/performance.md).
+    The heads are moved in front once
     (`heads_first`), not per block: XLA's batched products on the CPU want them
     there, and each block would otherwise copy its queries and every key and
     value it sees. Plain autodiff, nothing recomputed; the blocks are unrolled
@@ -389,8 +388,8 @@ def key_ranges(
     causal block sees. Its gradient adds each range's cotangent into its own
     range of one array, in order, where autodiff pads every cotangent to the
     whole sequence and adds them all: half the additions at 1,024 tokens, and
-    no chain of additions after one product, which oneDNN's fusions of this
-    jaxlib abort on (`eqtrain.cpu._onednn`).
+    no chain of additions after one product, which oneDNN's fusions of the
+    jaxlibs `eqtrain.cpu` verified abort on (`eqtrain.cpu._onednn`).
 
     `x` passes an optimization barrier first, so XLA takes it as it lies (heads
     first) and does not fold the transpose that made it into the products: it

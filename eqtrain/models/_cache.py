@@ -4,7 +4,7 @@ A `KVCache` holds every layer's keys and values for a batch of rows in
 preallocated arrays `[layers, rows, kv_heads, length, head_dim]`: the shapes
 never change while tokens are added, so a decode loop compiles once. Each head's
 slots are contiguous, so attention reads them in place (with the slots before
-the heads, every decode step transposed each layer's cache: 1.5-2x slower). Rows are
+the heads, every decode step transposed each layer's cache). Rows are
 left-padded: row `r`'s first `pads[r]` slots hold padding, and every row writes
 its next token into the same slot, whose rotary (or learned) position is
 `slot - pads[r]`.

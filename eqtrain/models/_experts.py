@@ -8,8 +8,8 @@ dispatch, `MOE_IMPLS`), on one device; with one layer's router statistics.
   pads less than one block. The default on CPU and GPU.
 - `"ragged"` (dropless): the sorted rows through `jax.lax.ragged_dot`, XLA's
   grouped matrix product. The default on TPU. XLA:CPU computes every group
-  densely, and on an H200 (jax 0.11.2) one `ragged_dot` ran 6.2x the time of a
-  dense product of the same rows (docs/performance.md, "Mixture of experts").
+  densely, and on GPUs XLA's `ragged_dot` is slower than one dense product of
+  the same rows (docs/performance.md, "Mixture of experts").
 - `"dense"`: every expert on every token, weighted by the routing (the
   reference; `experts / k` times the FLOPs).
 - with a `capacity_factor`: each expert takes at most
@@ -242,9 +242,8 @@ def sorted_ffn(experts: Experts, xs: Array, sizes: Array, *, ragged: bool) -> Ar
 def block_size(rows: int, groups: int) -> int:
     """Rows per block of `Blocks`: the power of two nearest below half an
     expert's even share, between 8 and 512. Larger blocks are faster products
-    (on 2 CPU cores, [512, 256] @ [256, 256] blocks ran 1.9x the rows per second
-    of [64, 256] ones) but pad more: each expert's last block is on average
-    half empty."""
+    (fewer, larger library calls) but pad more: each expert's last block is on
+    average half empty."""
     share = max(1, rows // max(1, groups) // 2)
     return int(min(512, max(8, 2 ** int(math.log2(share)))))
 

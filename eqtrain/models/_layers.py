@@ -61,9 +61,8 @@ def _broadcast_last(v: Array, ndim: int) -> Array:
 class Linear(eqx.Module):
     """`y = x @ weight.T + bias`, with `weight: [out, in]` as in `torch.nn.Linear`.
 
-    Storing PyTorch's layout makes a Hugging Face export an identity map, and on CPU
-    it measured ~8% faster for a full training step than `[in, out]` (see the
-    models documentation, "Performance").
+    Storing PyTorch's layout makes a Hugging Face export an identity map, and
+    XLA:CPU trains it faster than `[in, out]` (docs/models.md, "Performance").
     """
 
     weight: Float[Array, "out_features in_features"]
@@ -109,8 +108,8 @@ def fused_linears(
 
     One product instead of two or three is faster on the CPU, and more than that
     at power-of-two widths: XLA:CPU writes the separate products' gradient
-    transposed for their weight gradients, which at widths like 1024 cost 2x the
-    MLP's backward pass (docs/performance.md, "CPU throughput"). A layer gives the
+    transposed for their weight gradients, a pass over the hidden layer each
+    (docs/performance.md, "CPU throughput"). A layer gives the
     same result fused or not whether it is a `Linear` or a `LoRALinear` (so an
     adapted model with its adapters off equals its base model bit for bit)."""
     dtypes = {layer.weight.dtype for layer in layers}
@@ -336,10 +335,9 @@ def gated(act: str, gate: Array, up: Array) -> Array:
 def _silu_gate(gate: Array, up: Array) -> Array:
     """`silu(gate) * up` with a gradient of its own: autodiff keeps the sigmoid
     and `silu(gate)` for the backward pass, so the forward writes the hidden
-    layer's size three times (`[tokens, intermediate]` each: 31 of a 16 x 256
-    step's thread-ms on processor B); this one keeps only `gate` and `up`, as
-    PyTorch's `silu_backward` does (XLA still writes the sigmoid once, shared
-    by both passes: 20 thread-ms)."""
+    layer's size three times (`[tokens, intermediate]` each); this one keeps
+    only `gate` and `up`, as PyTorch's `silu_backward` does (XLA still writes
+    the sigmoid once, shared by both passes)."""
     return gate * jax.nn.sigmoid(gate) * up
 
 

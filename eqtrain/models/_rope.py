@@ -421,8 +421,8 @@ def stored_once(*tables: Array) -> tuple[Array, ...]:
     XLA:CPU fuses an elementwise value into every fusion that reads it, and
     counts cos and sin as cheap: unrolled layers then evaluate the tables'
     cos and sin again for every element of every query and key copy that
-    reads them (16 times the table per copy for 4 rows of 4 heads, about 8% of
-    a Llama step at 4 x 1,024 tokens on processor B, `docs/performance.md`).
+    reads them (once per row and head that reads the table,
+    `docs/performance.md`).
     A matrix product is a library call XLA cannot fuse into, so the tables go
     through one with the identity, in full precision: every value is kept
     exactly (`x * 1` plus zeros). The product takes them 8 values at a time

@@ -407,7 +407,7 @@ def tensor_parallel_rules() -> list[tuple[str, PartitionSpec]]:
     `fsdp` marks where FSDP goes when it applies (see `eqtrain.sharding.Rules`):
     the other dimension of each matrix, and for the embedding and the head the
     vocab too (on `hidden`, the lookup's output would inherit `fsdp` and clash with
-    the batch's `fsdp`: XLA then reshuffles activations, ~3x the communication).
+    the batch's `fsdp`: XLA then reshuffles activations, far more communication).
     """
     col, row = (
         PartitionSpec("layers", "tensor", "fsdp"),

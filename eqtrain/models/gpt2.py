@@ -475,7 +475,7 @@ def tensor_parallel_rules() -> list[tuple[str, PartitionSpec]]:
     dimension contiguously does not give each device whole heads of each of q, k
     and v: XLA regathers the q/k/v activations once per layer (exact, at the cost
     of an all-gather). It is split anyway: replicating it over `tensor` instead
-    measured ~20% more FLOPs per device and keeps its weights and optimizer state
+    repeats its FLOPs on every `tensor` device and keeps its weights and optimizer state
     whole on every `tensor` device (see docs/sharding.md). To replicate it, pass
     `extra=[(r"attn\\.c_attn\\.", PartitionSpec("layers"))]` to `rules_for`.
     """
