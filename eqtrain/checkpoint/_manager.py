@@ -148,7 +148,7 @@ class Checkpointer:
         }
         self._pending: int | None = None  # the step being written in the background
         self._manager: ocp.CheckpointManager | None = None
-        self._open()  # starting Orbax's manager takes ~0.4 s: not inside the loop
+        self._open()  # starting Orbax's manager is slow: not inside the loop
         self._last_step: int | None = None
         self._last_time = time.monotonic()
         self.blocking_times: list[float] = []

@@ -123,7 +123,7 @@ ONEDNN_JAXLIB = ("0.10.",)
 """The jaxlib versions whose oneDNN fusions `eqtrain.cpu._onednn`'s check was
 verified against, shape by shape (`tests/test_onednn.py`): which fusions
 abort the process and which compute wrongly change between versions.
-jaxlib 0.11.2 (on an Intel Xeon with AVX-512) aborted on `c - x @ y`, which
+jaxlib 0.11.2 aborts on `c - x @ y`, which
 0.10.2 runs; a new version is added here once the tests pass on it."""
 FALLBACK = "eigen_dots"  # what is applied when nothing can be measured
 CACHE_VERSION = 4  # 4: interleaved rounds, each candidate's times kept
