@@ -4,7 +4,6 @@ Model leaves follow the rules; the optimizer state and the EMA follow the parame
 they track; counters and keys are replicated. Builds on `_rules.py`.
 """
 
-import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -65,16 +64,6 @@ def _params_like(node: Any, params: Any) -> bool:
     )
 
 
-def _like_params(node: Any, params_sh: Any) -> Any:
-    """The parameters' shardings at the array leaves of a parameter-shaped `node`."""
-    return jtu.tree_map(
-        lambda x, sharding: sharding if is_arraylike(x) else None,
-        node,
-        params_sh,
-        is_leaf=_is_hole,
-    )
-
-
 def _opt_shardings(
     opt_state: Any,
     params: Any,
@@ -83,9 +72,19 @@ def _opt_shardings(
     optimizer: optax.GradientTransformation | None,
 ) -> Any:
     """Shardings of an optimizer state: parameter-shaped parts like the parameters,
-    everything else (counters, scalars) replicated."""
+    everything else (counters, scalars) replicated. Without the optimizer, the
+    parameter-shaped subtrees are recognised by their structure."""
     if optimizer is None:
-        return _opt_by_structure(opt_state, params, params_sh, replicated)
+        like = lambda node: _params_like(node, params)
+        as_params = lambda node: jtu.tree_map(
+            lambda x, sharding: sharding if is_arraylike(x) else None,
+            node, params_sh, is_leaf=_is_hole,
+        )  # fmt: skip
+        return jtu.tree_map(
+            lambda node: as_params(node) if like(node) else _if_array(node, replicated),
+            opt_state,
+            is_leaf=like,
+        )
     return optax.tree_map_params(
         optimizer,
         lambda x, sharding: _like_param(x, sharding, replicated),
@@ -117,21 +116,6 @@ def _fits(sharding: Any, shape: tuple[int, ...]) -> bool:
     except (ValueError, TypeError):
         return False
     return True
-
-
-def _opt_by_structure(
-    opt_state: Any, params: Any, params_sh: Any, replicated: NamedSharding
-) -> Any:
-    """`_opt_shardings` without the optimizer: parameter-shaped subtrees are
-    recognised by their structure."""
-    like = lambda node: _params_like(node, params)
-    return jtu.tree_map(
-        lambda node: (
-            _like_params(node, params_sh) if like(node) else _if_array(node, replicated)
-        ),
-        opt_state,
-        is_leaf=like,
-    )
 
 
 def state_shardings(
@@ -169,53 +153,32 @@ def state_shardings(
         ConfigError: a rule does not fit a leaf (see `Rules.spec_for`).
     """
     rules = as_rules(rules)
+
+    def by_rules(fsdp: bool) -> Callable[[str, Any], NamedSharding]:
+        spec = lambda path, x: rules.spec_for(path, tuple(x.shape), mesh, fsdp=fsdp)
+        return lambda path, x: NamedSharding(mesh, spec(path, x))
+
     if not isinstance(state, TrainState):
-        return _map_arrays(_by_rules(rules, mesh, fsdp=True), state, "")
-    return _with_fields(state, _state_fields(state, mesh, rules, optimizer))
-
-
-def _with_fields(state: TrainState, fields: dict[str, Any]) -> Any:
-    """`state` with these fields replaced (by name)."""
+        return _map_arrays(by_rules(fsdp=True), state, "")
+    replicated = NamedSharding(mesh, PartitionSpec())
+    model_sh = _map_arrays(by_rules(fsdp=True), state.model, "model")
+    params_sh = eqx.filter(model_sh, state.trainable)
+    fields = {
+        "model": model_sh,
+        "opt_state": _opt_shardings(
+            state.opt_state, state.params, params_sh, replicated, optimizer
+        ),
+        **dict.fromkeys(("step", "key", "skipped"), replicated),  # counters, key
+    }
+    if state.model_state is not None:  # the rules alone: no FSDP pass
+        by = by_rules(fsdp=False)
+        fields["model_state"] = _map_arrays(by, state.model_state, "model_state")
+    if state.ema is not None:
+        fields["ema"] = params_sh
     names = list(fields)
     get = lambda s: [getattr(s, name) for name in names]
     values = [fields[name] for name in names]
     return eqx.tree_at(get, state, values, is_leaf=lambda x: x is None)
-
-
-def _by_rules(
-    rules: Rules, mesh: Mesh, *, fsdp: bool
-) -> Callable[[str, Any], NamedSharding]:
-    """`(path, leaf) -> NamedSharding` from the rules."""
-    return functools.partial(_rule_sharding, rules, mesh, fsdp)
-
-
-def _rule_sharding(
-    rules: Rules, mesh: Mesh, fsdp: bool, path: str, x: Any
-) -> NamedSharding:
-    return NamedSharding(mesh, rules.spec_for(path, tuple(x.shape), mesh, fsdp=fsdp))
-
-
-def _state_fields(
-    state: TrainState,
-    mesh: Mesh,
-    rules: Rules,
-    optimizer: optax.GradientTransformation | None,
-) -> dict[str, Any]:
-    """The shardings of a `TrainState`'s fields (see `state_shardings`), by name."""
-    replicated = NamedSharding(mesh, PartitionSpec())
-    model_sh = _map_arrays(_by_rules(rules, mesh, fsdp=True), state.model, "model")
-    params_sh = eqx.filter(model_sh, state.trainable)
-    opt_sh = _opt_shardings(
-        state.opt_state, state.params, params_sh, replicated, optimizer
-    )
-    fields = {"model": model_sh, "opt_state": opt_sh}
-    fields |= dict.fromkeys(("step", "key", "skipped"), replicated)  # counters, key
-    if state.model_state is not None:
-        by_rules = _by_rules(rules, mesh, fsdp=False)
-        fields["model_state"] = _map_arrays(by_rules, state.model_state, "model_state")
-    if state.ema is not None:
-        fields["ema"] = params_sh
-    return fields
 
 
 def _flat_shardings(tree: Any, shardings: Any) -> list[Sharding | None]:
