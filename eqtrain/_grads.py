@@ -3,6 +3,7 @@
 the loss and differentiates it. `value_and_grad(loss_fn)` makes one; `microbatched`
 and `psum_grads` wrap one and return another."""
 
+import inspect
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
@@ -14,7 +15,7 @@ import jax.random as jr
 import jax.tree_util as jtu
 from jaxtyping import Array, Float
 
-from ._errors import ConfigError
+from ._errors import ConfigError, StructureError
 from ._precision import Precision, as_precision
 from ._types import Batch, Key, LossFn
 
@@ -80,16 +81,92 @@ def cast(policy: Precision | None, model: Any, batch: Batch) -> tuple[Any, Any]:
     return policy.cast_model(model), policy.cast_inputs(batch)
 
 
+LOSS_CONTRACT = """\
+    def loss_fn(model, batch, key) -> (loss, metrics_dict):
+        ...
+        return loss, {}  # the loss a scalar; the metrics a dict of scalars"""
+
+STATEFUL_LOSS_CONTRACT = """\
+    def loss_fn(model, batch, key, *, model_state):  # -> (loss, metrics, new_state)
+        ...
+        return loss, {}, new_model_state"""
+
+
 def call_loss(
-    loss_fn: LossFn, model: Any, batch: Any, key: Key, model_state: Any
+    loss_fn: LossFn,
+    model: Any,
+    batch: Any,
+    key: Key,
+    model_state: Any,
+    caller: str = "value_and_grad",
 ) -> tuple[Any, Mapping[str, Any], Any]:
     """`(loss, aux, new_model_state)` of one batch. A stateless model (no
-    `model_state`) is called as `loss_fn(model, batch, key)`, its new state `None`."""
+    `model_state`) is called as `loss_fn(model, batch, key)`, its new state `None`.
+    What the loss returns is checked (while tracing: no cost at run time), and an
+    error names `caller`, the function the user gave `loss_fn` to."""
     if model_state is None:
-        loss, aux = loss_fn(model, batch, key)
+        loss, aux = _checked(loss_fn(model, batch, key), 2, loss_fn, caller)
         return loss, aux, None
-    loss, aux, new_state = loss_fn(model, batch, key, model_state=model_state)
+    _check_takes_model_state(loss_fn, caller)
+    out = loss_fn(model, batch, key, model_state=model_state)
+    loss, aux, new_state = _checked(out, 3, loss_fn, caller)
     return loss, aux, new_state
+
+
+def _loss_name(loss_fn: Any) -> str:
+    name = getattr(loss_fn, "__name__", "<lambda>")
+    return "the loss function" if name == "<lambda>" else f"`{name}`"
+
+
+def _described(value: Any) -> str:
+    if hasattr(value, "shape") and hasattr(value, "dtype"):
+        return f"an array of shape {tuple(value.shape)}"
+    if isinstance(value, tuple | list):
+        return f"a {type(value).__name__} of {len(value)} items"
+    return f"a {type(value).__name__}"
+
+
+def _checked(out: Any, n: int, loss_fn: Any, caller: str) -> Any:
+    """`out` if it is the `n`-tuple of the loss contract; else a `StructureError`
+    that shows the contract."""
+    name, contract = _loss_name(loss_fn), (LOSS_CONTRACT, STATEFUL_LOSS_CONTRACT)[n - 2]
+    if not isinstance(out, tuple | list) or len(out) != n:
+        expected = ("(loss, metrics)", "(loss, metrics, new_model_state)")[n - 2]
+        raise StructureError(
+            f"{caller}: {name} returned {_described(out)}, not `{expected}`. A "
+            f"loss function returns the loss and a dict of metrics:\n\n{contract}"
+        )
+    if jnp.ndim(out[0]) != 0:
+        raise StructureError(
+            f"{caller}: the loss {name} returned is {_described(out[0])}; it must "
+            "be a scalar: reduce it over the batch (e.g. `.mean()`), and report "
+            f"per-example values as metrics if you need them:\n\n{contract}"
+        )
+    if not isinstance(out[1], Mapping):
+        raise StructureError(
+            f"{caller}: the metrics {name} returned must be a dict of scalars "
+            f"(`{{}}` for none); got {_described(out[1])}:\n\n{contract}"
+        )
+    return out
+
+
+def _check_takes_model_state(loss_fn: Any, caller: str) -> None:
+    try:
+        parameters = inspect.signature(loss_fn).parameters.values()
+    except (TypeError, ValueError):  # no signature to read: let the call tell
+        return
+    kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    for p in parameters:
+        if p.kind == inspect.Parameter.VAR_KEYWORD or (
+            p.name == "model_state" and p.kind in kinds
+        ):
+            return
+    raise StructureError(
+        f"{caller}: the state has a `model_state` (e.g. batch statistics), so the "
+        f"loss is called as `loss_fn(model, batch, key, model_state=...)`, but "
+        f"{_loss_name(loss_fn)} takes no `model_state` keyword. A stateful loss "
+        f"returns the new state too:\n\n{STATEFUL_LOSS_CONTRACT}"
+    )
 
 
 def as_dtype(aux: Mapping[str, Any], dtype: Any) -> dict[str, Array]:
@@ -123,14 +200,28 @@ def value_and_grad(
 
     Returns:
         `grad_fn(params, static, batch, key, model_state) -> Grads`.
+
+    Raises:
+        ConfigError: an unknown `precision` (at once).
+        StructureError: `loss_fn` does not return `(loss, aux)` with a scalar loss
+            and a dict `aux` (when traced).
     """
-    policy = as_precision(precision)
+    return loss_grad(loss_fn, precision, caller="value_and_grad")
+
+
+def loss_grad(
+    loss_fn: LossFn, precision: Precision | str | None, *, caller: str
+) -> GradFn:
+    """`value_and_grad(loss_fn, precision=precision)`, its errors naming `caller`
+    (the function the user gave `loss_fn` to: a recipe shares this piece)."""
+    policy = as_precision(precision, caller)
     out_dtype = jnp.float32 if policy is None else policy.output_dtype
 
     def grad_fn(params, static, batch, key, model_state) -> Grads:
         def objective(p):
             model, inputs = cast(policy, eqx.combine(p, static), batch)
-            loss, aux, new_state = call_loss(loss_fn, model, inputs, key, model_state)
+            out = call_loss(loss_fn, model, inputs, key, model_state, caller)
+            loss, aux, new_state = out
             loss = jnp.asarray(loss).astype(out_dtype)
             return loss, (as_dtype(aux, out_dtype), new_state)
 
@@ -142,7 +233,7 @@ def value_and_grad(
     return grad_fn
 
 
-def _split_microbatches(batch: Batch, n: int) -> Batch:
+def _split_microbatches(batch: Batch, n: int, call: str) -> Batch:
     """Reshape every leaf from `(B, ...)` to `(n, B // n, ...)`."""
 
     def split(x: Any) -> Any:
@@ -150,18 +241,20 @@ def _split_microbatches(batch: Batch, n: int) -> Batch:
         if x.ndim == 0 or x.shape[0] % n:
             size = "a scalar" if x.ndim == 0 else f"leading size {x.shape[0]}"
             raise ConfigError(
-                f"`accumulate={n}` must divide the batch size, but a batch leaf of "
-                f"shape {x.shape} has {size}. Use a batch size that is a multiple "
-                f"of {n}, or change `accumulate`."
+                f"{call}: {n} micro-batches must divide the batch size, but a batch "
+                f"leaf of shape {x.shape} has {size}. Use a batch size that is a "
+                f"multiple of {n}, or another number of micro-batches."
             )
         return x.reshape(n, x.shape[0] // n, *x.shape[1:])
 
     return jtu.tree_map(split, batch)
 
 
-def check_count(n: Any, name: str) -> None:
+def check_count(n: Any, name: str, caller: str) -> None:
+    """Raise `ConfigError` (naming `caller` and its argument `name`) unless `n` is
+    an int >= 1."""
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-        raise ConfigError(f"`{name}` must be an int >= 1; got {n!r}.")
+        raise ConfigError(f"{caller}: `{name}` must be an int >= 1; got {n!r}.")
 
 
 def microbatched(grad_fn: GradFn, n: int) -> GradFn:
@@ -178,12 +271,19 @@ def microbatched(grad_fn: GradFn, n: int) -> GradFn:
         ConfigError: `n` is not an int >= 1 (at once), or does not divide the
             batch size (when traced).
     """
-    check_count(n, "accumulate")
+    check_count(n, "n", "microbatched")
+    return microbatched_as(grad_fn, n, call=f"microbatched(grad_fn, {n})")
+
+
+def microbatched_as(grad_fn: GradFn, n: int, *, call: str) -> GradFn:
+    """`microbatched(grad_fn, n)` for a checked `n`; a batch that `n` does not
+    divide is refused naming `call`, the user's call (`train_step(...,
+    accumulate=3)`: a recipe shares this piece)."""
     if n == 1:
         return grad_fn
 
     def accumulated(params, static, batch, key, model_state) -> Grads:
-        micro, keys = _split_microbatches(batch, n), jr.split(key, n)
+        micro, keys = _split_microbatches(batch, n, call), jr.split(key, n)
         first = jtu.tree_map(lambda x: x[0], micro)
         shapes = eqx.filter_eval_shape(
             grad_fn, params, static, first, keys[0], model_state

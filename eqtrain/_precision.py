@@ -51,17 +51,21 @@ _NAMED = {
 }
 
 
-def as_precision(precision: "Precision | str | None") -> Precision | None:
-    """Accept `None` (no policy), `"bf16"`/`"f16"` (compute dtype), or a `Precision`."""
+def as_precision(
+    precision: "Precision | str | None", caller: str | None = None
+) -> Precision | None:
+    """Accept `None` (no policy), `"bf16"`/`"f16"` (compute dtype), or a `Precision`.
+    An error names `caller`, the function the user passed `precision` to."""
     if precision is None or isinstance(precision, Precision):
         return precision
     if isinstance(precision, str) and precision.lower() in ("f32", "float32", "fp32"):
         return None
     if isinstance(precision, str) and precision.lower() in _NAMED:
         return Precision(compute_dtype=_NAMED[precision.lower()])
+    where = f"{caller}: " if caller else ""
     raise ConfigError(
-        f"`precision` must be None, 'bf16', 'f16', 'f32' or a `Precision(...)`; "
-        f"got {precision!r}."
+        f"{where}`precision` must be None, 'bf16', 'f16', 'f32' or a "
+        f"`Precision(...)`; got {precision!r}."
     )
 
 

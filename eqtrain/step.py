@@ -49,7 +49,9 @@ from ._grads import (
     call_loss,
     cast,
     check_count,
+    loss_grad,
     microbatched as microbatched,
+    microbatched_as,
     psum_grads as psum_grads,
     split_weight,
     value_and_grad as value_and_grad,
@@ -202,11 +204,16 @@ def _update_metrics(g: Grads, new: TrainState, lr: Array | None) -> Metrics:
 
 
 def filter_cond(
-    pred: Array, true_fn: Callable, false_fn: Callable, *operands: Any
+    pred: Array,
+    true_fn: Callable,
+    false_fn: Callable,
+    *operands: Any,
+    caller: str = "filter_cond",
 ) -> Any:
     """`lax.cond` over pytrees that also hold non-array leaves (functions, ints in
     an Equinox module): only the arrays go through the branches; the rest is
-    closed over, and must come out the same from both branches."""
+    closed over, and must come out the same from both branches (else an error
+    naming `caller`)."""
     dynamic, static = eqx.partition(operands, eqx.is_array)
     statics: list[Any] = []
     true_branch = _array_branch(true_fn, static, statics)
@@ -214,9 +221,10 @@ def filter_cond(
     first = statics[0]
     if any(not eqx.tree_equal(first, other) for other in statics[1:]):
         raise ConfigError(
-            "the two branches of a non-finite guard returned differently shaped "
-            "states or metrics; a step wrapper's update phase must return the same "
-            "structure whether it applies the update or keeps the state."
+            f"{caller}: the two branches of a non-finite guard returned "
+            "differently shaped states or metrics; a step wrapper's update phase "
+            "must return the same structure whether it applies the update or keeps "
+            "the state."
         )
     return eqx.combine(out, first)
 
@@ -267,7 +275,8 @@ def skip_nonfinite(step: TrainStep) -> TrainStep:
         return kept, _kept_metrics(step, state, g, key, kept.skipped)
 
     def apply(state: TrainState, g: Grads, key: Key) -> tuple[TrainState, Metrics]:
-        return filter_cond(_finite(g), step.apply, keep, state, g, key)
+        ok = _finite(g)
+        return filter_cond(ok, step.apply, keep, state, g, key, caller="skip_nonfinite")
 
     return dataclasses.replace(step, apply=apply)
 
@@ -288,16 +297,19 @@ def halt_nonfinite(step: TrainStep) -> TrainStep:
 
     def apply(state: TrainState, g: Grads, key: Key) -> tuple[TrainState, Metrics]:
         ok = _finite(g) & (state.skipped == 0)
-        new, metrics = filter_cond(ok, step.apply, keep, state, g, key)
+        guard = "halt_nonfinite"
+        new, metrics = filter_cond(ok, step.apply, keep, state, g, key, caller=guard)
         return new, {**metrics, "halted": (new.skipped > 0).astype(jnp.int32)}
 
     return dataclasses.replace(step, apply=apply)
 
 
-def _check_decay(decay: Any) -> None:
+def _check_decay(decay: Any, name: str, caller: str) -> None:
     number = not isinstance(decay, bool) and isinstance(decay, int | float)
     if not number or not 0.0 <= decay < 1.0:
-        raise ConfigError(f"`ema` is a decay in [0, 1), e.g. 0.999; got {decay!r}.")
+        raise ConfigError(
+            f"{caller}: `{name}` must be a decay in [0, 1), e.g. 0.999; got {decay!r}."
+        )
 
 
 def with_ema(step: TrainStep, decay: float) -> TrainStep:
@@ -305,13 +317,19 @@ def with_ema(step: TrainStep, decay: float) -> TrainStep:
     `ema = decay * ema + (1 - decay) * params` after every update. Needs a state
     created with `TrainState.create(..., ema=True)`; evaluate it with
     `eval_step(..., use_ema=True)` or read `state.ema_model`."""
-    _check_decay(decay)
+    _check_decay(decay, "decay", "with_ema")
+    return _with_ema(step, decay, call=f"with_ema(step, {decay!r})")
+
+
+def _with_ema(step: TrainStep, decay: float, *, call: str) -> TrainStep:
+    """`with_ema(step, decay)` for a checked `decay`; a state without an EMA is
+    refused naming `call`, the user's call (a recipe shares this piece)."""
 
     def apply(state: TrainState, g: Grads, key: Key) -> tuple[TrainState, Metrics]:
         if state.ema is None:
             raise ConfigError(
-                "`train_step(..., ema=...)` needs a state that keeps an EMA; create "
-                "it with `TrainState.create(..., ema=True)`."
+                f"{call} needs a state that keeps an EMA; create it with "
+                "`TrainState.create(..., ema=True)`."
             )
         new, metrics = step.apply(state, g, key)
         params, _ = eqx.partition(new.model, new.trainable)
@@ -321,10 +339,12 @@ def with_ema(step: TrainStep, decay: float) -> TrainStep:
     return dataclasses.replace(step, apply=apply)
 
 
-def check_nonfinite(nonfinite: Any) -> None:
+def check_nonfinite(nonfinite: Any, caller: str) -> None:
+    """Raise `ConfigError` (naming `caller`) unless `nonfinite` is a policy."""
     if nonfinite not in NONFINITE:
         raise ConfigError(
-            f"`nonfinite` must be 'skip', 'stop' or 'ignore'; got {nonfinite!r}."
+            f"{caller}: `nonfinite` must be 'skip', 'stop' or 'ignore'; got "
+            f"{nonfinite!r}."
         )
 
 
@@ -335,21 +355,40 @@ def finish_step(
     nonfinite: str = "skip",
     ema: float | None = None,
     schedule: optax.Schedule | None = None,
+    caller: str = "finish_step",
 ) -> TrainStep:
     """`gradient_step`, then `with_ema` (if `ema`), then the non-finite policy:
     the update phase every recipe shares (`train_step`,
-    `eqtrain.sharding.data_parallel_step`)."""
-    check_nonfinite(nonfinite)
+    `eqtrain.sharding.data_parallel_step`). Errors name `caller`, the recipe the
+    user called, and its keywords."""
+    check_nonfinite(nonfinite, caller)
     if ema is not None:
-        _check_decay(ema)
+        _check_decay(ema, "ema", caller)
     step = gradient_step(grad_fn, optimizer, schedule=schedule)
     if ema is not None:
-        step = with_ema(step, ema)
+        step = _with_ema(step, ema, call=f"{caller}(..., ema={ema!r})")
     if nonfinite == "skip":
         step = skip_nonfinite(step)
     elif nonfinite == "stop":
         step = halt_nonfinite(step)
     return step
+
+
+def recipe_grads(
+    loss_fn: LossFn,
+    *,
+    accumulate: int,
+    precision: Precision | str | None,
+    caller: str,
+) -> GradFn:
+    """`microbatched(value_and_grad(loss_fn, precision=precision), accumulate)`:
+    the gradient phase every recipe shares, its errors naming `caller` (the
+    recipe the user called) and its keywords."""
+    check_count(accumulate, "accumulate", caller)
+    grads = loss_grad(loss_fn, precision, caller=caller)
+    return microbatched_as(
+        grads, accumulate, call=f"{caller}(..., accumulate={accumulate})"
+    )
 
 
 # -- the recipes --------------------------------------------------------------------
@@ -404,10 +443,16 @@ def train_step(
         with `nonfinite="stop"` also `halted` (1 once the state is frozen), and
         every entry of `aux`, all as device scalars.
     """
-    check_count(accumulate, "accumulate")
-    grads = microbatched(value_and_grad(loss_fn, precision=precision), accumulate)
+    grads = recipe_grads(
+        loss_fn, accumulate=accumulate, precision=precision, caller="train_step"
+    )
     return finish_step(
-        grads, optimizer, nonfinite=nonfinite, ema=ema, schedule=schedule
+        grads,
+        optimizer,
+        nonfinite=nonfinite,
+        ema=ema,
+        schedule=schedule,
+        caller="train_step",
     )
 
 
@@ -432,12 +477,13 @@ def eval_step(
         `evaluate(state, batch) -> metrics` with `loss`, `weight` and the `aux`
         entries. `fit` averages these over the eval data, weighted by `weight`.
     """
-    policy = as_precision(precision)
+    policy = as_precision(precision, "eval_step")
 
     def evaluate(state: TrainState, batch: Batch) -> Metrics:
         model = state.ema_model if use_ema else state.model
         model, inputs = cast(policy, eqx.nn.inference_mode(model), batch)
-        loss, aux, _ = call_loss(loss_fn, model, inputs, state.key, state.model_state)
+        mstate = state.model_state
+        loss, aux, _ = call_loss(loss_fn, model, inputs, state.key, mstate, "eval_step")
         aux, weight = split_weight(batch, as_dtype(aux, jnp.float32))
         return {"loss": jnp.asarray(loss, jnp.float32), **aux, "weight": weight}
 

@@ -172,16 +172,18 @@ def data_parallel_step(
             default) a mesh with none of the batch axes (at once); or (at the
             first call) a state with a `model_state`.
     """
-    steps.check_nonfinite(nonfinite)
-    grads = steps.microbatched(
-        steps.value_and_grad(loss_fn, precision=precision), accumulate
+    caller = "data_parallel_step"  # errors name it, and its keywords
+    steps.check_nonfinite(nonfinite, caller)
+    grads = steps.recipe_grads(
+        loss_fn, accumulate=accumulate, precision=precision, caller=caller
     )
     return steps.finish_step(
-        _data_parallel(grads, mesh, axes, "data_parallel_step"),
+        _data_parallel(grads, mesh, axes, caller),
         optimizer,
         nonfinite=nonfinite,
         ema=ema,
         schedule=schedule,
+        caller=caller,
     )
 
 
