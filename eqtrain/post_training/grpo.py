@@ -99,11 +99,7 @@ def group_advantages(
     if scale != "none":
         advantages = advantages / (std + STD_EPS)
     advantages = jnp.where(jnp.isnan(advantages), 0.0, advantages)
-    return advantages, _reward_stats(r, group_std)
-
-
-def _reward_stats(r: Array, group_std: Array) -> Metrics:
-    return {
+    return advantages, {
         "reward": jnp.nanmean(r),
         "reward_std": _nanstd(r),
         "frac_reward_zero_std": jnp.mean(jnp.isclose(group_std, 0.0)),
@@ -315,16 +311,6 @@ def grpo_token_loss(
 
 
 # -- a loss function for the step builders -------------------------------------------
-def _batch_inputs(
-    batch: Mapping[str, ArrayLike], reference: str | None, beta: float
-) -> tuple[tuple[Array, Array, dict[str, Array]], Array]:
-    """`((tokens, targets, model extras), f32 mask)`, after checking the keys."""
-    _check_keys(batch, reference, beta)
-    mask = jnp.asarray(batch["completion_mask"]).astype(jnp.float32)
-    tokens, targets = jnp.asarray(batch["tokens"]), jnp.asarray(batch["targets"])
-    return (tokens, targets, _row_extras(batch)), mask
-
-
 def _check_keys(
     batch: Mapping[str, ArrayLike], reference: str | None, beta: float
 ) -> None:
@@ -427,13 +413,17 @@ def _loss_fn(
     def loss_fn(
         model: Any, batch: Mapping[str, ArrayLike], key: PRNGKeyArray | None = None
     ) -> tuple[Float[Array, ""], Metrics]:
-        inputs, mask = _batch_inputs(batch, reference, beta)
+        _check_keys(batch, reference, beta)
+        mask = jnp.asarray(batch["completion_mask"]).astype(jnp.float32)
+        tokens, targets = jnp.asarray(batch["tokens"]), jnp.asarray(batch["targets"])
+        inputs = (tokens, targets, _row_extras(batch))
         policy = _policy(model, reference, beta)
         logps, ent, router = _forward(policy, *inputs, key, head, entropy)
         ref = None
         if beta > 0:
             ref = _reference_logps(model, batch, reference, inputs, head)
-        old = _old_logps(batch, logps)
+        old = batch.get("old_logps")  # absent: the current ones, ratio 1 (a first pass)
+        old = lax.stop_gradient(logps) if old is None else jnp.asarray(old)
         advantages = jnp.asarray(batch["advantages"], jnp.float32)
         loss, metrics = grpo_token_loss(
             logps, old, advantages, mask, ref_logps=ref, **options
@@ -451,10 +441,3 @@ def _policy(model: Any, reference: str | None, beta: float) -> Any:
     if beta > 0:
         _check_reference(model, reference)
     return model.policy if isinstance(model, WithReference) else model
-
-
-def _old_logps(batch: Mapping[str, ArrayLike], logps: Array) -> Array:
-    """The sampling policy's log-probs: the batch's `old_logps`, or the current
-    ones without gradient (ratio 1, as on a first pass)."""
-    old = batch.get("old_logps")
-    return lax.stop_gradient(logps) if old is None else jnp.asarray(old)

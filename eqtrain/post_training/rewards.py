@@ -45,11 +45,6 @@ def _last_boxed(text: str) -> str | None:
     return text[i:]
 
 
-def _first_line(text: str) -> str:
-    lines = text.strip().splitlines()
-    return lines[0] if lines else ""
-
-
 def final_answer(text: str) -> str:
     """The final answer of a completion, by the first rule that applies:
 
@@ -74,7 +69,8 @@ def _after_marker(text: str) -> str | None:
     for marker in _MARKERS:
         at = lower.rfind(marker)
         if at >= 0:
-            return _first_line(text[at + len(marker) :])
+            lines = text[at + len(marker) :].strip().splitlines()
+            return lines[0] if lines else ""
     return None
 
 
@@ -243,16 +239,14 @@ def _callable(spec: str, obj: Any) -> Reward:
 
 
 def _value(name: str, row: int, v: Any) -> float:
+    """One returned value as a float: NaN for None, else a finite number."""
     if v is None:
         return math.nan
     if isinstance(v, str | bytes) or not hasattr(v, "__float__"):
         raise ConfigError(
             f"reward {name!r} returned {v!r} for row {row}; expected a float or None."
         )
-    return _finite(name, row, float(v))
-
-
-def _finite(name: str, row: int, x: float) -> float:
+    x = float(v)
     if not math.isfinite(x):
         raise ConfigError(
             f"reward {name!r} returned {x} for row {row}; rewards must be finite "

@@ -89,7 +89,9 @@ class Rollout:
 
     def __post_init__(self) -> None:
         for name in ("group_size", "max_new_tokens", "passes"):
-            _check_count(name, getattr(self, name))
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"`{name}` must be an integer >= 1; got {value!r}.")
         if self.scale not in grpo.SCALES:
             raise ConfigError(
                 f"`scale` must be one of {grpo.SCALES}; got {self.scale!r}."
@@ -100,11 +102,6 @@ class Rollout:
         """The temperature the loss divides logits by: the sampling one (1 when
         greedy)."""
         return self.sampling.temperature or 1.0
-
-
-def _check_count(name: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ConfigError(f"`{name}` must be an integer >= 1; got {value!r}.")
 
 
 def text_scorer(
@@ -120,23 +117,12 @@ def text_scorer(
 
     def score(index: np.ndarray, tokens: np.ndarray, lengths: np.ndarray) -> Any:
         rows = [int(i) for i in index]
-        texts = _decoded(tokenizer, tokens, lengths)
+        pieces = zip(tokens, lengths, strict=True)
+        texts = [tokenizer.decode(t[: int(n)]) for t, n in pieces]
         picked = {k: [v[i] for i in rows] for k, v in columns.items()}
         return rewards_lib.score(rewards, [prompts[i] for i in rows], texts, picked)
 
     return score
-
-
-def _decoded(tokenizer: Any, tokens: np.ndarray, lengths: np.ndarray) -> list[str]:
-    """Each row's first `length` tokens as text."""
-    pieces = zip(tokens, lengths, strict=True)
-    return [tokenizer.decode(t[: int(n)]) for t, n in pieces]
-
-
-def _strip_stop(tokens: np.ndarray, lengths: np.ndarray, stops: Any) -> np.ndarray:
-    """Lengths without a final stop token (what is decoded for the rewards)."""
-    last = tokens[np.arange(len(tokens)), np.maximum(lengths - 1, 0)]
-    return np.where(np.isin(last, list(stops)), lengths - 1, lengths)
 
 
 class _Clock:
@@ -148,56 +134,6 @@ class _Clock:
     def start(self, _: Any) -> np.ndarray:
         self.started = time.perf_counter()
         return np.zeros((), np.int32)
-
-
-def _host_score(rollout: Rollout, clock: _Clock) -> Callable[..., Any]:
-    """The scoring callback. It never raises (an exception inside a compiled
-    program's callback can abort a multi-device process): a failure goes to
-    `rollout.failures`, and the step learns it from the `failed` flag."""
-
-    def call(index: Any, tokens: Any, lengths: Any, after_start: Any) -> Any:
-        del after_start  # orders this call after the clock's start
-        t0 = time.perf_counter()
-        tokens, lengths = np.asarray(tokens), np.asarray(lengths)
-        total, per_fn, failed = _guarded_scores(rollout, index, tokens, lengths)
-        clock_ = np.array(
-            [t0 - clock.started, time.perf_counter() - t0], np.float32
-        )  # generation (from the step's start), scoring
-        return total, per_fn, clock_, failed
-
-    return call
-
-
-def _guarded_scores(
-    rollout: Rollout, index: Any, tokens: np.ndarray, lengths: np.ndarray
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """`(total, per_fn, failed)`: `_scores`, or after a failure (this one, which
-    goes to `rollout.failures`, or an earlier one) NaN rewards and `failed` 1."""
-    if not rollout.failures:
-        try:
-            total, per_fn = _scores(rollout, index, tokens, lengths)
-            return total, per_fn, np.zeros((), np.int32)
-        except Exception as e:
-            rollout.failures.append(e)
-    return _no_scores(len(tokens), max(len(rollout.reward_names), 1))
-
-
-def _no_scores(rows: int, fns: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """What a failed scoring returns: NaN rewards, and `failed` 1."""
-    total = np.full(rows, np.nan, np.float32)
-    return total, np.zeros((fns, rows), np.float32), np.ones((), np.int32)
-
-
-def _scores(rollout: Rollout, index: Any, tokens: Any, lengths: Any) -> Any:
-    """`(total [rows], per_fn [fns, rows])` of `rollout.score`, as float32."""
-    kept = _strip_stop(tokens, lengths, rollout.stop_ids)
-    total, per = rollout.score(np.asarray(index), tokens, kept)
-    total = np.asarray(total, np.float32).reshape(len(tokens))
-    per_fn = np.stack(
-        [np.asarray(per[n], np.float32) for n in rollout.reward_names]
-        or [np.zeros(len(tokens), np.float32)]
-    )
-    return total, per_fn
 
 
 def _rows(
@@ -257,7 +193,17 @@ def sample_and_score(
     )
     key = jr.fold_in(key, started)  # sampling waits for the clock
     prompt, prompt_len, index = _repeated(batch, rollout.group_size)
-    out = _sample(model, prompt, prompt_len, key, rollout)
+    out = generate(
+        model,
+        prompt,
+        prompt_len,
+        max_new_tokens=rollout.max_new_tokens,
+        key=key,
+        sampling=rollout.sampling,
+        stop_ids=rollout.stop_ids,
+        pad_id=rollout.pad_id,
+        vocab_size=rollout.vocab_size,
+    )
     total, per_fn, times, failed = _score(rollout, clock, index, out, started)
     advantages, metrics = grpo.group_advantages(
         total, rollout.group_size, scale=rollout.scale
@@ -277,36 +223,57 @@ def _repeated(batch: Mapping[str, Any], g: int) -> tuple[Array, Array, Array]:
     return tuple(jnp.repeat(jnp.asarray(batch[n], jnp.int32), g, axis=0) for n in names)
 
 
-def _sample(
-    model: Any, prompt: Array, prompt_len: Array, key: Any, rollout: Rollout
-) -> Generation:
-    """One completion per row, as `rollout` says."""
-    return generate(
-        model,
-        prompt,
-        prompt_len,
-        max_new_tokens=rollout.max_new_tokens,
-        key=key,
-        sampling=rollout.sampling,
-        stop_ids=rollout.stop_ids,
-        pad_id=rollout.pad_id,
-        vocab_size=rollout.vocab_size,
-    )
-
-
 def _score(
     rollout: Rollout, clock: _Clock, index: Array, out: Generation, started: Array
 ) -> Any:
-    """`(total, per_fn, clock, failed)` of the completions, from the host."""
+    """`(total, per_fn, clock, failed)` of the completions, from the host.
+
+    The host callback never raises (an exception inside a compiled program's
+    callback can abort a multi-device process): a failure goes to
+    `rollout.failures`, and after one (this one or an earlier one) the rewards
+    are NaN and `failed` is 1, which is how the step learns it."""
     rows, fns = out.tokens.shape[0], max(len(rollout.reward_names), 1)
+
+    def call(index: Any, tokens: Any, lengths: Any, after_start: Any) -> Any:
+        del after_start  # orders this call after the clock's start
+        t0 = time.perf_counter()
+        failed = bool(rollout.failures)
+        if not failed:
+            try:
+                tokens, lengths = np.asarray(tokens), np.asarray(lengths)
+                total, per_fn = _scores(rollout, index, tokens, lengths)
+            except Exception as e:
+                rollout.failures.append(e)
+                failed = True
+        if failed:
+            total = np.full(rows, np.nan, np.float32)
+            per_fn = np.zeros((fns, rows), np.float32)
+        clock_ = np.array(
+            [t0 - clock.started, time.perf_counter() - t0], np.float32
+        )  # generation (from the step's start), scoring
+        return total, per_fn, clock_, np.asarray(failed, np.int32)
+
     shapes = (
         jax.ShapeDtypeStruct((rows,), jnp.float32),
         jax.ShapeDtypeStruct((fns, rows), jnp.float32),
         jax.ShapeDtypeStruct((2,), jnp.float32),
         jax.ShapeDtypeStruct((), jnp.int32),
     )
-    call = _host_score(rollout, clock)
     return io_callback(call, shapes, index, out.tokens, out.lengths, started)
+
+
+def _scores(rollout: Rollout, index: Any, tokens: Any, lengths: Any) -> Any:
+    """`(total [rows], per_fn [fns, rows])` of `rollout.score`, as float32. The
+    lengths it gets leave a final stop token out (what is decoded for the rewards)."""
+    last = tokens[np.arange(len(tokens)), np.maximum(lengths - 1, 0)]
+    kept = np.where(np.isin(last, list(rollout.stop_ids)), lengths - 1, lengths)
+    total, per = rollout.score(np.asarray(index), tokens, kept)
+    total = np.asarray(total, np.float32).reshape(len(tokens))
+    per_fn = np.stack(
+        [np.asarray(per[n], np.float32) for n in rollout.reward_names]
+        or [np.zeros(len(tokens), np.float32)]
+    )
+    return total, per_fn
 
 
 def grpo_step(inner: Any, rollout: Rollout) -> Callable[..., Any]:
