@@ -95,17 +95,13 @@ def plot_run(
     path = Path(path)
     records = read_metrics(path)
     run_dir = path if path.is_dir() else path.parent
-    out = _png_path(run_dir, out)
+    out = run_dir / "plot.png" if out is None else Path(out)
+    if out.is_dir():
+        out = out / "plot.png"
     if title is None:
         title = _default_title(run_dir, records)
     _save(_draw(records, title), out)
     return out
-
-
-def _png_path(run_dir: Path, out: str | os.PathLike[str] | None) -> Path:
-    """Where the plot goes: `out`, `plot.png` in it if a directory, or in the run."""
-    png = run_dir / "plot.png" if out is None else Path(out)
-    return png / "plot.png" if png.is_dir() else png
 
 
 # ----------------------------------------------------------------- reading
@@ -137,29 +133,19 @@ def _records(lines: list[bytes], file: Path) -> list[dict[str, Any]]:
     for i, line in enumerate(lines):
         if not line.strip():
             continue
-        record = _parse_line(line, file, i + 1, is_last=i == last)
-        if record is not None:
-            _add_record(records, record)
+        where = f"{file}:{i + 1}"
+        try:
+            record = _json_object(line)
+        except ValueError as e:
+            _skip_malformed(line, e, where, is_last=i == last)
+            continue
+        if "step" not in record:
+            continue
+        step = record["step"]
+        if not isinstance(step, int) or isinstance(step, bool):
+            raise ConfigError(f"{where}: `step` must be an integer; got {step!r}.")
+        _add_record(records, {k: _decode(v) for k, v in record.items()})
     return records
-
-
-def _parse_line(
-    raw: bytes, file: Path, lineno: int, *, is_last: bool
-) -> dict[str, Any] | None:
-    """A line's step record (None: no `step`, or a truncated last line)."""
-    try:
-        record = _json_object(raw)
-    except ValueError as e:
-        return _skip_malformed(raw, e, f"{file}:{lineno}", is_last=is_last)
-    if "step" not in record:
-        return None
-    _check_step(record["step"], f"{file}:{lineno}")
-    return {k: _decode(v) for k, v in record.items()}
-
-
-def _check_step(step: Any, where: str) -> None:
-    if not isinstance(step, int) or isinstance(step, bool):
-        raise ConfigError(f"{where}: `step` must be an integer; got {step!r}.")
 
 
 def _json_object(raw: bytes) -> dict[str, Any]:
@@ -180,7 +166,7 @@ def _skip_malformed(
             f"{where}: skipping a truncated last line (a crash can "
             f"leave one half-written): {error}",
             EqtrainWarning,
-            stacklevel=5,  # read_metrics' caller
+            stacklevel=4,  # read_metrics' caller
         )
         return
     line = raw.decode("utf-8", errors="replace")
@@ -315,29 +301,22 @@ def _loss_panel(ax: Any, records: Sequence[dict[str, Any]]) -> None:
         _plot_noisy(ax, steps, loss, color="C0", label="train")
     if eval_steps:
         ax.plot(eval_steps, eval_loss, "o-", ms=4, lw=1, color="C3", label="eval")
-    _mark_bad_steps(ax, records)
-    if _spans_decades(loss + eval_loss):
-        ax.set_yscale("log")
-    ax.legend(loc="upper right", fontsize="small")
-    ax.grid(alpha=0.3)
-
-
-def _mark_bad_steps(ax: Any, records: Sequence[dict[str, Any]]) -> None:
-    """Ticks along the bottom at steps with a non-finite loss or a skipped update."""
-    bad = [r["step"] for r in records if _is_bad(r)]
+    # ticks along the bottom at steps with a non-finite loss or a skipped update
+    bad = [
+        r["step"]
+        for r in records
+        if r.get("skipped")
+        or (isinstance(r.get("loss"), float) and not math.isfinite(r["loss"]))
+    ]
     if bad:
         ax.plot(
             bad, [0.0] * len(bad), "|", ms=10, color="red",
             transform=ax.get_xaxis_transform(), label="non-finite / skipped",
         )  # fmt: skip
-
-
-def _is_bad(record: dict[str, Any]) -> bool:
-    """A step whose update was skipped, or whose loss is not finite."""
-    loss = record.get("loss")
-    return bool(record.get("skipped")) or (
-        isinstance(loss, float) and not math.isfinite(loss)
-    )
+    if _spans_decades(loss + eval_loss):
+        ax.set_yscale("log")
+    ax.legend(loc="upper right", fontsize="small")
+    ax.grid(alpha=0.3)
 
 
 def _spans_decades(values: Sequence[float]) -> bool:
@@ -396,18 +375,9 @@ def _mfu_axis(twin: Any, steps: list[int], mfu: list[float]) -> None:
     twin.set_ylabel("MFU", color="C4")
 
 
-def _eval_keys(records: Sequence[dict[str, Any]]) -> list[str]:
-    """The eval metrics worth a curve, sorted."""
-    return sorted({k for r in records for k, v in r.items() if _is_eval_curve(k, v)})
-
-
-def _is_eval_curve(key: str, value: Any) -> bool:
-    numeric = isinstance(value, int | float)
-    return key.startswith("eval/") and key not in _EVAL_SKIP and numeric
-
-
 def _other_panel(ax: Any, records: Sequence[dict[str, Any]]) -> None:
-    keys = _eval_keys(records)
+    numeric = {k for r in records for k, v in r.items() if isinstance(v, int | float)}
+    keys = sorted(k for k in numeric - set(_EVAL_SKIP) if k.startswith("eval/"))
     if not keys:
         _line_panel(ax, records, "grad_norm", "grad norm")
         return
