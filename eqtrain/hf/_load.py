@@ -95,16 +95,12 @@ def load(
     model_type, config = _translate(path, hf_config, param_dtype)
     template = eqx.filter_eval_shape(_maps.model_class(config), config, jr.key(0))
     leaves = _plan(template, entries, _maps.ARCHS[model_type], config, path)
-    values = _placed(leaves, _lazy.targets(template, shardings))
-    return jtu.tree_unflatten(jtu.tree_structure(template), values), config
-
-
-def _placed(leaves: list[Any], targets: list[Any]) -> list[Any]:
-    """Each planned parameter read and placed on its target; the rest as is."""
-    return [
+    targets = _lazy.targets(template, shardings)
+    values = [  # each planned parameter read and placed on its target
         _lazy.place(leaf, target) if isinstance(leaf, Leaf) else leaf
         for leaf, target in zip(leaves, targets, strict=True)
     ]
+    return jtu.tree_unflatten(jtu.tree_structure(template), values), config
 
 
 def generation_eos(directory: str | os.PathLike[str]) -> list[int]:
@@ -334,7 +330,8 @@ def _check_names(
     entries: dict[str, Entry],
     wanted: list[tuple[str, tuple[int, ...]]],
 ) -> None:
-    """Every wanted tensor is stored with its shape, and nothing else is."""
+    """Every wanted tensor is stored with its shape, and nothing else is (the
+    message names the first `_SHOWN` of each kind)."""
     missing = [f"{n} {list(shape)}" for n, shape in wanted if n not in entries]
     wrong = [
         f"{n}: file {list(entries[n].shape)}, model {list(shape)}"
@@ -342,7 +339,18 @@ def _check_names(
         if n in entries and entries[n].shape != shape
     ]
     unexpected = sorted(set(entries) - {n for n, _ in wanted})
-    _report(path, config, missing, unexpected, wrong)
+    kinds = (("missing", missing), ("unexpected", unexpected), ("wrong shape", wrong))
+    lines = []  # "3 missing: a; b; c"
+    for label, items in kinds:
+        if items:
+            more = f" (and {len(items) - _SHOWN} more)" if len(items) > _SHOWN else ""
+            lines.append(f"{len(items)} {label}: {'; '.join(items[:_SHOWN])}{more}")
+    if lines:
+        raise HFFormatError(
+            f"the tensors in {path} do not match the model its config.json describes "
+            f"({type(config).__name__}): " + ". ".join(lines) + ". Check that "
+            "config.json belongs to these weights (sizes, tie_word_embeddings, biases)."
+        )
 
 
 def _normalise_names(
@@ -354,19 +362,15 @@ def _normalise_names(
     for name in [n for n in entries if n.endswith(_IGNORED)]:
         del entries[name]
     if arch.unprefixed and not any(n.startswith(arch.prefix) for n in entries):
-        entries = _prefixed(entries, arch)
+        entries = {  # the head keeps its name
+            (n if n == "lm_head.weight" else arch.prefix + n): e
+            for n, e in entries.items()
+        }
     if getattr(config, "tie_word_embeddings", True) and _head_is_embedding(
         entries, arch
     ):
         del entries["lm_head.weight"]
     return entries
-
-
-def _prefixed(entries: dict[str, Entry], arch: _maps.Arch) -> dict[str, Entry]:
-    """The names with the architecture's prefix (`transformer.`), but the head's."""
-    return {
-        (n if n == "lm_head.weight" else arch.prefix + n): e for n, e in entries.items()
-    }
 
 
 def _head_is_embedding(entries: dict[str, Entry], arch: _maps.Arch) -> bool:
@@ -379,24 +383,3 @@ def _head_is_embedding(entries: dict[str, Entry], arch: _maps.Arch) -> bool:
         and head.shape == embed.shape
         and np.array_equal(head.read(), embed.read())
     )
-
-
-def _report(
-    path: str, config: Any, missing: list[str], unexpected: list[str], wrong: list[str]
-) -> None:
-    if not (missing or unexpected or wrong):
-        return
-    kinds = (("missing", missing), ("unexpected", unexpected), ("wrong shape", wrong))
-    lines = [_listed(label, items) for label, items in kinds if items]
-    raise HFFormatError(
-        f"the tensors in {path} do not match the model its config.json describes "
-        f"({type(config).__name__}): " + ". ".join(lines) + ". Check that config.json "
-        "belongs to these weights (sizes, tie_word_embeddings, biases)."
-    )
-
-
-def _listed(label: str, items: list[str]) -> str:
-    """`"3 missing: a; b; c"`, the first `_SHOWN` items named."""
-    shown = "; ".join(items[:_SHOWN])
-    more = f" (and {len(items) - _SHOWN} more)" if len(items) > _SHOWN else ""
-    return f"{len(items)} {label}: {shown}{more}"

@@ -162,7 +162,9 @@ def eqtrain_config(hf: dict[str, Any], path: str, param_dtype: str) -> tuple[str
             "(eqtrain/models/_registry.py) and its config.json map here."
         )
     try:
-        return model_type, _from_hf(hf, model_type, path, param_dtype)
+        if model_type in DECODER_ARCHS:
+            return model_type, _decoder_from_hf(hf, model_type, path, param_dtype)
+        return model_type, _gpt2_from_hf(hf, model_type, path, param_dtype)
     except HFConfigError as error:
         raise HFFormatError(str(error)) from None
     except KeyError as error:
@@ -170,12 +172,6 @@ def eqtrain_config(hf: dict[str, Any], path: str, param_dtype: str) -> tuple[str
             f"{path}: the {model_type} config has no {error.args[0]!r}; it is needed "
             "to build the model. Add it to config.json."
         ) from None
-
-
-def _from_hf(hf: dict[str, Any], model_type: str, path: str, param_dtype: str) -> Any:
-    if model_type in DECODER_ARCHS:
-        return _decoder_from_hf(hf, model_type, path, param_dtype)
-    return _gpt2_from_hf(hf, model_type, path, param_dtype)
 
 
 def _decoder_from_hf(
@@ -244,10 +240,6 @@ def model_class(config: Any) -> Any:
 
 
 # -- parameter names -------------------------------------------------------------------
-def _is_leaf_array(x: Any) -> bool:
-    return eqx.is_array(x) or isinstance(x, np.ndarray) or is_struct(x)
-
-
 def is_struct(x: Any) -> bool:
     return hasattr(x, "shape") and hasattr(x, "dtype") and not eqx.is_array(x)
 
@@ -256,7 +248,7 @@ def leaves(model: Any) -> Iterator[tuple[str, Any]]:
     """`(eqtrain path, leaf)` for every array (or `ShapeDtypeStruct`) of a model."""
     flat, _ = jtu.tree_flatten_with_path(model)
     for path, leaf in flat:
-        if _is_leaf_array(leaf):
+        if eqx.is_array(leaf) or isinstance(leaf, np.ndarray) or is_struct(leaf):
             yield jtu.keystr(path, simple=True, separator="."), leaf
 
 

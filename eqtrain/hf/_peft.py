@@ -241,21 +241,17 @@ def _trained_leaves(model: Any, trained: Any) -> list[tuple[str, Any]]:
     """`(path, leaf)` of the leaves `trained` marks, the adapters' left out."""
     flat_mask = jtu.tree_leaves(trained)
     flat, _ = jtu.tree_flatten_with_path(model, is_leaf=lambda x: x is None)
-    _check_mask(len(flat), len(flat_mask))
+    if len(flat) != len(flat_mask):
+        raise ConfigError(
+            "`trained` must be the model's trainable mask (`state.trainable`); its "
+            "structure does not match the model's."
+        )
     paths = [(jtu.keystr(k, simple=True, separator="."), x) for k, x in flat]
     return [
         (path, leaf)
         for (path, leaf), flag in zip(paths, flat_mask, strict=True)
         if flag and not lora.is_adapter_path(path)
     ]
-
-
-def _check_mask(num_leaves: int, num_flags: int) -> None:
-    if num_leaves != num_flags:
-        raise ConfigError(
-            "`trained` must be the model's trainable mask (`state.trainable`); its "
-            "structure does not match the model's."
-        )
 
 
 def _clean(x: float) -> float | int:

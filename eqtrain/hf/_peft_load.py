@@ -54,8 +54,10 @@ def adapter_spec(path: str | os.PathLike[str]) -> lora.LoRA:
     path = os.fspath(path)
     settings = _read_settings(path)
     tensors = _read_tensors(path)
-    modules = sorted({_split(k, path)[0] for k in _lora_keys(tensors)})
-    return _spec(settings, sorted({_unindexed(m) for m in modules}))
+    modules = {_split(k, path)[0] for k in _lora_keys(tensors)}
+    # model.layers.3.self_attn.q_proj -> model.layers.self_attn.q_proj
+    paths = {_LAYER_INDEX.sub(".", m, count=1) for m in modules}
+    return _spec(settings, sorted(paths))
 
 
 def load_adapter(
@@ -185,11 +187,6 @@ def _split(key: str, path: str) -> tuple[str, str]:
     return match["module"], match["which"]
 
 
-def _unindexed(module: str) -> str:
-    """`model.layers.3.self_attn.q_proj` -> `model.layers.self_attn.q_proj`."""
-    return _LAYER_INDEX.sub(".", module, count=1)
-
-
 # -- the adapters ----------------------------------------------------------------------
 def _found(
     model: Any, arch: _maps.Arch, tensors: dict[str, np.ndarray], path: str
@@ -210,7 +207,13 @@ def _found(
             )
         p, index = where[module]
         found.setdefault(p, {}).setdefault(which, {})[index] = (key, value)
-    _check_found(found, file)
+    if not found:
+        raise HFFormatError(
+            f"{file} holds no LoRA tensors (`...lora_A.weight`, `...lora_B.weight`); "
+            "there is no adapter to load."
+        )
+    for parts in found.values():
+        _check_pairs(parts, file)
     return found
 
 
@@ -223,16 +226,6 @@ def _module_places(model: Any, arch: _maps.Arch) -> dict[str, tuple[str, int | N
         for i, name in enumerate(module_names(arch, p, num_layers)):
             where[name] = (p, i if stacked else None)
     return where
-
-
-def _check_found(found: dict[str, dict[str, Parts]], file: str) -> None:
-    if not found:
-        raise HFFormatError(
-            f"{file} holds no LoRA tensors (`...lora_A.weight`, `...lora_B.weight`); "
-            "there is no adapter to load."
-        )
-    for parts in found.values():
-        _check_pairs(parts, file)
 
 
 def _check_pairs(parts: dict[str, Parts], file: str) -> None:
@@ -298,17 +291,8 @@ def _with_saved_modules(
     if not saved:
         return model
     file = os.path.join(path, ADAPTER_WEIGHTS)
-    updates = _saved_updates(model, saved, arch, file)
-    put = functools.partial(_put_saved, updates=updates, file=file)
-    return jtu.tree_map_with_path(put, model)
-
-
-def _saved_updates(
-    model: Any, saved: dict[str, np.ndarray], arch: _maps.Arch, file: str
-) -> Updates:
-    """The saved tensors by the eqtrain leaf they go to, in eqtrain's layout."""
     targets = _saved_targets(model, arch)
-    updates: Updates = {}
+    updates: Updates = {}  # by the eqtrain leaf they go to, in eqtrain's layout
     for name, value in saved.items():
         if name not in targets:
             raise HFFormatError(
@@ -319,7 +303,8 @@ def _saved_updates(
         updates.setdefault(p, {})[index] = (
             value.T if _maps.is_conv1d(arch, p) else value
         )
-    return updates
+    put = functools.partial(_put_saved, updates=updates, file=file)
+    return jtu.tree_map_with_path(put, model)
 
 
 def _saved_targets(
