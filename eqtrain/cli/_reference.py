@@ -71,6 +71,7 @@ _COMMANDS_INTRO = (
 
 
 def _commands() -> list[str]:
+    """The commands' section: each command's usage, help, arguments and options."""
     import typer.main
 
     from . import app
@@ -79,7 +80,31 @@ def _commands() -> list[str]:
     lines = ["## Commands", "", "```", "eqtrain [OPTIONS] COMMAND [ARGS]...", "```", ""]
     lines += [_text(group.help), "", _COMMANDS_INTRO, ""]
     for name, command, ctx in _leaf_commands(group):
-        lines += _command(name, command, ctx)
+        params = [
+            p for p in command.params if not p.hidden and p.name not in _SKIPPED_PARAMS
+        ]
+        arguments = [p for p in params if p.param_type_name == "argument"]
+        options = [p for p in params if p.param_type_name == "option"]
+        usage = _usage(name, arguments, options)
+        lines += [f"### `eqtrain {name}`", "", "```", usage, "```", ""]
+        lines += [_text(command.help), ""]
+        if arguments:
+            rows = [
+                (
+                    _code(_metavar(p)),
+                    _value_name(p, ctx),
+                    "required" if p.required else "optional",
+                    _text(getattr(p, "help", None)),
+                )
+                for p in arguments
+            ]
+            lines += _table(("Argument", "Value", "Required", "Description"), rows)
+        if options:
+            rows = [
+                (_option_names(p), _value_name(p, ctx), _default(p), _option_help(p))
+                for p in options
+            ]
+            lines += _table(("Option", "Value", "Default", "Description"), rows)
     return lines
 
 
@@ -105,40 +130,11 @@ def _leaf_commands(group: Any) -> list[tuple[str, Any, Any]]:
     return out
 
 
-def _command(name: str, command: Any, ctx: Any) -> list[str]:
-    params = [
-        p for p in command.params if not p.hidden and p.name not in _SKIPPED_PARAMS
-    ]
-    arguments = [p for p in params if p.param_type_name == "argument"]
-    options = [p for p in params if p.param_type_name == "option"]
-    usage = _usage(name, arguments, options)
-    lines = [f"### `eqtrain {name}`", "", "```", usage, "```", ""]
-    lines += [_text(command.help), ""]
-    if arguments:
-        rows = [_argument_row(p, ctx) for p in arguments]
-        lines += _table(("Argument", "Value", "Required", "Description"), rows)
-    if options:
-        rows = [_option_row(p, ctx) for p in options]
-        lines += _table(("Option", "Value", "Default", "Description"), rows)
-    return lines
-
-
 def _usage(name: str, arguments: list[Any], options: list[Any]) -> str:
     """`eqtrain NAME [OPTIONS] ARG [OPTIONAL_ARG]`."""
     words = ["eqtrain", name, "[OPTIONS]" if options else ""]
     words += [_metavar(p) if p.required else f"[{_metavar(p)}]" for p in arguments]
     return " ".join(" ".join(words).split())
-
-
-def _argument_row(param: Any, ctx: Any) -> tuple[str, ...]:
-    required = "required" if param.required else "optional"
-    help_text = _text(getattr(param, "help", None))
-    return (_code(_metavar(param)), _value_name(param, ctx), required, help_text)
-
-
-def _option_row(param: Any, ctx: Any) -> tuple[str, ...]:
-    names = _option_names(param)
-    return (names, _value_name(param, ctx), _default(param), _option_help(param))
 
 
 def _metavar(param: Any) -> str:
@@ -217,14 +213,16 @@ def _config_keys() -> list[str]:
 
 def _key_table(fields: list[Field]) -> list[str]:
     rows = [
-        (_code(f.key), f.type_name, _key_default(f), _allowed(f), _text(f.help))
+        (
+            _code(f.key),
+            f.type_name,
+            "unset" if f.default is None else _code(toml_value(f.default)),
+            _allowed(f),
+            _text(f.help),
+        )
         for f in fields
     ]
     return _table(("Key", "Type", "Default", "Allowed", "Description"), rows)
-
-
-def _key_default(field: Field) -> str:
-    return "unset" if field.default is None else _code(toml_value(field.default))
 
 
 # What the values of a `duration` or `size` key look like.
