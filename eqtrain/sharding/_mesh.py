@@ -50,10 +50,6 @@ def _check_sizes(sizes: dict[str, Any]) -> None:
         raise ConfigError(
             f"mesh axis sizes must be positive ints or -1 (the rest); got {bad}."
         )
-    _check_one_rest(sizes)
-
-
-def _check_one_rest(sizes: dict[str, int]) -> None:
     rest = [name for name, size in sizes.items() if size == -1]
     if len(rest) > 1:
         raise ConfigError(
