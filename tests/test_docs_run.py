@@ -37,8 +37,8 @@ PAGES = ["README.md", *sorted(str(p.relative_to(ROOT)) for p in ROOT.glob("docs/
 SKIPPED: dict[str, list[str]] = {}
 
 MARKER = re.compile(r"^<!--\s*docs-test:\s*(?P<what>skip|requires)\b\s*(?P<arg>.*?)\s*-->$")
-VALUE = re.compile(
-    r"^(?P<lhs>\s*[\w.\[\]\"']+\s*=\s*)(?P<rhs>.+?)(?P<comma>,?)\s*"
+VALUE = re.compile(  # the literal after the line's last `=`, then the marker
+    r"^(?P<lhs>[^#]*=\s*)(?P<rhs>[^=#]+?)(?P<tail>[,)\]]*)\s*"
     r"#(?:[^#]*;)?\s*docs-test:\s*(?P<value>.+?)\s*$"
 )
 OPEN = re.compile(r"^```python\s*$")
@@ -75,8 +75,12 @@ def blocks(page: str) -> list[Block]:
 
 
 def _filled(line: str) -> str:
+    if "docs-test:" not in line:
+        return line
     m = VALUE.match(line)
-    return f"{m['lhs']}{m['value']}{m['comma']}" if m else line
+    if m is None:
+        raise ValueError(f"not `name = value  # docs-test: VALUE`: {line!r}")
+    return f"{m['lhs']}{m['value']}{m['tail']}"
 
 
 def _run(block: Block, namespace: dict) -> None:
