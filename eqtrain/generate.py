@@ -108,15 +108,11 @@ def left_pad(
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ConfigError("every prompt needs at least one token (got an empty one).")
     lengths = np.array([len(p) for p in prompts], np.int32)
-    width = _round_up(int(lengths.max()), multiple)
+    width = -(-int(lengths.max()) // multiple) * multiple
     tokens = np.full((len(prompts), width), pad_id, np.int32)
     for r, p in enumerate(prompts):
         tokens[r, width - len(p) :] = np.asarray(p, np.int32)
     return tokens, lengths
-
-
-def _round_up(n: int, multiple: int) -> int:
-    return -(-n // multiple) * multiple
 
 
 def filter_logits(
@@ -289,22 +285,16 @@ def _stops(s: _Settings) -> Array:
     return jnp.asarray(s.stop_ids, jnp.int32).reshape(-1)
 
 
-def _rope_switch(model: Any, width: int, s: _Settings) -> int | None:
-    """The slot (position) where a longrope model recomputes its cache, when a
-    row can reach it."""
-    switch = getattr(model, "rope_switch", None)
-    if switch is not None and not switch < width + s.max_new_tokens - 1:
-        return None  # no row reaches it
-    return switch
-
-
 def _hidden(
     model: Any, prompts: Array, st: _Loop, slot: Array, s: _Settings
 ) -> tuple[Array, Any]:
     """The hidden state of the last token fed at `slot`, and the cache after it:
     one decode step, or at a rope switch the whole text so far through an
     empty cache (as transformers' Phi-3 does)."""
-    switch = _rope_switch(model, prompts.shape[1], s)
+    # the slot (position) where a longrope model recomputes its cache
+    switch = getattr(model, "rope_switch", None)
+    if switch is not None and not switch < prompts.shape[1] + s.max_new_tokens - 1:
+        switch = None  # no row reaches it
 
     def decode(st: _Loop, slot: Array) -> tuple[Array, Any]:
         h, cache = model.cached_features(st.token[:, None], st.cache, slot)
