@@ -137,7 +137,7 @@ def resolved(config: Path, overrides: list[str]) -> dict[str, Any]:
     }
     return {
         "defaults": defaults,
-        "params": num_params(job.abstract_state().model),
+        "params": num_params(job.abstract.model),
         "optim": {
             "name": optim.name,
             "lr": optim.lr,

@@ -176,17 +176,17 @@ def test_tensor_parallel_with_the_byte_vocabulary_matches_one_device(arch, tmp_p
 def test_the_base_is_read_straight_onto_the_mesh(tmp_path, base, monkeypatch):
     """`eqtrain fit` reads `model.init_from` block by block into the shardings of
     the run's mesh (FSDP over 8 devices here), not whole onto one device."""
-    from eqtrain.job import _build
+    from eqtrain.job import _model
 
     loaded = []
-    real = _build.hf.load
+    real = _model.hf.load
 
     def recording(*args, **kwargs):
         out = real(*args, **kwargs)
         loaded.append((kwargs.get("shardings"), out[0]))
         return out
 
-    monkeypatch.setattr(_build.hf, "load", recording)
+    monkeypatch.setattr(_model.hf, "load", recording)
     config = _config(tmp_path, base, "mesh.data=1", "mesh.fsdp=8")
     prepared = job.prepare(config, echo=lambda s: None)
     prepared.close()

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from eqtrain import checkpoint, config as config_lib, hf, job, lora
+from eqtrain.job import _model
 from eqtrain.models import Llama, LlamaConfig
 
 from .test_cli import TEXT, cli
@@ -204,7 +205,7 @@ def test_adapter_from_continues_a_peft_adapter(lora_run, tmp_path):
         ],
     )
     built = job.build(config)
-    start = built.new_model()
+    start = _model.new_model(built)
     tokens = jnp.arange(16) % 259
     ours = np.asarray(result.fit.state.model(tokens))
     np.testing.assert_allclose(np.asarray(start(tokens)), ours, atol=1e-6)
@@ -231,7 +232,7 @@ def test_lora_keys_reach_the_run(lora_run, tmp_path):
             ],
         )
     )
-    abstract = built.abstract_state()
+    abstract = built.abstract
     model = abstract.model
     assert lora.adapter_paths(model) == [
         "layers.self_attn.q_proj",
@@ -252,7 +253,7 @@ def test_lora_keys_reach_the_run(lora_run, tmp_path):
     }
     off = ["lora.rank=0", "lora.alpha=", "lora.dropout=0", "export.merged=false"]
     none = job.build(config_lib.load(path, off))
-    assert none.lora is None and not lora.adapter_paths(none.abstract_state().model)
+    assert none.lora is None and not lora.adapter_paths(none.abstract.model)
 
 
 @pytest.mark.slow  # default-suite time (docs/testing.md)

@@ -339,7 +339,7 @@ def test_dry_run_reports_the_compiled_step(tmp_path):
 
     def analysis(built):
         step = _steps.train_step(built, planned.placement)
-        return step.lower(built.abstract_state(), batch).compile().memory_analysis()
+        return step.lower(built.abstract, batch).compile().memory_analysis()
 
     chunked = analysis(planned.job)
     peak = (
@@ -351,7 +351,7 @@ def test_dry_run_reports_the_compiled_step(tmp_path):
     assert f"peak              {eqtrain.sharding.format_bytes(peak)}" in text
     # the arguments are this device's share of the state (fsdp = 2) and batch:
     # the report compiled neither an unsharded nor a smaller state
-    abstract = eqx.filter(planned.job.abstract_state(), _is_struct)
+    abstract = eqx.filter(planned.job.abstract, _is_struct)
     state = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(abstract))
     assert state // 2 < chunked.argument_size_in_bytes < state
     plain_config = dataclasses.replace(

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from eqtrain import ConfigError, config as config_lib, data, hf, job
-from eqtrain.job import _build, _reference, _rows
+from eqtrain.job import _build, _model, _reference, _rows
 from eqtrain.losses import causal_lm_loss
 from eqtrain.models import Llama, LlamaConfig
 from eqtrain.post_training import preference
@@ -175,7 +175,7 @@ def test_precomputed_reference_equals_the_copy_and_survives_resume(files, tmp_pa
     values = load_file(stored)
     built = _build.build(whole)
     rows = _rows.train_rows(built)
-    initial = built.new_model()
+    initial = _model.new_model(built)
     chosen, rejected = jax.jit(preference.pair_logprobs)(
         initial, {k: rows[k] for k in _reference.PAIR_KEYS}
     )

@@ -87,7 +87,7 @@ def _flops(job: _build.Job, mesh: Any, done: int) -> dict[str, Any]:
     """`fit`'s MFU figures: FLOPs per token, the devices' peak, tokens seen."""
     config = job.config
     return dict(
-        flops_per_token=job.flops_per_token(),
+        flops_per_token=job.flops_per_token,
         peak_flops=_peak_flops(config, mesh),
         tokens_seen=done * config.data.batch_size * job.tokens_per_row,
     )

@@ -114,7 +114,7 @@ def report(config: Config) -> str:
     """The dry-run report of `config` (nothing is trained, allocated or written)."""
     planned = _plan.plan(config)
     job, placement = planned.job, planned.placement
-    abstract = job.abstract_state()
+    abstract = job.abstract
     table = sharding.describe(abstract, placement.state_shardings)
     batch = _memory.abstract_batch(job, planned.rows)
     memory = _memory.step_memory(job, placement, batch)
@@ -167,7 +167,7 @@ def _run_lines(planned: _plan.Plan, abstract: Any) -> list[str]:
         *_samples_lines(job, planned.samples),
         _data_line(job, planned.rows, planned.eval_rows),
         _steps_line(config),
-        f"compute      {job.flops_per_token():,.0f} training FLOPs per token "
+        f"compute      {job.flops_per_token:,.0f} training FLOPs per token "
         f"(forward + backward, data.seq_len {config.data.seq_len})",
         _devices_line(mesh),
         *_cpu_lines(mesh),

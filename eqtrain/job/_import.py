@@ -18,7 +18,7 @@ from .._errors import ConfigError
 from .._files import set_default_mode
 from .._hooks import StepInfo
 from ..config import Config, to_dict
-from . import _build, _claim, _identity, _place, _rundir
+from . import _build, _claim, _identity, _model, _place, _rundir
 
 
 def import_hf(
@@ -178,7 +178,7 @@ def _save_step_zero(
 ) -> None:
     """The model's weights and a fresh optimizer state, as checkpoint 0 in
     `tmp`, its manifest recording `resolved` and the run's `identity`."""
-    state = _place.placement(job).place(job.new_state())
+    state = _place.placement(job).place(_model.new_state(job))
     ckpt = checkpoint.Checkpointer(
         tmp,
         every_steps=None,

@@ -19,6 +19,7 @@ from ..post_training import rewards
 from . import (
     _build,
     _data,
+    _model,
     _open,
     _place,
     _reference,
@@ -36,16 +37,21 @@ def evaluate_run(
     configured eval data. Returns `{"step": k, "eval/loss": ..., ...}`."""
     job = _open.open_job(path, _open.open_run(path, overrides))
     placement = _place.placement(job)
-    rows = _eval_rows(job, placement, path)
-    restored = _open.restore(Path(path), job, placement)
+    # a LoRA run's base is read once, for the precomputed reference's key and restore
+    precomputed = job.reference == "precomputed"
+    base = _model.base_reference(job) if precomputed else None
+    rows = _eval_rows(job, placement, path, base)
+    restored = _open.restore(Path(path), job, placement, base)
     loader, evaluator = _steps.evaluation(job, placement, rows)
     metrics = evaluate(restored.state, evaluator, loader)
     return {"step": restored.step, **metrics}
 
 
-def _eval_rows(job: _build.Job, placement: Any, path: Any) -> _rows.Rows:
+def _eval_rows(
+    job: _build.Job, placement: Any, path: Any, base: dict[str, Any] | None
+) -> _rows.Rows:
     """The run's eval rows (with the precomputed reference's columns: the run's
-    stored pass, or a new one)."""
+    stored pass, or a new one; `base`: a LoRA run's `_model.base_reference`)."""
     rows = _rows.eval_rows(job)
     if rows is None:
         raise ConfigError(
@@ -55,7 +61,13 @@ def _eval_rows(job: _build.Job, placement: Any, path: Any) -> _rows.Rows:
     if job.reference != "precomputed":
         return rows
     values = _reference.attach(
-        job, placement, {"eval": rows}, job.run_dir, writer=False, say=_quiet
+        job,
+        placement,
+        {"eval": rows},
+        job.run_dir,
+        writer=False,
+        say=_quiet,
+        base=base,
     )
     return {**rows, **values["eval"]}
 

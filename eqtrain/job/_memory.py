@@ -91,7 +91,7 @@ def step_memory(
     """`StepMemory` of `job`'s training step on `placement` for `batch` (abstract
     shapes): traced and compiled, not run."""
     step = _steps.train_step(job, placement)
-    return StepMemory.of(step.lower(job.abstract_state(), batch).compile())
+    return StepMemory.of(step.lower(job.abstract, batch).compile())
 
 
 @dataclasses.dataclass(frozen=True)

@@ -11,7 +11,7 @@ from typing import Any
 from .. import checkpoint
 from .._errors import ConfigError
 from ..config import ARCH_KEYS, Config, apply_overrides, from_dict, read_toml, validate
-from . import _build, _place, _resumable, _rundir
+from . import _build, _model, _place, _resumable, _rundir
 
 
 def run_dir_of(path: Path) -> Path:
@@ -81,19 +81,27 @@ def _settings_of(recorded: dict[str, Any]) -> dict[str, Any]:
     return {**recorded, "model": model}
 
 
-def restore(path: Path, job: _build.Job, placement: _place.Placement) -> Any:
+def restore(
+    path: Path,
+    job: _build.Job,
+    placement: _place.Placement,
+    base: dict[str, Any] | None = None,
+) -> Any:
     """The latest checkpoint of `path` (or that step directory), restored onto
-    `placement` (`checkpoint.restore`'s result: state and step)."""
+    `placement` (`checkpoint.restore`'s result: state and step). `base`: a LoRA
+    run's `_model.base_reference`, when the caller has read it already (else it
+    is read here, once the checkpoints are found)."""
     if not checkpoint.list_steps(path):
         raise ConfigError(
             f"{path} holds no checkpoint yet; train it first (`eqtrain fit`)."
         )
     return checkpoint.restore(
         path,
-        job.abstract_state(),
+        job.abstract,
         shardings=placement.state_shardings,
-        init=lambda: placement.place(job.new_state(placement.mesh)),  # LoRA's base
-        base=job.base_reference(),
+        # a LoRA checkpoint holds the adapters: the base is rebuilt
+        init=lambda: placement.place(_model.new_state(job, placement.mesh)),
+        base=base or _model.base_reference(job),
     )
 
 

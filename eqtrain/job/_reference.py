@@ -25,10 +25,10 @@ import numpy as np
 from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
-from .. import sharding
+from .. import hf, sharding
 from .._files import replace_durably, set_default_mode
 from ..post_training import preference
-from . import _build
+from . import _build, _model
 
 
 Rows = dict[str, np.ndarray]
@@ -42,14 +42,16 @@ DIR = "reference"
 PART_ROWS = 4096  # pairs per part file: what a killed pass loses at most
 
 
-def identity(job: _build.Job) -> dict[str, Any]:
+def identity(job: _build.Job, base: dict[str, Any] | None = None) -> dict[str, Any]:
     """What the reference model is: the run's initial model, named by its
     source (init_from's content hash, or the random init's seed and config) and
-    its adapters (`model.adapter_from`'s content, or new ones: zero updates)."""
+    its adapters (`model.adapter_from`'s content, or new ones: zero updates).
+    `base`: a LoRA run's `_model.base_reference`, which holds init_from's
+    content hash already (its weights are read once)."""
     m, config = job.config.model, job.config
     out: dict[str, Any] = {"model_config": repr(job.model_config)}
     if m.init_from is not None:
-        out["init_from"] = job.init_from_hash()["sha256"]
+        out["init_from"] = (base or hf.content_hash(m.init_from))["sha256"]
     else:
         out["seed"] = config.seed
     if job.lora is not None and m.adapter_from is not None:
@@ -89,12 +91,14 @@ def attach(
     writer: bool,
     say: Callable[[str], None],
     initial: Any = None,
+    base: dict[str, Any] | None = None,
 ) -> dict[str, Rows]:
     """The `reference_chosen` / `reference_rejected` columns of each split's
     rows: `<run_dir>/reference/<split>.safetensors` when it matches the rows and
     the initial model, else computed (with `initial`, the run's initial model on
-    the mesh, when the caller has it; else rebuilt) and written."""
-    model_id = identity(job)
+    the mesh, when the caller has it; else rebuilt) and written. `base`: the
+    run's `_model.base_reference`, when the caller has it (see `identity`)."""
+    model_id = identity(job, base)
     models: list[Any] = [initial]  # built at most once, when a split needs it
 
     def model() -> Any:
@@ -115,7 +119,7 @@ def attach(
 
 def _initial_model(job: _build.Job, placement: Any) -> Any:
     """The run's initial model (the policy at step 0), on the mesh."""
-    model = job.new_model(placement.mesh)
+    model = _model.new_model(job, placement.mesh)
     shardings = placement.state_shardings.model
     return sharding.shard(model, shardings)
 

@@ -1,11 +1,11 @@
 """Resolving a config into a run's pieces: the tokenizer, the model's
 architecture (from `[model]` or `model.init_from`'s config.json), the optimizer,
-the chat template, the LoRA spec and the loss. Each is a function of the config;
-`_build.build` assembles them into a `Job`."""
+the chat template and the LoRA spec. Each is a function of the config;
+`_build.build` assembles them into a `Job` (and resolves its loss, which needs
+the traced model)."""
 
 import dataclasses
 import math
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -13,16 +13,8 @@ import jax
 
 from .. import data as data_lib, hf, lora as lora_lib, models, optim
 from .._errors import ConfigError
-from ..config import (
-    AUTO_LOSS_CHUNK,
-    LOSS_CHUNK_MIN_VOCAB,
-    Config,
-    explicit,
-)
+from ..config import Config, explicit
 from ..cpu import layers_scanned
-from ..losses import causal_lm_loss, causal_lm_loss_fn, chunked_causal_lm_loss_fn
-from ..post_training import preference
-from . import _grpo
 
 
 # -- tokenizer ------------------------------------------------------------------
@@ -228,77 +220,6 @@ def _axis_sizes(config: Config) -> dict[str, int]:
         known = math.prod(v for v in sizes.values() if v > 0)
         sizes[rest[0]] = max(1, jax.device_count() // known)
     return sizes
-
-
-def loss_chunk(config: Config, vocab: int, *, head_dropout: bool = False) -> int:
-    """`model.loss_chunk` resolved for a model with `vocab` output ids: tokens per
-    chunk of the chunked head + loss, or 0 for the plain loss. `auto` chunks from
-    `LOSS_CHUNK_MIN_VOCAB` ids on (below it the logits are small, and the plain
-    loss is faster) on runs without a sequence axis, unless `head_dropout` (a
-    LoRA adapter with dropout on the head, which a chunked head cannot apply; an
-    explicit chunk is an error)."""
-    chunk = config.model.loss_chunk
-    if chunk == "auto":
-        # A sequence-split row would be gathered to be cut into token chunks.
-        if head_dropout or vocab < LOSS_CHUNK_MIN_VOCAB or config.mesh.sequence > 1:
-            return 0
-        return AUTO_LOSS_CHUNK
-    if chunk and head_dropout:
-        raise ConfigError(
-            f"model.loss_chunk = {chunk} computes the head as one matrix, which "
-            f"cannot apply the LoRA dropout (lora.dropout = {config.lora.dropout}) "
-            "of an adapter on `lm_head` (lora.targets). Set model.loss_chunk = 0, "
-            "lora.dropout = 0, or leave lm_head out of lora.targets."
-        )
-    return int(chunk)
-
-
-def task_loss(
-    config: Config,
-    reference: str | None,
-    *,
-    vocab_size: int | None = None,
-    chunk: int = 0,
-) -> Callable[..., Any]:
-    """The loss of `task.kind`: next-token cross-entropy for lm and sft (whose
-    rows mask out everything but completions), else the preference loss;
-    `vocab_size`: a padded model's real vocabulary (its padded logits are
-    masked); `chunk`: tokens per chunk of a chunked head + loss (0: the plain
-    loss over full logits)."""
-    kind = config.task.kind
-    if kind == "grpo":
-        return _grpo.loss(config, reference, vocab_size=vocab_size, chunk=chunk)
-    if kind in ("lm", "sft"):
-        return _lm_loss(vocab_size, chunk)
-    return _preference_loss(config, reference, vocab_size, chunk)
-
-
-def _lm_loss(vocab_size: int | None, chunk: int) -> Callable[..., Any]:
-    """Next-token cross-entropy: chunked, masked to a real vocabulary, or plain."""
-    if chunk:
-        return chunked_causal_lm_loss_fn(chunk=chunk, vocab_size=vocab_size)
-    if vocab_size is not None:
-        return causal_lm_loss_fn(vocab_size=vocab_size)
-    return causal_lm_loss
-
-
-def _preference_loss(
-    config: Config, reference: str | None, vocab_size: int | None, chunk: int
-) -> Callable[..., Any]:
-    t = config.task
-    try:
-        return preference.preference_loss_fn(
-            t.kind,
-            reference=reference,
-            beta=t.beta,
-            label_smoothing=t.label_smoothing,
-            orpo_lambda=t.orpo_lambda,
-            gamma=t.simpo_gamma,
-            vocab_size=vocab_size,
-            chunk=chunk or None,
-        )
-    except ConfigError as e:
-        raise ConfigError(f"[task]: {e}") from None
 
 
 def chat_template(config: Config, init_from: str | None) -> Any:

@@ -11,7 +11,7 @@ import jax
 
 from .. import checkpoint
 from ..data import Loader
-from . import _identity, _plan, _reference, _rundir
+from . import _identity, _model, _plan, _reference, _rundir
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,10 +88,10 @@ def _restored(planned: _plan.Plan, loader: Loader, request: Request) -> Start:
     """Restore the run's latest checkpoint (and the loader's position), or
     initialise a new state."""
     job, placement = planned.job, planned.placement
-    base = job.base_reference()  # a LoRA run's frozen base (None otherwise)
+    base = _model.base_reference(job)  # a LoRA run's frozen base (None otherwise)
     restored = checkpoint.resume_run(
         Path(job.config.run_dir),
-        lambda: placement.place(job.new_state(placement.mesh)),
+        lambda: placement.place(_model.new_state(job, placement.mesh)),
         like=job.abstract,
         resume=request.resume,
         overwrite=request.overwrite,
@@ -119,6 +119,7 @@ def _with_reference(
         writer=jax.process_index() == 0,
         say=say,
         initial=initial,
+        base=start.base,
     )
     start.loader.add_columns(values["train"])
     if eval_rows is not None:
