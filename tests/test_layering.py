@@ -296,3 +296,69 @@ def test_the_core_never_reaches_the_cpu_package():
         "pieces below the job that import eqtrain.cpu (take the options as "
         "an argument, and let the job pass them):\n  " + "\n  ".join(bad)
     )
+
+
+def _one_use_chains(path: Path) -> list[list[str]]:
+    """The longest chain under each module-level function of `path` through
+    private helpers that are used exactly once, each by the one before."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    funcs = {n.name: n for n in tree.body if isinstance(n, ast.FunctionDef)}
+    uses = {name: 0 for name in funcs}
+    callers: dict[str, set[str]] = {name: set() for name in funcs}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Name) and node.id in funcs:
+            uses[node.id] += 1
+    for name, f in funcs.items():
+        for node in ast.walk(f):
+            if isinstance(node, ast.Name) and node.id in funcs and node.id != name:
+                callers[node.id].add(name)
+    one_use = {
+        n for n in funcs if n.startswith("_") and uses[n] == 1 and len(callers[n]) == 1
+    }
+
+    def chain(name: str) -> list[str]:
+        below = [chain(m) for m in sorted(one_use) if callers[m] == {name}]
+        return [name, *max(below, key=len, default=[])]
+
+    return [chain(n) for n in funcs if n not in one_use]
+
+
+MAX_ONE_USE_CHAIN = 3
+"""Levels of one-use private helpers under a function: a split is made at a
+seam that can be named, and five levels of one use each are one idea cut up
+(issue 53)."""
+
+
+def test_no_deep_chains_of_one_use_helpers():
+    deep = [
+        f"{path.relative_to(ROOT.parent)}: {' -> '.join(c)}"
+        for path in sorted(ROOT.rglob("*.py"))
+        for c in _one_use_chains(path)
+        if len(c) - 1 > MAX_ONE_USE_CHAIN
+    ]
+    assert not deep, (
+        f"chains of more than {MAX_ONE_USE_CHAIN} one-use helpers; merge the "
+        "levels no seam separates back into their caller:\n  " + "\n  ".join(deep)
+    )
+
+
+def test_the_chain_finder(tmp_path):
+    import textwrap
+
+    source = textwrap.dedent(
+        """
+        def public():
+            return _a()
+        def _a():
+            return _b() + _c()
+        def _b():
+            return _d()
+        def _c():
+            return 1
+        def _d():
+            return 2
+        """
+    )
+    path = tmp_path / "probe.py"
+    path.write_text(source)
+    assert _one_use_chains(path) == [["public", "_a", "_b", "_d"]]
