@@ -15,7 +15,7 @@ shared leading messages are the prompt).
 """
 
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
@@ -228,19 +228,15 @@ def _chat_example(
     row: Any, tokenizer: Tokenizer, seq_len: int, template: ChatTemplate
 ) -> tuple[np.ndarray, np.ndarray]:
     messages = field(row, "messages")
-    if isinstance(messages, (list, tuple)) and not _has_assistant(messages):
+    if isinstance(messages, (list, tuple)) and not any(
+        isinstance(m, Mapping) and m.get("role") == "assistant" for m in messages
+    ):
         raise Skip("with no assistant message")
     ids, mask = template.encode(messages, tokenizer)
     ids, mask = ids[: seq_len + 1], mask[: seq_len + 1]  # keep the start
     if not mask[1:].any():  # the first token is never a target
         raise Skip(f"with no assistant token in the first {seq_len + 1} tokens")
     return ids, mask
-
-
-def _has_assistant(messages: Sequence[Any]) -> bool:
-    return any(
-        isinstance(m, Mapping) and m.get("role") == "assistant" for m in messages
-    )
 
 
 def _pair_encoder(

@@ -78,7 +78,19 @@ def plan(
     path = Path(os.path.abspath(source))
     if path.is_dir():
         return plan_files(text_files(path, pattern), piece_bytes=piece_bytes)
-    return _plan_file(path, text_column, piece_bytes)
+    kind, compression = _format(path)
+    size = stat(path).st_size
+    if size == 0:
+        raise DataError(f"{path} is empty (0 bytes). {_NOTHING}")
+    if kind == "parquet":
+        return _plan_parquet(path, text_column, piece_bytes)
+    if kind == "text_files":
+        return [Piece(kind, "", 0, -1, 1, size, (str(path),), compression)]
+    if kind == "json":
+        kind = _json_kind(path, compression)
+    if kind == "jsonl" and compression is None:
+        return _plan_jsonl(path, size, piece_bytes)
+    return [Piece(kind, str(path), 0, -1, 1, size, compression=compression)]
 
 
 def plan_files(
@@ -246,23 +258,6 @@ def _format(path: Path) -> tuple[str, str | None]:
     if compression == "zst":
         zstd_module(path)  # fail at planning, not in a worker
     return kind, compression
-
-
-def _plan_file(path: Path, text_column: str, piece_bytes: int) -> list[Piece]:
-    """The pieces of one file (see `plan`)."""
-    kind, compression = _format(path)
-    size = stat(path).st_size
-    if size == 0:
-        raise DataError(f"{path} is empty (0 bytes). {_NOTHING}")
-    if kind == "parquet":
-        return _plan_parquet(path, text_column, piece_bytes)
-    if kind == "text_files":
-        return [Piece(kind, "", 0, -1, 1, size, (str(path),), compression)]
-    if kind == "json":
-        kind = _json_kind(path, compression)
-    if kind == "jsonl" and compression is None:
-        return _plan_jsonl(path, size, piece_bytes)
-    return [Piece(kind, str(path), 0, -1, 1, size, compression=compression)]
 
 
 def _runs(sizes: list[int], piece_bytes: int) -> list[tuple[int, int, int]]:

@@ -203,16 +203,10 @@ def _padded_rows(
     real = np.zeros((len(items), width), bool)
     learn = np.zeros((len(items), width), np.float32)
     for i, (ids, mask) in enumerate(items):
-        where = _placed(len(ids), width, padding_side)
+        n = len(ids)
+        where = slice(0, n) if padding_side == "right" else slice(width - n, width)
         tok[i, where], real[i, where], learn[i, where] = ids, True, mask
     return tok, real, learn
-
-
-def _placed(length: int, width: int, padding_side: str) -> slice:
-    """Where an example of `length` tokens sits in a row of `width`."""
-    if padding_side == "right":
-        return slice(0, length)
-    return slice(width - length, width)
 
 
 def _prepared(
@@ -304,20 +298,16 @@ def _chat_pieces(
             yield tokenizer.encode(content + "\n"), 0.0
 
 
-def _check_fields(message: Any, i: int) -> None:
-    """Message `i` is a mapping with `role` and `content`."""
-    if isinstance(message, Mapping) and "role" in message and "content" in message:
-        return
-    keys = sorted(message) if isinstance(message, Mapping) else type(message).__name__
-    raise DataError(
-        f"message {i} must be a mapping with 'role' and 'content'; got {keys}. "
-        'Write messages as {"role": "user", "content": "..."}.'
-    )
-
-
 def _role_and_content(message: Any, i: int) -> tuple[str, str]:
-    """Message `i`'s role (one of `ROLES`) and content (a string)."""
-    _check_fields(message, i)
+    """Message `i`'s role (one of `ROLES`) and content (a string), checked: it
+    must be a mapping with `role` and `content`."""
+    mapping = isinstance(message, Mapping)
+    if not (mapping and "role" in message and "content" in message):
+        keys = sorted(message) if mapping else type(message).__name__
+        raise DataError(
+            f"message {i} must be a mapping with 'role' and 'content'; got {keys}. "
+            'Write messages as {"role": "user", "content": "..."}.'
+        )
     role, content = message["role"], message["content"]
     if role not in ROLES:
         raise DataError(

@@ -93,7 +93,11 @@ def prepare(
         "piece_bytes": piece_bytes or PIECE_BYTES,
     }
     cache = Path(cache_dir) if cache_dir is not None else default_cache()
-    identity = _identity(_source_key(source, key, pattern, cache), spec, settings)
+    if _is_path(source):
+        source_key = _fingerprint(source, pattern, cache)
+    else:  # None for a Python source without a key
+        source_key = _python_key(source, key)
+    identity = _identity(source_key, spec, settings)
     directory, identity = _located(cache, identity, source, text_column)
     label = os.fspath(source) if _is_path(source) else f"a {type(source).__name__}"
     complete = (directory / "store.json").is_file() and not verify
@@ -135,15 +139,6 @@ def _is_path(source: Any) -> bool:
 
 def _stderr(text: str) -> None:
     print(text, file=sys.stderr, flush=True)
-
-
-def _source_key(
-    source: Any, key: str | None, pattern: str, cache: Path
-) -> dict[str, Any] | None:
-    """A source's part of the content key; None for a Python source without one."""
-    if _is_path(source):
-        return _fingerprint(source, pattern, cache)
-    return _python_key(source, key)
 
 
 def _stdlib(name: str) -> list[Path] | None:
