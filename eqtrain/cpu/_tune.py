@@ -90,25 +90,16 @@ def _backends_started() -> bool:
     return bool(xla_bridge.backends_are_initialized())
 
 
-def _opted_out(environ: MutableMapping[str, str]) -> bool:
-    return environ.get(OPT_OUT, "1").strip().lower() in ("0", "false", "no", "off")
-
-
-def _pinned(environ: MutableMapping[str, str]) -> _tuning.Choice | None:
-    """The setting `EQTRAIN_CPU_TUNING` names (`_tuning.pinned`), if any;
-    ConfigError for a value that names none."""
-    try:
-        return _tuning.pinned(environ.get(OPT_OUT, ""))
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
-
-
 def _choice(
     environ: MutableMapping[str, str], say: Callable[[str], None] | None, measure: bool
 ) -> _tuning.Choice:
     """This processor's measured (or cached) choice; the one
-    `EQTRAIN_CPU_TUNING` names (`fixed`: the default), without measuring."""
-    named = _pinned(environ)
+    `EQTRAIN_CPU_TUNING` names (`_tuning.pinned`; `fixed`: the default), without
+    measuring (ConfigError for a value that names none)."""
+    try:
+        named = _tuning.pinned(environ.get(OPT_OUT, ""))
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     if named is not None:
         return named
     return choose(say=say, measure_now=measure, threads=_tuning.thread_counts(environ))
@@ -240,7 +231,7 @@ def tune_cpu(
         >>> applied = eqtrain.cpu.tune_cpu()  # first thing in a CPU training script
     """
     environ = os.environ if environ is None else environ
-    if _opted_out(environ):
+    if environ.get(OPT_OUT, "1").strip().lower() in ("0", "false", "no", "off"):
         _state["choice"] = f"off ({OPT_OUT}=0)"
         _onednn.activate({})
         return []
