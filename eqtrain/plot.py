@@ -100,7 +100,19 @@ def plot_run(
         out = out / "plot.png"
     if title is None:
         title = _default_title(run_dir, records)
-    _save(_draw(records, title), out)
+    figure = _new_figure()
+    from matplotlib.ticker import MaxNLocator
+
+    figure.suptitle(title)
+    (loss, lr), (speed, other) = figure.subplots(2, 2, sharex=True)
+    _loss_panel(loss, records)
+    _line_panel(lr, records, "learning_rate", "learning rate")
+    _throughput_panel(speed, records)
+    _other_panel(other, records)
+    for ax in (speed, other):
+        ax.set_xlabel("step")
+    other.xaxis.set_major_locator(MaxNLocator(integer=True))  # shared by all four
+    _save(figure, out)
     return out
 
 
@@ -185,23 +197,18 @@ def _decode(value: Any) -> Any:
 
 
 def _add_record(records: list[dict[str, Any]], record: dict[str, Any]) -> None:
+    """`record` merged into the last one of its step, unless `time` went
+    backwards (a new run); else added after the records at or above its step."""
     step = record["step"]
-    if (
-        records
-        and records[-1]["step"] == step
-        and not _time_went_back(records[-1], record)
-    ):
-        records[-1].update(record)
-        return
+    if records and records[-1]["step"] == step:
+        t0, t1 = records[-1].get("time"), record.get("time")
+        numbers = (int, float)
+        if not (isinstance(t0, numbers) and isinstance(t1, numbers) and t1 < t0):
+            records[-1].update(record)
+            return
     while records and records[-1]["step"] >= step:
         records.pop()
     records.append(record)
-
-
-def _time_went_back(old: dict[str, Any], new: dict[str, Any]) -> bool:
-    t0, t1 = old.get("time"), new.get("time")
-    numbers = (int, float)
-    return isinstance(t0, numbers) and isinstance(t1, numbers) and t1 < t0
 
 
 # ----------------------------------------------------------------- series
@@ -240,22 +247,6 @@ def _default_title(run_dir: Path, records: Sequence[dict[str, Any]]) -> str:
 
 
 # ----------------------------------------------------------------- drawing
-
-
-def _draw(records: Sequence[dict[str, Any]], title: str) -> Any:
-    figure = _new_figure()
-    from matplotlib.ticker import MaxNLocator
-
-    figure.suptitle(title)
-    (loss, lr), (speed, other) = figure.subplots(2, 2, sharex=True)
-    _loss_panel(loss, records)
-    _line_panel(lr, records, "learning_rate", "learning rate")
-    _throughput_panel(speed, records)
-    _other_panel(other, records)
-    for ax in (speed, other):
-        ax.set_xlabel("step")
-    other.xaxis.set_major_locator(MaxNLocator(integer=True))  # shared by all four
-    return figure
 
 
 def _new_figure() -> Any:
@@ -301,7 +292,15 @@ def _loss_panel(ax: Any, records: Sequence[dict[str, Any]]) -> None:
         _plot_noisy(ax, steps, loss, color="C0", label="train")
     if eval_steps:
         ax.plot(eval_steps, eval_loss, "o-", ms=4, lw=1, color="C3", label="eval")
-    # ticks along the bottom at steps with a non-finite loss or a skipped update
+    _mark_bad_steps(ax, records)
+    if _spans_decades(loss + eval_loss):
+        ax.set_yscale("log")
+    ax.legend(loc="upper right", fontsize="small")
+    ax.grid(alpha=0.3)
+
+
+def _mark_bad_steps(ax: Any, records: Sequence[dict[str, Any]]) -> None:
+    """Ticks along the bottom at steps with a non-finite loss or a skipped update."""
     bad = [
         r["step"]
         for r in records
@@ -313,10 +312,6 @@ def _loss_panel(ax: Any, records: Sequence[dict[str, Any]]) -> None:
             bad, [0.0] * len(bad), "|", ms=10, color="red",
             transform=ax.get_xaxis_transform(), label="non-finite / skipped",
         )  # fmt: skip
-    if _spans_decades(loss + eval_loss):
-        ax.set_yscale("log")
-    ax.legend(loc="upper right", fontsize="small")
-    ax.grid(alpha=0.3)
 
 
 def _spans_decades(values: Sequence[float]) -> bool:

@@ -366,20 +366,14 @@ def _normalise_names(
             (n if n == "lm_head.weight" else arch.prefix + n): e
             for n, e in entries.items()
         }
-    if getattr(config, "tie_word_embeddings", True) and _head_is_embedding(
-        entries, arch
-    ):
-        del entries["lm_head.weight"]
-    return entries
-
-
-def _head_is_embedding(entries: dict[str, Entry], arch: _maps.Arch) -> bool:
-    """A stored `lm_head.weight` equal to the embedding (a tied copy)."""
     embed = entries.get(arch.prefix + arch.embedding)
     head = entries.get("lm_head.weight")
-    return (
-        head is not None
+    if (
+        getattr(config, "tie_word_embeddings", True)
+        and head is not None
         and embed is not None
         and head.shape == embed.shape
         and np.array_equal(head.read(), embed.read())
-    )
+    ):
+        del entries["lm_head.weight"]  # a tied copy
+    return entries
