@@ -121,17 +121,13 @@ def _rows(prompts: list[str] | None, file: Path | None) -> list[dict[str, Any]]:
     """The rows to complete: each --prompt, then --file's lines."""
     rows = [{"prompt": p} for p in prompts or []]
     if file is not None:
-        rows += _read_file(file)
+        if not file.is_file():
+            raise ConfigError(f"--file {file} does not exist (or is not a file).")
+        lines = file.read_text(encoding="utf-8").splitlines()
+        rows += [_row(file, n, line) for n, line in enumerate(lines, 1) if line.strip()]
     if not rows:
         raise ConfigError("nothing to complete: pass --prompt TEXT or --file FILE.")
     return rows
-
-
-def _read_file(file: Path) -> list[dict[str, Any]]:
-    if not file.is_file():
-        raise ConfigError(f"--file {file} does not exist (or is not a file).")
-    lines = file.read_text(encoding="utf-8").splitlines()
-    return [_row(file, n, line) for n, line in enumerate(lines, 1) if line.strip()]
 
 
 def _row(file: Path, n: int, line: str) -> dict[str, Any]:

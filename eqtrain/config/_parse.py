@@ -141,21 +141,17 @@ def _override_value(raw: str, field: Field) -> Any:
 # -- unknown keys -----------------------------------------------------------------
 def _field(key: str, fields: Mapping[str, Field], source: str) -> Field:
     """The `Field` of `key`; an unknown key is an error with a suggestion."""
-    if key not in fields:
-        raise ConfigError(_unknown_key(key, fields, source))
-    return fields[key]
-
-
-def _unknown_key(key: str, fields: Mapping[str, Field], source: str) -> str:
+    if key in fields:
+        return fields[key]
     section = key.split(".", 1)[0] if "." in key else None
     if section is None:
-        return _unknown_top_key(key, fields, source)
+        raise ConfigError(_unknown_top_key(key, fields, source))
     if section not in SECTIONS:
-        return (
+        raise ConfigError(
             f"unknown section `[{section}]` in {source}; the sections are "
             f"{', '.join(SECTIONS)}." + did_you_mean(section, SECTIONS, code=True)
         )
-    return _unknown_section_key(section, key, fields, source)
+    raise ConfigError(_unknown_section_key(section, key, fields, source))
 
 
 def _unknown_top_key(key: str, fields: Mapping[str, Field], source: str) -> str:
