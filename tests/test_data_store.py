@@ -21,13 +21,10 @@ from eqtrain.data import (
     HFTokenizer,
     Loader,
     Mixture,
-    _parts,
-    _prepare,
-    _store,
-    _workers,
     chunk_documents,
     prepare,
 )
+from eqtrain.data.store import _parts, _prepare, _store, _workers
 
 
 def _docs(n: int, seed: int = 0) -> list[str]:

@@ -26,15 +26,13 @@ from eqtrain.data import (
     DataWarning,
     HFTokenizer,
     Mixture,
-    _encoder,
     _files,
     _mixture,
-    _parts,
     _stream,
-    _workers,
     load_text_dir,
     prepare,
 )
+from eqtrain.data.store import _encoder, _parts, _workers
 
 
 def _documents(store) -> list[str]:
