@@ -78,6 +78,9 @@ class StepInfo:
         elapsed: seconds since `fit` started.
         stop_reason: set only for the final call (`at_end` hooks and the
             checkpointer's final save).
+        hook_states: set only in what the checkpointer's `save` receives: the
+            state (`state_dict()`, plain JSON) of each hook that keeps one, by
+            its `state_key`, as of this step (see `fit(hook_states=...)`).
     """
 
     step: int
@@ -91,6 +94,7 @@ class StepInfo:
     mfu: float | None = None
     elapsed: float = 0.0
     stop_reason: StopReason | None = None
+    hook_states: dict[str, dict[str, Any]] | None = None
     _state: Any = dataclasses.field(default=None, repr=False, compare=False)
 
     @property

@@ -1,8 +1,9 @@
 """`fit` and its parts: the loop (`_loop`), the ways a run stops (`_stops`,
 `_signals`), metrics read off the device (`_reading`), evaluation inside the
 loop (`_evaluation`), the checkpointer's guard (`_checkpointer`), what an
-exception on the way out says (`_failures`), and the previous release's flat
-keywords (`_fit_keywords`). The root facade re-exports `fit` and its types;
+exception on the way out says (`_failures`), the states of hooks that keep one
+across a resume (`_hook_states`), and the previous release's flat keywords
+(`_fit_keywords`). The root facade re-exports `fit` and its types;
 the job and the CLI take the rest from here.
 """
 

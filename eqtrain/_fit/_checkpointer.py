@@ -31,10 +31,13 @@ class CheckpointFailed(Exception):
 
 class GuardedCheckpointer:
     """Marks the checkpointer's own failures, so `fit` does not retry a save that
-    just failed when it saves on the way out of an error."""
+    just failed when it saves on the way out of an error; and remembers a save
+    that a `KeyboardInterrupt` cut short (`interrupted`, its step), which `fit`
+    does not retry either: the checkpointer may be in the middle of a write."""
 
     def __init__(self, inner: CheckpointerProtocol):
         self.inner = inner
+        self.interrupted: int | None = None
 
     def due(self, step: int) -> bool:
         return self.inner.due(step)
@@ -44,6 +47,9 @@ class GuardedCheckpointer:
             self.inner.save(info, final=final)
         except Exception as e:
             raise CheckpointFailed(e) from e
+        except KeyboardInterrupt:
+            self.interrupted = info.step
+            raise
 
     def close(self) -> None:
         close = getattr(self.inner, "close", None)

@@ -7,7 +7,7 @@ and `_failures` (an exception on the way out), `_fit_keywords` (the old flat key
 
 import contextlib
 import dataclasses
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -17,6 +17,7 @@ from .._hooks import Hook, Scheduled, StepInfo, StopKind, StopReason, as_schedul
 from .._jit import Jitted, check_live, jit
 from .._state import TrainState
 from .._types import Batch
+from . import _hook_states
 from ._checkpointer import (
     CheckpointerProtocol as CheckpointerProtocol,
     CheckpointFailed,
@@ -28,7 +29,7 @@ from ._evaluation import (
     compiled_eval,
     evaluate as evaluate,
 )
-from ._failures import FailedAt, failed_at as failed_at, first_line, say_ended
+from ._failures import FailedAt, failed_at as failed_at, first_line, say, say_ended
 from ._fit_keywords import regroup
 from ._reading import Pending, Reading, Throughput, count_tokens, to_host as _to_host
 from ._stops import StopConditions, Stopper
@@ -72,8 +73,10 @@ class _Run:
         stopper: Stopper,
         reading: Reading,
         throughput: Throughput,
+        stateful: dict[str, Any],
     ):
         self.step, self.stopper, self.throughput = step, stopper, throughput
+        self.stateful = stateful  # the hooks that keep state, by key
         self.hooks, self.reading, self.checkpointer = hooks, reading, checkpointer
         self.loop_hooks = [h for h in hooks if h.when != "end"]
         self.end_hooks = [h for h in hooks if h.when == "end"]
@@ -92,17 +95,19 @@ class _Run:
     def run(
         self, arrays: list[Any], layout: Any, data: Iterable[Batch]
     ) -> tuple[TrainState, StopReason]:
-        """The loop, then the end (`finish`); on an exception, the latest intact
-        state is saved before it propagates. Hooks and checkpointer are closed."""
+        """The loop, then the end (`finish`); on an exception (a `KeyboardInterrupt`
+        too), the latest intact state is saved before it propagates. Hooks and
+        checkpointer are closed."""
         for hook in self.hooks:
             hook.start(self.stopper.start)
         failed = True  # until the run got through `finish`
         try:
+            self.stop_if_ended()
             reason = self.loop(arrays, layout, data)
             final = layout.rebuild(self.arrays)
             self.finish(final, reason)
             failed = False
-        except Exception as error:
+        except (Exception, KeyboardInterrupt) as error:
             self.ended_by(error, layout)
             if isinstance(error, CheckpointFailed):
                 raise error.__cause__ from None  # type: ignore[misc]
@@ -110,6 +115,19 @@ class _Run:
         finally:
             self.close(quietly=failed)
         return final, reason
+
+    def stop_if_ended(self) -> None:
+        """A hook whose restored state says it ended this run (an early stop)
+        stops it before the first step: nothing is trained on."""
+        found = _hook_states.ended(self.stateful)
+        if found is None:
+            return
+        key, message = found
+        say(
+            f"[eqtrain] not training: {message} (the hook {key}, from its saved "
+            "state). Give `fit` the hook without that state to train on."
+        )
+        self.stopper.hook_requested(self.first, message)
 
     def close(self, *, quietly: bool) -> None:
         for hook in self.hooks:
@@ -207,8 +225,14 @@ class _Run:
     def save_if_due(self, info: StepInfo) -> None:
         ckpt = self.checkpointer
         if ckpt is not None and not self.stopper.frozen and ckpt.due(info.step):
-            ckpt.save(info, final=False)
+            ckpt.save(self.with_hook_states(info), final=False)
             self.saved = info.step
+
+    def with_hook_states(self, info: StepInfo) -> StepInfo:
+        """`info` for the checkpointer: with the stateful hooks' states, which
+        are as of `info.step` (every hook due up to it has run)."""
+        states = _hook_states.collect(self.stateful)
+        return dataclasses.replace(info, hook_states=states)
 
     def record(self, info: StepInfo) -> None:
         self.history.append({"step": info.step, **info.metrics})
@@ -233,7 +257,7 @@ class _Run:
         hooks (an export or a log that fails at the end loses no training)."""
         info = self.final_info(state, reason)
         if self.checkpointer is not None:
-            self.checkpointer.save(info, final=True)
+            self.checkpointer.save(self.with_hook_states(info), final=True)
             self.saved = info.step
         self.run_hooks(self.end_hooks, info)
         return info
@@ -264,7 +288,7 @@ class _Run:
         return ev is not None and ev.at_end and natural and self.last_eval_step != done
 
     # -- an exception ends the run ----------------------------------------------
-    def ended_by(self, error: Exception, layout: Any) -> None:
+    def ended_by(self, error: BaseException, layout: Any) -> None:
         """Attach where `error` came from to it, then save what can be saved."""
         where = self.locate_failure()
         with contextlib.suppress(AttributeError, TypeError):  # a frozen type
@@ -282,46 +306,70 @@ class _Run:
             self.finished = pending.step
         return FailedAt(self.dispatching, self.finished)
 
-    def save_after_error(self, layout: Any, error: Exception, where: FailedAt) -> None:
-        """An exception is ending the run: save the latest state if it is intact
-        and newer than the start, so that no finished step is lost; then `fit`
-        re-raises. Failing to save only adds a note."""
-        if not self.unsaved_progress(error):
+    def save_after_error(
+        self, layout: Any, error: BaseException, where: FailedAt
+    ) -> None:
+        """An exception (or a `KeyboardInterrupt`) is ending the run: save the
+        latest state if it is intact and not saved yet, so that no finished step
+        is lost; then `fit` re-raises. A note says what became of that state."""
+        if not self.may_save(error):
             return
-        if where.step is not None and where.step <= self.done:
-            outcome = "the states from that step on carry the error, so none was saved."
-            say_ended(error, where, outcome)
-            return
-        try:
-            self.save_error_state(layout, error)
-        except Exception as failure:  # the original error matters more
-            why = f"{type(failure).__name__}: {first_line(failure)}"
-            outcome = f"the state of step {self.done} could not be saved ({why})."
-            say_ended(error, where, outcome)
-            return
-        say_ended(error, where, f"the state of step {self.done} was saved first.")
+        outcome = self.not_to_save(where)
+        if outcome is None:
+            outcome = self.try_to_save(layout, error)
+        say_ended(error, where, outcome)
 
-    def unsaved_progress(self, error: Exception) -> bool:
-        """Whether steps ran since the start or the last save, and may be saved."""
+    def may_save(self, error: BaseException) -> bool:
+        """Whether steps ran since the start or the last save, and may be saved
+        (or a note say why not)."""
         if self.checkpointer is None or self.done <= self.first or self.stopper.frozen:
             return False
-        if self.saved == self.done:
-            return (
-                False  # already saved (e.g. the final save, before an end hook failed)
-            )
-        # the checkpointer itself failed: saving again would too
+        if self.saved == self.done:  # e.g. the final save, before an end hook
+            return False
+        # the checkpointer itself failed: saving again would too (it said why)
         return not isinstance(error, CheckpointFailed)
 
-    def save_error_state(self, layout: Any, error: Exception) -> None:
+    def not_to_save(self, where: FailedAt) -> str | None:
+        """Why the latest state is not to be saved now, or None to save it."""
+        if where.step is not None and where.step <= self.done:
+            return "the states from that step on carry the error, so none was saved."
+        assert self.checkpointer is not None
+        if self.checkpointer.interrupted is not None:
+            return (
+                f"it came while step {self.checkpointer.interrupted} was being "
+                "saved, and that save was not retried (a save cut short is never "
+                "read; the earlier checkpoints are intact)."
+            )
+        return None
+
+    def try_to_save(self, layout: Any, error: BaseException) -> str:
+        """Save the latest state; what became of it. Failing to save, or a second
+        Ctrl-C during the save, only changes the note: the original error is the
+        one that propagates."""
+        try:
+            self.save_error_state(layout, error)
+        except KeyboardInterrupt:  # a second Ctrl-C: give up on this save
+            return (
+                f"a second interrupt stopped the save of step {self.done}, which "
+                "was not retried (the earlier checkpoints are intact)."
+            )
+        except Exception as failure:  # the original error matters more
+            why = f"{type(failure).__name__}: {first_line(failure)}"
+            return f"the state of step {self.done} could not be saved ({why})."
+        return f"the state of step {self.done} was saved first."
+
+    def save_error_state(self, layout: Any, error: BaseException) -> None:
         """Save the latest state as the final one, its reason the error."""
         assert self.checkpointer is not None
         state = layout.rebuild(self.arrays)
         check_live(state, "the save after an error")
         jax.block_until_ready(state)  # raises if the step itself failed
-        message = f"{type(error).__name__}: {error}"[:500]
+        detail = f": {error}" if str(error) else ""
+        message = f"{type(error).__name__}{detail}"[:500]
         reason = StopReason(StopKind.ERROR, self.done, message)
         info = self.throughput.final_info(state, self.done, {}, reason)
-        self.checkpointer.save(info, final=True)
+        self.checkpointer.save(self.with_hook_states(info), final=True)
+        self.saved = self.done
 
 
 def fit(
@@ -338,6 +386,7 @@ def fit(
     flops_per_token: float | int | None = None,
     peak_flops: float | int | None = None,
     tokens_seen: int = 0,
+    hook_states: Mapping[str, Mapping[str, Any]] | None = None,
     **deprecated: Any,
 ) -> FitResult:
     """Train `state` with `step` on `data` until a stop condition holds.
@@ -351,8 +400,9 @@ def fit(
 
     When the run stops, for any `StopReason`, `fit` evaluates (at a natural end),
     saves the final checkpoint, then runs the `at_end` hooks. When an exception
-    ends it instead (a hook, the data or the step raised), `fit` first saves the
-    latest intact state with the checkpointer, then re-raises.
+    ends it instead (a hook, the data or the step raised, or a `KeyboardInterrupt`
+    came), `fit` first saves the latest intact state with the checkpointer, says
+    so on the standard error, then re-raises.
 
     Args:
         state: the initial (or restored) state. With a donating step (the default),
@@ -383,6 +433,13 @@ def fit(
             (see `eqtrain.hooks.peak_flops` for known devices).
         tokens_seen: tokens already trained on before this call (a resumed run
             passes its count), the start of `StepInfo.tokens_seen`.
+        hook_states: the states of the hooks that keep one (`state_dict()` /
+            `load_state_dict(state)`, by `state_key`), as saved with a checkpoint:
+            `resume_run(...).hook_states`. Each is loaded into its hook before
+            the first step; every save hands the current ones to the
+            checkpointer (`StepInfo.hook_states`). A hook whose restored state
+            says it ended the run (an early stop) makes `fit` stop before
+            training, with a `"hook"` stop reason. None: the hooks as they are.
         **deprecated: the flat keywords of the previous release (`eval_step`,
             `eval_data`, `eval_every`, `eval_at_end`, `time_limit`,
             `kill_switch`, `handle_signals`, `agree_every`, `history`,
@@ -396,6 +453,10 @@ def fit(
         raise ConfigError(f"`num_steps` must be an int >= 0; got {num_steps!r}.")
     compiled = step if isinstance(step, Jitted) else jit(step)
     scheduled = [as_scheduled(h) for h in hooks]
+    stateful = _hook_states.stateful(scheduled)
+    if hook_states is not None:
+        _hook_states.load(stateful, hook_states)
+    _hook_states.collect(stateful)  # a state that is not plain JSON fails here
     check_live(state, "`fit`")
     first = int(jax.device_get(state.step))
     arrays, layout = compiled.prepare(state)
@@ -403,7 +464,14 @@ def fit(
     throughput = Throughput(flops_per_token, peak_flops, tokens_seen, num_steps)
     with Stopper(stop, num_steps, first=first) as stopper:
         run = _Run(
-            compiled, scheduled, evaluation, guarded, stopper, reading, throughput
+            compiled,
+            scheduled,
+            evaluation,
+            guarded,
+            stopper,
+            reading,
+            throughput,
+            stateful,
         )
         run.first = run.done = run.finished = first
         final, reason = run.run(arrays, layout, data)

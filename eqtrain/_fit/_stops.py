@@ -118,15 +118,18 @@ class Stopper:
         """The reason to stop after `done` steps, agreed by all processes: a local
         reason (a signal, the kill switch, the time limit, a hook, a non-finite
         loss) is pooled every `agree_every` steps, so every process stops at the
-        same step; reaching `num_steps` needs no agreement."""
+        same step (and before the first step); reaching `num_steps` needs no
+        agreement."""
         self.checked = done
         reason = self._local(done)
         if self.processes == 1 or (
             reason is not None and reason.kind == StopKind.MAX_STEPS
         ):
             return reason
-        if done % self.conditions.agree_every:
-            return None  # local reasons persist until the next agreement
+        if done % self.conditions.agree_every and done != self.first:
+            # local reasons persist until the next agreement; the first check
+            # agrees too (a hook's restored state may end the run before it trains)
+            return None
         from ..distributed import agree
 
         code = 0 if reason is None else _AGREED.index(reason.kind) + 1

@@ -1,4 +1,5 @@
-"""The run manifest written with every checkpoint: config, versions, mesh, metrics."""
+"""The run manifest written with every checkpoint: config, versions, mesh, metrics,
+and the states of the hooks that keep one."""
 
 import functools
 import importlib.metadata
@@ -127,6 +128,8 @@ def build(
         "final": final,
         "stop_reason": _stop_reason(info.stop_reason),
         "metrics": jsonable(dict(info.metrics)),
+        # plain JSON already (`fit` checks each hook's `state_dict()`)
+        "hooks": jsonable(dict(info.hook_states or {})),
         "config": jsonable(dict(config)) if config is not None else None,
         **_environment(info.state),
         "leaves": leaves,

@@ -46,6 +46,12 @@ class Restored:
     manifest: dict[str, Any]
     path: Path
 
+    @property
+    def hook_states(self) -> dict[str, dict[str, Any]]:
+        """The saved states of the hooks that keep one, by `state_key` (empty
+        for a checkpoint written before hooks kept state)."""
+        return dict(self.manifest.get("hooks") or {})
+
 
 class DamagedCheckpointError(CheckpointError):
     """A step's files are unreadable, incomplete, or do not match the checksums

@@ -35,6 +35,11 @@ class Resumed:
         started_from: the checkpoint of another run this run started from, if any.
         moved_aside: damaged steps renamed to `<step>.damaged-<time>`.
         discarded: later steps deleted for a rollback (`overwrite=True`).
+        hook_states: the states of the run's hooks that keep one, as saved with
+            the restored step: pass them on, `fit(..., hook_states=...)`. Empty
+            when starting fresh, and for a new run started from another run's
+            checkpoint (its hooks start afresh: that run's early stop is not
+            this one's).
     """
 
     state: Any
@@ -44,6 +49,7 @@ class Resumed:
     started_from: str | None = None
     moved_aside: tuple[Path, ...] = ()
     discarded: tuple[int, ...] = ()
+    hook_states: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
 
 
 def new_run_id() -> str:
@@ -139,7 +145,13 @@ def _continued(restored: Restored, **more: Any) -> Resumed:
     run_id = manifest.get("run_id") or new_run_id()
     started_from = manifest.get("started_from")
     return Resumed(
-        restored.state, restored.step, run_id, restored.path, started_from, **more
+        restored.state,
+        restored.step,
+        run_id,
+        restored.path,
+        started_from,
+        hook_states=restored.hook_states,
+        **more,
     )
 
 
@@ -232,6 +244,8 @@ def resume_run(
 
         resumed = resume_run(run_dir, init, resume="auto", data=loader)
         ckpt = Checkpointer(run_dir, every_steps=500, run_id=resumed.run_id)
+        eqtrain.fit(resumed.state, step, loader, num_steps=10_000,
+                    checkpointer=ckpt, hooks=hooks, hook_states=resumed.hook_states)
 
     Args:
         run_dir: the run directory (checkpoints under `run_dir/checkpoints`).
@@ -268,7 +282,8 @@ def resume_run(
             (`BaseChangedError`).
 
     Returns:
-        A `Resumed`: `state`, and `step` (None when starting fresh), `run_id`, ...
+        A `Resumed`: `state`, and `step` (None when starting fresh), `run_id`,
+        `hook_states` (for `fit(hook_states=...)`), ...
     """
     directory = _storage.checkpoints_dir(run_dir)
     _storage.check_path(directory)
