@@ -2,7 +2,8 @@
 (`model.init_from`'s weights or a random init), the LoRA adapters, the frozen
 reference copy, the trainable filter and the `TrainState`. `_build` traces them
 without arrays (the job's `abstract`); the start allocates them (`new_state`)
-and names the frozen base a LoRA run's checkpoints point at (`base_reference`).
+and names the frozen base a LoRA run's checkpoints point at (`base_reference`);
+`exported` is what an export writes of a state's model (the `Job` holds it).
 
 `_build` traces the state here, so this module sits below it: a `job` is typed
 `Any` (a `Job`)."""
