@@ -260,3 +260,15 @@ def test_batch_sharding_sequence_names_the_missing_axis_and_the_fix():
     text = str(caught.value)
     assert text.startswith("batch_sharding")
     assert "'sequence'" in text and "axis_names" in text
+
+
+def test_shard_copies_replicated_leaves_too():
+    """`device_put(..., may_alias=False)` hands back the source's own buffer for
+    a replicated placement on the source's device: `shard` copies such a leaf,
+    so a donating step on the placed tree leaves the source alive."""
+    mesh = jax.make_mesh((4,), ("data",), devices=jax.devices()[:4])
+    source = {"norm": jnp.arange(8.0), "w": jnp.ones((8, 4))}
+    placed = eqtrain.sharding.shard(source, NamedSharding(mesh, P()))
+    jax.jit(lambda t: jax.tree.map(lambda a: a * 2, t), donate_argnums=0)(placed)
+    assert not any(a.is_deleted() for a in jax.tree.leaves(source))
+    assert float(source["norm"].sum()) == 28.0

@@ -9,6 +9,7 @@ from typing import Any
 
 import equinox as eqx
 import jax
+import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
 import optax
@@ -238,8 +239,18 @@ def _put_local(leaves: list[Any], targets: list[Any], local: list[int]) -> None:
     shardings, in one `device_put`."""
     values = [leaves[i] for i in local]
     placed = jax.device_put(values, [targets[i] for i in local], may_alias=False)
-    for i, x in zip(local, placed, strict=True):
-        leaves[i] = x
+    for i, x, old in zip(local, placed, values, strict=True):
+        # `may_alias=False` is not always kept: a replicated placement can hand
+        # back the source's own buffer on its device. Copy such a leaf again.
+        leaves[i] = jnp.copy(x) if _shares_buffers(old, x) else x
+
+
+def _shares_buffers(a: Any, b: Any) -> bool:
+    """Whether the jax arrays `a` and `b` hold any device buffer in common."""
+    if not (isinstance(a, jax.Array) and isinstance(b, jax.Array)):
+        return False
+    pointers = lambda x: {s.data.unsafe_buffer_pointer() for s in x.addressable_shards}
+    return bool(pointers(a) & pointers(b))
 
 
 def _global(x: Any, sharding: Any) -> Any:
