@@ -277,6 +277,26 @@ def test_incompatible_names_leaves(tmp_path):
         restore(tmp_path, no_ema)
 
 
+def test_a_failing_shardings_callable_is_the_callers_error(tmp_path):
+    """A bug in the caller's `shardings` callable is said as such: not as every
+    checkpoint of the run being unreadable, and nothing is moved aside."""
+    train(init(), make_batches(2), 2, Checkpointer(tmp_path, every_steps=1))
+    before = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
+
+    def shardings(path, leaf):
+        return undefined_name  # noqa: F821
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", CheckpointWarning)  # no step called damaged
+        with pytest.raises(IncompatibleCheckpointError) as e:
+            restore(tmp_path, init, shardings=shardings)
+    msg = str(e.value)
+    assert "`shardings` callable raised NameError" in msg and "unreadable" not in msg
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == before
+    with pytest.raises(IncompatibleCheckpointError, match="must return a jax"):
+        restore(tmp_path, init, shardings=lambda path, leaf: "device 0")
+
+
 class Wide(eqx.Module):
     w: jax.Array
     b: jax.Array

@@ -139,9 +139,10 @@ def _read(
 ) -> tuple[dict[str, Any], dict[str, Any], list[tuple[str, ...]], list[Any]]:
     """The step's data item, its arrays as Orbax reads them, their paths and
     their target shardings."""
+    # the template and the caller's shardings: their errors are the caller's
+    target, paths, _, targets = abstract_on_disk(template, shardings)
     try:
         data = _storage.read_json(step_dir, _storage.DATA, _storage.DATA_FILE)
-        target, paths, _, targets = abstract_on_disk(template, shardings)
         with ocp.StandardCheckpointer() as checkpointer:
             arrays = checkpointer.restore(step_dir / _storage.STATE, target)
     except Exception as e:  # damaged files surface as many error types

@@ -151,7 +151,10 @@ def leaf_shardings(
     if isinstance(shardings, Sharding):
         return [shardings] * len(leaves)
     if callable(shardings) and not isinstance(shardings, eqx.Module):
-        return [shardings(path_name(p), x) for p, x in zip(paths, leaves, strict=True)]
+        return [
+            _called(shardings, path_name(p), x)
+            for p, x in zip(paths, leaves, strict=True)
+        ]
     flat = jtu.tree_leaves(shardings, is_leaf=lambda x: isinstance(x, Sharding))
     flat = [s for s in flat if isinstance(s, Sharding)]
     if len(flat) != len(leaves):
@@ -161,6 +164,26 @@ def leaf_shardings(
             "array leaf), one Sharding, or a callable (path, leaf) -> Sharding."
         )
     return flat
+
+
+def _called(shardings: Callable[[str, Any], Any], path: str, leaf: Any) -> Sharding:
+    """The `shardings` callable's answer for one leaf; its own failure is the
+    caller's code, said as such (not a damaged checkpoint)."""
+    try:
+        out = shardings(path, leaf)
+    except Exception as e:
+        raise IncompatibleCheckpointError(
+            f"the `shardings` callable raised {type(e).__name__}: {e} (for the "
+            f"leaf `{path}`, {getattr(leaf, 'shape', '?')}); it is called as "
+            "`shardings(path, abstract_leaf) -> Sharding` for every array leaf. "
+            "The checkpoints were not read."
+        ) from e
+    if not isinstance(out, Sharding):
+        raise IncompatibleCheckpointError(
+            f"the `shardings` callable returned {type(out).__name__} for the leaf "
+            f"`{path}`; it must return a jax.sharding.Sharding."
+        )
+    return out
 
 
 def _data_sharding(sharding: Sharding) -> Sharding:
