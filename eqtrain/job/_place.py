@@ -41,16 +41,19 @@ def check_sequence(job: _build.Job) -> None:
 
 def _check_lm_rows_only(c: Any) -> None:
     """Sequence parallelism and its zigzag layout split LM rows only."""
+    rows = {
+        "grpo": "prompts whose completions are sampled in the step",
+    }.get(c.task.kind, "preference pairs")
     if c.mesh.sequence > 1:
         raise ConfigError(
             f"mesh.sequence = {c.mesh.sequence} splits LM rows; task.kind = "
-            f"{c.task.kind!r} has preference pairs, which sequence parallelism "
+            f"{c.task.kind!r} has {rows}, which sequence parallelism "
             "does not split yet. Use mesh.sequence = 1 for this task."
         )
     if c.model.sequence_layout == "zigzag":
         raise ConfigError(
             f"model.sequence_layout = 'zigzag' permutes LM rows; task.kind = "
-            f"{c.task.kind!r} has preference pairs. Use 'contiguous'."
+            f"{c.task.kind!r} has {rows}. Use 'contiguous'."
         )
 
 
