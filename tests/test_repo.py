@@ -65,3 +65,32 @@ def test_docstring_examples_run():
         module = importlib.import_module(f"eqtrain.{mod.name}")
         failed += doctest.testmod(module, optionflags=doctest.ELLIPSIS).failed
     assert failed == 0
+
+
+# A measured figure or a machine's name in the code: how much, on which machine.
+# The code says why; docs/performance.md holds the figures with their commands.
+_FIGURES = re.compile(
+    r"processors? [A-D]\b|this jaxlib|\b(?:H100|H200|A100|EPYC|Xeon)\b"
+    r"|\d+(?:\.\d+)?(?:-\d+(?:\.\d+)?)?(?:x|%) (?:faster|slower|ahead|the time)"
+    r"|~?\d+(?:\.\d+)? ?(?:ms|s|GB|MB) (?:measured|whole|in pieces)"
+    r"|\(measured\)|\bmeasured ~?\d"
+)
+_FIGURES_ALLOWED = {"eqtrain/hooks/_devices.py"}  # the GPUs' published peak rates
+
+
+def test_no_measured_figures_or_machine_names_in_the_code():
+    root = Path(__file__).resolve().parent.parent
+    found = [
+        f"{path.relative_to(root)}:{n}: {line.strip()}"
+        for path in sorted((root / "eqtrain").rglob("*.py"))
+        if str(path.relative_to(root)) not in _FIGURES_ALLOWED
+        for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1)
+        if _FIGURES.search(line)
+    ]
+    assert not found, (
+        "measured figures or machine names in eqtrain/ (say why in the code, "
+        "and put the figure in docs/performance.md with its command):\n  "
+        + "\n  ".join(found)
+    )
+    assert _FIGURES.search("on processor B it ran 3x faster")  # the pattern bites
+    assert _FIGURES.search("a step 10-15% faster than Eigen's")
