@@ -67,9 +67,8 @@ import optax
 from _machine import print_machine
 
 import eqtrain
+import eqtrain.cpu
 import eqtrain.hooks
-from eqtrain._jit import _compiler_options
-from eqtrain.cpu import _onednn
 
 
 @dataclasses.dataclass(frozen=True)
@@ -234,12 +233,12 @@ def raw_jit(step: Callable, state: eqtrain.TrainState, batch: Any) -> Callable:
         new_state, metrics = step(rebuild(arrays), batch)
         return array_leaves(new_state), metrics
 
-    options = _compiler_options()
+    checked = eqtrain.cpu.step_options()  # what `eqtrain fit` compiles with
+    options = checked.options(dump=True)
     if options:
         arrays = [x for x, a in zip(leaves, is_array, strict=True) if a]
-        options, dump = _onednn.dump_options(options)
         fn = jax.jit(flat_step, donate_argnums=0, compiler_options=options)
-        if _onednn.compile_checked(fn, dump, arrays, batch)[1] is None:
+        if checked.check(fn, options, arrays, batch):
             return fn
     return jax.jit(flat_step, donate_argnums=0)
 
@@ -347,7 +346,7 @@ def benchmark(cfg: Config, steps: int, rounds: int, warmup: int) -> dict[str, An
     skip = raw_jit(default_step, state, batches[0])
     ignored = eqtrain.train_step(loss_fn, optimizer, nonfinite="ignore")
     ignore = raw_jit(ignored, state, batches[0])
-    compiled = eqtrain.jit(default_step)
+    compiled = eqtrain.jit(default_step, compiler_options=eqtrain.cpu.step_options())
 
     with tempfile.TemporaryDirectory() as tmp:
         logs = (Path(tmp) / f"run{i}.jsonl" for i in itertools.count())
