@@ -47,7 +47,7 @@ def _reset(monkeypatch):
     monkeypatch.setattr(
         _cpu,
         "_state",
-        {"allocator": False, "arena": False, "hinted": False, "choice": None},
+        {"allocator": False, "arena": False, "choice": None},
     )
 
 
