@@ -19,6 +19,7 @@ Post-training (SFT, preference pairs) with the model's own chat template:
 """
 
 from ._chat import (
+    MASK_RULE as MASK_RULE,
     BuiltinChatTemplate as BuiltinChatTemplate,
     ChatTemplate as ChatTemplate,
     JinjaChatTemplate as JinjaChatTemplate,

@@ -42,6 +42,9 @@ SPECIAL_TOKENS = (
     "mask_token",
 )
 TEMPLATE_FILE = "chat_template.jinja"
+# The version of the rule that turns a rendered conversation into its mask: part of
+# the key of every cached or stored chat row, so a change of rule re-makes them.
+MASK_RULE = 2
 
 
 @runtime_checkable

@@ -217,6 +217,7 @@ def _template_identity(template: Any) -> list[Any]:
     """What the rows depend on of a chat template (None: plain text)."""
     return [
         type(template).__name__,
+        data_lib.MASK_RULE,
         getattr(template, "source", None),
         getattr(template, "special_tokens", None),
     ]
