@@ -41,7 +41,7 @@ def setting(
 
 # The Hugging Face model types of the model families, in their registry's order.
 ARCHS = tuple(t for family in FAMILIES.values() for t in family.model_types)
-TASKS = ("lm", "sft", "dpo", "ipo", "orpo", "simpo", "grpo")
+TASKS = ("lm", "sft", "dpo", "ipo", "orpo", "simpo", "grpo", "distill")
 PREFERENCE_TASKS = ("dpo", "ipo", "orpo", "simpo")
 DATA_FORMATS = ("auto", "text", "chat", "prompt_completion", "preference")
 REFERENCES = ("auto", "copy", "adapters_off", "precomputed")

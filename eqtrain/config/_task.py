@@ -1,5 +1,5 @@
 """`[task]` and `[lora]`: what the run learns (language modelling, SFT,
-preference optimisation, GRPO) and which parameters train."""
+preference optimisation, GRPO, distillation) and which parameters train."""
 
 import dataclasses
 
@@ -22,14 +22,17 @@ class TaskConfig:
         "or preference optimisation on prompt/chosen/rejected pairs: `dpo`, "
         "`ipo` (both against a reference model), `orpo`, `simpo` (none needed); "
         "or `grpo`: online RL on prompts, with completions sampled from the "
-        "policy and scored by task.rewards.",
+        "policy and scored by task.rewards; or `distill`: the student learns a "
+        "frozen teacher's (task.teacher) token distributions on SFT data's "
+        "completions (GKD).",
         choices=TASKS,
     )
     beta: float | None = setting(
         None,
         "dpo/ipo/simpo: the beta of the loss; unset: 0.1 (dpo, ipo), 2.0 (simpo). "
         "grpo: the weight of the KL penalty to the reference model; unset: 0 (no "
-        "penalty, no reference).",
+        "penalty, no reference). distill: the generalised JSD's beta, in [0, 1] "
+        "(0: forward KL(teacher || student), 1: reverse KL); unset: 0.5.",
         min=0,
     )
     label_smoothing: float = setting(
@@ -61,24 +64,30 @@ class TaskConfig:
     max_completion_len: int = setting(
         64,
         "grpo: the most tokens sampled per completion; prompts get the rest of "
-        "data.seq_len (longer ones are skipped).",
+        "data.seq_len (longer ones are skipped). distill: the most tokens of a "
+        "sampled completion (cut to data.seq_len with its prompt).",
         min=1,
     )
     temperature: float = setting(
-        1.0, "grpo: the sampling temperature; 0: greedy (no exploration).", min=0
+        1.0,
+        "grpo, distill: the sampling temperature; 0: greedy (no exploration). "
+        "distill samples at it only (its loss uses 1, as TRL's; TRL's GKD "
+        "samples at 0.9).",
+        min=0,
     )
     top_k: int = setting(
-        0, "grpo: sample among the top_k likeliest tokens only; 0: off.", min=0
+        0, "grpo, distill: sample among the top_k likeliest tokens only; 0: off.", min=0
     )
     top_p: float = setting(
         1.0,
-        "grpo: sample from the top_p probability mass only; 1: off.",
+        "grpo, distill: sample from the top_p probability mass only; 1: off.",
         above=0,
         max=1,
     )
     min_p: float = setting(
         0.0,
-        "grpo: drop tokens less likely than min_p times the likeliest; 0: off.",
+        "grpo, distill: drop tokens less likely than min_p times the likeliest; "
+        "0: off.",
         min=0,
         below=1,
     )
@@ -129,6 +138,28 @@ class TaskConfig:
         "grpo: optimizer updates on each sampled batch (TRL's num_iterations); "
         "the learning-rate schedule counts updates.",
         min=1,
+    )
+    teacher: str | None = setting(
+        None,
+        "distill: the frozen teacher: a Hugging Face directory, or an eqtrain "
+        "run directory with its export (<run>/hf). Its vocabulary must be the "
+        "student's; it is read at the start and never checkpointed (the run "
+        "records its content hash).",
+        kind="path",
+    )
+    lmbda: float = setting(
+        0.5,
+        "distill: the fraction of steps whose completions are sampled from the "
+        "student (on-policy, GKD's lambda); the others train on the data's "
+        "completions (or the teacher's, with task.seq_kd).",
+        min=0,
+        max=1,
+    )
+    seq_kd: bool = setting(
+        False,
+        "distill: the steps that do not sample from the student sample their "
+        "completions from the teacher (sequence-level KD) instead of using the "
+        "data's.",
     )
 
 

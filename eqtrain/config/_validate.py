@@ -52,18 +52,23 @@ _GRPO_KEYS = (
     "epsilon_high",
     "passes",
 )
+# The sampling keys distillation reads too (its on-policy completions).
+_DISTILL_SAMPLING = ("max_completion_len", "temperature", "top_k", "top_p", "min_p")
 _TASK_KEYS = {
-    "beta": ("dpo", "ipo", "simpo", "grpo"),
+    "beta": ("dpo", "ipo", "simpo", "grpo", "distill"),
     "label_smoothing": ("dpo", "simpo"),
     "orpo_lambda": ("orpo",),
     "simpo_gamma": ("simpo",),
     "reference": ("dpo", "ipo", "grpo"),
     **{key: ("grpo",) for key in _GRPO_KEYS},
+    **{key: ("grpo", "distill") for key in _DISTILL_SAMPLING},
+    **{key: ("distill",) for key in ("teacher", "lmbda", "seq_kd")},
 }
 _FORMATS = {
     "lm": ("text",),
     "sft": ("chat", "prompt_completion"),
     "grpo": ("chat", "prompt_completion"),  # `messages` or `prompt` (+ columns)
+    "distill": ("chat", "prompt_completion"),  # SFT rows
     **{kind: ("preference",) for kind in PREFERENCE_TASKS},
 }
 # The [data] keys of post-training data (an lm run's plain text has none).
@@ -281,6 +286,32 @@ def _grpo_rewards(config: Config, given: frozenset[str]) -> None:
         reward_names(config)
 
 
+def _distill_keys(config: Config, given: frozenset[str]) -> None:
+    """Distillation has a teacher, a beta in [0, 1], and unpacked rows (its
+    rows are never packed: `job._distill.resolved`)."""
+    task = config.task
+    if task.kind != "distill":
+        return
+    if task.teacher is None:
+        raise ConfigError(
+            "task.kind = 'distill' needs a teacher: set task.teacher to a Hugging "
+            "Face directory or an eqtrain run directory (with its export in hf/)."
+        )
+    if task.beta is not None and task.beta > 1:
+        raise ConfigError(
+            f"task.beta = {task.beta} is outside [0, 1], where distillation's "
+            "generalised JSD is defined (0: forward KL, 1: reverse KL); unset it "
+            "for 0.5."
+        )
+    if config.data.pack and "data.pack" in explicit(config):
+        raise ConfigError(
+            "data.pack = true puts several examples in a row, but task.kind = "
+            "'distill' keeps one example per row (a step may sample a new "
+            "completion after each row's prompt): remove data.pack, or set it "
+            "to false."
+        )
+
+
 def _lm_data_keys(config: Config, given: frozenset[str]) -> None:
     """Plain text has no post-training data keys."""
     other = sorted(k for k in given if k in _POST_KEYS)
@@ -323,6 +354,7 @@ _RULES = (
     _grpo_one_process,
     _grpo_no_eval,
     _grpo_rewards,
+    _distill_keys,
     _lm_data_keys,
     run.export_ema,
     run.export_every,

@@ -24,7 +24,7 @@ from ..config import (
 )
 from ..losses import causal_lm_loss, causal_lm_loss_fn, chunked_causal_lm_loss_fn
 from ..post_training import preference
-from . import _grpo, _model, _resolve
+from . import _distill, _grpo, _model, _resolve
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,6 +53,8 @@ class Job:
             (`model.loss_chunk` resolved), 0: the plain loss over full logits.
         grpo: task.kind = "grpo": its prompts and rollout, learnt as the run
             reads its rows and builds its step (`_grpo.Online`), else None.
+        teacher: task.kind = "distill": the frozen teacher (`_distill.Teacher`,
+            its config read, no weights), else None.
         abstract: the state's structure, shapes and dtypes
             (`_model.abstract_state`), traced once by `build`.
         exported: what an export writes of a state's model (or of its trainable
@@ -77,6 +79,7 @@ class Job:
     vocab_size: int | None = None
     loss_chunk: int = 0
     grpo: _grpo.Online | None = None
+    teacher: _distill.Teacher | None = None
     abstract: Any = None
     exported: Callable[[Any], Any] = _model.policy
     flops_per_token: float = 0.0
@@ -109,7 +112,7 @@ def _pieces(config: Config, recorded: Path | None) -> Job:
     source = _resolve.architecture_source(config, recorded)
     tokenizer = _resolve.make_tokenizer(config, source)
     config, model_config, model_type = _resolve.architecture(config, tokenizer, source)
-    config = _resolve.optim_defaults(config)
+    config = _distill.resolved(_resolve.optim_defaults(config))
     vocab = model_config.vocab_size
     padded = _resolve.padded_vocab(config, vocab)
     model_config = dataclasses.replace(model_config, vocab_size=padded)
@@ -128,6 +131,7 @@ def _pieces(config: Config, recorded: Path | None) -> Job:
         lora=_resolve.lora_spec(config) if lora_on(config) else None,
         vocab_size=real,
         grpo=_grpo.Online() if kind == "grpo" else None,
+        teacher=_distill.teacher(config, vocab, padded) if kind == "distill" else None,
         exported=functools.partial(_model.exported, vocab_size=real),
         flops_per_token=family.flops_per_token(model_config, config.data.seq_len),
         tokens_per_row=_tokens_per_row(config),
@@ -210,6 +214,8 @@ def task_loss(
     kind = config.task.kind
     if kind == "grpo":
         return _grpo.loss(config, reference, vocab_size=vocab_size, chunk=chunk)
+    if kind == "distill":
+        return _distill.loss(config, vocab_size=vocab_size, chunk=chunk)
     if kind in ("lm", "sft"):
         return _lm_loss(vocab_size, chunk)
     return _preference_loss(config, reference, vocab_size, chunk)

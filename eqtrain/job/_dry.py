@@ -12,7 +12,7 @@ from .. import lora, models, sharding
 from .._state import TrainState
 from ..config import Config
 from ..cpu import cpu_settings as describe_cpu
-from . import _build, _memory, _plan, _rows, _samples
+from . import _build, _distill, _memory, _plan, _rows, _samples
 
 
 def _bytes(tree: Any) -> int:
@@ -56,7 +56,7 @@ def _opt_state_line(job: _build.Job, abstract: Any) -> str:
 
 
 def _unit(rows: Any) -> str:
-    pairs = isinstance(rows, dict) and "chosen_tokens" in rows
+    pairs = "chosen_tokens" in _rows.first_rows(rows, 1)
     return "pairs" if pairs else "rows"
 
 
@@ -68,6 +68,8 @@ def _task_lines(job: _build.Job) -> list[str]:
     line = f"task         {task.kind}"
     if task.kind == "grpo":
         line += _grpo_summary(task)
+    if job.teacher is not None:
+        line += _distill_summary(job)
     if job.reference is not None:
         line += f", reference {job.reference}"
     if job.template is not None:
@@ -81,6 +83,22 @@ def _grpo_summary(t: Any) -> str:
         f": {t.group_size} completions of up to {t.max_completion_len} tokens "
         f"per prompt, temperature {t.temperature:g}, rewards {t.rewards}, "
         f"loss {t.loss_type}, {t.passes} pass(es)"
+    )
+
+
+def _distill_summary(job: _build.Job) -> str:
+    """The teacher (its parameters and bytes: frozen, on the student's mesh,
+    not in the optimizer state nor the checkpoints) and the on-policy share."""
+    t, teacher = job.config.task, job.abstract.model.teacher
+    sampled = f"{t.lmbda:g} of the steps sampled from the student"
+    if t.seq_kd:
+        sampled += ", the others from the teacher"
+    return (
+        f": teacher {job.teacher.model_type} ({job.teacher.directory}), "
+        f"{models.num_params(teacher):,} parameters, "
+        f"{sharding.format_bytes(_bytes(teacher))} frozen; beta "
+        f"{_distill.beta(job.config):g}; {sampled} (up to "
+        f"{t.max_completion_len} tokens, temperature {t.temperature:g})"
     )
 
 

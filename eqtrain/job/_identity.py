@@ -5,7 +5,8 @@ weights read as a Gemma have the same shapes and mean something else.
 
 The keys are derived from the config's structure, so that a new key is part of
 the identity unless it is said not to be: every key of `[model]` and `[lora]`
-but those of `NOT_IDENTITY`, and the tokenizer (by the content of its file)."""
+but those of `NOT_IDENTITY`, the tokenizer (by the content of its file) and a
+distillation's teacher (by the content of its weights: `task.teacher`)."""
 
 import hashlib
 import json
@@ -15,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from ..config import Config, to_dict
-from . import _resolve
+from . import _distill, _resolve
 
 
 MANIFEST_ENTRY = "identity"
@@ -84,6 +85,7 @@ def _entries(config: Config, tokenizer: str, adapter: Any) -> dict[str, Any]:
     `"byte"`), and `adapter`, the LoRA spec of `model.adapter_from` (else None),
     whose settings are the run's."""
     out = of_settings(to_dict(config)) | {TOKENIZER: tokenizer_digest(tokenizer)}
+    out |= _distill.identity(config)  # a distillation's teacher, by content
     if adapter is not None:
         out |= _lora({f"lora.{k}": getattr(adapter, k) for k in _ADAPTER_KEYS}, None)
     return _plain(out)

@@ -22,7 +22,8 @@ import numpy as np
 from .. import hf, lora as lora_lib, models, sharding
 from .._errors import ConfigError
 from .._state import TrainState
-from ..post_training import preference
+from ..post_training import distill, preference
+from . import _distill
 
 
 ADAPTER_SEED = 0x10A  # folded into the run's seed for the adapters' initial values
@@ -79,8 +80,16 @@ def with_adapters(job: Any, model: Any) -> Any:
 
 def new_model(job: Any, mesh: Any = None) -> Any:
     """The initial model: the base model with the run's adapters, if any (and
-    with `task.reference = "copy"`, a frozen copy of it beside)."""
-    return _with_reference(job, with_adapters(job, base_model(job, mesh)))
+    with `task.reference = "copy"`, a frozen copy of it beside; with
+    `task.kind = "distill"`, the frozen teacher beside)."""
+    model = _with_reference(job, with_adapters(job, base_model(job, mesh)))
+    if job.teacher is None:
+        return model
+    shardings = _model_shardings(mesh) if mesh is not None else None
+    if job.vocab_size is not None:  # padded: read whole, then padded
+        shardings = None
+    teacher = _distill.model(job.teacher, job.config, shardings)
+    return distill.with_teacher(model, teacher)
 
 
 def _with_reference(job: Any, model: Any) -> Any:
@@ -94,6 +103,8 @@ def trainable(job: Any, model: Any) -> Any:
     `lora.train_also`); a reference copy never trains."""
     if isinstance(model, preference.WithReference):
         return preference.reference_trainable(model, trainable(job, model.policy))
+    if isinstance(model, distill.WithTeacher):
+        return distill.teacher_trainable(model, trainable(job, model.student))
     if job.lora is None:
         return True
     return lora_lib.trainable(model, also=job.config.lora.train_also)
@@ -101,9 +112,12 @@ def trainable(job: Any, model: Any) -> Any:
 
 def policy(model: Any) -> Any:
     """The trained model inside a state's model (what is exported): the policy
-    of a `preference.WithReference`, else `model` itself."""
+    of a `preference.WithReference`, the student of a `distill.WithTeacher`,
+    else `model` itself."""
     if isinstance(model, preference.WithReference):
         return model.policy
+    if isinstance(model, distill.WithTeacher):
+        return model.student
     return model
 
 
@@ -139,7 +153,10 @@ def abstract_state(job: Any) -> TrainState:
 
     def init() -> TrainState:
         base = models.family(job.model_type).model(job.model_config, jr.key(0))
-        return _state(job, _with_reference(job, with_adapters(job, base)), 0)
+        model = _with_reference(job, with_adapters(job, base))
+        if job.teacher is not None:
+            model = distill.WithTeacher(model, _distill.abstract_model(job.teacher))
+        return _state(job, model, 0)
 
     return eqx.filter_eval_shape(init)
 
@@ -148,7 +165,25 @@ def base_reference(job: Any) -> dict[str, Any] | None:
     """What a LoRA run's checkpoints record of their frozen base (None without
     LoRA): `hf.content_hash` of `model.init_from` (its path and the sha256 of
     its safetensors, read once), or for a random base its seed and the sha256
-    of its arrays."""
+    of its arrays. A distillation run's checkpoints leave the teacher out too:
+    theirs is `_distilled_reference`."""
+    if job.teacher is not None:
+        return _distilled_reference(job)
+    return _student_base(job)
+
+
+def _distilled_reference(job: Any) -> dict[str, Any]:
+    """The frozen weights a distillation run's checkpoints point at: the
+    teacher (`task.teacher`'s content hash) and, with LoRA, the student's base;
+    `sha256` over both (what a restore compares)."""
+    teacher = _distill.content_hash(job.config)
+    student = _student_base(job)
+    out = {"path": teacher["path"], "teacher": teacher, "student_base": student}
+    combined = teacher["sha256"] + ("" if student is None else student["sha256"])
+    return out | {"sha256": hashlib.sha256(combined.encode()).hexdigest()}
+
+
+def _student_base(job: Any) -> dict[str, Any] | None:
     if job.lora is None:
         return None
     init_from = job.config.model.init_from

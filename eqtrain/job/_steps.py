@@ -1,5 +1,6 @@
 """A run's compiled steps on its placement: the training step (`[optim]`
-accumulation, `[loop]` precision, non-finite guard and EMA; GRPO's rollout) and
+accumulation, `[loop]` precision, non-finite guard and EMA; GRPO's rollout;
+distillation's on-policy sampling) and
 the evaluation step with its loader."""
 
 from typing import Any
@@ -10,9 +11,9 @@ from .._jit import Jitted, jit
 from ..config import Config
 from ..cpu import step_options
 from ..data import Loader
-from ..post_training import rollout
+from ..post_training import distill, rollout
 from ..step import eval_step, train_step as _train_step
-from . import _build, _grpo, _place
+from . import _build, _distill, _grpo, _place
 from ._rows import Rows
 
 
@@ -47,6 +48,8 @@ def train_step(job: _build.Job, placement: _place.Placement) -> Jitted:
     )
     if config.task.kind == "grpo":
         step = rollout.grpo_step(step, _grpo.make_rollout(job))
+    if config.task.kind == "distill":  # on-policy completions, drawn per step
+        step = distill.distill_step(step, _distill.on_policy(job))
     under = models.under_mesh(step, placement.mesh)
     options = step_options()  # the CPU setting's products, checked per step
     return jit(under, shardings=_shardings(placement), compiler_options=options)

@@ -6,6 +6,8 @@ as Optax keeps its sub-packages.
 - `grpo`: GRPO's (and GSPO's) formulas on a group of completions.
 - `rollout`: GRPO's step, sampling and scoring inside the compiled step.
 - `rewards`: reward functions, plain Python callables run on the host.
+- `distill`: knowledge distillation from a frozen teacher (GKD's generalised
+  JSD, on-policy completions).
 
 The previous paths (`eqtrain.preference`, `eqtrain.grpo`, `eqtrain.rollout`,
 `eqtrain.rewards`) still work for one release, with a `DeprecationWarning`.
@@ -16,6 +18,7 @@ Example:
 """
 
 from . import (
+    distill as distill,
     grpo as grpo,
     preference as preference,
     rewards as rewards,
