@@ -95,7 +95,13 @@ GENERATION = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
 TEMPLATES = {
-    "chatml": (CHATML, "<|im_end|>", {"eos_token": "<|im_end|>", "pad_token": "<pad>"}),
+    # the end of turn learned: all the template writes after an answer, up to
+    # the next message (ChatML's newline included, as TRL's templates learn it)
+    "chatml": (
+        CHATML,
+        "<|im_end|>\n",
+        {"eos_token": "<|im_end|>", "pad_token": "<pad>"},
+    ),
     "llama3": (
         LLAMA3,
         "<|eot_id|>",
@@ -297,13 +303,20 @@ def test_boundary_tokens_overlapping_an_answer_are_learned(tmp_path, tokenizer_j
     pieces = [tok._tok.decode([i], skip_special_tokens=False) for i in ids.tolist()]
     assert " there" in pieces  # the straddling token exists
     assert pieces[mask.tolist().index(1.0)] == " there"
-    assert learned_runs(ids, mask, tok) == [" there is"]  # not the "\n"
+    # the newline is what the template writes after the last answer: learned
+    assert learned_runs(ids, mask, tok) == [" there is\n"]
 
 
-def test_template_that_rewrites_earlier_turns_cannot_be_masked():
+def test_template_that_rewrites_earlier_turns_is_masked_by_its_markers():
+    """No prefix of this conversation renders as the whole does (the count of
+    messages comes first), and its `{% generation %}` blocks still say what to
+    learn; tests/test_chat_masks.py has the templates without markers."""
     rewriting = "{{ messages | length }}" + GENERATION
-    with pytest.raises(DataError, match="cannot be masked by turn"):
-        JinjaChatTemplate(rewriting).encode(CHAT, ByteTokenizer())
+    tok = ByteTokenizer()
+    ids, mask = JinjaChatTemplate(rewriting).encode(CHAT, tok)
+    runs = np.flatnonzero(np.diff(np.concatenate([[0], mask, [0]])))
+    learned = [tok.decode(ids[a:b]) for a, b in zip(runs[::2], runs[1::2], strict=True)]
+    assert learned == [m["content"] + "<|im_end|>" for m in CHAT[1::2]]
 
 
 def test_jinja_with_byte_tokenizer():
@@ -313,13 +326,13 @@ def test_jinja_with_byte_tokenizer():
     assert tok.decode(ids) == template.render(CHAT)
     runs = np.flatnonzero(np.diff(np.concatenate([[0], mask, [0]])))
     learned = [tok.decode(ids[a:b]) for a, b in zip(runs[::2], runs[1::2], strict=True)]
-    assert learned == [m["content"] + "<|im_end|>" for m in CHAT[1::2]]
+    assert learned == [m["content"] + "<|im_end|>\n" for m in CHAT[1::2]]
     accented = [
         {"role": "user", "content": "é?"},
         {"role": "assistant", "content": "ça"},
     ]
     ids, mask = template.encode(accented, tok)
-    assert tok.decode(ids[mask > 0]) == "ça<|im_end|>"
+    assert tok.decode(ids[mask > 0]) == "ça<|im_end|>\n"
 
 
 def test_sandbox_and_message_checks():

@@ -128,7 +128,7 @@ def test_chat_rows_with_a_jinja_template(hf):
     check_sft_rows(rows, 128)
     text = hf._tok.decode(learned_targets(rows), skip_special_tokens=False)
     answers = [a for c in CHATS for a in _answers(c["messages"])]
-    assert text == "".join(a + "<|im_end|>" for a in answers)
+    assert text == "".join(a + "<|im_end|>\n" for a in answers)
     # a template given as a tokenizer directory is read from there
     again, _ = sft_rows(CHATS, hf, seq_len=128, format="chat", template=hf.directory)
     assert all((again[k] == rows[k]).all() for k in rows)
@@ -168,7 +168,7 @@ def test_conversational_prompt_completion_rows(hf):
     ]
     rows, _ = sft_rows(records, hf, seq_len=64, template=JinjaChatTemplate(CHATML))
     text = hf._tok.decode(learned_targets(rows), skip_special_tokens=False)
-    assert text == "I am fine.<|im_end|>fine<|im_end|>"
+    assert text == "I am fine.<|im_end|>\nfine<|im_end|>\n"
     rows, _ = sft_rows(records, BYTES, seq_len=64)  # the built-in template
     assert BYTES.decode(learned_targets(rows)) == "I am fine.fine"
 
@@ -329,7 +329,7 @@ def test_conversational_preference_rows_explicit_and_implicit(hf):
         for side in ("chosen", "rejected"):
             ids = rows[f"{side}_targets"][i]
             runs = learned_runs(ids, rows[f"{side}_mask"][i], hf)
-            assert runs == [pair[side][0]["content"] + "<|im_end|>"]
+            assert runs == [pair[side][0]["content"] + "<|im_end|>\n"]
     implicit = [
         {"chosen": p["prompt"] + p["chosen"], "rejected": p["prompt"] + p["rejected"]}
         for p in CONVERSATIONAL_PAIRS

@@ -14,9 +14,10 @@ import numpy as np
 from jaxtyping import Float, Int
 
 from ._errors import ChatTemplateError, DataError, PathLike, check_exists
-from ._jinja import compile_template, plain
+from ._jinja import compile_template, has_generation_blocks, plain, render_marked
 from ._text import ROLES, encode_chat
 from ._tokenizers import Tokenizer, read_config, token_content
+from ._turns import Turn, located_turns, prompt_end
 
 
 Ids = Int[np.ndarray, " n"]
@@ -103,21 +104,29 @@ class JinjaChatTemplate:
     special tokens (`bos_token`, `eos_token`, ...) and `tools`/`documents`
     (always None). A `{% generation %}` block renders its body.
 
-    The mask is computed from renders of prefixes: assistant turn i spans from
-    the end of `render(messages[:i], add_generation_prompt=True)` to the end of
-    `render(messages[:i + 1])` less trailing whitespace (so the answer and its
-    end-of-turn text, e.g. `answer<|im_end|>`, but not the newline after it). A
-    token is learned when its character span overlaps an assistant span (the
-    rule of transformers' `return_assistant_tokens_mask`): a token straddling a
-    boundary, e.g. `" Hi"` after a template's `"Assistant:"`, carries answer text
-    and is learned.
+    The mask: a template with `{% generation %}` blocks marks the text to learn
+    itself, and the mask is transformers' `return_assistant_tokens_mask`, token
+    for token. Any other template is masked from its render of the whole
+    conversation (`eqtrain.data._turns`): each assistant turn runs from the end
+    of the generation prompt to the end of the text the template writes after
+    the answer before the next message (`answer<|im_end|>\\n`, `answer<|eot_id|>`,
+    `answer<|end|>\\n`, and Phi-3's EOS after the last turn). So templates that
+    write a turn differently once the conversation goes on are masked too: what
+    the template writes for an assistant turn is learned (Qwen3's empty `<think>`
+    block on the last answer), what it drops is not (Qwen3's and DeepSeek-R1's
+    earlier reasoning). A chat is refused (`ChatTemplateError`, whose `reason`
+    names the template behaviour) only when an answer cannot be found in the
+    render. A token is learned when its character span overlaps a turn
+    (transformers' rule): a token straddling a boundary, e.g. `" Hi"` after a
+    template's `"Assistant:"`, carries answer text and is learned.
 
     `encode_prompt_completion` tokenizes the prompt's render (with the generation
     prompt) and the rest of the conversation's render separately, as TRL does, so
     the two completions of a preference pair share the prompt's ids exactly; where
     special tokens separate the turns this equals tokenizing the whole render.
+    Message roles must be among `JINJA_ROLES` (the template may accept fewer); an
+    assistant message may carry `tool_calls` without `content`.
 
-    Message roles must be among `JINJA_ROLES` (the template may accept fewer).
     Needs a tokenizer with `encode_with_offsets` (`HFTokenizer`, `ByteTokenizer`).
     """
 
@@ -125,6 +134,19 @@ class JinjaChatTemplate:
         self.source = source
         self.special_tokens = dict(special_tokens or {})
         self._compiled = compile_template(source)
+        self.marked = has_generation_blocks(source)
+
+    def _variables(
+        self, messages: Messages, add_generation_prompt: bool
+    ) -> dict[str, Any]:
+        """What the template is given, as transformers gives it."""
+        return dict(
+            self.special_tokens,
+            messages=plain(list(messages)),
+            add_generation_prompt=add_generation_prompt,
+            tools=None,
+            documents=None,
+        )
 
     def render(self, messages: Messages, *, add_generation_prompt: bool = False) -> str:
         """The template's text for `messages` (as `apply_chat_template(...,
@@ -136,11 +158,7 @@ class JinjaChatTemplate:
         """
         try:
             return self._compiled.render(
-                **self.special_tokens,
-                messages=plain(list(messages)),
-                add_generation_prompt=add_generation_prompt,
-                tools=None,
-                documents=None,
+                **self._variables(messages, add_generation_prompt)
             )
         except ChatTemplateError:
             raise
@@ -153,9 +171,8 @@ class JinjaChatTemplate:
 
     def encode(self, messages: Messages, tokenizer: Tokenizer) -> tuple[Ids, Mask]:
         messages = check_messages(messages, JINJA_ROLES)
-        text = self.render(messages)
-        spans = self._assistant_spans(messages, text, start=0)
-        return _tokens_and_mask(text, spans, tokenizer)
+        text, turns = self._turns(messages, start=0)
+        return _tokens_and_mask(text, turns, tokenizer)
 
     def encode_prompt_completion(
         self, prompt: Messages, completion: Messages, tokenizer: Tokenizer
@@ -166,48 +183,38 @@ class JinjaChatTemplate:
             raise ChatTemplateError(
                 "the completion has no messages.", reason="with an empty completion"
             )
-        messages = prompt + completion
-        text = self.render(messages)
+        text, turns = self._turns(prompt + completion, start=len(prompt))
         answer = completion[0]["role"] == "assistant"
-        head = self._prefix(prompt, text, add_generation_prompt=answer)
-        spans = self._assistant_spans(messages, text, start=len(prompt))
+        head = prompt_end(self._render, prompt, text, answer=answer)
+        if answer and turns and not self.marked:
+            # an answer can start inside the generation prompt (a `<think>` the
+            # template also writes as the prompt's end): it is the completion's
+            head = min(head, turns[0].begin)
         prompt_ids, _ = _tokens_and_mask(text[:head], [], tokenizer)
-        shifted = [(a - head, b - head) for a, b in spans]
+        shifted = [
+            Turn(max(t.begin, head) - head, t.end - head, max(t.floor, head) - head)
+            for t in turns
+            if t.end > head
+        ]
         ids, mask = _tokens_and_mask(text[head:], shifted, tokenizer)
         return prompt_ids, ids, mask
 
-    def _assistant_spans(
-        self, messages: list[dict[str, Any]], text: str, *, start: int
-    ) -> list[tuple[int, int]]:
-        """Character spans in `text` of the assistant turns from `start` on."""
-        spans = []
-        for i in range(start, len(messages)):
-            if messages[i]["role"] != "assistant":
-                continue
-            begin = self._prefix(messages[:i], text, add_generation_prompt=True)
-            end = self._prefix(messages[: i + 1], text, add_generation_prompt=False)
-            spans.append((begin, max(begin, len(text[:end].rstrip()))))
-        return spans
+    def _turns(
+        self, messages: list[dict[str, Any]], *, start: int
+    ) -> tuple[str, list[Turn]]:
+        """The conversation's render and its assistant turns from `start` on: the
+        template's `{% generation %}` blocks, or else the located turns."""
+        if self.marked:
+            variables = self._variables(messages, False)
+            text, spans = render_marked(self._compiled, **variables)
+            return text, [Turn(a, b, b) for a, b in spans]
+        text = self.render(messages)
+        return text, located_turns(self._render, messages, text, start=start)
 
-    def _prefix(
-        self, messages: list[dict[str, Any]], text: str, *, add_generation_prompt: bool
-    ) -> int:
-        """The length of the render of `messages`, checked to be a prefix of `text`."""
-        part = self.render(messages, add_generation_prompt=add_generation_prompt)
-        if not text.startswith(part):
-            raise ChatTemplateError(
-                f"the chat template is not prefix-stable: rendering the first "
-                f"{len(messages)} messages (add_generation_prompt="
-                f"{add_generation_prompt}) gives {part[-60:]!r} at the end, which is "
-                "not how the whole conversation's rendering goes on (the template "
-                "rewrites earlier turns), so it cannot be masked by turn. Use a "
-                "template that renders each turn the same way whatever follows "
-                "(e.g. the built-in one: data.chat_template = 'builtin', or "
-                "template=None in Python).",
-                reason="with a chat template that cannot be masked by turn "
-                "(not prefix-stable)",
-            )
-        return len(part)
+    def _render(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool
+    ) -> str:
+        return self.render(messages, add_generation_prompt=add_generation_prompt)
 
     def __repr__(self) -> str:
         return f"JinjaChatTemplate({len(self.source)} characters)"
@@ -339,6 +346,8 @@ def _check_role_and_content(
             f"{list(roles)}.",
             reason="with a message role the template does not know",
         )
+    if "content" not in clean and clean.get("tool_calls"):
+        return  # an assistant's tool calls without text, as the OpenAI format has it
     if not isinstance(clean.get("content"), str):
         got = type(clean.get("content")).__name__
         raise ChatTemplateError(
@@ -349,9 +358,11 @@ def _check_role_and_content(
 
 
 def _tokens_and_mask(
-    text: str, spans: list[tuple[int, int]], tokenizer: Tokenizer
+    text: str, turns: list[Turn], tokenizer: Tokenizer
 ) -> tuple[Ids, Mask]:
-    """Tokens of `text` and 1 on those overlapping a span of `spans`."""
+    """Tokens of `text` and 1 on those overlapping a turn (transformers' rule for
+    `return_assistant_tokens_mask`); a turn's end falls back to a token boundary
+    (see `Turn`)."""
     encode = getattr(tokenizer, "encode_with_offsets", None)
     if encode is None:
         raise DataError(
@@ -362,8 +373,13 @@ def _tokens_and_mask(
         )
     ids, offsets = encode(text)
     mask = np.zeros(len(ids), np.float32)
-    for begin, end in spans:
-        mask[(offsets[:, 1] > begin) & (offsets[:, 0] < end)] = 1.0
+    ends = offsets[:, 1]
+    for turn in turns:
+        end = turn.end
+        if end < len(text) and not (ends == end).any():
+            below = ends[(ends <= end) & (ends >= turn.floor)]
+            end = int(below.max()) if below.size else turn.floor
+        mask[(ends > turn.begin) & (offsets[:, 0] < end)] = 1.0
     return np.asarray(ids, np.int32), mask
 
 

@@ -5,7 +5,9 @@ sandbox, and the plain JSON values a template is given.
 """
 
 import json
+import re
 from collections.abc import Mapping
+from contextvars import ContextVar
 from datetime import datetime
 from typing import Any
 
@@ -44,9 +46,17 @@ def _environment(jinja2: Any) -> Any:
     return env
 
 
+# The `(blocks, spans)` of the render in progress that records its `{% generation %}`
+# blocks (None: no render is recording).
+_TRACKED: ContextVar[tuple[list[str], list[tuple[int, int]]] | None] = ContextVar(
+    "eqtrain_generation_blocks", default=None
+)
+
+
 def _generation_extension(jinja2: Any) -> type:
-    """transformers' `{% generation %}` tag (its AssistantTracker); here its body
-    just renders."""
+    """transformers' `{% generation %}` tag (its AssistantTracker): the body
+    renders as it is, and a render run by `render_marked` records the body's
+    character span."""
 
     from jinja2.ext import Extension
 
@@ -60,9 +70,39 @@ def _generation_extension(jinja2: Any) -> type:
             return jinja2.nodes.CallBlock(call, [], [], body).set_lineno(lineno)
 
         def _body(self, caller: Any) -> str:
-            return caller()
+            text = caller()
+            tracked = _TRACKED.get()
+            if tracked is not None:
+                # as transformers: the span starts where the text streamed so far ends
+                start = sum(len(block) for block in tracked[0])
+                tracked[1].append((start, start + len(text)))
+            return text
 
     return Generation
+
+
+def has_generation_blocks(source: str) -> bool:
+    """Whether a template marks what the model generates with `{% generation %}`."""
+    return _GENERATION_TAG.search(source) is not None
+
+
+_GENERATION_TAG = re.compile(r"\{%[-+]?\s*generation\s*[-+]?%\}")
+
+
+def render_marked(compiled: Any, **variables: Any) -> tuple[str, list[tuple[int, int]]]:
+    """`compiled`'s render of `variables` and the character spans of its
+    `{% generation %}` blocks, located as transformers'
+    `return_assistant_tokens_mask` locates them (the render is streamed, and a
+    block starts where the text streamed before it ends)."""
+    blocks: list[str] = []
+    spans: list[tuple[int, int]] = []
+    token = _TRACKED.set((blocks, spans))
+    try:
+        for block in compiled.generate(**variables):
+            blocks.append(block)
+    finally:
+        _TRACKED.reset(token)
+    return "".join(blocks), spans
 
 
 def _tojson(
