@@ -416,22 +416,24 @@ EXAMPLES = Path(__file__).parent.parent / "examples" / "data"
 def test_post_training_rows_are_made_once_then_mapped(
     tmp_path, monkeypatch, task, name
 ):
-    """SFT and preference rows are written to the cache as .npy files and memory-
-    mapped by later runs (no records read, nothing tokenized); a changed setting
-    or a damaged file makes them again."""
+    """SFT and preference rows are prepared into a post-training store and
+    memory-mapped by later runs (no records read, nothing tokenized); a changed
+    setting makes another store, and a damaged file is found by `verify` (as
+    `eqtrain data prepare` checks) and the store made again."""
     import shutil
 
     from eqtrain import config as config_lib
+    from eqtrain.data.store import _post_store
     from eqtrain.job import _build, _rows
 
-    real = _rows._post_rows
+    real = _post_store._Build.run
     calls = []
 
-    def counted(*args):
+    def counted(self, *args, **kwargs):
         calls.append(args)
-        return real(*args)
+        return real(self, *args, **kwargs)
 
-    monkeypatch.setattr(_rows, "_post_rows", counted)
+    monkeypatch.setattr(_post_store._Build, "run", counted)
     data = tmp_path / name
     shutil.copy(EXAMPLES / name, data)
     overrides = [
@@ -441,16 +443,17 @@ def test_post_training_rows_are_made_once_then_mapped(
     job = _build.build(config_lib.load(overrides=overrides))
     first = _rows.post_rows(job, str(data), "data.train")
     again = _rows.post_rows(job, str(data), "data.train")
-    assert len(calls) == 1  # the second is mapped from the cache
-    assert all(isinstance(v, np.memmap) for v in again.values())
-    _assert_rows_equal({k: np.asarray(v) for k, v in again.items()}, first)
+    assert len(calls) == 1  # the second is opened from the store
+    assert isinstance(again, eqtrain.data.PostRows)
+    everything = np.arange(first.num_rows)
+    _assert_rows_equal(again.take(everything), first.take(everything))
     longer = config_lib.load(overrides=[*overrides, "data.seq_len=160"])
     _rows.post_rows(_build.build(longer), str(data), "data.train")
     assert len(calls) == 2  # another seq_len: other rows
-    # a damaged column file is found (sha256) and the rows are made again
-    for path in (tmp_path / "cache").glob("rows-*/*.npy"):
+    # a damaged part is found (sha256) and the store made again
+    for path in (tmp_path / "cache").glob("post-*/parts/*.tokens"):
         _damage(path, at=path.stat().st_size - 1)
-    _rows.post_rows(job, str(data), "data.train")
+    _rows.post_rows(job, str(data), "data.train", verify=True)
     assert len(calls) == 3
 
 

@@ -64,6 +64,9 @@ from ._tokenizers import (
 from .store import (
     LMRows as LMRows,
     MappedRows as MappedRows,
+    PostRows as PostRows,
     Store as Store,
     prepare as prepare,
+    prepare_post as prepare_post,
+    record_columns as record_columns,
 )

@@ -79,6 +79,9 @@ class Table:
 
     def add_columns(self, columns: Mapping[str, Any]) -> None:
         """Add per-row arrays to a table of arrays (see `Loader.add_columns`)."""
+        if self.kind == "rows" and hasattr(self.data, "add_columns"):
+            self.data.add_columns(columns)  # e.g. a post-training store's rows
+            return
         if self.kind != "arrays":
             raise ConfigError(
                 "`add_columns` needs a loader over a dict of arrays; this one reads "

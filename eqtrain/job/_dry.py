@@ -56,7 +56,7 @@ def _opt_state_line(job: _build.Job, abstract: Any) -> str:
 
 
 def _unit(rows: Any) -> str:
-    pairs = "chosen_tokens" in _rows.first_rows(rows, 1)
+    pairs = rows is not None and "chosen_tokens" in _rows.first_rows(rows, 1)
     return "pairs" if pairs else "rows"
 
 

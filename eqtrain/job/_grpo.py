@@ -10,11 +10,9 @@ columns stay on the host: the reward functions read them by `index`.
 
 import dataclasses
 import warnings
-from collections.abc import Callable
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
-
-import numpy as np
 
 from .. import data as data_lib, hf
 from .._errors import ConfigError
@@ -27,8 +25,8 @@ from ..post_training import grpo, rewards as rewards_lib, rollout as rollout_lib
 class Prompts:
     """The host side of GRPO's rows: each record's prompt and other columns."""
 
-    prompts: list[Any]
-    columns: dict[str, list[Any]]
+    prompts: Sequence[Any]  # a list, or a store's column read as used
+    columns: dict[str, Sequence[Any]]
 
 
 @dataclasses.dataclass
@@ -89,159 +87,84 @@ def loss(config: Config, reference: str | None, *, vocab_size: Any, chunk: int) 
         raise ConfigError(f"[task]: {e}") from None
 
 
-def _encode(record: dict[str, Any], chat: bool, job: Any) -> np.ndarray:
-    """A record's prompt ids (BOS and the text, or the chat's render up to the
-    assistant's turn); `_Skip` when the record has no usable prompt."""
-    tokenizer = job.tokenizer
-    if chat:
-        messages = record["messages"]
-        if not isinstance(messages, list):
-            raise _Skip("whose 'messages' is not a list")
-        turn = [{"role": "assistant", "content": ""}]
-        try:
-            ids, _, _ = job.template.encode_prompt_completion(messages, turn, tokenizer)
-        except data_lib.DataError as e:
-            reason = getattr(e, "reason", None)  # a chat the template refuses
-            if reason is None:
-                raise
-            raise _Skip(reason) from None
-        return np.asarray(ids, np.int32)
-    prompt = record["prompt"]
-    if not isinstance(prompt, str):
-        raise _Skip("whose 'prompt' is not a string")
+def _records(path: Path, key: str) -> tuple[list[str], bool]:
+    """The file's columns, and whether its prompts are chats (`messages`)."""
     try:
-        text = tokenizer.encode(prompt)
-    except UnicodeEncodeError:
-        raise _Skip("whose 'prompt' is not valid Unicode") from None
-    bos = [] if tokenizer.bos_id is None else [tokenizer.bos_id]
-    return np.concatenate([np.asarray(bos, np.int32), text])
-
-
-class _Skip(Exception):  # noqa: N818 -- a decision, not an error
-    """A record without a usable prompt, skipped for `reason`."""
-
-    def __init__(self, reason: str):
-        super().__init__(reason)
-        self.reason = reason
-
-
-def _records(path: Path, key: str) -> tuple[Any, bool]:
-    """The file's records, and whether its prompts are chats (`messages`)."""
-    try:
-        records = data_lib.from_files(path)
+        have = data_lib.record_columns(path)
     except data_lib.DataError as e:
         raise ConfigError(f"`{key}` ({path}): {e}") from None
-    have = list(records.column_names)
     if "messages" not in have and "prompt" not in have:
         raise ConfigError(
             f"`{key}` ({path}) has the columns {have}; task.kind = 'grpo' reads "
             "prompts from a `prompt` (text) or `messages` (a chat) column, and "
             "passes the other columns (e.g. `answer`) to the reward functions."
         )
-    return records, "messages" in have
+    return have, "messages" in have
 
 
-def rows(job: Any, source: str, key: str) -> dict[str, np.ndarray]:
-    """The prompt rows of the record file `source`; sets `job.grpo.prompts`.
-    Records without a usable prompt (null, not text, a chat the template
-    refuses) are skipped with one `DataWarning` naming the file and the first
-    line of each reason, as text and SFT data are; none left is an error.
-    Prompts longer than the width are skipped too (noted in `job.notes`)."""
+def rows(
+    job: Any, source: str, key: str, options: dict[str, Any] | None = None
+) -> data_lib.PostRows:
+    """The prompt rows of the record file `source`, from its store (prepared in
+    worker processes at the first start: `options`, from `_rows`); sets
+    `job.grpo.prompts` (the kept records' prompts and other columns, read from
+    the store as the rewards use them). Records without a usable prompt (null,
+    not text, a chat the template refuses) are skipped with one `DataWarning`
+    naming the file and the first line of each reason, as text and SFT data
+    are; none left is an error. Prompts longer than the width are skipped too
+    (noted in `job.notes`)."""
     path = Path(source)
     if not path.is_file():
         raise ConfigError(f"`{key}` names {source!r}, which is not a file.")
-    records, chat = _records(path, key)
+    columns, chat = _records(path, key)
     width = prompt_width(job.config)
-    encoded = _encoded(records, chat, job, f"`{key}` ({path})")
-    if encoded.skipped:
-        _unusable(encoded, path, _record_names(path, len(records)), key)
-    kept = [i for i in encoded.kept if len(encoded.ids[i]) <= width]
-    if len(kept) < len(encoded.kept):
-        job.notes.append(
-            f"{key} ({path.name}): skipped {len(encoded.kept) - len(kept)} of "
-            f"{len(records)} prompts longer than {width} tokens (data.seq_len - "
-            "task.max_completion_len)"
+    options = dict(options or {}, seq_len=job.config.data.seq_len)
+    try:
+        out = data_lib.prepare_post(
+            path,
+            job.tokenizer,
+            kind="prompt",
+            width=width,
+            chat=chat,
+            pad=pad_id(job.tokenizer),
+            **options,
         )
-    columns = {c: [records[i][c] for i in kept] for c in records.column_names}
-    job.grpo.prompts = Prompts(columns.pop("messages" if chat else "prompt"), columns)
-    return _prompt_rows([encoded.ids[i] for i in kept], width, pad_id(job.tokenizer))
-
-
-@dataclasses.dataclass
-class _Encoded:
-    """The records' prompt ids (by record), and the skipped records by reason."""
-
-    ids: dict[int, np.ndarray] = dataclasses.field(default_factory=dict)
-    skipped: dict[str, list[int]] = dataclasses.field(default_factory=dict)
-
-    @property
-    def kept(self) -> list[int]:
-        return list(self.ids)
-
-
-def _encoded(records: Any, chat: bool, job: Any, where: str) -> _Encoded:
-    """Every record's prompt ids, or why it was skipped."""
-    out = _Encoded()
-    for i, record in enumerate(records):
-        try:
-            ids = _encode(record, chat, job)
-            if len(ids) == 0:
-                raise _Skip("with an empty prompt")
-        except _Skip as skip:
-            out.skipped.setdefault(skip.reason, []).append(i)
-            continue
-        except data_lib.DataError as e:
-            raise ConfigError(f"{where}, record {i}: {e}") from None
-        out.ids[i] = ids
+    except data_lib.DataError as e:
+        raise ConfigError(f"`{key}` ({path}): {e}") from None
+    _unusable(out, path, key)
+    long, total = int(out.meta["long"]), out.report.total
+    if long:
+        job.notes.append(
+            f"{key} ({path.name}): skipped {long} of {total} prompts longer than "
+            f"{width} tokens (data.seq_len - task.max_completion_len)"
+        )
+    prompt = "messages" if chat else "prompt"
+    others = {c: out.column(c) for c in columns if c != prompt}
+    job.grpo.prompts = Prompts(out.column(prompt), others)
     return out
 
 
-def _record_names(path: Path, count: int) -> Callable[[int], str]:
-    """How a file's records are named: `file:line` for JSON Lines (blank lines
-    counted), else (or when the lines do not match the records) `file (record
-    n)`."""
-    lines = None
-    if path.suffix.lower() == ".jsonl":
-        with open(path, encoding="utf-8", errors="replace") as f:
-            lines = [n for n, line in enumerate(f, 1) if line.strip()]
-    if lines is None or len(lines) != count:
-        return lambda record: f"{path} (record {record + 1})"
-    return lambda record: f"{path}:{lines[record]}"
-
-
-def _unusable(
-    encoded: _Encoded, path: Path, where: Callable[[int], str], key: str
-) -> None:
+def _unusable(rows: data_lib.PostRows, path: Path, key: str) -> None:
     """One warning for the skipped records; an error when none is left."""
-    skipped = sum(map(len, encoded.skipped.values()))
-    total = skipped + len(encoded.ids)
+    report, where = rows.report, rows.meta["where"]
+    skipped = sum(report.reasons.values())
+    if not skipped:
+        return
     why = "; ".join(
-        f"{len(records)} {reason} (the first: {where(records[0])})"
-        for reason, records in encoded.skipped.items()
+        f"{count} {reason} (the first: {where[reason]})"
+        for reason, count in report.reasons.items()
     )
-    if not encoded.ids:
+    if skipped == report.total:
         raise ConfigError(
-            f"`{key}` ({path}) holds no usable prompt: all {total} rows "
+            f"`{key}` ({path}) holds no usable prompt: all {report.total} rows "
             f"were skipped: {why}. task.kind = 'grpo' reads a `prompt` string "
             "(or a `messages` chat) from each row."
         )
     warnings.warn(
-        f"{path}: skipped {skipped} of {total} rows: {why}.",
+        f"{path}: skipped {skipped} of {report.total} rows: {why}.",
         data_lib.DataWarning,
         stacklevel=3,
     )
-
-
-def _prompt_rows(ids: list[np.ndarray], width: int, pad: int) -> dict[str, np.ndarray]:
-    """The prompts left-padded to `width`, their lengths and their indices."""
-    out = np.full((len(ids), width), pad, np.int32)
-    for r, p in enumerate(ids):
-        out[r, width - len(p) :] = p
-    return {
-        "prompt": out,
-        "prompt_len": np.array([len(p) for p in ids], np.int32),
-        "index": np.arange(len(ids), dtype=np.int32),
-    }
 
 
 def pad_id(tokenizer: Any) -> int:

@@ -3,7 +3,7 @@ SFT, preference or prompt rows of its record files, its eval rows, and the
 positions a sequence-parallel model reads (`planned`: all of them). Each
 reader names the config key of a source that is missing or malformed."""
 
-import dataclasses
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -119,7 +119,7 @@ def train_rows(job: Job) -> Any:
     if kind == "lm":
         rows = _text_rows(job)
     elif kind == "grpo":
-        rows = _grpo.rows(job, job.config.data.train, "data.train")
+        rows = grpo_rows(job, job.config.data.train, "data.train")
     else:
         rows = post_rows(job, job.config.data.train, "data.train")
     _check_one_batch(job, rows)
@@ -158,28 +158,69 @@ def _check_one_batch(job: Job, rows: Any) -> None:
     )
 
 
-def post_rows(job: Job, source: str, key: str) -> Rows:
-    """The SFT or preference rows of the file `source` (the config key `key`);
-    skipped records are noted in `job.notes`."""
+def grpo_rows(
+    job: Job,
+    source: str,
+    key: str,
+    *,
+    verify: bool = False,
+    say: Callable[[str], None] | None = None,
+) -> data_lib.PostRows:
+    """GRPO's prompt rows of the file `source`, from its store (`_grpo.rows`)."""
     path = _record_file(job.config, source, key)
+    options = _store_options(job, path, verify=verify, say=say)
+    for name in ("seq_len", "max_prompt_len"):  # the prompts' width decides
+        options.pop(name)
+    return _grpo.rows(job, source, key, options)
 
-    def build() -> tuple[Rows, dict[str, Any]]:
-        rows, report = _post_rows(job, path, key, source)
-        return rows, dataclasses.asdict(report)
 
-    cache = job.config.data.cache
+def post_rows(
+    job: Job,
+    source: str,
+    key: str,
+    *,
+    verify: bool = False,
+    say: Callable[[str], None] | None = None,
+) -> data_lib.PostRows:
+    """The SFT or preference rows of the file `source` (the config key `key`),
+    from its post-training store: opened when it was prepared before (nothing
+    read, nothing tokenized), else prepared now in worker processes
+    (`data.workers`); skipped records are noted in `job.notes`."""
+    config = job.config
+    path = _record_file(config, source, key)
     try:
-        rows, fields = data_lib.cached_rows(
-            _post_identity(job, path),
-            build,
-            cache_dir=None if cache == "auto" else cache,
+        fmt = _record_format(config, data_lib.record_columns(path), key, source)
+        rows = data_lib.prepare_post(
+            path,
+            job.tokenizer,
+            kind="preference" if fmt == "preference" else "sft",
+            format=None if fmt == "preference" else fmt,
+            pack=config.data.pack,
+            **_store_options(job, path, verify=verify, say=say),
         )
     except data_lib.DataError as e:
         raise ConfigError(f"`{key}` ({source}): {e}") from None
-    report = data_lib.SkipReport(**fields)
-    if report.skipped:
-        job.notes.append(_skip_note(f"{key} ({path.name})", report))
+    if rows.report.skipped:
+        job.notes.append(_skip_note(f"{key} ({path.name})", rows.report))
     return rows
+
+
+def _store_options(
+    job: Job, path: Path, *, verify: bool, say: Callable[[str], None] | None
+) -> dict[str, Any]:
+    """What `data.prepare_post` takes from the job: the settings, the store's
+    identity, the cache and the workers."""
+    data = job.config.data
+    return dict(
+        seq_len=data.seq_len,
+        template=job.template,
+        max_prompt_len=data.max_prompt_len,
+        identity=_post_identity(job, path),
+        cache_dir=None if data.cache == "auto" else data.cache,
+        workers=None if data.workers == "auto" else data.workers,
+        verify=verify,
+        say=say,
+    )
 
 
 def _record_file(config: Config, source: str, key: str) -> Path:
@@ -245,35 +286,14 @@ def _version() -> str:
     return eqtrain.__version__
 
 
-def _post_rows(
-    job: Job, path: Path, key: str, source: str
-) -> tuple[Rows, data_lib.SkipReport]:
-    """The rows and skip report of the record file `path` (made in memory)."""
-    config = job.config
-    settings = dict(
-        seq_len=config.data.seq_len,
-        template=job.template,
-        max_prompt_len=config.data.max_prompt_len,
-    )
-    try:
-        records = data_lib.from_files(path)
-        fmt = _record_format(config, records, key, source)
-        if fmt == "preference":
-            return data_lib.preference_rows(records, job.tokenizer, **settings)
-        return data_lib.sft_rows(
-            records, job.tokenizer, format=fmt, pack=config.data.pack, **settings
-        )
-    except data_lib.DataError as e:
-        raise ConfigError(f"`{key}` ({source}): {e}") from None
-
-
-def _record_format(config: Config, records: Any, key: str, source: str) -> str:
-    """`data.format` (`auto`: from the columns), checked against the task."""
+def _record_format(config: Config, columns: list[str], key: str, source: str) -> str:
+    """`data.format` (`auto`: from the file's `columns`), checked against the
+    task."""
     fmt = config.data.format
     if fmt == "auto":  # the columns say
-        fmt = data_lib.infer_format(records)
+        fmt = data_lib.infer_format(dict.fromkeys(columns))
     else:
-        _check_columns(records, fmt, key, source)
+        _check_columns(columns, fmt, key, source)
     kind = config.task.kind
     wanted = ("preference",) if kind in PREFERENCE_TASKS else _SFT_FORMATS
     if fmt not in wanted:
@@ -285,18 +305,24 @@ def _record_format(config: Config, records: Any, key: str, source: str) -> str:
     return fmt
 
 
-def _check_columns(records: Any, fmt: str, key: str, source: str) -> None:
+def _check_columns(have: list[str], fmt: str, key: str, source: str) -> None:
     """An explicit `data.format` whose columns the file lacks is a config error
     (not every row skipped as "missing")."""
-    have = list(getattr(records, "column_names", []) or [])
     missing = [c for c in _COLUMNS.get(fmt, ()) if c not in have]
     if missing:
         raise ConfigError(
             f"data.format = {fmt!r} reads the column(s) {list(_COLUMNS[fmt])}, but "
             f"`{key}` ({source}) has {have}; it holds "
-            f"{data_lib.infer_format(records)!r} data. Set data.format to match "
+            f"{_format_of(have)} data. Set data.format to match "
             "(or `auto`), or use another file."
         )
+
+
+def _format_of(columns: list[str]) -> str:
+    try:
+        return repr(data_lib.infer_format(dict.fromkeys(columns)))
+    except data_lib.DataError:
+        return "no known"
 
 
 def eval_rows(job: Job) -> Rows | None:

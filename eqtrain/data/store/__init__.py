@@ -7,7 +7,16 @@ then read back by index arithmetic (`Store`, `LMRows`).
 `_builder` runs the parts not committed yet where `_workers` says (this
 process, `python -m eqtrain.data.store._worker`, or Ray); `_parts` is one part
 on disk; `_encoder` is the tokenizer as data a worker rebuilds.
+
+`prepare_post` does the same for post-training records (SFT examples,
+preference pairs, GRPO prompts: `_post_store`, `_post_parts`), read back as
+rows by index (`PostRows`).
 """
 
+from ._post_store import (
+    PostRows as PostRows,
+    prepare_post as prepare_post,
+    record_columns as record_columns,
+)
 from ._prepare import prepare as prepare
 from ._store import LMRows as LMRows, MappedRows as MappedRows, Store as Store

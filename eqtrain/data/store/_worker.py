@@ -1,9 +1,10 @@
 """A store-building worker process: `python -m eqtrain.data.store._worker`.
 
-It reads JSON lines on standard input (first the tokenizer spec, then one task
-per line), builds each part, and answers one JSON line per task on standard
-output: the ledger entry, or `{"error": ..., "message": ...}`. Tasks and answers
-are plain JSON (no pickle), and the worker never imports the caller's script.
+It reads JSON lines on standard input (first the tokenizer spec, or a
+post-training store's encoder spec, then one task per line), builds each part,
+and answers one JSON line per task on standard output: the ledger entry, or
+`{"error": ..., "message": ...}`. Tasks and answers are plain JSON (no pickle),
+and the worker never imports the caller's script.
 """
 
 import dataclasses
@@ -16,6 +17,7 @@ from typing import Any
 from .._errors import DataError
 from ._encoder import Encoder
 from ._parts import Task, build_part
+from ._post_parts import PostEncoder, PostTask, build_post_part
 
 
 def main() -> None:
@@ -24,9 +26,15 @@ def main() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     out = sys.stdout
     sys.stdout = sys.stderr  # nothing else may write to the answer channel
-    encoder = Encoder(json.loads(sys.stdin.readline()))
+    spec = json.loads(sys.stdin.readline())
+    if "post" in spec:  # a post-training store's part: records, not texts
+        encoder: Any = PostEncoder.from_spec(spec)
+        build: Any = build_post_part
+    else:
+        encoder, build = Encoder(spec), build_part
     for line in sys.stdin:
-        out.write(json.dumps(_answer(_task(line), encoder)) + "\n")
+        task = PostTask(**json.loads(line)) if "post" in spec else _task(line)
+        out.write(json.dumps(_answer(task, encoder, build)) + "\n")
         out.flush()
 
 
@@ -38,10 +46,10 @@ def _task(line: str) -> Task:
     return task
 
 
-def _answer(task: Task, encoder: Encoder) -> dict[str, Any]:
+def _answer(task: Any, encoder: Any, build: Any = build_part) -> dict[str, Any]:
     """The ledger entry of `task`'s part, or the error that stopped it."""
     try:
-        return {"entry": build_part(task, encoder)}
+        return {"entry": build(task, encoder)}
     except DataError as error:
         return {"error": "DataError", "message": str(error)}
     except OSError as error:
