@@ -403,3 +403,22 @@ def test_a_template_that_rewrites_later_turns_by_an_answer_says_so(tokenizer_fil
     with pytest.raises(ChatTemplateError) as error:
         JinjaChatTemplate(source).encode(CHAT, tok)
     assert "rewrites later turns" in error.value.reason
+
+
+def test_smollm3_no_think_block_is_the_generation_prompts(tokenizer_file):
+    """With `/no_think` SmolLM3 writes an empty think block on every answer and
+    at the end of its generation prompt: the model is given it, so it is not
+    learned."""
+    hf, tok = (
+        hf_tokenizer(tokenizer_file, "smollm3"),
+        HFTokenizer.from_file(tokenizer_file),
+    )
+    messages = [{"role": "system", "content": "Be brief. /no_think"}, *CHAT]
+    template = original("smollm3")
+    assert template.render(messages).count("<think>\n\n</think>\n") == 3
+    ids, mask = template.encode(messages, tok)
+    assert runs(ids, mask, hf) == [
+        "I am fine, thank you.<|im_end|>\n",
+        "It is four.<|im_end|>\n",
+        "The answer is 42.<|im_end|>\n",
+    ]

@@ -5,8 +5,10 @@ tokenizer holding that template's special tokens:
 - Gemma 2 (`<start_of_turn>user ... <end_of_turn>`, the assistant is `model`),
   whose template refuses a system message: such data fails before any work with
   one paragraph that names the file, the template's reason and the first row;
-- Qwen3 (ChatML, with its empty `<think>` block on the answer to the last query);
-- Phi-3 (`<|user|>\\n...<|end|>\\n<|assistant|>\\n`, EOS after the last turn).
+- Qwen3 (ChatML, with its empty `<think>` block on the answer to the last query),
+  in chats of three exchanges (its template rewrites earlier turns);
+- Phi-3 (`<|user|>\\n...<|end|>\\n<|assistant|>\\n`, EOS after the last turn),
+  three exchanges too.
 
 Each run starts from `model.init_from` (a `save_pretrained` directory with the
 tokenizer and its template), learns only the answers and their end of turn, and
@@ -166,27 +168,34 @@ class Family:
     learned: str  # the text after each answer that is learned with it
     turns: int  # user/assistant exchanges per chat
     overrides: dict = dataclasses.field(default_factory=dict)  # model config
-    think: str = ""  # the text before each answer that is learned with it
+    think: str = ""  # the text before the last answer that is learned with it
+    last: str | None = None  # the text learned after the last answer (`learned`)
+
+    def answers(self, messages):
+        """The learned text of each assistant turn of `messages`."""
+        out = [m["content"] for m in messages if m["role"] == "assistant"]
+        tail = self.learned if self.last is None else self.last
+        return [a + self.learned for a in out[:-1]] + [self.think + out[-1] + tail]
 
 
 FAMILIES = {
-    # two exchanges: the template renders each turn the same whatever follows
+    # each answer learns all its template writes after it up to the next turn
     "gemma2": Family(
         GEMMA,
         ("<pad>", "<eos>", "<bos>", "<start_of_turn>", "<end_of_turn>"),
         {"bos_token": "<bos>", "eos_token": "<eos>", "pad_token": "<pad>"},
-        learned="<end_of_turn>",
+        learned="<end_of_turn>\n",
         turns=2,
         overrides=dict(num_hidden_layers=2),  # a sliding and a global layer
     ),
-    # one exchange each (their templates change earlier turns as a chat goes on:
-    # Qwen3's think block moves to the last answer, Phi-3's EOS to the end)
+    # three exchanges: their templates change earlier turns as a chat goes on
+    # (Qwen3's think block is on the last answer only, Phi-3's EOS at the end)
     "qwen3": Family(
         QWEN3,
         ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"),
         {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"},
-        learned="<|im_end|>",
-        turns=1,
+        learned="<|im_end|>\n",
+        turns=3,
         think="<think>\n\n</think>\n\n",  # (what Qwen3 writes when not thinking)
     ),
     "phi3": Family(
@@ -198,8 +207,9 @@ FAMILIES = {
             "eos_token": "<|endoftext|>",
             "pad_token": "<|endoftext|>",
         },
-        learned="<|end|>\n<|endoftext|>",
-        turns=1,
+        learned="<|end|>\n",
+        turns=3,
+        last="<|end|>\n<|endoftext|>",
     ),
 }
 CORPUS = [
@@ -395,10 +405,7 @@ def test_sft_then_dpo_with_the_familys_chat_template(name, tmp_path):
     rows = _rows.train_rows(_build.build(unpacked))
     for i, row in enumerate(_chats(4, family.turns)):
         runs = _learned_runs(rows["targets"][i], rows["loss_mask"][i], built.tokenizer)
-        answers = [
-            family.think + m["content"] + family.learned for m in row["messages"][1::2]
-        ]
-        assert runs == answers
+        assert runs == family.answers(row["messages"])
     losses = _fit(*sft)
     assert len(losses) == 2 and np.isfinite(losses).all()
     out = tmp_path / "sft" / "hf"
@@ -415,7 +422,7 @@ def test_sft_then_dpo_with_the_familys_chat_template(name, tmp_path):
         runs = _learned_runs(
             rows[f"{side}_targets"][0], rows[f"{side}_mask"][0], built.tokenizer
         )
-        assert runs == [family.think + first[side][0]["content"] + family.learned]
+        assert runs == family.answers(first[side])
     losses = _fit(*dpo)
     assert losses[0] == pytest.approx(LOG2, abs=1e-6)  # the policy is its reference
     assert len(losses) == 2 and np.isfinite(losses).all()
