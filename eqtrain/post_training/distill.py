@@ -151,8 +151,9 @@ def chunked_divergence(
     """
     _check_chunk(chunk)
     beta, temperature = _check_beta(beta), _check_temperature(temperature)
-    s_opts = _transforms(**{"logit_scale": 1.0, **(student_options or {})})
-    t_opts = _transforms(**{"logit_scale": 1.0, **(teacher_options or {})})
+    plain = {"logit_scale": 1.0, "softcap": None}
+    s_opts = _transforms(**{**plain, **(student_options or {})})
+    t_opts = _transforms(**{**plain, **(teacher_options or {})})
     if vocab_size is not None:
         student_weight = student_weight[:vocab_size]
         teacher_weight = teacher_weight[:vocab_size]
