@@ -95,9 +95,8 @@ def _prompt_end(
     of message j - 1's content (so a template that writes earlier turns
     differently when they end the prompt, e.g. Mistral's system prompt in the
     last user turn, is followed), as far as the two agree."""
-    given = _render_or_empty(render, messages[:j], True)
     if j == 0:
-        return _common_prefix(given, text)
+        return _common_prefix(_render_or_empty(render, [], True), text)
     marker = _marker(messages)
     marked = _with_content(messages, j - 1, marker)
     whole = render(marked, False)
@@ -106,7 +105,7 @@ def _prompt_end(
     end = at + len(marker)
     if at < 0 or at_prompt < 0 or not text.endswith(whole[end:]):
         # message j - 1 has no content of its own in the render: from the start
-        return _common_prefix(given, text)
+        return _common_prefix(render(messages[:j], True), text)
     cut = len(text) - (len(whole) - end)  # the end of message j - 1 in `text`
     return cut + _common_prefix(prompt[at_prompt + len(marker) :], text[cut:])
 
