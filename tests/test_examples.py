@@ -109,6 +109,8 @@ def test_example_configs_run(path, tmp_path, small=()):
         )
         hf.export(Llama(base, jr.key(0)), base, tmp_path / "base")
         overrides.append(f"model.init_from={tmp_path / 'base'}")
+    if 'kind = "distill"' in path.read_text():  # stands in for runs/sft/hf
+        overrides.append(f"task.teacher={_teacher(tmp_path)}")
     config = config_lib.load(path, overrides)
     if not small:
         assert "memory per device" in job.report(config)
@@ -131,6 +133,57 @@ def test_example_configs_run(path, tmp_path, small=()):
         assert (tmp_path / "run" / "hf-merged" / "config.json").exists()
     else:
         assert (tmp_path / "run" / "hf" / "config.json").exists()
+
+
+def _teacher(root):
+    """A byte-tokenizer Llama with sharp (scaled-head) distributions, standing in
+    for sft.toml's trained model as distill.toml's teacher."""
+    import equinox as eqx
+    import jax.random as jr
+
+    from eqtrain import hf
+    from eqtrain.models import Llama, LlamaConfig
+
+    cfg = LlamaConfig(
+        vocab_size=259,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        max_position_embeddings=128,
+    )
+    model = Llama(cfg, jr.key(1))
+    model = eqx.tree_at(lambda m: m.lm_head.weight, model, model.lm_head.weight * 60)
+    if not (root / "teacher" / "config.json").exists():
+        hf.export(model, cfg, root / "teacher")
+    return root / "teacher"
+
+
+def test_distill_example_learns(tmp_path):
+    """distill.toml as written (its teacher stood in for, 20 of its steps): the
+    student's loss falls, and some steps are on-policy."""
+    import json
+
+    from eqtrain import config as config_lib, job
+
+    path = CONFIGS[[p.name for p in CONFIGS].index("distill.toml")]
+    config = config_lib.load(
+        path,
+        [
+            f"run_dir={tmp_path / 'run'}",
+            f"task.teacher={_teacher(tmp_path)}",
+            "loop.steps=20",
+            "loop.eval_every=0",
+            "log.every=1",
+            "log.progress=none",
+        ],
+    )
+    job.run(config, echo=lambda s: None)
+    lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    steps = [r for r in map(json.loads, lines) if "on_policy" in r]
+    losses = [r["loss"] for r in steps]
+    assert sum(losses[-4:]) < 0.95 * sum(losses[:4]), losses  # 20 steps
+    assert 0 < sum(r["on_policy"] for r in steps) < len(steps)
 
 
 @pytest.mark.parametrize(
