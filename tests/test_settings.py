@@ -107,6 +107,7 @@ SAMPLES = {
     "task.beta": "0.2",
     "task.format_regex": "[0-9]+",
     "task.epsilon_high": "0.28",
+    "task.teacher": "{root}/hf",
     "lora.alpha": "8",
     "lora.train_also": "norm",
     "export.dtype": "bfloat16",
@@ -197,6 +198,12 @@ GRPO_CHAT = [
     *GRPO[2:],
     "data.seq_len=64",
 ]
+DISTILL = [
+    "task.kind=distill",
+    "task.teacher={root}/hf",
+    *PC[1:],
+    "task.max_completion_len=4",
+]
 # The names a `names` key documents (default: activation names, for remat)
 NAMES = {
     "task.rewards": ["exact_answer", '["exact_answer", "format"]'],
@@ -210,11 +217,13 @@ def companions(key, value):
     """The other settings `key = value` needs (`KEY=-`: drop KEY from the base)."""
     section, name = key.split(".", 1) if "." in key else ("", key)
     if key == "task.kind":
-        return {"lm": [], "sft": SFT, "grpo": GRPO}.get(value, PREF)
+        return {"lm": [], "sft": SFT, "grpo": GRPO, "distill": DISTILL}.get(value, PREF)
     if key == "task.rewards" and "format" in value:
         return [*GRPO, "task.format_regex=[0-9]+"]
     if key == "task.reward_weights" and value.startswith("["):
         return [*GRPO, "task.rewards=exact_answer,format", "task.format_regex=.*"]
+    if section == "task" and name in ("teacher", "lmbda", "seq_kd"):
+        return DISTILL
     if section == "task" and name in GRPO_KEYS:
         return GRPO
     if key == "data.format":
@@ -353,6 +362,9 @@ def _data_for(kind, fmt):
         return []
     if kind == "grpo":
         return (GRPO_CHAT if fmt == "chat" else GRPO)[1:]
+    if kind == "distill":
+        data = SFT[1:] if fmt == "chat" else PC[1:]
+        return ["task.teacher={root}/hf", "task.max_completion_len=4", *data]
     if kind != "sft":
         return PREF
     return PC[1:] if fmt == "prompt_completion" else SFT[1:]
