@@ -104,7 +104,18 @@ def test_group_advantages_group_of_one_and_errors():
 
 
 # -- the loss -----------------------------------------------------------------------
-def np_loss(logps, old, adv, mask, *, beta, ref, loss_type, importance_sampling_level):
+def np_loss(
+    logps,
+    old,
+    adv,
+    mask,
+    *,
+    beta,
+    ref,
+    loss_type,
+    importance_sampling_level,
+    kl_bias_correction=True,
+):
     """The surrogate written out row by row in float64."""
     level = importance_sampling_level
     rows, seq = mask.shape
@@ -121,7 +132,7 @@ def np_loss(logps, old, adv, mask, *, beta, ref, loss_type, importance_sampling_
         low[i] = (ratio < 1 - LOW) & (adv[i] < 0)
         high[i] = (ratio > 1 + HIGH) & (adv[i] > 0)
         d = np.where(on, ref[i].astype(np.float64) - logps[i], 0.0)
-        kl[i] = np.exp(d) - d - 1
+        kl[i] = (np.exp(d) - d - 1) * (ratio if kl_bias_correction else 1.0)
     per_token = per_token + beta * kl
     tokens = mask.sum()
     if loss_type == "grpo":
@@ -160,8 +171,9 @@ def ours(logps, old, adv, mask, ref, **options):
 @pytest.mark.parametrize("loss_type", LOSS_TYPES)
 def test_grpo_token_loss_matches_numpy(loss_type, level):
     logps, old, ref, adv, mask = random_inputs()
-    for beta in (0.0, 0.04):
+    for beta, bias in ((0.0, True), (0.04, True), (0.04, False)):
         options = dict(beta=beta, loss_type=loss_type, importance_sampling_level=level)
+        options["kl_bias_correction"] = bias
         loss, metrics = ours(logps, old, adv, mask, ref, **options)
         want, want_metrics = np_loss(logps, old, adv, mask, ref=ref, **options)
         close(loss, want, tol=1e-5)
@@ -202,24 +214,26 @@ def test_grpo_token_loss_errors():
 
 
 # -- parity with TRL ----------------------------------------------------------------
-def trl_loss(logps, old, adv, mask, ref, *, beta, loss_type, level):
-    """TRL's `GRPOTrainer._compute_loss` on these per-token log-probs: a trainer
-    made without `__init__`, holding only what that method reads, whose log-prob
-    method returns ours."""
+def trl_loss(logps, old, adv, mask, ref, *, beta, loss_type, level, bias=True):
+    """TRL's `GRPOTrainer._compute_loss` on these per-token log-probs, and its
+    gradient with respect to them: a trainer made without `__init__`, holding
+    only what that method reads (TRL's defaults, `use_bias_correction_kl` =
+    `bias`), whose log-prob method returns ours."""
     torch = pytest.importorskip("torch")
     trl = pytest.importorskip("trl")
     t = lambda x: torch.tensor(np.asarray(x))
+    policy = t(logps).requires_grad_(True)
     trainer = trl.GRPOTrainer.__new__(trl.GRPOTrainer)
     metrics = {"train": defaultdict(list)}
     accelerator = SimpleNamespace(
         num_processes=1, gather=lambda x: x, reduce=lambda x, reduction: x
     )
     args = SimpleNamespace(
-        use_bias_correction_kl=False, delta=None, steps_per_generation=1
+        use_bias_correction_kl=bias, delta=None, steps_per_generation=1
     )
     attributes = dict(
         _get_per_token_logps_and_entropies=lambda *a, **k: (
-            t(logps),
+            policy,
             torch.zeros(mask.shape),
             None,
         ),
@@ -254,18 +268,45 @@ def trl_loss(logps, old, adv, mask, ref, *, beta, loss_type, level):
         num_items_in_batch=t(mask.sum()),
     )
     loss = trainer._compute_loss(None, inputs)
-    return float(loss), {k: v[0] for k, v in metrics["train"].items()}
+    loss.backward()
+    loss = loss.detach()
+    grad = (policy.grad * inputs["completion_mask"]).numpy()
+    return float(loss), {k: v[0] for k, v in metrics["train"].items()}, grad
 
 
-@pytest.mark.parametrize(
-    "loss_type,level", [(t, "token") for t in LOSS_TYPES] + [("grpo", "sequence")]
-)
-def test_grpo_token_loss_matches_trl(loss_type, level):
+@pytest.mark.parametrize("level", grpo.LEVELS)
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+def test_grpo_token_loss_and_gradient_equal_trls(loss_type, level):
+    """At TRL 1.16's defaults (the ratio-weighted KL) and with its switch off,
+    for every loss type, token and sequence (GSPO) ratios: loss and gradient
+    with respect to the policy's log-probs within 1e-6."""
     logps, old, ref, adv, mask = random_inputs(seed=1)
-    for beta in (0.0, 0.04):
-        options = dict(beta=beta, loss_type=loss_type, level=level)
-        theirs, their_metrics = trl_loss(logps, old, adv, mask, ref, **options)
-        loss, metrics = ours(
+    options = dict(loss_type=loss_type, importance_sampling_level=level)
+    fn = functools.partial(
+        grpo.grpo_token_loss,
+        epsilon_low=LOW,
+        epsilon_high=HIGH,
+        max_completion_length=MAX_LEN,
+    )
+
+    def loss_and_grad(logps, beta, bias):
+        def f(x):
+            return fn(
+                x,
+                old,
+                adv,
+                mask,
+                ref_logps=ref,
+                beta=beta,
+                kl_bias_correction=bias,
+                **options,
+            )
+
+        return jax.value_and_grad(f, has_aux=True)(logps)
+
+    loss_and_grad = jax.jit(loss_and_grad, static_argnums=(1, 2))
+    for beta, bias in ((0.0, True), (0.04, True), (0.04, False)):
+        theirs, their_metrics, their_grad = trl_loss(
             logps,
             old,
             adv,
@@ -273,9 +314,12 @@ def test_grpo_token_loss_matches_trl(loss_type, level):
             ref,
             beta=beta,
             loss_type=loss_type,
-            importance_sampling_level=level,
+            level=level,
+            bias=bias,
         )
-        close(loss, theirs, tol=1e-5)
+        (loss, metrics), grad = loss_and_grad(logps, beta, bias)
+        close(loss, theirs, tol=1e-6)
+        close(np.asarray(grad) * mask, their_grad, tol=1e-6)
         names = ["clip_ratio/low_mean", "clip_ratio/high_mean"]
         names += ["clip_ratio/region_mean"] + (["kl"] if beta else [])
         for name in names:

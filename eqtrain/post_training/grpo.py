@@ -239,6 +239,7 @@ def grpo_token_loss(
     loss_type: str = "dapo",
     max_completion_length: int | None = None,
     importance_sampling_level: str = "token",
+    kl_bias_correction: bool = True,
 ) -> tuple[Float[Array, ""], Metrics]:
     """The clipped surrogate of PPO with group-relative advantages (GRPO), from
     per-token log-probs of the policy, of the policy that sampled
@@ -251,6 +252,10 @@ def grpo_token_loss(
                  + beta * (exp(ref - logp) - (ref - logp) - 1)
 
     (the KL term, Schulman's k3 estimator, only when `beta > 0`). With
+    `kl_bias_correction` (the default, as TRL 1.16's `use_bias_correction_kl`,
+    DeepSeek-V3.2's form) the KL term is multiplied by the importance ratio `r`
+    (unclipped, with its gradient): the samples come from the old policy, and
+    the ratio makes the estimate one of KL(policy || reference). With
     `importance_sampling_level="sequence"` (GSPO, arXiv:2507.18071) `r` is one
     ratio per row, `exp(mean over its tokens of (logp - old_logp))`.
     `epsilon_high > epsilon_low` is DAPO's clip-higher. The per-token losses are
@@ -303,6 +308,8 @@ def grpo_token_loss(
     metrics = _clip_metrics(ratio, a, m, epsilon_low, epsilon_high)
     if ref_logps is not None and beta > 0:
         kl = _k3(logps, jnp.asarray(ref_logps), m)
+        if kl_bias_correction:
+            kl = kl * ratio
         per_token = per_token + beta * kl
         metrics["kl"] = _token_mean(kl, m)
     per_token = jnp.broadcast_to(per_token, m.shape)
@@ -349,6 +356,7 @@ def grpo_loss_fn(
     beta: float = 0.0,
     reference: str | None = None,
     importance_sampling_level: str = "token",
+    kl_bias_correction: bool = True,
     max_completion_length: int | None = None,
     temperature: float = 1.0,
     vocab_size: int | None = None,
@@ -370,7 +378,7 @@ def grpo_loss_fn(
 
     Args:
         loss_type, epsilon_low, epsilon_high, beta, importance_sampling_level,
-            max_completion_length: as for `grpo_token_loss`.
+            kl_bias_correction, max_completion_length: as for `grpo_token_loss`.
         reference: where the reference log-probs come from when `beta > 0`:
             `"copy"` (the model is a `preference.WithReference`), `"adapters_off"`
             (`eqtrain.lora.disable`) or `"precomputed"` (`ref_logps` in the
@@ -394,6 +402,7 @@ def grpo_loss_fn(
         importance_sampling_level=importance_sampling_level,
     )
     _check_loss(**options)
+    options["kl_bias_correction"] = bool(kl_bias_correction)
     if beta > 0 and reference not in REFERENCES:
         raise ConfigError(
             f"`beta` > 0 needs a reference model: `reference` must be one of "
