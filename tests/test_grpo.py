@@ -643,3 +643,11 @@ def test_score():
         rewards.score(funcs, prompts, completions, {"answer": ["4", "4"]})
     with pytest.raises(ConfigError, match="names must differ"):
         rewards.score([funcs[0], funcs[0]], prompts, completions)
+
+
+def test_the_configs_choices_are_the_losss():
+    from eqtrain.config import _schema
+
+    assert set(_schema.GRPO_LOSSES) == set(LOSS_TYPES)
+    assert _schema.IMPORTANCE_LEVELS == grpo.LEVELS
+    assert _schema.REWARD_SCALES == grpo.SCALES

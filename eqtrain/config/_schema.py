@@ -52,6 +52,7 @@ GRPO_LOSSES = (
     "bnpo",
 )  # = eqtrain.post_training.grpo.LOSS_TYPES
 REWARD_SCALES = ("group", "batch", "none")  # = eqtrain.post_training.grpo.SCALES
+IMPORTANCE_LEVELS = ("token", "sequence")  # = eqtrain.post_training.grpo.LEVELS
 OPTIMIZERS = ("adamw", "adam", "lion", "sgd", "adafactor")
 SCHEDULES = ("constant", "linear", "cosine", "wsd")
 DTYPES = ("float32", "bfloat16", "float16")

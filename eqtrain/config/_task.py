@@ -5,6 +5,7 @@ import dataclasses
 
 from ._schema import (
     GRPO_LOSSES,
+    IMPORTANCE_LEVELS,
     LORA_TARGETS,
     REFERENCES,
     REWARD_SCALES,
@@ -132,6 +133,19 @@ class TaskConfig:
         "grpo: the ratio's upper clip (1 + epsilon_high; DAPO uses 0.28); "
         "unset: task.epsilon.",
         above=0,
+    )
+    kl_bias_correction: bool = setting(
+        True,
+        "grpo (with task.beta > 0): multiply the k3 KL term by the importance "
+        "ratio (TRL 1.16's default use_bias_correction_kl, DeepSeek-V3.2's form); "
+        "false: the plain k3 estimate.",
+    )
+    importance_sampling_level: str = setting(
+        "token",
+        "grpo: the importance ratio per completion token (`token`, PPO's), or one "
+        "per completion, the exponential of its tokens' mean log-ratio "
+        "(`sequence`: GSPO, arXiv:2507.18071; TRL's importance_sampling_level).",
+        choices=IMPORTANCE_LEVELS,
     )
     passes: int = setting(
         1,

@@ -50,6 +50,8 @@ _GRPO_KEYS = (
     "loss_type",
     "epsilon",
     "epsilon_high",
+    "kl_bias_correction",
+    "importance_sampling_level",
     "passes",
 )
 # The sampling keys distillation reads too (its on-policy completions).

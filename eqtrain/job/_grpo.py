@@ -77,6 +77,8 @@ def loss(config: Config, reference: str | None, *, vocab_size: Any, chunk: int) 
             epsilon_low=t.epsilon,
             epsilon_high=t.epsilon if t.epsilon_high is None else t.epsilon_high,
             beta=t.beta or 0.0,
+            kl_bias_correction=t.kl_bias_correction,
+            importance_sampling_level=t.importance_sampling_level,
             reference=reference,
             max_completion_length=t.max_completion_len,
             temperature=t.temperature or 1.0,
