@@ -1,6 +1,6 @@
-"""`eqtrain data prepare`: tokenize a config's text sources into stores on disk,
-with local worker processes (`eqtrain.job.prepare_data`) or Ray tasks
-(`eqtrain.ray.prepare_data`)."""
+"""`eqtrain data prepare`: tokenize a config's text sources (or post-training
+records) into stores on disk, with local worker processes
+(`eqtrain.job.prepare_data`) or Ray tasks (`eqtrain.ray.prepare_data`)."""
 
 import contextlib
 import signal
@@ -45,8 +45,10 @@ def data_prepare(
     launcher: Launcher = "local",
 ) -> None:
     """Tokenize the config's text sources into stores on disk (in parallel, in
-    parts that a killed run continues), so that `eqtrain fit` starts at once.
-    Prints one JSON line per store."""
+    parts that a killed run continues), so that `eqtrain fit` starts at once;
+    for post-training tasks (sft, dpo, grpo, ...) encode the record files with
+    the run's chat template into post-training stores. Prints one JSON line per
+    store."""
     if launcher not in ("local", "ray"):
         fail(f"--launcher must be 'local' or 'ray'; got {launcher!r}.")
     with _interruptible(), errors():

@@ -24,13 +24,18 @@ def prepare_data(
     summary per store: `{"split", "name", "source", "store", "documents",
     "tokens", "parts"}`.
 
+    For post-training tasks (sft, dpo/ipo/orpo/simpo, grpo, ...) it prepares the
+    post-training store of the record files instead (encoded with the run's
+    chat template, in local worker processes; `executor="ray"` builds them
+    locally too): one summary per store, `{"split", "name", "source", "store",
+    "kind", "rows", "records", "skipped", "tokens", "parts"}`.
+
     Raises:
-        ConfigError: task.kind is not lm (post-training data is tokenized with
-            its chat template at the start of a run), or a source is missing or
-            malformed.
+        ConfigError: a source is missing or malformed.
     """
     validate(config)
-    _check_plain_text(config)
+    if config.task.kind != "lm":
+        return _prepare_post(config, verify=verify, say=say)
     tokenizer = _build.build(config).tokenizer
     settings = _store_settings(config, executor=executor, verify=verify, say=say)
     out = []
@@ -69,15 +74,40 @@ def _store_settings(config: Config, **options: Any) -> dict[str, Any]:
     return settings
 
 
-def _check_plain_text(config: Config) -> None:
-    """Stores are of plain text: post-training records are read at the start of
-    the run, with the chat template."""
-    if config.task.kind != "lm":
-        raise ConfigError(
-            f"`eqtrain data prepare` builds stores of plain text for task.kind = "
-            f"'lm'; task.kind = {config.task.kind!r} reads its records at the start "
-            "of the run (they are tokenized with the chat template then)."
-        )
+def _prepare_post(
+    config: Config, *, verify: bool, say: Callable[[str], None] | None
+) -> list[dict[str, Any]]:
+    """The post-training stores of `config`'s record files (training, and eval
+    when the run evaluates), as a run's first start prepares them."""
+    built = _build.build(config)
+    _rows.check_sources(config)
+    sources = [("train", config.data.train, "data.train")]
+    source = eval_source(config)
+    if source != "none" and (config.loop.eval_every or config.loop.eval_at_end):
+        sources.append(("eval", source, "data.eval"))
+    out = []
+    for split, path, key in sources:
+        read = _rows.grpo_rows if config.task.kind == "grpo" else _rows.post_rows
+        rows = read(built, path, key, verify=verify, say=say)
+        out.append(_post_summary(split, path, rows))
+    return out
+
+
+def _post_summary(split: str, path: str, rows: data_lib.PostRows) -> dict[str, Any]:
+    """What `prepare_data` says of one post-training store."""
+    parts = rows.meta["parts"]
+    return {
+        "split": split,
+        "name": split,
+        "source": path,
+        "store": str(rows.directory),
+        "kind": rows.kind,
+        "rows": rows.num_rows,
+        "records": rows.report.total,
+        "skipped": rows.report.total - rows.report.kept,
+        "tokens": sum(p["tokens"] for p in parts),
+        "parts": len(parts),
+    }
 
 
 def _stores_of(config: Config) -> list[tuple[str, str, str, str]]:

@@ -10,7 +10,7 @@ columns stay on the host: the reward functions read them by `index`.
 
 import dataclasses
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -89,19 +89,21 @@ def loss(config: Config, reference: str | None, *, vocab_size: Any, chunk: int) 
         raise ConfigError(f"[task]: {e}") from None
 
 
-def _records(path: Path, key: str) -> tuple[list[str], bool]:
-    """The file's columns, and whether its prompts are chats (`messages`)."""
-    try:
-        have = data_lib.record_columns(path)
-    except data_lib.DataError as e:
-        raise ConfigError(f"`{key}` ({path}): {e}") from None
-    if "messages" not in have and "prompt" not in have:
-        raise ConfigError(
-            f"`{key}` ({path}) has the columns {have}; task.kind = 'grpo' reads "
-            "prompts from a `prompt` (text) or `messages` (a chat) column, and "
-            "passes the other columns (e.g. `answer`) to the reward functions."
-        )
-    return have, "messages" in have
+def _prompt_column(path: Path, key: str) -> Callable[[list[str]], dict[str, Any]]:
+    """The check of a file's columns when its store is built: a `prompt` (text)
+    or `messages` (chat) column, which decides `chat`."""
+
+    def resolve(have: list[str]) -> dict[str, Any]:
+        if "messages" not in have and "prompt" not in have:
+            raise ConfigError(
+                f"`{key}` ({path}) has the columns {have}; task.kind = 'grpo' "
+                "reads prompts from a `prompt` (text) or `messages` (a chat) "
+                "column, and passes the other columns (e.g. `answer`) to the "
+                "reward functions."
+            )
+        return {"chat": "messages" in have}
+
+    return resolve
 
 
 def rows(
@@ -118,7 +120,6 @@ def rows(
     path = Path(source)
     if not path.is_file():
         raise ConfigError(f"`{key}` names {source!r}, which is not a file.")
-    columns, chat = _records(path, key)
     width = prompt_width(job.config)
     options = dict(options or {}, seq_len=job.config.data.seq_len)
     try:
@@ -127,7 +128,7 @@ def rows(
             job.tokenizer,
             kind="prompt",
             width=width,
-            chat=chat,
+            resolve=_prompt_column(path, key),
             pad=pad_id(job.tokenizer),
             **options,
         )
@@ -140,8 +141,8 @@ def rows(
             f"{key} ({path.name}): skipped {long} of {total} prompts longer than "
             f"{width} tokens (data.seq_len - task.max_completion_len)"
         )
-    prompt = "messages" if chat else "prompt"
-    others = {c: out.column(c) for c in columns if c != prompt}
+    prompt = "messages" if out.settings["chat"] else "prompt"
+    others = {c: out.column(c) for c in out.settings["columns"] if c != prompt}
     job.grpo.prompts = Prompts(out.column(prompt), others)
     return out
 

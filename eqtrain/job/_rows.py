@@ -188,14 +188,20 @@ def post_rows(
     (`data.workers`); skipped records are noted in `job.notes`."""
     config = job.config
     path = _record_file(config, source, key)
+    preference = config.task.kind in PREFERENCE_TASKS
+
+    def resolve(columns: list[str]) -> dict[str, Any]:  # when the store is built
+        fmt = _record_format(config, columns, key, source)
+        return {} if preference else {"format": fmt}
+
     try:
-        fmt = _record_format(config, data_lib.record_columns(path), key, source)
         rows = data_lib.prepare_post(
             path,
             job.tokenizer,
-            kind="preference" if fmt == "preference" else "sft",
-            format=None if fmt == "preference" else fmt,
+            kind="preference" if preference else "sft",
+            format=None if preference else config.data.format,
             pack=config.data.pack,
+            resolve=resolve,
             **_store_options(job, path, verify=verify, say=say),
         )
     except data_lib.DataError as e:

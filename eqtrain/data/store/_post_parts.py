@@ -15,7 +15,6 @@ A preference pair is two examples (chosen, then rejected), each the prompt's ids
 and the completion's (the mask 0 on the prompt).
 """
 
-import dataclasses
 import hashlib
 import json
 import os
@@ -31,22 +30,11 @@ from .._post import _preference_encoder, _sft_encoder, _template as resolved
 from .._readers import Piece, _jsonl_blocks
 from .._records import Skip
 from .._tokenizers import ByteTokenizer, HFTokenizer
+from ._parts import Task
 
 
 KINDS = ("sft", "preference", "prompt")
 """What a store holds: SFT examples, preference pairs or GRPO prompts."""
-
-
-@dataclasses.dataclass(frozen=True)
-class PostTask:
-    """One part to build: its index, the store directory being written and the
-    piece of the record file (`Piece.to_json()`)."""
-
-    index: int
-    directory: str
-    dtype: str
-    piece: dict[str, Any]
-    texts: None = None  # what the worker pool's messages read of a task
 
 
 # -- the encoder, as data a worker rebuilds -----------------------------------------
@@ -317,8 +305,9 @@ class _Writer:
             self.tmp[name].unlink(missing_ok=True)
 
 
-def build_post_part(task: PostTask, encoder: PostEncoder) -> dict[str, Any]:
-    """Read, encode and write part `task.index`; its counts as JSON:
+def build_post_part(task: Task, encoder: PostEncoder) -> dict[str, Any]:
+    """Read, encode and write part `task.index` (a `Task` of a piece; its
+    `text_column` unused); its counts as JSON:
     `total`/`kept` records, skip `reasons` with each one's `first` record (in
     the part) and `where` (`file:line`), `examples`, `tokens`, `long` (GRPO
     prompts longer than the width, left out) and the files' `sha256`."""

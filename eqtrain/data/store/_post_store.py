@@ -38,10 +38,10 @@ from .._records import SkipReport, _all_skipped
 from .._stream import PIECE_BYTES, plan
 from ._builder import _check_executor, _Progress
 from ._encoder import dtype_for
+from ._parts import Task
 from ._post_parts import (
     KINDS,
     PostEncoder,
-    PostTask,
     build_post_part,
     post_part_paths,
     post_spec,
@@ -62,10 +62,11 @@ def prepare_post(
     seq_len: int,
     format: str | None = None,
     template: Any = None,
+    resolve: Callable[[list[str]], Mapping[str, Any]] | None = None,
     max_prompt_len: int | None = None,
     pack: bool = True,
     width: int | None = None,
-    chat: bool = False,
+    chat: bool | None = None,
     pad: int | None = None,
     identity: Mapping[str, Any] | None = None,
     cache_dir: PathLike | None = None,
@@ -85,6 +86,11 @@ def prepare_post(
             one example per row), `"preference"` (pairs) or `"prompt"` (GRPO
             prompts of at most `width` tokens; `chat`: from `messages`).
         seq_len, template, max_prompt_len: as for `sft_rows`.
+        format, chat: None (or `format="auto"`): from the file's columns, read
+            when the store is built (never when it opens).
+        resolve: called with the file's columns when the store is built;
+            returns the settings they decide (`format`, `chat`) or raises
+            (e.g. the job's check of the format against the task).
         pad: the id of padded slots (default: the tokenizer's pad id, else 0).
         identity: what the rows depend on besides the settings (the job passes
             the file's fingerprint, the tokenizer, the template's identity and
@@ -124,6 +130,7 @@ def prepare_post(
     build = _Build(
         Path(path), directory, tokenizer, template, settings, key, dtype, say
     )
+    build.resolve = resolve
     workers = workers or os.cpu_count() or 1
     build.run(workers, executor, piece_bytes or PIECE_BYTES, damaged=damaged)
     return PostRows(directory)
@@ -136,7 +143,7 @@ def _settings(
     max_prompt_len: int | None,
     pack: bool,
     width: int | None,
-    chat: bool,
+    chat: bool | None,
 ) -> dict[str, Any]:
     """The encoders' settings of a store of `kind` (only what its rows use)."""
     if kind == "prompt":
@@ -146,7 +153,7 @@ def _settings(
     _prompt_limit(seq_len, max_prompt_len)  # checked before any record is read
     out = {"kind": kind, "seq_len": seq_len, "max_prompt_len": max_prompt_len}
     if kind == "sft":
-        out.update(format=format or "chat", pack=bool(pack))
+        out.update(format=format or "auto", pack=bool(pack))
     return out
 
 
@@ -255,11 +262,35 @@ class _Build:
                 _remove(tmp)
                 raise
 
+    resolve: Callable[[list[str]], Mapping[str, Any]] | None = None
+
+    def _resolved(self) -> dict[str, Any]:
+        """What the file's columns decide: `format` (sft, when "auto"), `chat`
+        (prompts, when None), and the columns (GRPO's rewards read them)."""
+        columns = record_columns(self.path)
+        out: dict[str, Any] = {"columns": columns}
+        s = self.settings
+        if s["kind"] == "sft" and s["format"] == "auto":
+            from .._records import infer_format
+
+            out["format"] = infer_format(dict.fromkeys(columns))
+        if s["kind"] == "prompt" and s["chat"] is None:
+            out["chat"] = "messages" in columns
+        if self.resolve is not None:
+            out.update(self.resolve(columns))
+        return out
+
     def _build(
         self, tmp: Path, workers: int, executor: str, piece_bytes: int
     ) -> dict[str, Any]:
+        resolved = self._resolved()
+        self.settings = {**self.settings, **resolved}  # what the encoders use
+        if self.settings["kind"] == "sft":
+            from .._post import _sft_format
+
+            _sft_format(self.settings["format"])
         pieces = [p.to_json() for p in _pieces(self.path, piece_bytes)]
-        tasks = [PostTask(i, str(tmp), self.dtype, p) for i, p in enumerate(pieces)]
+        tasks = [Task(i, str(tmp), self.dtype, "", p) for i, p in enumerate(pieces)]
         progress = _Progress(
             str(self.path), len(pieces), sum(p["nbytes"] for p in pieces), self.say
         )
@@ -283,7 +314,7 @@ class _Build:
             "source": str(self.path),
             "key": self.key,
             "dtype": self.dtype,
-            "settings": self.settings,
+            "settings": self.settings,  # with what the columns decided
             "report": _report_json(report),
             "where": where,
             "long": sum(p["long"] for p in parts),  # GRPO prompts left out
@@ -296,7 +327,7 @@ class _Build:
             meta["packed_rows"] = _write_packing(tmp, parts, self.settings["seq_len"])
         return meta
 
-    def _run(self, tasks: list[PostTask], workers: int, executor: str) -> Any:
+    def _run(self, tasks: list[Task], workers: int, executor: str) -> Any:
         """`(entry, task)` of each part as it is built."""
         spec = post_spec(self.tokenizer, self.template, self.settings)
         if executor == "auto":
@@ -320,7 +351,7 @@ class _Build:
         return _pooled(tasks, min(workers, len(tasks)), spec)
 
 
-def _pooled(tasks: list[PostTask], workers: int, spec: dict[str, Any]) -> Any:
+def _pooled(tasks: list[Task], workers: int, spec: dict[str, Any]) -> Any:
     with WorkerPool(workers, spec) as pool:
         yield from pool.run(iter(tasks))
 

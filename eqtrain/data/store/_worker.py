@@ -17,7 +17,7 @@ from typing import Any
 from .._errors import DataError
 from ._encoder import Encoder
 from ._parts import Task, build_part
-from ._post_parts import PostEncoder, PostTask, build_post_part
+from ._post_parts import PostEncoder, build_post_part
 
 
 def main() -> None:
@@ -33,8 +33,7 @@ def main() -> None:
     else:
         encoder, build = Encoder(spec), build_part
     for line in sys.stdin:
-        task = PostTask(**json.loads(line)) if "post" in spec else _task(line)
-        out.write(json.dumps(_answer(task, encoder, build)) + "\n")
+        out.write(json.dumps(_answer(_task(line), encoder, build)) + "\n")
         out.flush()
 
 
