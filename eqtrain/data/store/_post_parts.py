@@ -248,41 +248,62 @@ def post_part_paths(directory: str | os.PathLike, index: int) -> dict[str, Path]
     return {name: base.with_suffix(f".{name}") for name in names}
 
 
+FLUSH_TOKENS = 1 << 20
+"""Tokens a part's writer buffers before writing them (bounds its memory)."""
+
+
 class _Writer:
-    """A part's files being written (as `.tmp<pid>`), with their sha256s."""
+    """A part's files being written (as `.tmp<pid>`), with their sha256s; the
+    examples are buffered and written `FLUSH_TOKENS` at a time."""
 
     def __init__(self, paths: Mapping[str, Path], dtype: np.dtype, names: tuple):
         self.dtype, self.paths = dtype, paths
+        self.limit = np.iinfo(dtype).max
         self.tmp = {
             n: paths[n].with_name(f"{paths[n].name}.tmp{os.getpid()}") for n in names
         }
         self.files = {n: open(self.tmp[n], "wb") for n in names}
         self.digests = {n: hashlib.sha256() for n in names}
         self.tokens = self.examples = self.record_bytes = 0
+        self._ids: list[np.ndarray] = []
+        self._masks: list[np.ndarray] = []
+        self._ends: list[int] = []
+        self._buffered = 0
 
     def _write(self, name: str, data: bytes) -> None:
         self.files[name].write(data)
         self.digests[name].update(data)
 
     def example(self, ids: np.ndarray, mask: np.ndarray) -> None:
-        if len(ids) and (ids.min() < 0 or ids.max() > np.iinfo(self.dtype).max):
+        ids = np.asarray(ids)
+        if len(ids) and (ids.min() < 0 or ids.max() > self.limit):
             raise DataError(
                 f"a token id ({int(ids.max())}) does not fit the store's "
                 f"{self.dtype.name}: the tokenizer's vocab_size is too small for "
                 "its ids. Check the tokenizer's added tokens."
             )
-        learn = np.asarray(mask)
-        if not np.isin(learn, (0, 1)).all():
+        bits = np.asarray(mask).astype(np.uint8)
+        if (bits != mask).any():
             raise DataError(
                 "a chat template returned a loss mask with values other than 0 "
-                "and 1, which the store keeps as bits. Use a template whose mask "
+                "and 1, which the store keeps as bytes. Use a template whose mask "
                 "is 0 or 1."
             )
-        self._write("tokens", np.asarray(ids).astype(self.dtype).tobytes())
-        self._write("mask", learn.astype(np.uint8).tobytes())
+        self._ids.append(ids.astype(self.dtype))
+        self._masks.append(bits)
         self.tokens += len(ids)
         self.examples += 1
-        self._write("ends", np.int64(self.tokens).tobytes())
+        self._ends.append(self.tokens)
+        self._buffered += len(ids)
+        if self._buffered >= FLUSH_TOKENS:
+            self._flush()
+
+    def _flush(self) -> None:
+        if self._ends:
+            self._write("tokens", np.concatenate(self._ids).tobytes())
+            self._write("mask", np.concatenate(self._masks).tobytes())
+            self._write("ends", np.asarray(self._ends, np.int64).tobytes())
+        self._ids, self._masks, self._ends, self._buffered = [], [], [], 0
 
     def record(self, value: Any) -> None:
         line = (json.dumps(value, ensure_ascii=False) + "\n").encode("utf-8")
@@ -291,6 +312,7 @@ class _Writer:
         self._write("offsets", np.int64(self.record_bytes).tobytes())
 
     def commit(self) -> dict[str, str]:
+        self._flush()
         for f in self.files.values():
             f.flush()
             os.fsync(f.fileno())
