@@ -318,12 +318,16 @@ def _cli_prepare(tmp_path: Path, *sets: str) -> list[dict]:
 
 
 @pytest.mark.parametrize(
-    ("task", "name", "unit"),
-    [("sft", "sft.jsonl", "sft"), ("dpo", "preference.jsonl", "preference")],
+    ("task", "name", "unit", "records"),
+    [
+        ("sft", "sft.jsonl", "sft", 400),
+        ("dpo", "preference.jsonl", "preference", 400),
+        ("grpo", "arithmetic_prompts.jsonl", "prompt", 64),
+    ],
 )
-def test_data_prepare_builds_the_store_a_run_opens(tmp_path, task, name, unit):
-    """`eqtrain data prepare` on an sft and a dpo config: one JSON line per
-    store; the run's rows then come from that store without building."""
+def test_data_prepare_builds_the_store_a_run_opens(tmp_path, task, name, unit, records):
+    """`eqtrain data prepare` on an sft, a dpo and a grpo config: one JSON line
+    per store; the run's rows then come from that store without building."""
     from eqtrain.job import _build, _rows
 
     data = EXAMPLES / name
@@ -335,10 +339,11 @@ def test_data_prepare_builds_the_store_a_run_opens(tmp_path, task, name, unit):
         "data.seq_len=128",
         "data.eval=none",
         "loop.eval_every=0",
+        *(["task.max_completion_len=8", "data.batch_size=4"] if task == "grpo" else []),
     ]
     (entry,) = _cli_prepare(tmp_path, *sets)
     assert entry["kind"] == unit and entry["split"] == "train"
-    assert entry["records"] == 400 and entry["rows"] > 0
+    assert entry["records"] == records and entry["rows"] > 0
     assert Path(entry["store"]).parent == tmp_path / "cache"
     from eqtrain import config as config_lib
 
