@@ -173,6 +173,10 @@ def sample(
     return token, jnp.take_along_axis(logp, token[:, None], axis=-1)[:, 0]
 
 
+# `generate(shrink=True)` shrinks batches of this many rows or more.
+SHRINK_FROM = 32
+
+
 class _Loop(NamedTuple):
     step: Int[Array, ""]
     token: Int[Array, " rows"]
@@ -181,6 +185,8 @@ class _Loop(NamedTuple):
     tokens: Int[Array, "rows new"]
     logprobs: Float[Array, "rows new"]
     lengths: Int[Array, " rows"]
+    # each batch row's row of the call, when rows leave the batch (else None)
+    rows: Int[Array, " rows"] | None = None
 
 
 def _traced(args: Any) -> bool:
@@ -222,6 +228,8 @@ class _Settings:
     pad_id: int
     vocab_size: int | None
     mesh: Any
+    # the decode batch's sizes as rows finish (`_stages`); () keeps every row
+    stages: tuple[int, ...] = ()
 
 
 def _cache_spec(mesh: Any, cache: Any) -> Any:
@@ -248,12 +256,25 @@ def _constrain(cache: Any, mesh: Any) -> Any:
 
 
 def _pick(
-    model: Any, h: Array, key: PRNGKeyArray, step: Array, s: _Settings
+    model: Any,
+    h: Array,
+    key: PRNGKeyArray,
+    step: Array,
+    s: _Settings,
+    rows: Array | None = None,
 ) -> tuple[Array, Array]:
     """The token (and its log-probability) drawn after hidden state `h`, with
-    the key of new token number `step`."""
+    the key of new token number `step`; given `rows` (the call's row of each
+    batch row), each row draws with its own key, so a row's tokens do not
+    depend on which rows share its batch."""
     logits = vocab_mask(model.head(h), s.vocab_size)
-    return sample(logits, jr.fold_in(key, step), s.sampling)
+    key = jr.fold_in(key, step)
+    if rows is None:
+        return sample(logits, key, s.sampling)
+    keys = jax.vmap(jr.fold_in, (None, 0))(key, rows)
+    one = lambda k, x: sample(x[None], k, s.sampling)
+    token, logp = jax.vmap(one)(keys, logits)
+    return token[:, 0], logp[:, 0]
 
 
 def _prefill(
@@ -268,7 +289,8 @@ def _prefill(
     cache = model.init_cache(rows, width + s.max_new_tokens, width - lengths)
     cache = _constrain(cache, s.mesh)
     hidden, cache = model.cached_features(prompts, cache, 0, prefill=True)
-    token, logp = _pick(model, hidden[:, -1], key, jnp.int32(0), s)
+    ids = jnp.arange(rows, dtype=jnp.int32) if s.stages else None
+    token, logp = _pick(model, hidden[:, -1], key, jnp.int32(0), s, ids)
     new = s.max_new_tokens
     return _Loop(
         step=jnp.int32(1),
@@ -278,6 +300,7 @@ def _prefill(
         tokens=jnp.full((rows, new), s.pad_id, jnp.int32).at[:, 0].set(token),
         logprobs=jnp.zeros((rows, new), jnp.float32).at[:, 0].set(logp),
         lengths=jnp.ones((rows,), jnp.int32),
+        rows=ids,
     )
 
 
@@ -319,7 +342,7 @@ def _advance(
     """One new token per row (`pad_id` for the rows already done)."""
     slot = prompts.shape[1] + st.step - 1
     h, cache = _hidden(model, prompts, st, slot, s)
-    token, logp = _pick(model, h, key, st.step, s)
+    token, logp = _pick(model, h, key, st.step, s, st.rows)
     live = ~st.done
     token = jnp.where(live, token, s.pad_id)
     at = lambda a, v: jax.lax.dynamic_update_index_in_dim(a, v, st.step, 1)
@@ -331,6 +354,7 @@ def _advance(
         tokens=at(st.tokens, token),
         logprobs=at(st.logprobs, jnp.where(live, logp, 0.0)),
         lengths=st.lengths + live.astype(jnp.int32),
+        rows=st.rows,
     )
 
 
@@ -343,6 +367,61 @@ def _run_until(
     return jax.lax.while_loop(more, lambda st: _advance(model, prompts, key, st, s), st)
 
 
+def _stages(rows: int) -> tuple[int, ...]:
+    """The sizes the decode batch takes as rows finish: every row, then a
+    quarter, then a sixteenth (at least one); batches under `SHRINK_FROM` rows
+    keep theirs (too few rows to gain what a smaller batch saves). Each size is
+    one more compiled decode step, so there are at most three."""
+    if rows < SHRINK_FROM:
+        return ()
+    return (rows, -(-rows // 4), -(-rows // 16))
+
+
+def _run_shrinking(
+    model: Any, prompts: Array, key: PRNGKeyArray, st: _Loop, s: _Settings
+) -> Generation:
+    """Decode with the batch shrinking through `s.stages`: when no more rows are
+    live than the next size holds, the live rows (their cache, prompt and state)
+    move into a batch of that size, so the cost of a step follows the rows still
+    generating, not the rows of the call."""
+    out = Generation(tokens=st.tokens, lengths=st.lengths, logprobs=st.logprobs)
+    following = (*s.stages[1:], 0)
+    for size in following:
+        more = lambda st, n=size: (st.step < s.max_new_tokens) & (jnp.sum(~st.done) > n)
+        advance = lambda st, p=prompts: _advance(model, p, key, st, s)
+        st = jax.lax.while_loop(more, advance, st)
+        out = Generation(
+            tokens=out.tokens.at[st.rows].set(st.tokens),
+            lengths=out.lengths.at[st.rows].set(st.lengths),
+            logprobs=out.logprobs.at[st.rows].set(st.logprobs),
+        )
+        if size:
+            keep = jnp.argsort(st.done, stable=True)[:size]  # the live rows first
+            st, prompts = _take(st, keep, s), prompts[keep]
+    return out
+
+
+def _take(st: _Loop, keep: Array, s: _Settings) -> _Loop:
+    """The rows `keep` of the decode state (their cache rows included)."""
+    cache = st.cache
+    cache = eqx.tree_at(
+        lambda c: (c.k, c.v, c.pads),
+        cache,
+        (cache.k[:, keep], cache.v[:, keep], cache.pads[keep]),
+    )
+    by_row = lambda a: a[keep]
+    return _Loop(
+        step=st.step,
+        token=by_row(st.token),
+        cache=_constrain(cache, s.mesh),
+        done=by_row(st.done),
+        tokens=by_row(st.tokens),
+        logprobs=by_row(st.logprobs),
+        lengths=by_row(st.lengths),
+        rows=by_row(st.rows),
+    )
+
+
 @_compiled
 def _generate(
     model: Any,
@@ -352,6 +431,8 @@ def _generate(
     s: _Settings,
 ) -> Generation:
     st = _prefill(model, prompts, lengths, key, s)
+    if s.stages:
+        return _run_shrinking(model, prompts, key, st, s)
     st = _run_until(model, prompts, key, st, jnp.int32(s.max_new_tokens), s)
     return Generation(tokens=st.tokens, lengths=st.lengths, logprobs=st.logprobs)
 
@@ -369,6 +450,7 @@ def generate(
     vocab_size: int | None = None,
     mesh: Any = None,
     compiler_options: Mapping[str, Any] | None = None,
+    shrink: bool = False,
 ) -> Generation:
     """Sample up to `max_new_tokens` tokens after each prompt (see the module
     docstring).
@@ -394,9 +476,20 @@ def generate(
             (`jax.jit(compiler_options=)`), e.g. `eqtrain.cpu.generation_options()`
             (`eqtrain generate` passes them); ignored when traced inside
             another compiled function.
+        shrink: finished rows leave the decode batch. With `SHRINK_FROM` (32)
+            rows or more, once no more than a quarter of the batch is still
+            generating, those rows go on in a batch a quarter the size (then a
+            sixteenth), so decoding costs what the rows still generating cost
+            (rollouts whose completion lengths vary). Each row then draws its
+            tokens with its own key (`fold_in(key, row)`), so its tokens do not
+            depend on the batch: greedy tokens equal those without `shrink`;
+            sampled ones are another draw. Compiles one decode step per batch
+            size (at most 3).
     """
     settings = _settings(max_new_tokens, sampling, stop_ids, pad_id, vocab_size, mesh)
     prompts, lengths = _arrays(prompts, lengths)
+    if shrink:
+        settings = dataclasses.replace(settings, stages=_stages(prompts.shape[0]))
     options = compiler_options
     return _generate(model, prompts, lengths, key, settings, options=options)
 

@@ -442,3 +442,81 @@ def test_bad_inputs_name_the_field():
         left_pad([[1, 2], []], pad_id=0)
     with pytest.raises(ConfigError, match="prompt"):
         left_pad([], pad_id=0)
+
+
+# -- finished rows leave the batch (`shrink`) ----------------------------------------
+# 32 rows (`SHRINK_FROM`) of random prompts; a fifth of the vocabulary stops a row,
+# so sampled lengths spread from 1 to the limit and the batch shrinks twice
+SHRINK_PROMPTS = [
+    np.random.default_rng(3).integers(1, VOCAB, n).tolist()
+    for n in np.random.default_rng(4).integers(1, 16, 32)
+]
+SHRINK_STOPS = tuple(range(40, 50))
+
+
+def _shrunk(model: Any, stages: tuple[int, ...], sampling: Sampling, **kw: Any) -> Any:
+    """`generate`'s compiled body with the batch sizes `stages`."""
+    from eqtrain.generate import _generate, _settings
+
+    tokens, lengths = left_pad(SHRINK_PROMPTS, pad_id=0)
+    s = _settings(32, sampling, SHRINK_STOPS, 0, None, kw.get("mesh"))
+    s = dataclasses.replace(s, stages=stages)
+    args = (jnp.asarray(tokens), jnp.asarray(lengths), jr.key(5))
+    return _generate(model, *args, s)
+
+
+def test_shrink_stages():
+    from eqtrain.generate import SHRINK_FROM, _stages
+
+    assert SHRINK_FROM == 32 and _stages(31) == ()
+    assert _stages(32) == (32, 8, 2) and _stages(64) == (64, 16, 4)
+    assert _stages(1000) == (1000, 250, 63)
+
+
+def test_shrinking_greedy_equals_every_row_decoded():
+    model = _model("llama")
+    tokens, lengths = left_pad(SHRINK_PROMPTS, pad_id=0)
+    kw = dict(max_new_tokens=32, key=jr.key(5), stop_ids=SHRINK_STOPS)
+    one = generate(model, tokens, lengths, **kw)
+    out = generate(model, tokens, lengths, shrink=True, **kw)
+    np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(one.tokens))
+    np.testing.assert_array_equal(np.asarray(out.lengths), np.asarray(one.lengths))
+    np.testing.assert_allclose(
+        np.asarray(out.logprobs), np.asarray(one.logprobs), rtol=1e-5, atol=1e-6
+    )
+
+
+def test_a_shrinking_batchs_samples_do_not_depend_on_its_stages():
+    """Each row draws with its own key: the same tokens whether the batch
+    shrinks (as `shrink=True` does), shrinks otherwise, or never does."""
+    model = _model("llama")
+    runs = [_shrunk(model, stages, TOP_K) for stages in ((32, 8, 2), (32, 16), (32,))]
+    lengths = np.asarray(runs[0].lengths)
+    # every stage was reached: steps with at most 8, then at most 2 rows live
+    assert lengths.min() < 4 and np.sort(lengths)[-3] < lengths.max()
+    for run in runs[1:]:
+        np.testing.assert_array_equal(
+            np.asarray(run.tokens), np.asarray(runs[0].tokens)
+        )
+        np.testing.assert_array_equal(np.asarray(run.lengths), lengths)
+        # (a smaller batch may round its products differently: f32 tolerance)
+        np.testing.assert_allclose(
+            np.asarray(run.logprobs), np.asarray(runs[0].logprobs), rtol=1e-5, atol=1e-5
+        )
+    # after its stop token a row holds padding and log-probability 0
+    tokens, logprobs = np.asarray(runs[0].tokens), np.asarray(runs[0].logprobs)
+    after = np.arange(32)[None, :] >= lengths[:, None]
+    assert (tokens[after] == 0).all() and (logprobs[after] == 0).all()
+
+
+def test_a_shrinking_batch_on_a_mesh_equals_one_device():
+    model = _model("llama")
+    mesh = sharding.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
+    rules = sharding.rules_for(model, mesh, fsdp_min_size=1)
+    placed = sharding.shard(model, sharding.state_shardings(model, mesh, rules))
+    one = _shrunk(model, (32, 8, 2), TOP_K)
+    out = _shrunk(placed, (32, 8, 2), TOP_K, mesh=mesh)
+    np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(one.tokens))
+    np.testing.assert_allclose(
+        np.asarray(out.logprobs), np.asarray(one.logprobs), rtol=1e-4, atol=1e-5
+    )

@@ -6,7 +6,9 @@ current policy, score them on the host, and train on them (GRPO).
 
 1. repeats each prompt of the batch `group_size` times and samples a completion
    for every row with `eqtrain.generate` from the policy (the key is split off
-   the state's key, so a resumed run samples the same completions);
+   the state's key, so a resumed run samples the same completions); from 32
+   rows on, finished rows leave the decode batch (`generate(shrink=True)`), so
+   the rollout costs the tokens generated rather than rows x the longest;
 2. hands the completions to `rollout.score` on the host (an `io_callback`:
    decode, call the reward functions), which returns one reward per row;
 3. normalises the rewards within each group (`grpo.group_advantages`), builds
@@ -203,6 +205,7 @@ def sample_and_score(
         stop_ids=rollout.stop_ids,
         pad_id=rollout.pad_id,
         vocab_size=rollout.vocab_size,
+        shrink=True,  # finished rows leave the decode batch (32 rows or more)
     )
     total, per_fn, times, failed = _score(rollout, clock, index, out, started)
     advantages, metrics = grpo.group_advantages(
