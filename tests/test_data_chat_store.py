@@ -407,3 +407,21 @@ def test_bad_settings_and_files_are_named(tmp_path):
     text = _jsonl(tmp_path / "t.jsonl", [{"text": "hi"}] * 3)
     with pytest.raises(Exception, match="SFT `format` must be one of"):
         data_lib.prepare_post(text, TOK, kind="sft", seq_len=64, cache_dir=tmp_path)
+
+
+def test_a_loader_over_the_store_gives_the_in_memory_batches(tmp_path):
+    """Shuffled epochs and a resumed position: the same batches as a `Loader`
+    over the in-memory rows (the order is the loader's, by row count)."""
+    path = _jsonl(tmp_path / "d.jsonl", _records("chat", 300))
+    want, _ = data_lib.sft_rows(from_files(path), TOK, seq_len=64, format="chat")
+    rows = data_lib.prepare_post(
+        path, TOK, kind="sft", seq_len=64, cache_dir=tmp_path, piece_bytes=3000
+    )
+    memory = data_lib.Loader(want, batch_size=8, seed=3, num_epochs=2, prefetch=0)
+    stored = data_lib.Loader(rows, batch_size=8, seed=3, num_epochs=2, prefetch=0)
+    for a, b in zip(memory, stored, strict=True):
+        _equal(b, a)
+    resumed = data_lib.Loader(rows, batch_size=8, seed=3, prefetch=0)
+    resumed.seek({"epoch": 1, "index": 5})
+    memory.seek({"epoch": 1, "index": 5})
+    _equal(next(iter(resumed)), next(iter(memory)))
