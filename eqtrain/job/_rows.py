@@ -106,7 +106,7 @@ def num_rows(rows: Any) -> int:
 def first_rows(rows: Any, n: int) -> Rows:
     """The first `n` rows of `rows` as a dict of arrays."""
     if hasattr(rows, "take"):
-        return rows.take(np.arange(n))
+        return rows.take(np.arange(min(n, num_rows(rows))))
     return {k: v[:n] for k, v in rows.items()}
 
 
