@@ -82,6 +82,8 @@ def evaluate(
     Returns:
         `{prefix + name: mean}` for each metric, the mean weighted by each batch's
         `weight` (tokens or examples), and `prefix + "weight"`: the total weight.
+        A metric whose name's last part starts with `min_` or `max_` (e.g.
+        `completions/max_length`) is the least or greatest over the batches.
     """
     compiled = compiled_eval(eval_step)
     if compiled.donate:
@@ -103,11 +105,20 @@ def _weighted_means(host: list[dict[str, Any]], prefix: str) -> dict[str, float]
     total = float(weights.sum())
     scale = weights / total if total > 0 else np.full(len(host), 1.0 / len(host))
     averaged = {
-        f"{prefix}{name}": float(
-            sum(s * m[name] for s, m in zip(scale, host, strict=True))
-        )
+        f"{prefix}{name}": _reduced(name, [m[name] for m in host], scale)
         for name in host[0]
         if name != "weight"
     }
     averaged[f"{prefix}weight"] = total
     return averaged
+
+
+def _reduced(name: str, values: list[Any], scale: np.ndarray) -> float:
+    """One metric over the batches: a `min_...` or `max_...` one (the last part
+    of its name, e.g. `completions/max_length`) is the least or greatest value,
+    any other the weighted mean."""
+    last = name.rsplit("/", 1)[-1]
+    if last.startswith(("min_", "max_")):
+        pick = min if last.startswith("min_") else max
+        return float(pick(float(v) for v in values))
+    return float(sum(s * v for s, v in zip(scale, values, strict=True)))

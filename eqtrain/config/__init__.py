@@ -18,6 +18,7 @@ from ._parse import (
     read_toml as read_toml,
 )
 from ._resolve import (
+    best_mode as best_mode,
     data_format as data_format,
     eval_metrics as eval_metrics,
     eval_source as eval_source,

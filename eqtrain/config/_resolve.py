@@ -23,16 +23,47 @@ PREFERENCE_METRICS = (
     "logps/chosen",
     "logps/rejected",
 )
+# A GRPO evaluation's length metrics, as its training step reports them.
+GRPO_EVAL_LENGTHS = (
+    "completions/mean_length",
+    "completions/min_length",
+    "completions/max_length",
+    "completions/clipped_ratio",
+)
 
 
 def eval_metrics(config: Config) -> tuple[str, ...]:
     """The metrics the run's evaluations report."""
     kind = config.task.kind
+    if kind == "grpo":  # `eqtrain.post_training.rollout.grpo_eval_step`'s
+        per_fn = tuple(f"rewards/{name}/mean" for name in reward_names(config))
+        names = ("reward", *per_fn, *GRPO_EVAL_LENGTHS, "weight")
+        return tuple(f"eval/{name}" for name in names)
     if kind not in PREFERENCE_TASKS:
         return EVAL_METRICS
     extra = ("log_odds_ratio",) if kind == "orpo" else ()
     names = ("loss", *PREFERENCE_METRICS, *extra, "weight")
     return tuple(f"eval/{name}" for name in names)
+
+
+def best_mode(config: Config) -> str:
+    """`checkpoint.best_mode` with `auto` resolved: `max` for a metric that is
+    better higher (`_HIGHER_IS_BETTER`), else `min`."""
+    mode, best = config.checkpoint.best_mode, config.checkpoint.best
+    if mode != "auto":
+        return mode
+    return "max" if best is not None and higher_is_better(best) else "min"
+
+
+def higher_is_better(metric: str) -> bool:
+    """Whether a higher `metric` is better: a reward (`eval/reward`,
+    `eval/rewards/{fn}/mean`), an accuracy or a preference margin."""
+    name = metric.removeprefix("eval/")
+    per_fn = name.startswith("rewards/") and name.endswith("/mean")
+    return name == "reward" or per_fn or name.endswith(_HIGHER_IS_BETTER)
+
+
+_HIGHER_IS_BETTER = ("accuracy", "accuracies", "margins")
 
 
 def data_format(config: Config) -> str:

@@ -76,6 +76,13 @@ class TaskConfig:
         "samples at 0.9).",
         min=0,
     )
+    eval_temperature: float = setting(
+        0.0,
+        "grpo: the temperature at which data.eval's prompts are completed at each "
+        "evaluation; 0: greedy, one completion per prompt; above 0: "
+        "task.group_size completions per prompt (with task.top_k/top_p/min_p).",
+        min=0,
+    )
     top_k: int = setting(
         0, "grpo, distill: sample among the top_k likeliest tokens only; 0: off.", min=0
     )

@@ -134,9 +134,12 @@ class CheckpointConfig:
         None, "Also keep the best checkpoint by this metric, e.g. `eval/loss`."
     )
     best_mode: str = setting(
-        "min",
-        "Whether a lower or a higher `best` metric is better.",
-        choices=("min", "max"),
+        "auto",
+        "Whether a lower or a higher `best` metric is better; `auto`: higher for "
+        "a reward, an accuracy or a margin (`eval/reward`, "
+        "`eval/rewards/{fn}/mean`, `eval/accuracy`, `eval/rewards/accuracies`, "
+        "`eval/rewards/margins`), lower for any other (`eval/loss`).",
+        choices=("auto", "min", "max"),
     )
     resume: str = setting(
         "auto",

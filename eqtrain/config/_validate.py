@@ -273,14 +273,6 @@ def _grpo_one_process(config: Config, given: frozenset[str]) -> None:
         )
 
 
-def _grpo_no_eval(config: Config, given: frozenset[str]) -> None:
-    if config.task.kind == "grpo" and config.data.eval not in ("auto", "none"):
-        raise ConfigError(
-            "task.kind = 'grpo' has no evaluation pass yet: set data.eval = "
-            "'none' (the rewards of every step are its measure)."
-        )
-
-
 def _grpo_rewards(config: Config, given: frozenset[str]) -> None:
     """task.rewards names functions, with a weight each (they are imported
     when the job is planned)."""
@@ -354,7 +346,6 @@ _RULES = (
     _grpo_data_keys,
     _grpo_reference,
     _grpo_one_process,
-    _grpo_no_eval,
     _grpo_rewards,
     _distill_keys,
     _lm_data_keys,

@@ -10,7 +10,7 @@ import jax
 
 from .. import checkpoint, hooks as hooks_lib
 from .._fit import StopConditions
-from ..config import Config, to_dict
+from ..config import Config, best_mode, to_dict
 from ..data import Loader
 from . import _build, _claim, _identity, _plan, _run_hooks, _rundir, _start, _steps
 
@@ -104,7 +104,7 @@ def _checkpointer(config: Config, start: _start.Start) -> checkpoint.Checkpointe
         keep_last=ckpt.keep_last,
         keep_every=ckpt.keep_every,
         best=ckpt.best,
-        best_mode=ckpt.best_mode,
+        best_mode=best_mode(config),
         data=start.loader,
         config=to_dict(config),
         async_save=ckpt.async_save,

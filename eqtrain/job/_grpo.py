@@ -14,6 +14,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from .. import data as data_lib, hf
 from .._errors import ConfigError
 from ..config import Config, reward_names, reward_weights
@@ -33,10 +35,13 @@ class Prompts:
 class Online:
     """What a GRPO run learns on the host as it goes: the prompts `rows` read
     (the reward functions score completions of them), and the `Rollout` the
-    compiled step samples with (it records a reward function's failure)."""
+    compiled step samples with (it records a reward function's failure); the
+    same for `data.eval`'s held-out prompts and the evaluation's `Rollout`."""
 
     prompts: Prompts | None = None
     rollout: rollout_lib.Rollout | None = None
+    eval_prompts: Prompts | None = None
+    eval_rollout: rollout_lib.Rollout | None = None
     rewards: list[tuple[str, Any, float]] = dataclasses.field(default_factory=list)
 
 
@@ -112,7 +117,8 @@ def rows(
     """The prompt rows of the record file `source`, from its store (prepared in
     worker processes at the first start: `options`, from `_rows`); sets
     `job.grpo.prompts` (the kept records' prompts and other columns, read from
-    the store as the rewards use them). Records without a usable prompt (null,
+    the store as the rewards use them; `job.grpo.eval_prompts` for `key` =
+    "data.eval"). Records without a usable prompt (null,
     not text, a chat the template refuses) are skipped with one `DataWarning`
     naming the file and the first line of each reason, as text and SFT data
     are; none left is an error. Prompts longer than the width are skipped too
@@ -143,8 +149,25 @@ def rows(
         )
     prompt = "messages" if out.settings["chat"] else "prompt"
     others = {c: out.column(c) for c in out.settings["columns"] if c != prompt}
-    job.grpo.prompts = Prompts(out.column(prompt), others)
+    read = Prompts(out.column(prompt), others)
+    if key == "data.eval":
+        _same_columns(job.grpo.prompts, read, path)
+        job.grpo.eval_prompts = read
+    else:
+        job.grpo.prompts = read
     return out
+
+
+def _same_columns(train: Prompts | None, held_out: Prompts, path: Path) -> None:
+    """The eval prompts carry the training prompts' columns: the same reward
+    functions read them (said before anything compiles)."""
+    missing = sorted(set(train.columns) - set(held_out.columns)) if train else []
+    if missing:
+        raise ConfigError(
+            f"`data.eval` ({path}) lacks the column(s) {missing} of data.train, "
+            "which the reward functions (task.rewards) are given: add them to "
+            "the eval file, or point data.eval at one that has them."
+        )
 
 
 def _unusable(rows: data_lib.PostRows, path: Path, key: str) -> None:
@@ -190,16 +213,24 @@ def stop_ids(job: Any) -> tuple[int, ...]:
 
 
 def reward_failure(job: Any) -> ConfigError | None:
-    """The config error of a reward function's failure during training, if any
-    (`Rollout.failures`: the step stopped the run there)."""
-    rollout = None if job.grpo is None else job.grpo.rollout
-    if rollout is None or not rollout.failures:
+    """The config error of a reward function's failure during training or an
+    evaluation, if any (`Rollout.failures`: the step stopped the run there)."""
+    online = job.grpo
+    rollouts = () if online is None else (online.rollout, online.eval_rollout)
+    failures = [
+        (e, r is online.eval_rollout)
+        for r in rollouts
+        if r is not None
+        for e in r.failures
+    ]
+    if not failures:
         return None
-    error = rollout.failures[0]
+    error, held_out = failures[0]
+    where = " (on data.eval's prompts)" if held_out else ""
     if isinstance(error, ConfigError):
-        return ConfigError(f"`task.rewards`: {error}")
+        return ConfigError(f"`task.rewards`{where}: {error}")
     return ConfigError(
-        f"`task.rewards`: scoring the completions failed with "
+        f"`task.rewards`{where}: scoring the completions failed with "
         f"{type(error).__name__}: {error}"
     )
 
@@ -239,6 +270,46 @@ def make_rollout(job: Any) -> rollout_lib.Rollout:
         **_sampling(job.config.task),
     )
     return job.grpo.rollout
+
+
+def make_eval_rollout(job: Any) -> rollout_lib.Rollout:
+    """The evaluation's `Rollout` (`rollout.grpo_eval_step`): `data.eval`'s
+    prompts completed at `task.eval_temperature` (0: greedy, one completion per
+    prompt; else `task.group_size` of them), scored with `task.rewards`."""
+    prompts = job.grpo.eval_prompts
+    if prompts is None:
+        raise RuntimeError("make_eval_rollout before the eval rows were read")
+    t = job.config.task
+    rewards = job.grpo.rewards or rewards_of(job.config)
+    sampling = dict(_sampling(t), passes=1, group_size=t.group_size)
+    sampling["sampling"] = dataclasses.replace(
+        sampling["sampling"], temperature=t.eval_temperature
+    )
+    if not t.eval_temperature:  # greedy: every completion of a prompt is the same
+        sampling["group_size"] = 1
+    job.grpo.eval_rollout = rollout_lib.Rollout(
+        score=rollout_lib.text_scorer(
+            job.tokenizer, prompts.prompts, prompts.columns, rewards
+        ),
+        reward_names=tuple(name for name, _, _ in rewards),
+        stop_ids=stop_ids(job),
+        pad_id=pad_id(job.tokenizer),
+        vocab_size=job.vocab_size,
+        **sampling,
+    )
+    return job.grpo.eval_rollout
+
+
+def padded_eval_rows(rows: dict[str, Any], batch: int) -> dict[str, Any]:
+    """The eval prompt rows with `valid` (1; 0 on padding), padded with copies
+    of the first row to whole batches of `batch`: every batch has the compiled
+    shape, and the padding is not counted (`rollout.grpo_eval_step`)."""
+    n = len(rows["index"])
+    pad = -n % batch
+    take = np.concatenate([np.arange(n), np.zeros(pad, np.int64)])
+    out = {k: np.asarray(v)[take] for k, v in rows.items()}
+    out["valid"] = (np.arange(n + pad) < n).astype(np.float32)
+    return out
 
 
 def _sampling(t: Any) -> dict[str, Any]:

@@ -332,13 +332,20 @@ def _format_of(columns: list[str]) -> str:
 
 
 def eval_rows(job: Job) -> Rows | None:
-    """The evaluation rows of `data.eval` (at most `data.eval_rows`), or None."""
+    """The evaluation rows of `data.eval` (at most `data.eval_rows`), or None.
+    Whole batches only (one compiled shape): a last, short one is dropped, or
+    for task.kind = grpo padded (`_grpo.padded_eval_rows`: every prompt counts)."""
     config = job.config
     source = eval_source(config)
     if source == "none" or config.loop.eval_every == 0 and not config.loop.eval_at_end:
         return None
     if config.task.kind == "lm":
         rows = _eval_text_rows(job, source)
+    elif config.task.kind == "grpo":
+        rows = grpo_rows(job, source, "data.eval")
+        n = min(config.data.eval_rows, num_rows(rows))
+        batch = min(config.data.batch_size, n)
+        return _grpo.padded_eval_rows(first_rows(rows, n), batch)
     else:
         rows = post_rows(job, source, "data.eval")
     n = min(config.data.eval_rows, num_rows(rows))

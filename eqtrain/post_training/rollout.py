@@ -330,3 +330,74 @@ def _old_logps(policy: Any, data: dict[str, Array], rollout: Rollout) -> Array:
         segment_ids=data["segment_ids"],
         positions=data["positions"],
     )
+
+
+# -- evaluation ---------------------------------------------------------------------
+_EVAL_KEY = 0x6576616C  # folded into the state's key: not the next step's samples
+
+
+def grpo_eval_step(rollout: Rollout) -> Callable[..., dict[str, Array]]:
+    """An evaluation step `step(state, batch) -> metrics` for `eqtrain.evaluate`
+    (or `fit`'s `Evaluation`): `rollout.group_size` completions of each held-out
+    prompt by the current policy, drawn at `rollout.sampling` (greedy with
+    `temperature=0`, where one completion per prompt says all), and scored by
+    `rollout.score`. Nothing is trained and the state is unchanged; the key is
+    derived from the state's, so a state gives the same completions each time.
+
+    The batch is `grpo_step`'s (`prompt`, `prompt_len`, `index`), with an
+    optional `valid` ([prompts] float, 0 on the rows that pad a last batch to
+    the compiled shape). Metrics, over the valid completions: `reward` (the mean
+    total reward), `rewards/{name}/mean`, `completions/{mean,min,max}_length`,
+    `completions/clipped_ratio` and `weight` (how many): `evaluate` averages
+    them over the batches by `weight`, the `min_`/`max_` ones by min/max. A
+    failing reward function is recorded in `rollout.failures` (the rewards are
+    then NaN), as in `grpo_step`."""
+
+    def step(state: Any, batch: Mapping[str, Any]) -> dict[str, Array]:
+        policy = _sampling_policy(state.model)
+        key = jr.fold_in(state.key, _EVAL_KEY)
+        g = rollout.group_size
+        prompt, prompt_len, index = _repeated(batch, g)
+        valid = batch.get("valid", jnp.ones(batch["index"].shape, jnp.float32))
+        valid = jnp.repeat(jnp.asarray(valid, jnp.float32), g) > 0
+        out = generate(
+            policy,
+            prompt,
+            prompt_len,
+            max_new_tokens=rollout.max_new_tokens,
+            key=key,
+            sampling=rollout.sampling,
+            stop_ids=rollout.stop_ids,
+            pad_id=rollout.pad_id,
+            vocab_size=rollout.vocab_size,
+            shrink=True,
+        )
+        started = jnp.zeros((), jnp.int32)  # no clock: nothing is timed here
+        total, per_fn, _, _ = _score(rollout, _Clock(), index, out, started)
+        return _eval_metrics(total, per_fn, out, valid, rollout)
+
+    return step
+
+
+def _eval_metrics(
+    total: Array, per_fn: Array, out: Generation, valid: Array, rollout: Rollout
+) -> dict[str, Array]:
+    """`grpo_eval_step`'s metrics over the `valid` rows."""
+
+    def mean(x: Array, ok: Array = valid) -> Array:
+        return jnp.sum(jnp.where(ok, x, 0.0)) / jnp.maximum(jnp.sum(ok), 1)
+
+    n = out.lengths.astype(jnp.float32)
+    last = jnp.take_along_axis(out.tokens, (out.lengths - 1)[:, None], axis=1)[:, 0]
+    stopped = jnp.isin(last, jnp.asarray(rollout.stop_ids or (-1,), jnp.int32))
+    metrics = {
+        "reward": mean(total),
+        "completions/mean_length": mean(n),
+        "completions/min_length": jnp.min(jnp.where(valid, n, jnp.inf)),
+        "completions/max_length": jnp.max(jnp.where(valid, n, -jnp.inf)),
+        "completions/clipped_ratio": mean((~stopped).astype(jnp.float32)),
+        "weight": jnp.sum(valid).astype(jnp.float32),
+    }
+    for i, name in enumerate(rollout.reward_names):  # NaN: the function had none
+        metrics[f"rewards/{name}/mean"] = mean(per_fn[i], valid & ~jnp.isnan(per_fn[i]))
+    return metrics
