@@ -10,11 +10,11 @@ on disk; `_encoder` is the tokenizer as data a worker rebuilds.
 
 `prepare_post` does the same for post-training records (SFT examples,
 preference pairs, GRPO prompts: `_post_store`, `_post_parts`), read back as
-rows by index (`PostRows`).
+rows by index (`PostRows`, `_post_rows`).
 """
 
+from ._post_rows import PostRows as PostRows
 from ._post_store import (
-    PostRows as PostRows,
     prepare_post as prepare_post,
     record_columns as record_columns,
 )

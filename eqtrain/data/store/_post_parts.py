@@ -33,6 +33,8 @@ from .._tokenizers import ByteTokenizer, HFTokenizer
 from ._parts import Task
 
 
+FORMAT = 1
+"""The post-training store's on-disk format; part of its key."""
 KINDS = ("sft", "preference", "prompt")
 """What a store holds: SFT examples, preference pairs or GRPO prompts."""
 
