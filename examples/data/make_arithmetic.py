@@ -5,7 +5,9 @@ files are committed, so this is only needed to change them):
   sums of two numbers below 100 (`"37+58="` -> `"95"`), for the SFT warm-up;
 - `examples/data/arithmetic_prompts.jsonl`: 64 other `{"prompt", "answer"}`
   rows, the prompts GRPO samples completions for and the answers its
-  `exact_answer` reward checks.
+  `exact_answer` reward checks;
+- `examples/data/arithmetic_eval.jsonl`: 64 more, held out: GRPO's `data.eval`
+  (completed greedily at each evaluation and scored with the same reward).
 
 Deterministic: the same files on every machine.
 """
@@ -37,12 +39,17 @@ def main() -> None:
     seen: set[str] = set()
     sft = problems(0, 6000, seen)
     prompts = problems(1, 64, seen)
+    held_out = problems(2, 64, seen)
     write(
         HERE / "arithmetic_sft.jsonl", [{"prompt": p, "completion": c} for p, c in sft]
     )
     write(
         HERE / "arithmetic_prompts.jsonl",
         [{"prompt": p, "answer": a} for p, a in prompts],
+    )
+    write(
+        HERE / "arithmetic_eval.jsonl",
+        [{"prompt": p, "answer": a} for p, a in held_out],
     )
 
 
