@@ -148,7 +148,6 @@ def test_resume_is_exact(files):
         (["task.reward_weights=1"], "task.reward_weights"),
         (["task.max_completion_len=16"], "task.max_completion_len"),
         (["task.beta=0.1", "task.reference=precomputed"], "precomputed"),
-        (["data.eval=/tmp/eval.jsonl"], "data.eval"),
         (["data.max_prompt_len=4"], "data.max_prompt_len"),
         (["task.group_size=1"], "task.group_size"),
         (["distributed.processes=2"], "distributed.processes"),
