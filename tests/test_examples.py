@@ -234,3 +234,7 @@ def test_grpo_example_learns(tmp_path):
     rewards = [r["reward"] for r in map(json.loads, lines) if "reward" in r]
     first, last = sum(rewards[:20]) / 20, sum(rewards[-20:]) / 20
     assert last > first + 0.15, (first, last)
+    # the held-out prompts are evaluated every 25 steps (greedy, one answer each)
+    evals = [r for r in map(json.loads, lines) if "eval/reward" in r]
+    assert [r["step"] for r in evals] == list(range(25, 201, 25))
+    assert all(r["eval/weight"] == 64 for r in evals)
