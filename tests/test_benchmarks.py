@@ -194,6 +194,17 @@ def test_generate_quick():
 
 
 @pytest.mark.slow  # the default suite's time: `nox -s slow`
+def test_rollout_quick():
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    (record,), _ = _quick("rollout.py")
+    assert record["batch"] == 8 and record["rounds"] == 1
+    assert set(record["tokens_per_s"]) == {"shrink", "generate", "transformers"}
+    assert all(v > 0 for v in record["tokens_per_s"].values())
+    assert 1 <= record["mean_length"] <= record["max_length"] <= record["new"]
+
+
+@pytest.mark.slow  # the default suite's time: `nox -s slow`
 def test_job_walk():
     env = dict(os.environ, XLA_FLAGS="", JAX_PLATFORMS="cpu")
     script = BENCHMARKS / "job_walk.py"

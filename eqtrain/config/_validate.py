@@ -264,15 +264,6 @@ def _grpo_reference(config: Config, given: frozenset[str]) -> None:
         )
 
 
-def _grpo_one_process(config: Config, given: frozenset[str]) -> None:
-    if config.task.kind == "grpo" and config.distributed.processes > 1:
-        raise ConfigError(
-            "task.kind = 'grpo' runs in one process for now (each step scores its "
-            "completions in a host callback of that process): set "
-            "distributed.processes = 1; any number of local devices works."
-        )
-
-
 def _grpo_rewards(config: Config, given: frozenset[str]) -> None:
     """task.rewards names functions, with a weight each (they are imported
     when the job is planned)."""
@@ -345,7 +336,6 @@ _RULES = (
     _grpo_room_for_prompts,
     _grpo_data_keys,
     _grpo_reference,
-    _grpo_one_process,
     _grpo_rewards,
     _distill_keys,
     _lm_data_keys,

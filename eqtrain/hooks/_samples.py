@@ -111,7 +111,14 @@ class SamplesWriter:
             self.pick(model), self.tokens, self.lengths,
             key=jr.fold_in(self.key, step), **self.options,
         )  # fmt: skip
-        rows = zip(np.asarray(out.tokens), np.asarray(out.lengths), strict=True)
+        tokens, lengths = out.tokens, out.lengths
+        if not tokens.is_fully_addressable:  # rows on other processes' devices
+            from jax.experimental import multihost_utils
+
+            tokens, lengths = multihost_utils.process_allgather(
+                (tokens, lengths), tiled=True
+            )
+        rows = zip(np.asarray(tokens), np.asarray(lengths), strict=True)
         return [self.decode(self._strip(row[:n])) for row, n in rows]
 
     def _strip(self, ids: np.ndarray) -> np.ndarray:

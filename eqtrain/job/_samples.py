@@ -6,8 +6,6 @@ import json
 from pathlib import Path
 from typing import Any
 
-import jax
-
 from .._errors import ConfigError
 from ..config import data_format
 from . import _build, _resolve
@@ -63,16 +61,12 @@ def _jsonl_prompt(line: str, n: int, where: str) -> Any:
 
 def prompts_of(job: _build.Job) -> Prompts | None:
     """`log.samples` read and tokenized for `job` (None when unset): strings are
-    chat-templated when `data.format = "chat"`, messages always; refused in a
-    multi-process run, and when a prompt does not fit GPT-2's positions."""
+    chat-templated when `data.format = "chat"`, messages always; refused when a
+    prompt does not fit GPT-2's positions. In a multi-process run every process
+    generates (the prompts replicated) and the first one writes."""
     log = job.config.log
     if log.samples is None:
         return None
-    if jax.process_count() > 1:
-        raise ConfigError(
-            "`log.samples` is not supported in a multi-process run yet; unset it "
-            "and run `eqtrain generate` on the run's checkpoints instead."
-        )
     prompts = read_prompts(Path(log.samples))
     model = _generator(job)
     try:

@@ -3,6 +3,7 @@ accumulation, `[loop]` precision, non-finite guard and EMA; GRPO's rollout;
 distillation's on-policy sampling) and
 the evaluation step with its loader."""
 
+import dataclasses
 from typing import Any
 
 from .. import models
@@ -46,8 +47,9 @@ def train_step(job: _build.Job, placement: _place.Placement) -> Jitted:
         nonfinite=config.loop.nonfinite,
         ema=config.loop.ema,
     )
-    if config.task.kind == "grpo":
-        step = rollout.grpo_step(step, _grpo.make_rollout(job))
+    if config.task.kind == "grpo":  # each device's rows scored where it lives
+        scoring = dataclasses.replace(_grpo.make_rollout(job), mesh=placement.mesh)
+        step = rollout.grpo_step(step, scoring)
     if config.task.kind == "distill":  # on-policy completions, drawn per step
         step = distill.distill_step(step, _distill.on_policy(job))
     under = models.under_mesh(step, placement.mesh)

@@ -73,6 +73,10 @@ class Rollout:
         vocab_size: a padded model's real vocabulary (never sampled beyond).
         failures: where an exception of `score` goes (the first one; see
             `grpo_step`), read by the caller once `fit` has stopped.
+        mesh: the mesh the step runs on (None: one device). Each device's rows
+            are then scored by the process that holds it (a host callback per
+            device inside `shard_map`), so nothing is gathered to one device,
+            and a run of several processes scores in each of them.
     """
 
     group_size: int
@@ -88,6 +92,7 @@ class Rollout:
     failures: list[Exception] = dataclasses.field(
         default_factory=list, compare=False, repr=False
     )
+    mesh: Any = None
 
     def __post_init__(self) -> None:
         for name in ("group_size", "max_new_tokens", "passes"):
@@ -190,11 +195,10 @@ def sample_and_score(
     """Step 1 and 2 of `grpo_step` (see the module docstring): the training
     batch (`grpo.grpo_loss_fn`'s keys, with `advantages`) and its metrics."""
     clock = _Clock()
-    started = io_callback(
-        clock.start, jax.ShapeDtypeStruct((), jnp.int32), batch["index"]
-    )
-    key = jr.fold_in(key, started)  # sampling waits for the clock
     prompt, prompt_len, index = _repeated(batch, rollout.group_size)
+    _, (started,) = _on_hosts(rollout, _start_clock(clock), index)
+    started = jnp.max(started)
+    key = jr.fold_in(key, started)  # sampling waits for the clock
     out = generate(
         model,
         prompt,
@@ -226,17 +230,97 @@ def _repeated(batch: Mapping[str, Any], g: int) -> tuple[Array, Array, Array]:
     return tuple(jnp.repeat(jnp.asarray(batch[n], jnp.int32), g, axis=0) for n in names)
 
 
+def _row_axes(mesh: Any, rows: int) -> tuple[str, ...]:
+    """The mesh's batch axes (of more than one device) that split `rows` evenly;
+    () when there are none (one device, or rows that do not divide)."""
+    from ..sharding import BATCH_AXES
+
+    if mesh is None:
+        return ()
+    sizes = dict(zip(mesh.axis_names, mesh.devices.shape, strict=True))
+    axes = tuple(a for a in BATCH_AXES if sizes.get(a, 1) > 1)
+    ways = int(np.prod([sizes[a] for a in axes])) if axes else 1
+    return axes if axes and rows % ways == 0 else ()
+
+
+def _on_hosts(
+    rollout: Rollout, fn: Callable[..., tuple[tuple, tuple]], *rows: Array
+) -> tuple[tuple, tuple]:
+    """`fn(*rows)`, a host callback on `[rows, ...]` arrays that returns
+    `(per_row, per_call)` results, run per device on the device's rows when the
+    rows split over the mesh (`_row_axes`), else once on the whole batch. The
+    per-row results come back `[rows, ...]`; the per-call ones stacked, one per
+    call (`[calls, ...]`)."""
+
+    def stacked(*r: Array) -> tuple[tuple, tuple]:
+        per_row, per_call = fn(*r)
+        return per_row, tuple(x[None] for x in per_call)
+
+    axes = _row_axes(rollout.mesh, rows[0].shape[0])
+    if not axes:
+        return stacked(*rows)
+    from jax.sharding import PartitionSpec as P
+
+    spec = P(axes)
+    per_row, per_call = jax.eval_shape(stacked, *rows)
+    out_specs = (tuple(spec for _ in per_row), tuple(spec for _ in per_call))
+    return jax.shard_map(
+        stacked,
+        mesh=rollout.mesh,
+        in_specs=tuple(spec for _ in rows),
+        out_specs=out_specs,
+        check_vma=False,
+    )(*rows)
+
+
+def _start_clock(clock: _Clock) -> Callable[[Array], tuple[tuple, tuple]]:
+    def start(index: Array) -> tuple[tuple, tuple]:
+        shape = jax.ShapeDtypeStruct((), jnp.int32)
+        return (), (io_callback(clock.start, shape, index),)
+
+    return start
+
+
 def _score(
     rollout: Rollout, clock: _Clock, index: Array, out: Generation, started: Array
 ) -> Any:
-    """`(total, per_fn, clock, failed)` of the completions, from the host.
+    """`(total, per_fn, clock, failed)` of the completions, from the host: each
+    device's rows by the process that holds it (`_on_hosts`).
 
     The host callback never raises (an exception inside a compiled program's
     callback can abort a multi-device process): a failure goes to
     `rollout.failures`, and after one (this one or an earlier one) the rewards
-    are NaN and `failed` is 1, which is how the step learns it."""
-    rows, fns = out.tokens.shape[0], max(len(rollout.reward_names), 1)
+    are NaN and `failed` is 1, which is how the step learns it (in every
+    process: the flag is the maximum over devices)."""
+    after = jnp.broadcast_to(started, index.shape)  # after the clock's start
+    (total, per_fn), (times, failed) = _on_hosts(
+        rollout, _host_score(rollout, clock), index, out.tokens, out.lengths, after
+    )
+    return total, per_fn.T, jnp.max(times, axis=0), jnp.max(failed)
 
+
+def _host_score(rollout: Rollout, clock: _Clock) -> Callable[..., Any]:
+    """The scoring callback of some rows: `(total [rows], per_fn [rows, fns],
+    clock [2], failed [])`."""
+    fns = max(len(rollout.reward_names), 1)
+
+    def on_device(index: Array, tokens: Array, lengths: Array, after: Array) -> Any:
+        rows = tokens.shape[0]
+        shapes = (
+            jax.ShapeDtypeStruct((rows,), jnp.float32),
+            jax.ShapeDtypeStruct((rows, fns), jnp.float32),
+            jax.ShapeDtypeStruct((2,), jnp.float32),
+            jax.ShapeDtypeStruct((), jnp.int32),
+        )
+        total, per_fn, times, failed = io_callback(
+            _call(rollout, clock, rows, fns), shapes, index, tokens, lengths, after
+        )
+        return (total, per_fn), (times, failed)
+
+    return on_device
+
+
+def _call(rollout: Rollout, clock: _Clock, rows: int, fns: int) -> Callable[..., Any]:
     def call(index: Any, tokens: Any, lengths: Any, after_start: Any) -> Any:
         del after_start  # orders this call after the clock's start
         t0 = time.perf_counter()
@@ -254,15 +338,9 @@ def _score(
         clock_ = np.array(
             [t0 - clock.started, time.perf_counter() - t0], np.float32
         )  # generation (from the step's start), scoring
-        return total, per_fn, clock_, np.asarray(failed, np.int32)
+        return total, per_fn.T.copy(), clock_, np.asarray(failed, np.int32)
 
-    shapes = (
-        jax.ShapeDtypeStruct((rows,), jnp.float32),
-        jax.ShapeDtypeStruct((fns, rows), jnp.float32),
-        jax.ShapeDtypeStruct((2,), jnp.float32),
-        jax.ShapeDtypeStruct((), jnp.int32),
-    )
-    return io_callback(call, shapes, index, out.tokens, out.lengths, started)
+    return call
 
 
 def _scores(rollout: Rollout, index: Any, tokens: Any, lengths: Any) -> Any:
