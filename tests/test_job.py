@@ -490,6 +490,15 @@ def test_run_writes_where_told(text_dirs, tmp_path):
     )
 
 
+def test_evaluations_between_logged_steps_reach_the_metrics(text_dirs, tmp_path):
+    """log.every = 3, loop.eval_every = 2: step 2's evaluation is written on a
+    line of its own (it once went nowhere), and 3's line has no eval metrics."""
+    _run(text_dirs, tmp_path, "log.every=3")
+    lines = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").open()]
+    evals = {r["step"]: "eval/loss" in r for r in lines}
+    assert evals == {2: True, 3: False, 4: True}
+
+
 def test_loop_step_options(text_dirs, tmp_path):
     result = _run(
         text_dirs,

@@ -60,9 +60,29 @@ def _logging_hooks(config: Config, start: int, rows: Any) -> list[Any]:
     out = _progress_hooks(config)
     if _data.mixture_of(rows) is not None:
         out.append(every(log.every, _data.SourceTokens(rows, config.data.batch_size)))
+    evals = config.loop.eval_every
     for writer in _writers(config, start):
         out += [every(log.every, writer), at_end(writer)]
+        if evals and evals % log.every:  # evaluations between logged steps
+            out.append(every(evals, _Unlogged(writer, log.every)))
     return out
+
+
+class _Unlogged:
+    """`writer` at the steps a period of `every` misses (an evaluation's results
+    would otherwise never reach it); closing is left to its own schedule."""
+
+    uses_state = False
+
+    def __init__(self, writer: Any, every: int):
+        self.writer, self.every = writer, every
+
+    def __call__(self, info: Any) -> None:
+        if info.step % self.every:
+            self.writer(info)
+
+    def close(self) -> None:
+        pass
 
 
 def _writers(config: Config, start: int) -> list[Any]:

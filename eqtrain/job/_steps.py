@@ -83,7 +83,8 @@ def _eval_step(job: _build.Job, placement: _place.Placement) -> Any:
     """The compiled eval step: the task's loss, without gradients or donation;
     for task.kind = grpo, the held-out prompts completed and scored."""
     if job.config.task.kind == "grpo":
-        step = rollout.grpo_eval_step(_grpo.make_eval_rollout(job))
+        scoring = dataclasses.replace(_grpo.make_eval_rollout(job), mesh=placement.mesh)
+        step = rollout.grpo_eval_step(scoring)
     else:
         step = eval_step(job.loss_fn, precision=_precision(job.config))
     under = models.under_mesh(step, placement.mesh)
