@@ -258,8 +258,15 @@ def make_rollout(job: Any) -> rollout_lib.Rollout:
     prompts = job.grpo.prompts
     if prompts is None:
         raise RuntimeError("make_rollout before the prompt rows were read")
+    job.grpo.rollout = _rollout(job, prompts, _sampling(job.config.task))
+    return job.grpo.rollout
+
+
+def _rollout(job: Any, prompts: Any, sampling: dict[str, Any]) -> rollout_lib.Rollout:
+    """A `Rollout` over `prompts` (their rows and columns), scored with
+    `task.rewards`, sampling as `sampling` (`_sampling`'s keys) says."""
     rewards = job.grpo.rewards or rewards_of(job.config)
-    job.grpo.rollout = rollout_lib.Rollout(
+    return rollout_lib.Rollout(
         score=rollout_lib.text_scorer(
             job.tokenizer, prompts.prompts, prompts.columns, rewards
         ),
@@ -267,9 +274,8 @@ def make_rollout(job: Any) -> rollout_lib.Rollout:
         stop_ids=stop_ids(job),
         pad_id=pad_id(job.tokenizer),
         vocab_size=job.vocab_size,
-        **_sampling(job.config.task),
+        **sampling,
     )
-    return job.grpo.rollout
 
 
 def make_eval_rollout(job: Any) -> rollout_lib.Rollout:
@@ -280,23 +286,13 @@ def make_eval_rollout(job: Any) -> rollout_lib.Rollout:
     if prompts is None:
         raise RuntimeError("make_eval_rollout before the eval rows were read")
     t = job.config.task
-    rewards = job.grpo.rewards or rewards_of(job.config)
     sampling = dict(_sampling(t), passes=1, group_size=t.group_size)
     sampling["sampling"] = dataclasses.replace(
         sampling["sampling"], temperature=t.eval_temperature
     )
     if not t.eval_temperature:  # greedy: every completion of a prompt is the same
         sampling["group_size"] = 1
-    job.grpo.eval_rollout = rollout_lib.Rollout(
-        score=rollout_lib.text_scorer(
-            job.tokenizer, prompts.prompts, prompts.columns, rewards
-        ),
-        reward_names=tuple(name for name, _, _ in rewards),
-        stop_ids=stop_ids(job),
-        pad_id=pad_id(job.tokenizer),
-        vocab_size=job.vocab_size,
-        **sampling,
-    )
+    job.grpo.eval_rollout = _rollout(job, prompts, sampling)
     return job.grpo.eval_rollout
 
 

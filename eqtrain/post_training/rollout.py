@@ -199,18 +199,7 @@ def sample_and_score(
     _, (started,) = _on_hosts(rollout, _start_clock(clock), index)
     started = jnp.max(started)
     key = jr.fold_in(key, started)  # sampling waits for the clock
-    out = generate(
-        model,
-        prompt,
-        prompt_len,
-        max_new_tokens=rollout.max_new_tokens,
-        key=key,
-        sampling=rollout.sampling,
-        stop_ids=rollout.stop_ids,
-        pad_id=rollout.pad_id,
-        vocab_size=rollout.vocab_size,
-        shrink=True,  # finished rows leave the decode batch (32 rows or more)
-    )
+    out = _complete(model, prompt, prompt_len, key, rollout)
     total, per_fn, times, failed = _score(rollout, clock, index, out, started)
     advantages, metrics = grpo.group_advantages(
         total, rollout.group_size, scale=rollout.scale
@@ -222,6 +211,25 @@ def sample_and_score(
     metrics |= {"time/generate": times[0], "time/reward": times[1]}
     metrics["scoring_failed"] = failed
     return data, metrics
+
+
+def _complete(
+    model: Any, prompt: Array, prompt_len: Array, key: Array, rollout: Rollout
+) -> Generation:
+    """The rows' completions as `rollout` samples them; finished rows leave the
+    decode batch (`generate(shrink=True)`, from 32 rows on)."""
+    return generate(
+        model,
+        prompt,
+        prompt_len,
+        max_new_tokens=rollout.max_new_tokens,
+        key=key,
+        sampling=rollout.sampling,
+        stop_ids=rollout.stop_ids,
+        pad_id=rollout.pad_id,
+        vocab_size=rollout.vocab_size,
+        shrink=True,
+    )
 
 
 def _repeated(batch: Mapping[str, Any], g: int) -> tuple[Array, Array, Array]:
@@ -438,18 +446,7 @@ def grpo_eval_step(rollout: Rollout) -> Callable[..., dict[str, Array]]:
         prompt, prompt_len, index = _repeated(batch, g)
         valid = batch.get("valid", jnp.ones(batch["index"].shape, jnp.float32))
         valid = jnp.repeat(jnp.asarray(valid, jnp.float32), g) > 0
-        out = generate(
-            policy,
-            prompt,
-            prompt_len,
-            max_new_tokens=rollout.max_new_tokens,
-            key=key,
-            sampling=rollout.sampling,
-            stop_ids=rollout.stop_ids,
-            pad_id=rollout.pad_id,
-            vocab_size=rollout.vocab_size,
-            shrink=True,
-        )
+        out = _complete(policy, prompt, prompt_len, key, rollout)
         started = jnp.zeros((), jnp.int32)  # no clock: nothing is timed here
         total, per_fn, _, _ = _score(rollout, _Clock(), index, out, started)
         return _eval_metrics(total, per_fn, out, valid, rollout)

@@ -3,9 +3,10 @@ files are committed, so this is only needed to change them):
 
 - `examples/data/arithmetic_sft.jsonl`: 6000 `{"prompt", "completion"}` rows,
   sums of two numbers below 100 (`"37+58="` -> `"95"`), for the SFT warm-up;
-- `examples/data/arithmetic_prompts.jsonl`: 64 other `{"prompt", "answer"}`
+- `examples/data/arithmetic_prompts.jsonl`: 2000 other `{"prompt", "answer"}`
   rows, the prompts GRPO samples completions for and the answers its
-  `exact_answer` reward checks;
+  `exact_answer` reward checks (enough that 200 steps of 16 do not learn them
+  by heart, so the held-out reward can rise);
 - `examples/data/arithmetic_eval.jsonl`: 64 more, held out: GRPO's `data.eval`
   (completed greedily at each evaluation and scored with the same reward).
 
@@ -38,7 +39,7 @@ def write(path: Path, rows: list[dict]) -> None:
 def main() -> None:
     seen: set[str] = set()
     sft = problems(0, 6000, seen)
-    prompts = problems(1, 64, seen)
+    prompts = problems(1, 2000, seen)
     held_out = problems(2, 64, seen)
     write(
         HERE / "arithmetic_sft.jsonl", [{"prompt": p, "completion": c} for p, c in sft]
