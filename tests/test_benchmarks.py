@@ -265,3 +265,16 @@ def test_page_faults_quick():
         "default", "thresholds", "arena", "both", "tune_cpu",
     ]  # fmt: skip
     assert all(r["step_ms"] > 0 and r["faults_per_step"] >= 0 for r in records)
+
+
+@pytest.mark.slow  # the default suite's time: `nox -s slow`
+def test_grpo_size_quick():
+    """A few GRPO steps of a tiny Qwen2-shaped model through `eqtrain fit`: the
+    step splits into generation, reward and update, with the run's peak memory
+    and the dry run's estimate beside it."""
+    (record,), _ = _quick("grpo_size.py")
+    assert record["config"] == "quick" and record["rows"] == 8
+    assert record["params"] > 0 and record["timed_steps"] == 1
+    assert record["step_s"] > 0 and record["generate_s"] > 0 and record["reward_s"] >= 0
+    assert record["peak_rss_process_gib"] >= record["peak_rss_steps_gib"] > 0
+    assert record["dry_run_peak_gib"] > 0
