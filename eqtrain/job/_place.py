@@ -43,6 +43,8 @@ def _check_lm_rows_only(c: Any) -> None:
     """Sequence parallelism and its zigzag layout split LM rows only."""
     rows = {
         "grpo": "prompts whose completions are sampled in the step",
+        "distill": "completions that are sampled in the step (task.lmbda) and a "
+        "teacher's logits beside the student's",
     }.get(c.task.kind, "preference pairs")
     if c.mesh.sequence > 1:
         raise ConfigError(
