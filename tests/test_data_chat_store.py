@@ -322,7 +322,7 @@ def _cli_prepare(tmp_path: Path, *sets: str) -> list[dict]:
     [
         ("sft", "sft.jsonl", "sft", 400),
         ("dpo", "preference.jsonl", "preference", 400),
-        ("grpo", "arithmetic_prompts.jsonl", "prompt", 64),
+        ("grpo", "arithmetic_prompts.jsonl", "prompt", 2000),
     ],
 )
 def test_data_prepare_builds_the_store_a_run_opens(tmp_path, task, name, unit, records):

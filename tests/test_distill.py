@@ -7,6 +7,7 @@ import dataclasses
 import json
 import os
 import textwrap
+import types
 
 import equinox as eqx
 import jax
@@ -16,7 +17,8 @@ import numpy as np
 import optax
 import pytest
 
-from eqtrain import ConfigError, TrainState, hf, lora, train_step
+from eqtrain import ConfigError, TrainState, config as config_lib, hf, lora, train_step
+from eqtrain.data import ByteTokenizer
 from eqtrain.models import Llama, LlamaConfig
 from eqtrain.post_training import distill
 
@@ -181,6 +183,37 @@ def test_on_policy_steps(lmbda):
         np.testing.assert_array_equal(got["tokens"][r, :p], data["tokens"][r, :p])
         n = int(got["loss_mask"][r].sum())
         assert 1 <= n <= 6 and got["loss_mask"][r, p - 1 : p - 1 + n].all()
+
+
+def test_seq_kd_steps_sample_from_the_teacher():
+    """task.seq_kd: the steps that are not on-policy (all of them at lmbda = 0)
+    train on completions the teacher sampled, and the loss is TRL's on them; the
+    job passes the key on."""
+    from eqtrain.job import _distill
+
+    student, teacher = _models()
+    model = distill.with_teacher(student, teacher)
+    on = distill.OnPolicy(lmbda=0.0, seq_kd=True, max_new_tokens=6, stop_ids=(258,))
+    loss_fn = distill.distill_loss_fn(beta=0.5)
+    step = jax.jit(distill.distill_step(train_step(loss_fn, optax.sgd(0.5)), on))
+    state, batch = _state(model), _batch()
+    _, metrics = step(state, batch)
+    assert float(metrics["on_policy"]) == 0 and float(metrics["teacher_sampled"]) == 1
+    rows, _ = distill.distill_batch(model, batch, jr.split(state.key)[1], on)
+    assert not np.array_equal(np.asarray(rows["tokens"]), np.asarray(batch["tokens"]))
+    zs = _logits(student, rows["tokens"], rows["segment_ids"])
+    zt = _logits(teacher, rows["tokens"], rows["segment_ids"])
+    want, _ = trl_loss(zs, zt, rows["loss_mask"], beta=0.5)
+    assert abs(float(metrics["loss"]) - want) <= 1e-5
+    task = dataclasses.replace(config_lib.load(None, []).task, lmbda=0.0, seq_kd=True)
+    job = types.SimpleNamespace(
+        config=types.SimpleNamespace(
+            task=task, model=types.SimpleNamespace(init_from=None)
+        ),
+        tokenizer=ByteTokenizer(),
+        vocab_size=None,
+    )
+    assert _distill.on_policy(job).seq_kd is True
 
 
 def test_sampled_rows_from_prompts():

@@ -197,10 +197,13 @@ def run_dir(command):
 
 
 def reads(command):
-    """The runs a command needs to exist: a fit's `model.init_from`, the other
-    commands' `runs/...` arguments (but `import`'s OUT, which it makes)."""
+    """The runs a command needs to exist: a fit's `model.init_from` (and a
+    distillation's `task.teacher`), the other commands' `runs/...` arguments (but
+    `import`'s OUT, which it makes)."""
     if command.args[0] == "fit":
-        return {_run_of(_config(command.config).model.init_from or "")} - {None}
+        config = _config(command.config)
+        paths = (config.model.init_from, config.task.teacher)
+        return {_run_of(p or "") for p in paths} - {None}
     given = command.args[1:2] if command.args[0] == "import" else command.args[1:]
     return {_run_of(a) for a in given} - {None}
 

@@ -189,3 +189,25 @@ def test_a_bad_eval_file_names_data_eval(files):
             run(files, f"bad_{source}", f"data.eval={files / source}")
         assert says in str(e.value)
     assert jax.devices()  # nothing left half-built
+
+
+def test_eval_temperature_reaches_the_eval_rollout(files):
+    """`task.eval_temperature`: 0 completes each held-out prompt once, greedily;
+    above 0 it samples `task.group_size` completions (no training here)."""
+    from eqtrain.job import _build, _rows
+
+    for temperature, group in ((0.0, 1), (0.7, 3)):
+        sets = [
+            f"task.eval_temperature={temperature}",
+            "task.group_size=3",
+            "task.top_k=5",
+        ]
+        built = _build.build(config_lib.load(None, tiny(files, "keys", *sets)))
+        _rows.eval_rows(built)  # reads the held-out prompts
+        r = _grpo.make_eval_rollout(built)
+        assert (r.sampling.temperature, r.group_size, r.passes) == (
+            temperature,
+            group,
+            1,
+        )
+        assert r.sampling.top_k == 5 and r.reward_names == tuple(NAMES)

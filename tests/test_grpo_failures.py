@@ -22,15 +22,18 @@ from .test_cli import assert_clean_error, inproc
 
 PROMPTS = [{"prompt": f"{i}+{i % 3}=", "answer": str(i + i % 3)} for i in range(16)]
 
-# The run's reward module: the first call scores, the second ends the process.
+# The run's reward module: step 1's calls score (one per device: each scores its
+# device's rows), the next one ends the process.
 REWARDS = """
 import sys
+
+import jax
 
 calls = []
 
 def flaky(prompts, completions, **columns):
     calls.append(len(completions))
-    if len(calls) > 1:
+    if len(calls) > jax.local_device_count():
         sys.exit(3)
     return [1.0 / (1 + len(c)) for c in completions]
 """

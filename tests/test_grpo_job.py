@@ -195,7 +195,8 @@ def test_grpo_keys_reach_the_run(files, monkeypatch):
         "task.rewards=grpo_rewards_mod:short,format", "task.reward_weights=2,3",
         "task.format_regex=[0-9]+", "task.scale_rewards=none", "task.loss_type=dr_grpo",
         "task.epsilon=0.1", "task.epsilon_high=0.3", "task.passes=3",
-        "task.beta=0.05", "task.reference=copy",
+        "task.beta=0.05", "task.reference=copy", "task.kl_bias_correction=false",
+        "task.importance_sampling_level=sequence",
     ]  # fmt: skip
     job_ = _build.build(config_lib.load(None, tiny(files, "run", *sets)))
     rows = _grpo.rows(job_, str(files / "prompts.jsonl"), "data.train")
@@ -211,4 +212,6 @@ def test_grpo_keys_reach_the_run(files, monkeypatch):
     assert seen["loss_type"] == "dr_grpo" and seen["max_completion_length"] == 5
     assert (seen["epsilon_low"], seen["epsilon_high"]) == (0.1, 0.3)
     assert (seen["beta"], seen["reference"], seen["temperature"]) == (0.05, "copy", 0.7)
+    assert seen["kl_bias_correction"] is False
+    assert seen["importance_sampling_level"] == "sequence"
     assert job_.reference == "copy"

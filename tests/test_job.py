@@ -377,6 +377,13 @@ ELSEWHERE = {
             "samples_temperature",
         )
     },
+    "task.eval_temperature": "test_grpo_eval.py: "
+    "test_eval_temperature_reaches_the_eval_rollout",
+    **{
+        f"task.{name}": "test_distill.py: test_a_distillation_run_through_eqtrain_fit, "
+        "test_on_policy_steps"
+        for name in ("teacher", "lmbda", "seq_kd")
+    },
     "task.beta": "test_post_training.py: test_task_keys_reach_the_loss",
     "task.label_smoothing": "test_post_training.py: test_task_keys_reach_the_loss",
     "task.orpo_lambda": "test_post_training.py: test_task_keys_reach_the_loss",

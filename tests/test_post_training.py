@@ -439,7 +439,7 @@ def test_bad_data_files_fail_before_compiling(files, tmp_path):
         job.report(load(tmp_path, tmp_path, "task.kind=sft"))
     broken = tmp_path / "broken.jsonl"
     broken.write_text(files["pairs"].read_text()[:500] + '\n{"prompt": "x", \n')
-    with pytest.raises(ConfigError, match=r"first bad line is \S*broken.jsonl:\d+"):
+    with pytest.raises(ConfigError, match=r"broken.jsonl:\d+ is not valid JSON"):
         job.report(load(tmp_path, broken, "task.kind=dpo"))
     bad = _write(
         tmp_path / "bad.jsonl",

@@ -32,6 +32,9 @@ from . import _build, _model
 
 
 Rows = dict[str, np.ndarray]
+# A split's pair rows: arrays by name, or the post-training store's `PostRows`
+# (whose `[name]` reads a whole column).
+PairRows = Any
 PAIR_KEYS = tuple(
     f"{side}_{what}"
     for side in ("chosen", "rejected")
@@ -72,7 +75,7 @@ def _hash_dir_files(path: str) -> str:
     return digest.hexdigest()
 
 
-def rows_key(rows: Rows, model: dict[str, Any]) -> str:
+def rows_key(rows: PairRows, model: dict[str, Any]) -> str:
     """The cache key of `rows` under the reference `model` (its `identity`)."""
     digest = hashlib.sha256(json.dumps(model, sort_keys=True).encode())
     for name in PAIR_KEYS:
@@ -85,7 +88,7 @@ def rows_key(rows: Rows, model: dict[str, Any]) -> str:
 def attach(
     job: _build.Job,
     placement: Any,
-    splits: dict[str, Rows | None],
+    splits: dict[str, PairRows | None],
     run_dir: Path,
     *,
     writer: bool,
@@ -151,7 +154,7 @@ def _write(path: Path, values: Rows, key: str) -> None:
 
 def _compute(
     model: Any,
-    rows: Rows,
+    rows: PairRows,
     job: _build.Job,
     placement: Any,
     path: Path,
@@ -225,7 +228,7 @@ def _pass_batch(job: _build.Job, placement: Any) -> int:
 def _part(
     logps: Any,
     model: Any,
-    rows: Rows,
+    rows: PairRows,
     start: int,
     stop: int,
     batch: int,

@@ -6,7 +6,7 @@ a field of a GRPO store's kept records, read as the rewards use it.
 """
 
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -138,6 +138,13 @@ class PostRows:
                     f"per row ({self.num_rows} rows)."
                 )
             self._added[name] = array
+
+    def keys(self) -> list[str]:
+        """The names of the columns `take` returns (`dict(rows)`-style use)."""
+        return list(self.take(np.arange(min(1, self.num_rows))))
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.keys())
 
     def __getitem__(self, name: str) -> np.ndarray:
         """The whole column `name`, made once (all rows in memory: for code
