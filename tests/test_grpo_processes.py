@@ -1,7 +1,8 @@
 """GRPO across processes: `eqtrain fit` of a GRPO config in two processes on
 127.0.0.1 (one device each) trains what one process with two devices trains:
 each process samples and scores the rows its device holds (its own reward calls),
-the advantages are the same, and so are the losses and rewards of every step."""
+the advantages are the same, and so are the losses and rewards of every step.
+The same under the Ray launcher: test_ray.py (slow, on its module's Ray)."""
 
 import json
 import os
@@ -10,10 +11,7 @@ import textwrap
 
 import pytest
 
-from eqtrain import config as config_lib
-
 from .test_distributed import _env, _start_pair
-from .test_ray import ONE_DEVICE, ray_home  # noqa: F401 (a fixture)
 
 
 PROMPTS = [{"prompt": f"{i}+{i % 3}=", "answer": str(i + i % 3)} for i in range(16)]
@@ -112,18 +110,3 @@ def test_two_processes_train_what_two_devices_train(tmp_path):
     assert len({c["pid"] for c in one_calls}) == 1
     assert len({c["pid"] for c in two_calls}) == 2
     assert all(c["rows"] == 4 for c in one_calls + two_calls)  # 4 x 2 / 2 devices
-
-
-@pytest.mark.slow  # a local Ray (test_ray.py's)
-def test_ray_workers_train_what_two_devices_train(ray_home, tmp_path):  # noqa: F811
-    import eqtrain.ray
-
-    one, _, extra = _two_devices(tmp_path)
-    settings = _settings(tmp_path, "two") + ["distributed.processes=2"]
-    config = config_lib.load(overrides=settings)
-    result = eqtrain.ray.fit(config, echo=lambda _: None, env={**ONE_DEVICE, **extra})
-    assert result.restarts == 0
-    _equal_steps(one, _steps(tmp_path, "two"))
-    calls = (tmp_path / "calls.jsonl").read_text().splitlines()
-    pids = {json.loads(x)["pid"] for x in calls}
-    assert len(pids) == 2  # each worker scored its device's rows

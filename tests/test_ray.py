@@ -616,3 +616,22 @@ def test_a_store_prepared_by_ray_tasks_is_byte_identical(ray_home, tmp_path):
         }
 
     assert files(stores["ray"]) == files(stores["inline"])
+
+
+@pytest.mark.slow
+def test_grpo_ray_workers_train_what_two_devices_train(ray_home, tmp_path):
+    """GRPO under the Ray launcher: tests/test_grpo_processes.py's run, as two
+    workers with one device each."""
+    import eqtrain.ray
+
+    from .test_grpo_processes import _equal_steps, _settings, _steps, _two_devices
+
+    one, _, extra = _two_devices(tmp_path)
+    settings = _settings(tmp_path, "two") + ["distributed.processes=2"]
+    config = config_lib.load(overrides=settings)
+    result = eqtrain.ray.fit(config, echo=lambda _: None, env={**ONE_DEVICE, **extra})
+    assert result.restarts == 0
+    _equal_steps(one, _steps(tmp_path, "two"))
+    calls = (tmp_path / "calls.jsonl").read_text().splitlines()
+    pids = {json.loads(x)["pid"] for x in calls}
+    assert len(pids) == 2  # each worker scored its device's rows
