@@ -241,14 +241,12 @@ def _repeated(batch: Mapping[str, Any], g: int) -> tuple[Array, Array, Array]:
 def _row_axes(mesh: Any, rows: int) -> tuple[str, ...]:
     """The mesh's batch axes (of more than one device) that split `rows` evenly;
     () when there are none (one device, or rows that do not divide)."""
-    from ..sharding import BATCH_AXES
+    from ..sharding import BATCH_AXES, axis_sizes, batch_divisor
 
     if mesh is None:
         return ()
-    sizes = dict(zip(mesh.axis_names, mesh.devices.shape, strict=True))
-    axes = tuple(a for a in BATCH_AXES if sizes.get(a, 1) > 1)
-    ways = int(np.prod([sizes[a] for a in axes])) if axes else 1
-    return axes if axes and rows % ways == 0 else ()
+    axes = tuple(a for a in BATCH_AXES if axis_sizes(mesh)[a] > 1)
+    return axes if axes and rows % batch_divisor(mesh) == 0 else ()
 
 
 def _on_hosts(
