@@ -14,6 +14,7 @@ import jax.tree_util as jtu
 from jaxtyping import PyTree
 
 from ._errors import ConfigError
+from ._quant import QuantizedWeight
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,11 +71,14 @@ def as_precision(
 
 
 def cast_floating(tree: PyTree, dtype: Any) -> PyTree:
-    """Cast every floating array leaf of `tree` to `dtype`; leave the rest alone."""
+    """Cast every floating array leaf of `tree` to `dtype`; leave the rest alone.
+    A quantized weight keeps its codes and scales and dequantizes to `dtype`."""
 
     def cast(x: Any) -> Any:
+        if isinstance(x, QuantizedWeight):
+            return x.astype(dtype)
         if eqx.is_array(x) and jnp.issubdtype(x.dtype, jnp.floating):
             return x.astype(dtype)
         return x
 
-    return jtu.tree_map(cast, tree)
+    return jtu.tree_map(cast, tree, is_leaf=lambda x: isinstance(x, QuantizedWeight))

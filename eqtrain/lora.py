@@ -29,6 +29,7 @@ import jax.tree_util as jtu
 from jaxtyping import PRNGKeyArray, PyTree
 
 from ._errors import ConfigError
+from ._quant import dense, is_quantized
 from .models import Linear, LoRALinear
 
 
@@ -284,9 +285,10 @@ def trainable(model: PyTree, also: str | None = None) -> PyTree[bool]:
         )
     extra = None if also is None else _compile(also, "train_also")
     paths = _leaf_paths(model)
-    flags = [_trained(p, extra) for p in paths]
+    frozen = _quantized_prefixes(model)
+    flags = [_trained(p, extra) and not p.startswith(frozen) for p in paths]
     if extra is not None:
-        _check_also(also, extra, paths)
+        _check_also(also, extra, paths, frozen)
     treedef = jtu.tree_structure(model, is_leaf=lambda x: x is None)
     return jtu.tree_unflatten(treedef, flags)
 
@@ -296,8 +298,25 @@ def _trained(path: str, extra: re.Pattern[str] | None) -> bool:
     return is_adapter_path(path) or (extra is not None and bool(extra.search(path)))
 
 
-def _check_also(also: Any, extra: re.Pattern[str], paths: list[str]) -> None:
-    """`train_also` must select some parameter besides the adapters."""
+def _quantized_prefixes(model: Any) -> tuple[str, ...]:
+    """`"<path>."` of each quantized weight: its arrays never train."""
+    flat, _ = jtu.tree_flatten_with_path(model, is_leaf=is_quantized)
+    return tuple(_path(k) + "." for k, x in flat if is_quantized(x))
+
+
+def _check_also(
+    also: Any, extra: re.Pattern[str], paths: list[str], frozen: tuple[str, ...]
+) -> None:
+    """`train_also` must select some parameter besides the adapters, and no
+    quantized weight."""
+    hit = [p.rsplit(".", 1)[0] for p in paths if p.startswith(frozen) and extra.search(p)]
+    if hit:
+        raise ConfigError(
+            f"LoRA `train_also` {also!r} selects quantized weights "
+            f"({', '.join(sorted(set(hit))[:3])}), which stay frozen: a 4- or "
+            "8-bit weight takes no update. Narrow `train_also`, or leave those "
+            "layers unquantized (`model.quantize_skip`)."
+        )
     if not any(extra.search(p) and not is_adapter_path(p) for p in paths):
         raise ConfigError(
             f"LoRA `train_also` {also!r} matches no parameter of the model; it is "
@@ -324,13 +343,13 @@ def _plain(weight: Any, bias: Any) -> Linear:
 
 def merged_weight(layer: LoRALinear) -> jax.Array:
     """`weight + scale * lora_b @ lora_a`, computed in float32, in the weight's
-    dtype."""
+    dtype (a quantized weight dequantized first)."""
     update = jnp.einsum(
         "...or,...ri->...oi",
         layer.lora_b.astype(jnp.float32),
         layer.lora_a.astype(jnp.float32),
     )
-    w = layer.weight.astype(jnp.float32) + layer.scale * update
+    w = dense(layer.weight, jnp.float32) + layer.scale * update
     return w.astype(layer.weight.dtype)
 
 

@@ -6,6 +6,8 @@ import dataclasses
 from ._schema import (
     ARCHS,
     LOSS_CHUNK_MIN_VOCAB,
+    QUANTIZE_KINDS,
+    QUANTIZE_SKIP,
     SEQUENCE_LAYOUTS,
     SEQUENCE_SCHEMES,
     TRAIN_DTYPES,
@@ -213,4 +215,25 @@ class ModelConfig:
         "adapter_model.safetensors) on `model.init_from`'s weights; its rank, "
         "alpha, targets and rsLoRA setting replace the [lora] ones.",
         kind="path",
+    )
+    quantize: str | None = setting(
+        None,
+        "QLoRA: keep the frozen base weights in 4 or 8 bits (needs LoRA, "
+        "lora.rank > 0): `nf4` (NormalFloat4, QLoRA's), `fp4`, or `int8` (per "
+        "row). Quantized while model.init_from is read, one tensor at a time; "
+        "dequantized beside each product in the compute dtype. Unset: full "
+        "precision.",
+        choices=QUANTIZE_KINDS,
+    )
+    quantize_skip: str = setting(
+        QUANTIZE_SKIP,
+        "With model.quantize: regex searched in each linear layer's dotted path "
+        "(e.g. `lm_head`, `layers.mlp.gate`) or experts' weight "
+        "(`layers.mlp.experts.up_proj`); those it finds stay in full precision. "
+        "Default: the head and the mixture-of-experts routers.",
+    )
+    quantize_double: bool = setting(
+        True,
+        "With model.quantize nf4/fp4: quantize the block scales too (QLoRA's "
+        "double quantization: 8-bit scales of blocks of 256 scales).",
     )

@@ -68,5 +68,9 @@ SEQUENCE_LAYOUTS = ("contiguous", "zigzag")
 # other keys: see `OptimConfig.resolved`.
 WARMUP_PERCENT = 5  # of loop.steps
 FINAL_LR_DIVISOR = 10  # of optim.lr (0 for the constant schedule)
+# The default `model.quantize_skip` (= eqtrain.quantize.DEFAULT_SKIP): the head and
+# the mixture-of-experts routers stay in full precision.
+QUANTIZE_SKIP = r"(^|\.)(lm_head|mlp\.gate|mlp\.shared_expert_gate)$"
+QUANTIZE_KINDS = ("nf4", "fp4", "int8")  # = eqtrain.quantize.KINDS
 # The default `lora.targets`: the attention and MLP projections of every family.
 LORA_TARGETS = r"(^|\.)((q|k|v|o|qkv|gate|up|down|gate_up)_proj|c_attn|c_proj|c_fc)$"

@@ -4,6 +4,7 @@ Builds on the key maps of `_maps` and the writer of `_safetensors`.
 """
 
 import os
+from ..quantize import dequantize
 from typing import Any
 
 import jax
@@ -73,6 +74,7 @@ def export(
         `out_dir` as a string.
     """
     _refuse_adapters(model)
+    model = dequantize(model)  # a quantized base is written as its weights
     config = model.config if config is None else config
     model_type = _maps.infer_model_type(config, model_type)
     out_dir = os.fspath(out_dir)

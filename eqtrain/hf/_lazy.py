@@ -14,6 +14,7 @@ import numpy as np
 from jax.sharding import Sharding
 
 from .._errors import StructureError
+from .._quant import Filler, QuantizedWeight, is_quantized
 from . import _maps, _safetensors
 
 
@@ -45,6 +46,7 @@ class Leaf:
     conv1d: bool
     shape: tuple[int, ...]
     dtype: Any
+    quantized: QuantizedWeight | None = None  # its template, to quantize on read
 
     def block(self, index: _safetensors.Index) -> np.ndarray:
         """The values at `index` (slices over the parameter), read from the files:
@@ -78,6 +80,16 @@ class Leaf:
             chunk = (slice(part.start, part.stop, part.step), *index[1:])
             out[k : k + step] = entry.read(chunk)
 
+    def tensors(self) -> Any:
+        """Each stored tensor, read whole, with its index over `stack`: one at a
+        time (what quantizing on read holds)."""
+        inner = self.shape[len(self.stack) :]
+        full = tuple(slice(None) for _ in inner)
+        for flat, at in enumerate(np.ndindex(*self.stack)):
+            out = np.empty(inner, self.dtype)
+            self._read_into(self.entries[flat], full, out)
+            yield at, out
+
 
 _CHUNK = 16 * 2**20
 
@@ -93,23 +105,38 @@ def _block_shape(shape: tuple[int, ...], index: _safetensors.Index) -> tuple[int
     return tuple(len(range(*s.indices(n))) for s, n in zip(index, shape, strict=True))
 
 
-def targets(template: Any, shardings: Shardings) -> list[Sharding | None]:
-    """One sharding (or None) per leaf of `template`."""
-    leaves = jtu.tree_leaves(template)
+def targets(template: Any, shardings: Shardings) -> list[Any]:
+    """One sharding (or None) per leaf of `template` (a quantized weight is one
+    leaf, with a `QuantizedWeight` of shardings, one per array, or one
+    `Sharding` for them all)."""
+    leaves = jtu.tree_leaves(template, is_leaf=is_quantized)
     if callable(shardings) and not isinstance(shardings, eqx.Module | Sharding):
         shardings = shardings(template)
     if shardings is None or isinstance(shardings, Sharding):
         return [shardings if _maps.is_struct(x) else None for x in leaves]
     flat = _shardings_in(shardings)
-    params = sum(map(_maps.is_struct, leaves))
-    if len(flat) != params:
+    sizes = [_arrays(x) for x in leaves]
+    if len(flat) != sum(sizes):
         raise StructureError(
-            f"`shardings` has {len(flat)} shardings but the model has {params} "
-            "parameters. Build them from the abstract model, e.g. "
+            f"`shardings` has {len(flat)} shardings but the model has {sum(sizes)} "
+            "arrays. Build them from the abstract model, e.g. "
             "`shardings=lambda m: eqtrain.sharding.state_shardings(m, mesh, rules)`."
         )
     it = iter(flat)
-    return [next(it) if _maps.is_struct(x) else None for x in leaves]
+    out: list[Any] = []
+    for x, n in zip(leaves, sizes, strict=True):
+        if is_quantized(x):
+            out.append(jtu.tree_unflatten(jtu.tree_structure(x), [next(it) for _ in range(n)]))
+        else:
+            out.append(next(it) if n else None)
+    return out
+
+
+def _arrays(x: Any) -> int:
+    """How many arrays a template leaf stands for."""
+    if is_quantized(x):
+        return len(jtu.tree_leaves(x))
+    return int(_maps.is_struct(x))
 
 
 def _shardings_in(tree: Any) -> list[Sharding]:
@@ -118,9 +145,13 @@ def _shardings_in(tree: Any) -> list[Sharding]:
     return [s for s in jtu.tree_leaves(tree, is_leaf=is_sharding) if is_sharding(s)]
 
 
-def place(leaf: Leaf, sharding: Sharding | None) -> Any:
+def place(leaf: Leaf, sharding: Any) -> Any:
     """`leaf` read and placed: whole on the default device, or block by block,
-    each local device's block read (once per distinct block) and put there."""
+    each local device's block read (once per distinct block) and put there. A
+    leaf to quantize is read one stored tensor at a time, each quantized into
+    host buffers of the quantized size, and placed once complete."""
+    if leaf.quantized is not None:
+        return _place_quantized(leaf, sharding)
     if sharding is None:
         return _put(leaf.block(tuple(slice(None) for _ in leaf.shape)), None)
     sharding.shard_shape(leaf.shape)  # raises if the shape does not divide
@@ -149,3 +180,19 @@ def _put(value: Any, device: Any) -> Any:
     transient host copy). Waiting frees the host block before the next one is
     read; otherwise several asynchronous transfers hold their blocks at once."""
     return jax.device_put(value, device).block_until_ready()
+
+
+def _place_quantized(leaf: Leaf, sharding: Any) -> QuantizedWeight:
+    """`leaf` quantized as its template says, tensor by tensor, then placed:
+    each array on its own sharding (a `QuantizedWeight` of them), all on one,
+    or on the default device."""
+    filler = Filler(leaf.quantized)
+    for at, tensor in leaf.tensors():
+        filler.put(at, tensor)
+        del tensor
+    if sharding is None or isinstance(sharding, Sharding):
+        return filler.weight(lambda _, a: _put(a, sharding))
+    targets = {
+        name: getattr(sharding, name) for name in ("codes", "scales", "scales2", "offset")
+    }
+    return filler.weight(lambda name, a: _put(a, targets[name]))

@@ -15,7 +15,10 @@ import jax.random as jr
 import jax.tree_util as jtu
 import numpy as np
 
+from .._quant import is_quantized
 from ..models import as_dtype
+from ..quantize import Quantize
+from ..quantize import apply as quantize_model
 from . import _lazy, _maps, _safetensors
 from ._errors import HFFileNotFoundError, HFFormatError
 from ._export import INDEX_NAME, SAFE_NAME
@@ -34,6 +37,7 @@ def load(
     *,
     dtype: str | None = None,
     shardings: Shardings = None,
+    quantize: Quantize | None = None,
 ) -> tuple[Any, Any]:
     """Read a Hugging Face checkpoint directory into `(model, config)`.
 
@@ -66,6 +70,12 @@ def load(
             or a function from the abstract model (`ShapeDtypeStruct` leaves) to
             such a pytree. In a multi-process run each process reads only its
             own devices' blocks.
+        quantize: quantize the weights it selects while reading
+            (`eqtrain.quantize.Quantize`, QLoRA's frozen base): each stored
+            tensor is read whole, quantized and dropped before the next, so host
+            memory stays about the quantized model and one tensor. The
+            quantized arrays are then placed whole on each device (or on
+            `shardings`' for them).
 
     Example:
         Straight onto an FSDP mesh, without a full copy on one device:
@@ -94,13 +104,16 @@ def load(
     param_dtype = dtype or _stored_dtype(entries, hf_config)
     model_type, config = _translate(path, hf_config, param_dtype)
     template = eqx.filter_eval_shape(_maps.model_class(config), config, jr.key(0))
+    if quantize is not None:
+        template = quantize_model(template, quantize)
     leaves = _plan(template, entries, _maps.ARCHS[model_type], config, path)
     targets = _lazy.targets(template, shardings)
     values = [  # each planned parameter read and placed on its target
         _lazy.place(leaf, target) if isinstance(leaf, Leaf) else leaf
         for leaf, target in zip(leaves, targets, strict=True)
     ]
-    return jtu.tree_unflatten(jtu.tree_structure(template), values), config
+    treedef = jtu.tree_structure(template, is_leaf=is_quantized)
+    return jtu.tree_unflatten(treedef, values), config
 
 
 def generation_eos(directory: str | os.PathLike[str]) -> list[int]:
@@ -297,7 +310,8 @@ def _plan(
     entries = _normalise_names(dict(entries), arch, config)
     out: list[Any] = []
     wanted: list[tuple[str, tuple[int, ...]]] = []
-    for key_path, struct in jtu.tree_flatten_with_path(template)[0]:
+    flat = jtu.tree_flatten_with_path(template, is_leaf=is_quantized)[0]
+    for key_path, struct in flat:
         if not _maps.is_struct(struct):
             out.append(struct)
             continue
@@ -320,7 +334,8 @@ def _leaf(
     shape = shape[::-1] if conv1d else shape
     names = [n for n, _ in _maps.indexed_names(arch, leaf_path, struct.shape)]
     parts = tuple(entries[n] for n in names if n in entries)
-    leaf = Leaf(parts, stack, conv1d, tuple(struct.shape), struct.dtype)
+    quantized = struct if is_quantized(struct) else None
+    leaf = Leaf(parts, stack, conv1d, tuple(struct.shape), struct.dtype, quantized)
     return leaf, [(name, shape) for name in names]
 
 

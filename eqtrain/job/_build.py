@@ -12,7 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from .. import lora as lora_lib, models
+from .. import lora as lora_lib, models, quantize as quantize_lib
 from .._errors import ConfigError
 from ..config import (
     AUTO_LOSS_CHUNK,
@@ -40,6 +40,8 @@ class Job:
         model_type: the Hugging Face `model_type` an export writes.
         optimizer: the optax transformation from the `optim` section.
         loss_fn: the loss the steps differentiate.
+        quantize: how the frozen base is quantized (`model.quantize`, QLoRA),
+            or None.
         lora: the LoRA adapters the run trains (`[lora]`, or `model.adapter_from`'s
             adapter_config.json), or None: every weight trains.
         reference: a DPO/IPO run's reference model (`copy`, `adapters_off` or
@@ -73,6 +75,7 @@ class Job:
     optimizer: Any
     loss_fn: Callable[..., Any] = causal_lm_loss
     lora: lora_lib.LoRA | None = None
+    quantize: quantize_lib.Quantize | None = None
     reference: str | None = None
     template: Any = None
     notes: list[str] = dataclasses.field(default_factory=list)
@@ -129,6 +132,7 @@ def _pieces(config: Config, recorded: Path | None) -> Job:
         reference=reference_mode(config),
         template=None if kind == "lm" else _resolve.chat_template(config, source),
         lora=_resolve.lora_spec(config) if lora_on(config) else None,
+        quantize=_resolve.quantize_spec(config),
         vocab_size=real,
         grpo=_grpo.Online() if kind == "grpo" else None,
         teacher=_distill.teacher(config, vocab, padded) if kind == "distill" else None,

@@ -7,7 +7,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from .. import checkpoint, hf, lora
+from .. import checkpoint, hf, lora, quantize
 from .._errors import ConfigError
 from .._fit import evaluate
 from ..config import (
@@ -98,7 +98,7 @@ def export_run(
     if job.lora is not None and not merged:
         return _export_adapter(job, state, model, out_dir, overwrite)
     if merged:
-        model = lora.merge(model)
+        model = quantize.dequantize(lora.merge(model))
     return _export_model(job, model, out_dir, dtype=dtype, overwrite=overwrite)
 
 

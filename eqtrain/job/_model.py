@@ -19,7 +19,7 @@ import jax
 import jax.random as jr
 import numpy as np
 
-from .. import hf, lora as lora_lib, models, sharding
+from .. import hf, lora as lora_lib, models, quantize as quantize_lib, sharding
 from .._errors import ConfigError
 from .._state import TrainState
 from ..post_training import distill, preference
@@ -42,6 +42,8 @@ def base_model(job: Any, mesh: Any = None) -> Any:
         if job.vocab_size is not None:  # initialised at the real vocabulary
             config = dataclasses.replace(config, vocab_size=job.vocab_size)
         model = models.family(job.model_type).model(config, jr.key(job.config.seed))
+        if job.quantize is not None:
+            model = quantize_lib.apply(model, job.quantize)
     return models.resize_vocab(model, job.model_config.vocab_size)
 
 
@@ -51,7 +53,9 @@ def _loaded_base(job: Any, mesh: Any) -> Any:
     shardings = None
     if mesh is not None and job.vocab_size is None:
         shardings = _model_shardings(mesh)
-    model, _ = hf.load(m.init_from, dtype=m.param_dtype, shardings=shardings)
+    model, _ = hf.load(
+        m.init_from, dtype=m.param_dtype, shardings=shardings, quantize=job.quantize
+    )
     options = models.runtime_options(m)
     return model.with_options(**options, **models.moe_options(m, model.config))
 
@@ -153,6 +157,8 @@ def abstract_state(job: Any) -> TrainState:
 
     def init() -> TrainState:
         base = models.family(job.model_type).model(job.model_config, jr.key(0))
+        if job.quantize is not None:
+            base = quantize_lib.apply(base, job.quantize, abstract_only=True)
         model = _with_reference(job, with_adapters(job, base))
         if job.teacher is not None:
             model = distill.WithTeacher(model, _distill.abstract_model(job.teacher))
@@ -186,6 +192,16 @@ def _distilled_reference(job: Any) -> dict[str, Any]:
 def _student_base(job: Any) -> dict[str, Any] | None:
     if job.lora is None:
         return None
+    base = _unquantized_base(job)
+    if job.quantize is None:
+        return base
+    q = job.quantize  # the codes are a function of the weights and these
+    how = {"kind": q.kind, "skip": q.skip, "double": q.double}
+    digest = hashlib.sha256((base["sha256"] + repr(sorted(how.items()))).encode())
+    return base | {"quantize": how, "sha256": digest.hexdigest()}
+
+
+def _unquantized_base(job: Any) -> dict[str, Any]:
     init_from = job.config.model.init_from
     if init_from is None:
         return _random_base_hash(job)

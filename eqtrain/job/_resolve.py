@@ -12,6 +12,7 @@ from typing import Any
 import jax
 
 from .. import data as data_lib, hf, lora as lora_lib, models, optim
+from .. import quantize as quantize_lib
 from .._errors import ConfigError
 from ..config import Config, explicit
 from ..cpu import layers_scanned
@@ -260,6 +261,27 @@ def _template_from(path: Path, key: str) -> Any:
         return data_lib.chat_template(path)
     except data_lib.DataError as e:
         raise ConfigError(f"the chat template of `{key}` ({path}): {e}") from None
+
+
+def quantize_spec(config: Config) -> quantize_lib.Quantize | None:
+    """`model.quantize`'s spec (None: full precision). Quantized weights are
+    frozen, so they need LoRA adapters to train."""
+    m = config.model
+    if m.quantize is None:
+        return None
+    if config.lora.rank == 0 and m.adapter_from is None:
+        raise ConfigError(
+            f"model.quantize = {m.quantize!r} keeps the base weights in "
+            f"{'8' if m.quantize == 'int8' else '4'} bits, frozen: they take no "
+            "update, so the run needs LoRA adapters to train. Set lora.rank "
+            "(e.g. lora.rank = 16), or unset model.quantize."
+        )
+    try:
+        return quantize_lib.Quantize(
+            m.quantize, skip=m.quantize_skip or None, double=m.quantize_double
+        )
+    except ConfigError as e:
+        raise ConfigError(f"[model]: {e}") from None
 
 
 def lora_spec(config: Config) -> lora_lib.LoRA:

@@ -31,6 +31,7 @@ import jax.random as jr
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from .._errors import ConfigError
+from .._quant import QuantizedWeight, apply_linear, dense
 from ._layers import gated
 
 
@@ -107,9 +108,11 @@ class Experts(eqx.Module):
 
     def ffn(self, x: Array, matmul: Callable[[Array, Array], Array]) -> Array:
         """`down(act(gate(x)) * up(x))` with `matmul(rows, weights)` doing each
-        product (`weights`: `[experts, out, in]`)."""
-        h = gated(self.act, matmul(x, self.gate_proj), matmul(x, self.up_proj))
-        return matmul(h, self.down_proj)
+        product (`weights`: `[experts, out, in]`; quantized ones dequantized
+        first, whole)."""
+        mm = lambda a, w: matmul(a, dense(w, a.dtype))
+        h = gated(self.act, mm(x, self.gate_proj), mm(x, self.up_proj))
+        return mm(h, self.down_proj)
 
     def blocked(self, x: Array, sizes: Array, block: int) -> Array:
         """`ffn` of rows sorted by expert (`sizes[e]` rows of expert `e`), in
@@ -181,9 +184,12 @@ def dense_dispatch(experts: Experts, x: Array, weights: Array, ids: Array) -> Ar
     combine = jnp.sum(
         jax.nn.one_hot(ids, experts.num, dtype=x.dtype) * weights[..., None], axis=1
     )  # [tokens, experts]
-    g = jnp.einsum("th,efh->etf", x, experts.gate_proj)
-    u = jnp.einsum("th,efh->etf", x, experts.up_proj)
-    y = jnp.einsum("etf,ehf->eth", gated(experts.act, g, u), experts.down_proj)
+    gate_proj, up_proj, down_proj = (
+        dense(w, x.dtype) for w in (experts.gate_proj, experts.up_proj, experts.down_proj)
+    )
+    g = jnp.einsum("th,efh->etf", x, gate_proj)
+    u = jnp.einsum("th,efh->etf", x, up_proj)
+    y = jnp.einsum("etf,ehf->eth", gated(experts.act, g, u), down_proj)
     return jnp.einsum("eth,te->th", y, combine)
 
 
@@ -306,9 +312,7 @@ class Blocks:
             xb, g, on = inputs
 
             def products() -> tuple[Array, ...]:
-                take = lambda w: lax.dynamic_index_in_dim(w, g, keepdims=False)
-                dims = (((1,), (1,)), ((), ()))
-                return tuple(lax.dot_general(xb, take(w), dims) for w in ws)
+                return tuple(_expert_product(xb, w, g) for w in ws)
 
             def empty() -> tuple[Array, ...]:
                 return tuple(jnp.zeros((self.block, w.shape[1]), xp.dtype) for w in ws)
@@ -319,6 +323,18 @@ class Blocks:
         _, ys = lax.scan(step, None, (blocks, self.group, self.used))
         ys = tuple(y.reshape(self.bound * self.block, -1) for y in ys)
         return ys[0] if len(ws) == 1 else ys
+
+
+def _expert_product(x: Array, w: Any, group: Array) -> Array:
+    """`x @ w[group].T`; a quantized `w` has only that expert's weight
+    dequantized, beside the product (`apply_linear`)."""
+    if isinstance(w, QuantizedWeight):
+        return apply_linear(_dot_t, x, w.take(group))
+    return _dot_t(x, lax.dynamic_index_in_dim(w, group, keepdims=False))
+
+
+def _dot_t(x: Array, w: Array) -> Array:
+    return lax.dot_general(x, w, (((1,), (1,)), ((), ())))
 
 
 def grouped_ffn(

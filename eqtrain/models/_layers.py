@@ -23,6 +23,8 @@ import jax.tree_util as jtu
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from .._errors import ConfigError
+from .._quant import QuantizedWeight, dense
+from .._quant import matmul_t as _quantized_matmul_t
 from .._reduce import row_sum
 
 
@@ -111,9 +113,12 @@ def fused_linears(
     transposed for their weight gradients, a pass over the hidden layer each
     (docs/performance.md, "CPU throughput"). A layer gives the
     same result fused or not whether it is a `Linear` or a `LoRALinear` (so an
-    adapted model with its adapters off equals its base model bit for bit)."""
+    adapted model with its adapters off equals its base model bit for bit).
+    Quantized weights (`QuantizedWeight`) are never concatenated: each is
+    dequantized beside its own product."""
     dtypes = {layer.weight.dtype for layer in layers}
-    if len(layers) < 2 or len(dtypes) > 1 or _splits_weights():
+    quantized = any(isinstance(layer.weight, QuantizedWeight) for layer in layers)
+    if len(layers) < 2 or len(dtypes) > 1 or quantized or _splits_weights():
         return [layer(x, key=k) for layer, k in zip(layers, keys, strict=True)]
     weight = jnp.concatenate([layer.weight for layer in layers], axis=0)
     cuts = list(itertools.accumulate(layer.weight.shape[0] for layer in layers))
@@ -132,8 +137,11 @@ def _completed(layer: Any, x: Array, y: Array, key: PRNGKeyArray | None) -> Arra
     return _add_bias(y, layer.bias)
 
 
-def _matmul_t(x: Array, w: Array) -> Array:
-    """`x @ w.T` over the last dimension of `x`."""
+def _matmul_t(x: Array, w: Any) -> Array:
+    """`x @ w.T` over the last dimension of `x` (a `QuantizedWeight` `w`
+    dequantized beside the product, in `x`'s dtype)."""
+    if isinstance(w, QuantizedWeight):
+        return _quantized_matmul_t(x, w)
     return lax.dot_general(x, w, (((x.ndim - 1,), (1,)), ((), ())))
 
 
@@ -379,7 +387,7 @@ def head_weight(
             "`lm_head` has one. Use the model's `__call__` for its logits."
         )
     if not isinstance(lm_head, LoRALinear) or not lm_head.enabled:
-        return lm_head.weight
+        return dense(lm_head.weight)
     if lm_head.dropout > 0 and key is not None:
         raise ConfigError(
             f"the `lm_head` LoRA adapter has dropout {lm_head.dropout}, which a "
@@ -387,7 +395,7 @@ def head_weight(
             "LoRA `targets`, set the LoRA dropout to 0, or use the plain loss."
         )
     b, a = lm_head.lora_b.astype(jnp.float32), lm_head.lora_a.astype(jnp.float32)
-    w = lm_head.weight.astype(jnp.float32) + lm_head.scale * (b @ a)
+    w = dense(lm_head.weight, jnp.float32) + lm_head.scale * (b @ a)
     return w.astype(lm_head.weight.dtype)
 
 

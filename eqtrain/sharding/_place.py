@@ -17,6 +17,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec, Sharding
 
 from .._copy import check_not_donated
 from .._errors import StructureError
+from .._quant import is_quantized
 from .._state import TrainState
 from ._rules import Rule, Rules, as_rules
 
@@ -41,10 +42,58 @@ def path_name(path: tuple[Any, ...], prefix: str = "") -> str:
 
 
 def _map_arrays(fn: Callable[[str, Any], Any], tree: Any, prefix: str) -> Any:
-    """`tree` with `fn(path, leaf)` at each array leaf and None elsewhere."""
-    return jtu.tree_map_with_path(
-        lambda p, x: fn(path_name(p, prefix), x) if is_arraylike(x) else None, tree
-    )
+    """`tree` with `fn(path, leaf)` at each array leaf and None elsewhere. A
+    quantized weight's arrays follow the weight's own sharding (`fn` of the
+    weight's path and shape), each on the axes it has in common with it."""
+
+    def one(p: Any, x: Any) -> Any:
+        name = path_name(p, prefix)
+        if is_quantized(x):
+            like = fn(name, jax.ShapeDtypeStruct(x.shape, x.dtype))
+            return quantized_shardings(x, like)
+        return fn(name, x) if is_arraylike(x) else None
+
+    return jtu.tree_map_with_path(one, tree, is_leaf=is_quantized)
+
+
+def quantized_shardings(q: Any, weight: NamedSharding) -> Any:
+    """Shardings for a `QuantizedWeight`'s arrays from its weight's: the codes
+    and block scales (`[*lead, out, in']`) split as the weight is, the
+    double-quantization scales and offsets along the leading axes only; a
+    dimension the weight's axis does not divide there is not split."""
+    entries = list(weight.spec) + [None] * (len(q.shape) - len(weight.spec))
+    *lead, out, _ = entries
+
+    def fitted(shape: tuple[int, ...], wanted: list[Any]) -> NamedSharding:
+        spec = [
+            e if e is None or n % _axis_size(weight.mesh, e) == 0 else None
+            for e, n in zip(wanted, shape, strict=True)
+        ]
+        return NamedSharding(weight.mesh, PartitionSpec(*spec))
+
+    def sharding(name: str, a: Any) -> Any:
+        if a is None:
+            return None
+        rank = len(a.shape)
+        if name in ("codes", "scales") and rank >= len(lead) + 1:
+            wanted = (entries if rank == len(entries) else [*lead, out])[:rank]
+        else:
+            wanted = (lead + [None] * rank)[:rank]
+        return fitted(tuple(a.shape), list(wanted))
+
+    names = ("codes", "scales", "scales2", "offset")
+    arrays = [getattr(q, n) for n in names]
+    out_sh = [sharding(n, a) for n, a in zip(names, arrays, strict=True)]
+    leaves = [s for s in out_sh if s is not None]
+    return jtu.tree_unflatten(jtu.tree_structure(q), leaves)
+
+
+def _axis_size(mesh: Any, entry: Any) -> int:
+    names = (entry,) if isinstance(entry, str) else tuple(entry)
+    size = 1
+    for name in names:
+        size *= int(dict(mesh.shape)[name])
+    return size
 
 
 def _is_hole(x: Any) -> bool:
