@@ -149,10 +149,11 @@ class QuantizedWeight(eqx.Module):
             adapters on it take this dtype).
     """
 
-    codes: Array
-    scales: Array
-    scales2: Array | None
-    offset: Array | None
+    # `Any`: arrays, numpy arrays while filled on the host, or `ShapeDtypeStruct`s
+    codes: Any
+    scales: Any
+    scales2: Any
+    offset: Any
     kind: str = eqx.field(static=True)
     dtype: Any = eqx.field(static=True)
 
@@ -474,7 +475,7 @@ def _linear_bwd(fn: Callable, treedef: Any, like: Any, leaves: Any, dy: Array) -
     return (dx, *(_zero_like(a) for a in leaves))
 
 
-def _zero_like(a: Array) -> Array:
+def _zero_like(a: Array) -> Any:
     if jnp.issubdtype(a.dtype, jnp.inexact):
         return jnp.zeros_like(a)
     return np.zeros(a.shape, jax.dtypes.float0)

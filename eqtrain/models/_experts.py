@@ -78,9 +78,9 @@ class Experts(eqx.Module):
     expert's matrices in `torch.nn.Linear`'s layout, as Hugging Face stores them
     one expert at a time)."""
 
-    gate_proj: Float[Array, "experts ff hidden"]
-    up_proj: Float[Array, "experts ff hidden"]
-    down_proj: Float[Array, "experts hidden ff"]
+    gate_proj: Float[Array, "experts ff hidden"] | QuantizedWeight
+    up_proj: Float[Array, "experts ff hidden"] | QuantizedWeight
+    down_proj: Float[Array, "experts hidden ff"] | QuantizedWeight
     act: str = eqx.field(static=True)
 
     def __init__(
@@ -304,7 +304,7 @@ class Blocks:
     def unpad(self, y: Array) -> Array:
         return y[self.dest]
 
-    def matmul(self, xp: Array, *ws: Array) -> Any:
+    def matmul(self, xp: Array, *ws: Any) -> Any:
         """`xp @ w[group].T` block by block for each `w` of `ws` (one array, or a
         tuple for several: they share the scan)."""
 

@@ -67,7 +67,7 @@ class Linear(eqx.Module):
     XLA:CPU trains it faster than `[in, out]` (docs/models.md, "Performance").
     """
 
-    weight: Float[Array, "out_features in_features"]
+    weight: Float[Array, "out_features in_features"] | QuantizedWeight
     bias: Float[Array, " out_features"] | None
 
     def __init__(
@@ -145,7 +145,7 @@ def _matmul_t(x: Array, w: Any) -> Array:
     return lax.dot_general(x, w, (((x.ndim - 1,), (1,)), ((), ())))
 
 
-def _affine(x: Array, weight: Array, bias: Array | None) -> Array:
+def _affine(x: Array, weight: Any, bias: Array | None) -> Array:
     return _add_bias(_matmul_t(x, weight), bias)
 
 
@@ -173,7 +173,7 @@ class LoRALinear(eqx.Module):
             the same arrays, no copy).
     """
 
-    weight: Float[Array, "*layers out_features in_features"]
+    weight: Float[Array, "*layers out_features in_features"] | QuantizedWeight
     bias: Float[Array, "*layers out_features"] | None
     lora_a: Float[Array, "*layers rank in_features"]
     lora_b: Float[Array, "*layers out_features rank"]
