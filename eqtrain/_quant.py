@@ -34,7 +34,6 @@ import jax.tree_util as jtu
 import numpy as np
 from jaxtyping import Array
 
-from ._errors import ConfigError
 
 
 KINDS = ("nf4", "fp4", "int8")
@@ -225,14 +224,6 @@ def is_quantized(x: Any) -> bool:
     return isinstance(x, QuantizedWeight)
 
 
-def check_kind(kind: Any, *, field: str = "model.quantize") -> None:
-    if kind not in KINDS:
-        raise ConfigError(
-            f"`{field}` must be one of {', '.join(KINDS)} (or unset: full "
-            f"precision); got {kind!r}."
-        )
-
-
 def quantizable(shape: tuple[int, ...], kind: str) -> bool:
     """Whether a weight of `shape` (`[*lead, out, in]`) can be quantized as
     `kind`: its rows are whole blocks (4-bit kinds)."""
@@ -380,10 +371,11 @@ def quantize(x: Any, kind: str, *, double: bool = True) -> QuantizedWeight:
     over its leading axes, as numpy arrays in a `QuantizedWeight` (place them
     with `jax.device_put`). Each `[out, in]` tensor is quantized on its own, as
     bitsandbytes quantizes a Hugging Face checkpoint's tensors."""
-    check_kind(kind, field="kind")
+    if kind not in KINDS:
+        raise ValueError(f"`kind` must be one of {', '.join(KINDS)}; got {kind!r}.")
     shape = tuple(x.shape)
     if not quantizable(shape, kind):
-        raise ConfigError(
+        raise ValueError(
             f"a weight of shape {shape} cannot be quantized as {kind}: its rows "
             f"must be whole blocks of {BLOCK} values."
         )

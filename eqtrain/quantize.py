@@ -34,7 +34,6 @@ from ._quant import (
     KINDS,
     QuantizedWeight,
     abstract,
-    check_kind,
     is_quantized,
     quantizable,
 )
@@ -85,7 +84,11 @@ class Quantize:
     double: bool = True
 
     def __post_init__(self) -> None:
-        check_kind(self.kind, field="kind")
+        if self.kind not in KINDS:
+            raise ConfigError(
+                f"quantize `kind` must be one of {', '.join(KINDS)}; got "
+                f"{self.kind!r}."
+            )
         if self.skip is not None:
             try:
                 re.compile(self.skip)

@@ -128,15 +128,15 @@ def test_quantize_stacked_weights_tensor_by_tensor():
 
 
 def test_quantize_refuses_rows_of_partial_blocks():
-    with pytest.raises(ConfigError, match="whole blocks of 64"):
+    with pytest.raises(ValueError, match="whole blocks of 64"):
         _quant.quantize(np.ones((4, 96), np.float32), "nf4")
     with pytest.raises(ConfigError, match="nf4, fp4, int8"):
         quantize.Quantize("nf3")
 
 
-def _model(dtype="float32", **kw):
+def _model(dtype="float32", vocab=128, **kw):
     config = llama.LlamaConfig(
-        vocab_size=128, hidden_size=128, intermediate_size=256,
+        vocab_size=vocab, hidden_size=128, intermediate_size=256,
         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
         max_position_embeddings=32, param_dtype=dtype, **kw,
     )  # fmt: skip
@@ -239,3 +239,39 @@ def test_codes_are_sharded_like_their_weights():
     del weight
     out = eqx.filter_jit(lambda m: m(IDS))(placed)
     np.testing.assert_allclose(out, q(IDS), rtol=1e-5, atol=1e-5)
+
+
+def test_quantize_keys_reach_the_run(tmp_path):
+    """`model.quantize`, `quantize_skip` and `quantize_double` shape the run's
+    base; a quantized base without adapters is refused; a run quantizes its
+    `init_from` on read and trains (loss falls) and resumes."""
+    from eqtrain import config as config_lib, job
+    from tests.test_lora_job import write_config
+
+    hf.export(_model(vocab=320), None, tmp_path / "base")
+    path = write_config(tmp_path)
+    keys = ["model.quantize=fp4", r"model.quantize_skip=(lm_head|down_proj)$"]
+    built = job.build(config_lib.load(path, [*keys, "model.quantize_double=false"]))
+    model = built.abstract.model
+    assert quantize.quantized_paths(model) == [
+        f"layers.{p}.weight"
+        for p in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
+                  "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj")
+    ]  # fmt: skip
+    q = model.layers.self_attn.q_proj.weight
+    assert q.kind == "fp4" and q.scales2 is None and q.scales.dtype == jnp.float32
+    with pytest.raises(ConfigError, match="needs LoRA adapters"):
+        plain = tmp_path / "plain.toml"
+        text = path.read_text().replace("[lora]\nrank = 4\nalpha = 8\ndropout = 0.1", "")
+        plain.write_text(text)
+        job.build(config_lib.load(plain, ["model.quantize=nf4"]))
+
+    result = job.run(config_lib.load(path, ["model.quantize=nf4"]), echo=lambda s: None)
+    state = result.fit.state
+    weight = state.model.layers.mlp.up_proj.weight
+    assert isinstance(weight, quantize.QuantizedWeight) and weight.double
+    losses = [h["loss"] for h in result.fit.history if "loss" in h]
+    assert losses[-1] < losses[0]
+    more = config_lib.load(path, ["model.quantize=nf4", "loop.steps=8"])
+    resumed = job.run(more, echo=lambda s: None)
+    assert int(resumed.fit.state.step) == 8

@@ -269,6 +269,10 @@ def companions(key, value):
         return HF_BASE
     if key == "checkpoint.best_mode":
         return ["checkpoint.best=eval/loss"]
+    if key.startswith("model.quantize"):  # frozen in 4/8 bits: adapters train;
+        # rows of whole 64-value blocks
+        on = [] if key == "model.quantize" else ["model.quantize=nf4"]
+        return ["lora.rank=2", "model.hidden_size=64", *on]
     if key.startswith("log.samples_"):  # they shape the samples of log.samples
         return ["log.samples={root}/samples.txt"]
     if key in ("log.wandb_project", "log.wandb_name"):
