@@ -35,7 +35,6 @@ import numpy as np
 from jaxtyping import Array
 
 
-
 KINDS = ("nf4", "fp4", "int8")
 """The kinds of `QuantizedWeight`."""
 
@@ -69,13 +68,10 @@ NF4 = np.array(
 """The NormalFloat4 codebook: quantiles of a standard normal, scaled to
 [-1, 1], with an exact zero (QLoRA, appendix E; bitsandbytes' table)."""
 
-FP4 = (
-    np.array(
-        [0, 0.0625, 8, 12, 4, 6, 2, 3, -0.0, -0.0625, -8, -12, -4, -6, -2, -3],
-        np.float32,
-    )
-    / np.float32(12)
-)
+FP4 = np.array(
+    [0, 0.0625, 8, 12, 4, 6, 2, 3, -0.0, -0.0625, -8, -12, -4, -6, -2, -3],
+    np.float32,
+) / np.float32(12)
 """The 4-bit float codebook (1 sign, 2 exponent, 1 mantissa bit) in
 bitsandbytes' bit order, scaled to [-1, 1]."""
 
@@ -304,9 +300,9 @@ def _lut() -> np.ndarray:
     next is not below it."""
     table = dynamic_map()
     mid = np.float32(0.5) * (table[:-1] + table[1:])
-    points = np.float32(-1) + (np.float32(2) * np.arange(_LUT, dtype=np.float32)) / np.float32(
-        _LUT - 1
-    )
+    points = np.float32(-1) + (
+        np.float32(2) * np.arange(_LUT, dtype=np.float32)
+    ) / np.float32(_LUT - 1)
     return np.searchsorted(mid, points, side="left").astype(np.uint8)
 
 
@@ -405,7 +401,9 @@ class Filler:
             if value is not None:
                 self.arrays[name][at] = value
 
-    def weight(self, place: Callable[[str, np.ndarray], Any] | None = None) -> QuantizedWeight:
+    def weight(
+        self, place: Callable[[str, np.ndarray], Any] | None = None
+    ) -> QuantizedWeight:
         """The filled weight; `place(name, array)` puts each array somewhere."""
         place = place or (lambda _, a: a)
         values = {k: None if v is None else place(k, v) for k, v in self.arrays.items()}
@@ -417,7 +415,12 @@ class Filler:
 
 
 def _fields(q: QuantizedWeight) -> dict[str, Any]:
-    return {"codes": q.codes, "scales": q.scales, "scales2": q.scales2, "offset": q.offset}
+    return {
+        "codes": q.codes,
+        "scales": q.scales,
+        "scales2": q.scales2,
+        "offset": q.offset,
+    }
 
 
 # ---------------------------------------------------------------------------
@@ -444,16 +447,12 @@ def apply_linear(fn: Callable[[Array, Array], Array], x: Array, w: Any) -> Array
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
-def _linear(
-    fn: Callable, treedef: Any, like: Any, x: Array, *leaves: Array
-) -> Array:
+def _linear(fn: Callable, treedef: Any, like: Any, x: Array, *leaves: Array) -> Array:
     w = jtu.tree_unflatten(treedef, leaves)
     return fn(x, w.dequantize(x.dtype))
 
 
-def _linear_fwd(
-    fn: Callable, treedef: Any, like: Any, x: Array, *leaves: Array
-) -> Any:
+def _linear_fwd(fn: Callable, treedef: Any, like: Any, x: Array, *leaves: Array) -> Any:
     return _linear(fn, treedef, like, x, *leaves), leaves
 
 

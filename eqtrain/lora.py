@@ -309,7 +309,9 @@ def _check_also(
 ) -> None:
     """`train_also` must select some parameter besides the adapters, and no
     quantized weight."""
-    hit = [p.rsplit(".", 1)[0] for p in paths if p.startswith(frozen) and extra.search(p)]
+    hit = [
+        p.rsplit(".", 1)[0] for p in paths if p.startswith(frozen) and extra.search(p)
+    ]
     if hit:
         raise ConfigError(
             f"LoRA `train_also` {also!r} selects quantized weights "

@@ -36,8 +36,8 @@ from ._quant import (
     abstract,
     is_quantized,
     quantizable,
+    quantize as quantize_array,
 )
-from ._quant import quantize as quantize_array
 from .models import Experts, Linear, LoRALinear
 
 
@@ -86,8 +86,7 @@ class Quantize:
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise ConfigError(
-                f"quantize `kind` must be one of {', '.join(KINDS)}; got "
-                f"{self.kind!r}."
+                f"quantize `kind` must be one of {', '.join(KINDS)}; got {self.kind!r}."
             )
         if self.skip is not None:
             try:
@@ -146,7 +145,9 @@ def apply(model: PyTree, spec: Quantize, *, abstract_only: bool = False) -> PyTr
         raise ConfigError(
             "this model is quantized already; `quantize.dequantize` it first."
         )
-    chosen = [(p, m, f) for p, m, f in chosen if quantizable(getattr(m, f).shape, spec.kind)]
+    chosen = [
+        (p, m, f) for p, m, f in chosen if quantizable(getattr(m, f).shape, spec.kind)
+    ]
     if not chosen:
         raise ConfigError(
             f"`quantize` {spec.kind} finds no weight to quantize in "

@@ -50,11 +50,20 @@ def test_4bit_codes_and_scales_equal_bitsandbytes(kind, shape):
     import torch
 
     F = _bnb()
-    for dtype, torch_dtype in [(np.float32, torch.float32), ("bfloat16", torch.bfloat16)]:
+    for dtype, torch_dtype in [
+        (np.float32, torch.float32),
+        ("bfloat16", torch.bfloat16),
+    ]:
         w = _tensor(shape, np.float32)
         t = torch.from_numpy(w).to(torch_dtype)
-        x = t.float().numpy().astype(jnp.bfloat16 if dtype == "bfloat16" else np.float32)
-        q, state = F.quantize_4bit(t, blocksize=64, quant_type=kind, compress_statistics=False)
+        x = (
+            t.float()
+            .numpy()
+            .astype(jnp.bfloat16 if dtype == "bfloat16" else np.float32)
+        )
+        q, state = F.quantize_4bit(
+            t, blocksize=64, quant_type=kind, compress_statistics=False
+        )
         ours = _quant.quantize_tensor(x, kind, double=False)
         assert np.array_equal(ours["codes"].reshape(-1), q.numpy().reshape(-1))
         assert np.array_equal(ours["scales"].reshape(-1), state.absmax.numpy())
@@ -198,7 +207,9 @@ def test_quantized_experts_compute_their_dequantized_weights():
     paths = quantize.quantized_paths(q)
     assert "layers.mlp.experts.gate_proj" in paths
     assert not any(p.endswith("mlp.gate.weight") for p in paths)  # the router
-    np.testing.assert_allclose(q(IDS), quantize.dequantize(q)(IDS), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(
+        q(IDS), quantize.dequantize(q)(IDS), rtol=1e-5, atol=1e-5
+    )
 
 
 def test_quantize_on_read_equals_quantizing_after(tmp_path, monkeypatch):
@@ -213,7 +224,9 @@ def test_quantize_on_read_equals_quantizing_after(tmp_path, monkeypatch):
     whole = []
     block = _lazy.Leaf.block
     monkeypatch.setattr(
-        _lazy.Leaf, "block", lambda self, index: whole.append(self) or block(self, index)
+        _lazy.Leaf,
+        "block",
+        lambda self, index: whole.append(self) or block(self, index),
     )
     read, _ = hf.load(tmp_path / "hf", quantize=quantize.Quantize("nf4"))
     assert not any(leaf.quantized is not None for leaf in whole)
@@ -262,7 +275,9 @@ def test_quantize_keys_reach_the_run(tmp_path):
     assert q.kind == "fp4" and q.scales2 is None and q.scales.dtype == jnp.float32
     with pytest.raises(ConfigError, match="needs LoRA adapters"):
         plain = tmp_path / "plain.toml"
-        text = path.read_text().replace("[lora]\nrank = 4\nalpha = 8\ndropout = 0.1", "")
+        text = path.read_text().replace(
+            "[lora]\nrank = 4\nalpha = 8\ndropout = 0.1", ""
+        )
         plain.write_text(text)
         job.build(config_lib.load(plain, ["model.quantize=nf4"]))
 

@@ -69,12 +69,14 @@ FORMS = {
     "export.max_shard_size": ["1MB"],
     "distributed.resources_per_worker": ["CPU=2"],
     "lora.targets": ["q_proj"],
+    "model.quantize_skip": ["lm_head|up_proj"],
     "seed": ["7"],
 }
 # What an optional key that is unset by default is set to, to toggle it on.
 SAMPLES = {
     "model.init_from": "{root}/hf",
     "model.adapter_from": "{root}/adapter",
+    "model.quantize": "nf4",
     "model.vocab_size": "300",
     "model.intermediate_size": "48",
     "model.head_dim": "16",

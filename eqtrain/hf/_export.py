@@ -4,7 +4,6 @@ Builds on the key maps of `_maps` and the writer of `_safetensors`.
 """
 
 import os
-from ..quantize import dequantize
 from typing import Any
 
 import jax
@@ -14,6 +13,7 @@ from .. import lora
 from .._errors import ConfigError
 from ..config import parse_size
 from ..models import as_dtype, family
+from ..quantize import dequantize
 from . import _maps, _safetensors
 from ._json import write_json
 from ._target import atomic_dir, check_target

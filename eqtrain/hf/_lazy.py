@@ -126,7 +126,9 @@ def targets(template: Any, shardings: Shardings) -> list[Any]:
     out: list[Any] = []
     for x, n in zip(leaves, sizes, strict=True):
         if is_quantized(x):
-            out.append(jtu.tree_unflatten(jtu.tree_structure(x), [next(it) for _ in range(n)]))
+            out.append(
+                jtu.tree_unflatten(jtu.tree_structure(x), [next(it) for _ in range(n)])
+            )
         else:
             out.append(next(it) if n else None)
     return out
@@ -193,6 +195,7 @@ def _place_quantized(leaf: Leaf, sharding: Any) -> QuantizedWeight:
     if sharding is None or isinstance(sharding, Sharding):
         return filler.weight(lambda _, a: _put(a, sharding))
     targets = {
-        name: getattr(sharding, name) for name in ("codes", "scales", "scales2", "offset")
+        name: getattr(sharding, name)
+        for name in ("codes", "scales", "scales2", "offset")
     }
     return filler.weight(lambda name, a: _put(a, targets[name]))

@@ -17,8 +17,7 @@ import numpy as np
 
 from .._quant import is_quantized
 from ..models import as_dtype
-from ..quantize import Quantize
-from ..quantize import apply as quantize_model
+from ..quantize import Quantize, apply as quantize_model
 from . import _lazy, _maps, _safetensors
 from ._errors import HFFileNotFoundError, HFFormatError
 from ._export import INDEX_NAME, SAFE_NAME

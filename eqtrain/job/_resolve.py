@@ -11,8 +11,14 @@ from typing import Any
 
 import jax
 
-from .. import data as data_lib, hf, lora as lora_lib, models, optim
-from .. import quantize as quantize_lib
+from .. import (
+    data as data_lib,
+    hf,
+    lora as lora_lib,
+    models,
+    optim,
+    quantize as quantize_lib,
+)
 from .._errors import ConfigError
 from ..config import Config, explicit
 from ..cpu import layers_scanned

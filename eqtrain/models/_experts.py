@@ -185,7 +185,8 @@ def dense_dispatch(experts: Experts, x: Array, weights: Array, ids: Array) -> Ar
         jax.nn.one_hot(ids, experts.num, dtype=x.dtype) * weights[..., None], axis=1
     )  # [tokens, experts]
     gate_proj, up_proj, down_proj = (
-        dense(w, x.dtype) for w in (experts.gate_proj, experts.up_proj, experts.down_proj)
+        dense(w, x.dtype)
+        for w in (experts.gate_proj, experts.up_proj, experts.down_proj)
     )
     g = jnp.einsum("th,efh->etf", x, gate_proj)
     u = jnp.einsum("th,efh->etf", x, up_proj)

@@ -23,8 +23,7 @@ import jax.tree_util as jtu
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from .._errors import ConfigError
-from .._quant import QuantizedWeight, dense
-from .._quant import matmul_t as _quantized_matmul_t
+from .._quant import QuantizedWeight, dense, matmul_t as _quantized_matmul_t
 from .._reduce import row_sum
 
 
