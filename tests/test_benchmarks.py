@@ -278,3 +278,31 @@ def test_grpo_size_quick():
     assert record["step_s"] > 0 and record["generate_s"] > 0 and record["reward_s"] >= 0
     assert record["peak_rss_process_gib"] >= record["peak_rss_steps_gib"] > 0
     assert record["dry_run_peak_gib"] > 0
+
+
+@pytest.mark.slow  # the default suite's time: `nox -s slow`
+def test_qlora_quick():
+    """QLoRA at tiny sizes: bytes per parameter of each kind (a real tensor's
+    bytes as the abstract count says), the dry run of a Qwen3-MoE-shaped model
+    with a bf16 and an nf4 base, the nf4 against the bf16-base LoRA step, and a
+    quantizing load's peak memory."""
+    records, _ = _quick("qlora.py")
+    parts = [r["part"] for r in records]
+    assert parts == ["bytes"] * 10 + ["bytes-real"] * 5 + [
+        "dry-run", "dry-run", "dry-run-ratio", "step", "import-rss",
+    ]  # fmt: skip
+    per = {(r["model"], r["kind"], r["double"]): r for r in records[:10]}
+    for model in ("llama8b", "qwen3_30b_a3b"):
+        nf4 = per[model, "nf4", True]["bytes_per_param"]
+        assert 0.5 < nf4 < per[model, "nf4", False]["bytes_per_param"] == 0.5625
+        assert 1 < per[model, "int8", False]["bytes_per_param"] < 1.1
+    assert all(r["matches_abstract"] for r in records[10:15])
+    bf16, nf4, ratio = records[15:18]
+    assert bf16["ok"] and nf4["ok"], (bf16.get("error"), nf4.get("error"))
+    assert (bf16["quantize"], nf4["quantize"]) == ("bf16", "nf4")
+    assert nf4["parameters_bytes"] < bf16["parameters_bytes"]
+    assert 0 < ratio["nf4_over_bf16_peak"] and "model.quantize=nf4" in nf4["command"]
+    step, load = records[18:]
+    assert step["bf16_ms"] > 0 and step["nf4_ms"] > 0 and step["ratio"] > 0
+    assert abs(step["first_loss"]["nf4"] - step["first_loss"]["bf16"]) < 0.05
+    assert load["quantized_mb"] < load["bf16_mb"] and load["load_s"] > 0
