@@ -177,8 +177,9 @@ class QuantizedWeight(eqx.Module):
         `int8_vectorwise_dequant`) does."""
         dtype = self.dtype if dtype is None else dtype
         if self.kind == "int8":
-            rows = self.scales.astype(jnp.float32)[..., None]
-            return (self.codes.astype(jnp.float32) * rows * _INT8_SCALE).astype(dtype)
+            rows = jnp.asarray(self.scales, jnp.float32)[..., None]
+            values = jnp.asarray(self.codes).astype(jnp.float32)
+            return (values * rows * _INT8_SCALE).astype(dtype)
         table = jnp.asarray(codebook(self.kind))
         high = (self.codes >> 4).astype(jnp.int32)
         low = (self.codes & 15).astype(jnp.int32)
@@ -321,7 +322,8 @@ def _tensor_int8(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """One tensor's int8 rows and their float32 absolute maxima."""
     x = np.asarray(x)
     absmax = np.abs(x).max(axis=-1).astype(np.float32)
-    scaled = x.astype(np.float32) * (np.float32(127.0) / absmax)[:, None]
+    safe = np.where(absmax > 0, absmax, np.float32(1))  # a row of zeros: codes 0
+    scaled = x.astype(np.float32) * (np.float32(127.0) / safe)[:, None]
     return np.round(scaled).astype(np.int8), absmax
 
 

@@ -15,6 +15,9 @@ if os.environ["EQTRAIN_CPU_TUNING"].strip().lower() != "fixed":
 
     eqtrain.cpu.tune_cpu(measure=False)
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# Nothing is downloaded at run time: bitsandbytes 0.50 (imported by peft) asks
+# the Hub for a CPU kernel on processors with AVX512-BF16; offline it uses its own.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # Tokenized stores go to one directory per test session (never ~/.cache); keyed
 # by content, so the tests share the built-in corpus's store.
 if "EQTRAIN_DATA_CACHE" not in os.environ:

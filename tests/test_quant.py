@@ -169,6 +169,7 @@ def test_quantized_model_computes_its_dequantized_weights(kind):
     assert bits < {"nf4": 4.2, "fp4": 4.2, "int8": 8.3}[kind]
 
 
+@pytest.mark.tuned  # re-run under each CPU setting (test_tuned_settings.py)
 def test_lora_on_a_quantized_base_trains_only_the_adapters():
     q = quantize.apply(_model(), quantize.Quantize("nf4"))
     adapted = lora.apply(q, lora.LoRA(rank=4), key=jr.key(1))

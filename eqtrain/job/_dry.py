@@ -8,7 +8,7 @@ from typing import Any
 import equinox as eqx
 import jax
 
-from .. import lora, models, sharding
+from .. import lora, models, quantize, sharding
 from .._state import TrainState
 from ..config import Config
 from ..cpu import cpu_settings as describe_cpu
@@ -39,6 +39,25 @@ def _lora_lines(job: _build.Job, abstract: Any) -> list[str]:
         f"trainable    {trained:,} of {total:,} parameters "
         f"({100 * trained / total:.2f}%); frozen {total - trained:,}",
         _opt_state_line(job, abstract),
+        *_quantize_lines(job, abstract),
+    ]
+
+
+def _quantize_lines(job: _build.Job, abstract: Any) -> list[str]:
+    """QLoRA: what the frozen base's quantized weights take, against the same
+    weights in the base's dtype."""
+    if job.quantize is None:
+        return []
+    q = job.quantize
+    size, count = quantize.quantized_bytes(abstract.model)
+    weights = len(quantize.quantized_paths(abstract.model))
+    itemsize = jax.numpy.dtype(job.config.model.param_dtype).itemsize
+    fmt = sharding.format_bytes
+    double = " (double quantization)" if q.double and q.kind != "int8" else ""
+    return [
+        f"quantize     {q.kind}{double}: {weights} weights, {count:,} parameters in "
+        f"{fmt(size)} ({8 * size / max(count, 1):.2f} bits each; "
+        f"{job.config.model.param_dtype}: {fmt(count * itemsize)})"
     ]
 
 

@@ -455,9 +455,15 @@ def residual_scale(num_layers: int) -> float:
 
 def num_params(model: Any) -> int:
     """Number of parameters (elements of every array leaf) of a model, concrete
-    or abstract (`jax.ShapeDtypeStruct` leaves from `eqx.filter_eval_shape`)."""
-    leaves = jtu.tree_leaves(model)
-    return int(sum(math.prod(x.shape) for x in leaves if _is_array_like(x)))
+    or abstract (`jax.ShapeDtypeStruct` leaves from `eqx.filter_eval_shape`); a
+    quantized weight counts the weight's elements, not its codes'."""
+    leaves = jtu.tree_leaves(model, is_leaf=lambda x: isinstance(x, QuantizedWeight))
+    counted = [
+        x
+        for x in leaves
+        if _is_array_like(x) or (isinstance(x, QuantizedWeight) and x.codes is not None)
+    ]
+    return int(sum(math.prod(x.shape) for x in counted))
 
 
 def _is_array_like(x: Any) -> bool:
