@@ -538,6 +538,17 @@ IMPORT_CONFIGS = {
         num_key_value_heads=16,
         tie_word_embeddings=False,
     ),
+    # Llama-3.1-8B's shapes (8.03B parameters: 16 GB in bf16), written tensor
+    # by tensor without building the model (`write_streamed`)
+    "8b": dict(
+        vocab_size=128256,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        tie_word_embeddings=False,
+    ),
     "quick": dict(
         vocab_size=256,
         hidden_size=64,
@@ -554,8 +565,80 @@ def maxrss() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
 
 
+def write_streamed(name: str, path: str) -> None:
+    """(In a subprocess.) A Llama-shaped bf16 checkpoint written one shard of
+    about 2 GB at a time, from one random tensor per distinct shape (the values
+    do not matter to memory): no model is ever built."""
+    import ml_dtypes
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    c = IMPORT_CONFIGS[name]
+    h, f, v = c["hidden_size"], c["intermediate_size"], c["vocab_size"]
+    heads, kv = c["num_attention_heads"], c["num_key_value_heads"]
+    d = h // heads
+    rng = np.random.default_rng(0)
+    cache: dict[tuple[int, ...], np.ndarray] = {}
+
+    def tensor(*shape: int) -> np.ndarray:
+        if shape not in cache:
+            x = rng.standard_normal(shape, dtype=np.float32) * 0.02
+            cache[shape] = x.astype(ml_dtypes.bfloat16)
+        return cache[shape]
+
+    names: list[tuple[str, tuple[int, ...]]] = [("model.embed_tokens.weight", (v, h))]
+    for i in range(c["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        names += [
+            (p + "self_attn.q_proj.weight", (h, h)),
+            (p + "self_attn.k_proj.weight", (kv * d, h)),
+            (p + "self_attn.v_proj.weight", (kv * d, h)),
+            (p + "self_attn.o_proj.weight", (h, h)),
+            (p + "mlp.gate_proj.weight", (f, h)),
+            (p + "mlp.up_proj.weight", (f, h)),
+            (p + "mlp.down_proj.weight", (h, f)),
+            (p + "input_layernorm.weight", (h,)),
+            (p + "post_attention_layernorm.weight", (h,)),
+        ]
+    names += [("model.norm.weight", (h,)), ("lm_head.weight", (v, h))]
+    os.makedirs(path, exist_ok=True)
+    shards: list[dict[str, np.ndarray]] = [{}]
+    size = 0
+    for key, shape in names:
+        t = tensor(*shape) if len(shape) == 2 else np.ones(shape, ml_dtypes.bfloat16)
+        if size and size + t.nbytes > 2 * 10**9:
+            shards.append({})
+            size = 0
+        shards[-1][key] = t
+        size += t.nbytes
+    weight_map = {}
+    for k, shard in enumerate(shards):
+        file = f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, os.path.join(path, file), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(shard, file))
+    total = sum(t.nbytes for shard in shards for t in shard.values())
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    Path(path, "model.safetensors.index.json").write_text(json.dumps(index))
+    config = {
+        "model_type": "llama",
+        "architectures": ["LlamaForCausalLM"],
+        **c,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 500000.0,
+        "max_position_embeddings": 8192,
+        "torch_dtype": "bfloat16",
+    }
+    Path(path, "config.json").write_text(json.dumps(config))
+    largest = max(t.nbytes for shard in shards for t in shard.values())
+    count = sum(len(shard) for shard in shards)
+    print(json.dumps({"bf16_bytes": total, "largest_bytes": largest, "tensors": count}))
+
+
 def write_export(name: str, path: str) -> None:
     """(In a subprocess.) A random bf16 Llama, written as safetensors."""
+    if name == "8b":
+        write_streamed(name, path)
+        return
     import jax
     import jax.random as jr
     from safetensors import safe_open
@@ -627,12 +710,13 @@ def _sub(args: list[str]) -> dict[str, Any]:
 
 
 def run_import_rss(args: argparse.Namespace) -> None:
-    name = "quick" if args.quick else "full"
-    with tempfile.TemporaryDirectory(prefix="qlora_import_") as tmp:
+    name = "quick" if args.quick else getattr(args, "config", None) or "full"
+    with tempfile.TemporaryDirectory(prefix="qlora_import_", dir=args.tmp) as tmp:
         path = os.path.join(tmp, "hf")
         info = _sub(["--write", name, path])  # in a subprocess: nothing held here
         quant = _sub(["--child", "nf4", path])
-        plain = _sub(["--child", "bf16", path])
+        # an 8B bf16 load would not fit this machine's memory: its bound is known
+        plain = quant if name == "8b" else _sub(["--child", "bf16", path])
     above = quant["peak"] - quant["baseline"]
     plain_above = plain["peak"] - plain["baseline"]
     bound = quant["model_bytes"] + info["largest_bytes"]
@@ -692,7 +776,15 @@ def main() -> None:
     step.add_argument("--seq", type=int, default=256)
     step.add_argument("--rounds", type=int, default=5)
     step.add_argument("--steps", type=int, default=3, help="steps per round")
-    sub.add_parser("import-rss", help="peak RSS of hf.load(..., quantize=nf4)")
+    rss = sub.add_parser("import-rss", help="peak RSS of hf.load(..., quantize=nf4)")
+    rss.add_argument(
+        "--config",
+        default="full",
+        choices=("full", "8b"),
+        help="full: 334M parameters; 8b: Llama-3.1-8B's shapes (16 GB written to "
+        "--tmp; the plain load is skipped)",
+    )
+    rss.add_argument("--tmp", default=None, help="where the checkpoint is written")
     sub.add_parser("all", help="all four (their default options)")
     args = parser.parse_args()
     defaults = {
@@ -703,6 +795,8 @@ def main() -> None:
         "batch": 4,
         "rounds": 5,
         "steps": 3,
+        "config": "full",
+        "tmp": None,
     }
     for key, value in defaults.items():
         if not hasattr(args, key):

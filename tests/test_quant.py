@@ -9,7 +9,7 @@ import jax.random as jr
 import numpy as np
 import pytest
 
-from eqtrain import _quant, hf, lora, quantize, sharding
+from eqtrain import _quant, checkpoint, hf, lora, quantize, sharding
 from eqtrain._errors import ConfigError
 from eqtrain.hf import _lazy
 from eqtrain.models import llama
@@ -213,11 +213,13 @@ def test_quantized_experts_compute_their_dequantized_weights():
     )
 
 
-def test_quantize_on_read_equals_quantizing_after(tmp_path, monkeypatch):
+@pytest.mark.parametrize("experts", [0, 4])
+def test_quantize_on_read_equals_quantizing_after(tmp_path, monkeypatch, experts):
     """`hf.load(quantize=)` gives the codes of quantizing the loaded model, and
     reads a quantized parameter one stored tensor at a time (never the stacked
-    parameter whole)."""
-    model = _model("bfloat16")
+    parameter whole); experts' weights one expert's tensor at a time."""
+    moe = {"num_experts": 4, "num_experts_per_tok": 2, "model_type": "mixtral"}
+    model = _model("bfloat16", **(moe if experts else {}))
     hf.export(model, None, tmp_path / "hf")
     plain, _ = hf.load(tmp_path / "hf")
     expected = quantize.apply(plain, quantize.Quantize("nf4"))
@@ -231,6 +233,8 @@ def test_quantize_on_read_equals_quantizing_after(tmp_path, monkeypatch):
     )
     read, _ = hf.load(tmp_path / "hf", quantize=quantize.Quantize("nf4"))
     assert not any(leaf.quantized is not None for leaf in whole)
+    if experts:
+        assert "layers.mlp.experts.down_proj" in quantize.quantized_paths(read)
     for a, b in zip(jax.tree.leaves(read), jax.tree.leaves(expected), strict=True):
         assert a.dtype == b.dtype and np.array_equal(np.asarray(a), np.asarray(b))
 
@@ -283,6 +287,13 @@ def test_quantize_keys_reach_the_run(tmp_path):
         job.build(config_lib.load(plain, ["model.quantize=nf4"]))
 
     result = job.run(config_lib.load(path, ["model.quantize=nf4"]), echo=lambda s: None)
+    manifest = checkpoint.read_manifest(tmp_path / "run", step=6)
+    saved = [k for k in manifest["leaves"] if k.startswith("model.")]
+    assert saved and all(lora.is_adapter_path(k) for k in saved)  # no codes
+    assert manifest["base"]["quantize"] == {
+        "kind": "nf4", "skip": quantize.DEFAULT_SKIP, "double": True,
+    }  # fmt: skip
+    assert manifest["base"]["sha256"] != hf.content_hash(tmp_path / "base")["sha256"]
     state = result.fit.state
     weight = state.model.layers.mlp.up_proj.weight
     assert isinstance(weight, quantize.QuantizedWeight) and weight.double
