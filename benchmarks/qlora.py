@@ -716,10 +716,12 @@ def run_import_rss(args: argparse.Namespace) -> None:
         info = _sub(["--write", name, path])  # in a subprocess: nothing held here
         quant = _sub(["--child", "nf4", path])
         # an 8B bf16 load would not fit this machine's memory: its bound is known
-        plain = quant if name == "8b" else _sub(["--child", "bf16", path])
+        plain = None if name == "8b" else _sub(["--child", "bf16", path])
     above = quant["peak"] - quant["baseline"]
-    plain_above = plain["peak"] - plain["baseline"]
     bound = quant["model_bytes"] + info["largest_bytes"]
+    if plain is None:  # not measured
+        plain = {"peak": 0, "baseline": 0, "model_bytes": 0, "s": 0.0}
+    plain_above = plain["peak"] - plain["baseline"]
     plain_bound = plain["model_bytes"] + info["largest_bytes"]
     mb = lambda b: round(b / MB, 1)
     emit(
@@ -737,12 +739,12 @@ def run_import_rss(args: argparse.Namespace) -> None:
             "above_baseline_mb": mb(above),
             "ratio": round(above / bound, 3),
             "plain_above_baseline_mb": mb(plain_above),
-            "plain_ratio": round(plain_above / plain_bound, 3),
+            "plain_ratio": round(plain_above / plain_bound, 3) if plain_above else None,
             "nf4_over_plain_above_baseline": round(above / plain_above, 3)
             if plain_above > 0
             else None,  # --quick: a load too small to raise the process's peak
             "load_s": round(quant["s"], 2),
-            "plain_load_s": round(plain["s"], 2),
+            "plain_load_s": round(plain["s"], 2) if plain_above else None,
         }
     )
 
