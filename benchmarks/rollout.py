@@ -26,6 +26,7 @@ Usage (CPU; needs the `hf` extra):
 
     JAX_PLATFORMS=cpu .venv/bin/python benchmarks/rollout.py [--rounds 3]
         [--batch 64] [--prompt 32] [--new 256] [--stops 8] [--no-tune-cpu]
+        [--padded 256]   # also: the prompts left-padded to 256 (no prompt buckets)
     JAX_PLATFORMS=cpu .venv/bin/python benchmarks/rollout.py --quick   # smoke test
 """
 
@@ -43,12 +44,20 @@ import eqtrain
 
 
 class Eqtrain:
-    def __init__(self, model: Any, prompts: Any, args: Any, shrink: bool) -> None:
+    def __init__(
+        self, model: Any, prompts: Any, args: Any, shrink: bool, width: int = 0
+    ) -> None:
         import jax.numpy as jnp
+        import numpy as np
 
         self.model, self.args, self.shrink = model, args, shrink
+        rows, n = prompts.shape
+        if width > n:  # left-padded to `width`, as a prompt of a wider bucket
+            padded = np.zeros((rows, width), prompts.dtype)
+            padded[:, width - n :] = prompts
+            prompts = padded
         self.prompts = jnp.asarray(prompts)
-        self.lengths = jnp.full((prompts.shape[0],), prompts.shape[1], jnp.int32)
+        self.lengths = jnp.full((rows,), n, jnp.int32)
         self.round = 0
 
     def __call__(self) -> tuple[float, int, int]:
@@ -122,13 +131,15 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any]:
         "generate": Eqtrain(ours, prompts, args, shrink=False),
         "transformers": Transformers(theirs, prompts, args, torch),
     }
+    if args.padded:  # GRPO without prompt buckets: every prompt at the full width
+        sides["padded"] = Eqtrain(ours, prompts, args, shrink=True, width=args.padded)
     for run in sides.values():  # compile (eqtrain) and warm up, untimed
         run()
     rates: dict[str, list[float]] = {name: [] for name in sides}
     lengths: list[tuple[int, int]] = []
     order = list(sides)
     for r in range(args.rounds):
-        for name in order[r % 3 :] + order[: r % 3]:
+        for name in order[r % len(order) :] + order[: r % len(order)]:
             seconds, tokens, longest = sides[name]()
             rates[name].append(tokens / seconds)
             lengths.append((tokens, longest))
@@ -159,7 +170,9 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any]:
             "shrink_vs_generate": ratio("shrink", "generate"),
             "shrink_vs_transformers": ratio("shrink", "transformers"),
             "generate_vs_transformers": ratio("generate", "transformers"),
+            **({"shrink_vs_padded": ratio("shrink", "padded")} if args.padded else {}),
         },
+        "padded": args.padded,
     }
 
 
@@ -178,6 +191,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--heads", type=int, default=4)
     add("--kv-heads", type=int, default=4)
     add("--threads", type=int, default=0, help="torch threads (0: default)")
+    add(
+        "--padded",
+        type=int,
+        default=0,
+        help="also shrink with the prompts left-padded to this width (a GRPO "
+        "batch without prompt buckets; 0: not run)",
+    )
     add(
         "--tune-cpu",
         action=argparse.BooleanOptionalAction,

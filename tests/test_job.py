@@ -341,6 +341,7 @@ ELSEWHERE = {
     "model.sequence_layout": "test_sequence.py: test_sequence_keys_reach_the_run",
     "model.adapter_from": "test_lora_job.py: test_adapter_from_continues_a_peft...",
     "model.quantize": "test_quant.py: test_quantize_keys_reach_the_run",
+    "task.prompt_buckets": "test_prompt_buckets.py: test_prompt_buckets_reach_the_run",
     "model.quantize_skip": "test_quant.py: test_quantize_keys_reach_the_run",
     "model.quantize_double": "test_quant.py: test_quantize_keys_reach_the_run",
     **{

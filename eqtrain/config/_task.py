@@ -154,6 +154,15 @@ class TaskConfig:
         "(`sequence`: GSPO, arXiv:2507.18071; TRL's importance_sampling_level).",
         choices=IMPORTANCE_LEVELS,
     )
+    prompt_buckets: int = setting(
+        4,
+        "grpo: prompts are cut to the narrowest of this many widths that holds "
+        "each batch's longest (the prompt width, then halves of it, the "
+        "narrowest at least 64 tokens), and an epoch's batches group prompts of "
+        "one width; one compiled step per width. 1: every prompt at the full "
+        "width.",
+        min=1,
+    )
     passes: int = setting(
         1,
         "grpo: optimizer updates on each sampled batch (TRL's num_iterations); "

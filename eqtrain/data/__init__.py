@@ -18,6 +18,10 @@ Post-training (SFT, preference pairs) with the model's own chat template:
     pairs, report = preference_rows(records, tok, seq_len=512, template=template)
 """
 
+from ._buckets import (
+    PromptBuckets as PromptBuckets,
+    bucket_widths as bucket_widths,
+)
 from ._chat import (
     MASK_RULE as MASK_RULE,
     BuiltinChatTemplate as BuiltinChatTemplate,

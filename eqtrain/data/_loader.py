@@ -52,8 +52,10 @@ class Loader:
             row source: an object with `num_rows` and `take(indices)` returning
             a dict of arrays, such as a tokenized store's `LMRows` or a
             `Mixture` (which may define `epoch_order(epoch, seed=, shuffle=)`;
-            it then decides each epoch's order). Rows are read only when a
-            batch needs them, in the prefetch thread.
+            it then decides each epoch's order; and `take_in_batch(indices,
+            batch_rows)`, which then reads this process's rows knowing the
+            whole global batch's, as `PromptBuckets` does). Rows are read only
+            when a batch needs them, in the prefetch thread.
         batch_size: the global batch size B (all processes together).
         mode: `"train"` or `"eval"` (see above).
         seed: the data-order seed (independent of the model's key).
@@ -274,15 +276,25 @@ class Loader:
         rows = order[index * self.batch_size : (index + 1) * self.batch_size]
         local = rows[p * b : (p + 1) * b]  # may be short (or empty) on a last batch
         if len(local):
-            batch = self._transformed(self._table.take(local))
+            batch = self._transformed(self._take(local, rows))
         else:  # this process's slice is all padding: zero rows of the right shapes
             batch = jtu.tree_map(
                 lambda x: np.zeros_like(x[:0]),
-                self._transformed(self._table.take(order[:1])),
+                self._transformed(self._take(order[:1], rows)),
             )
         if self._pads:
             batch = _padded(batch, len(local), b)
         return self._placed(batch)
+
+    def _take(self, indices: np.ndarray, batch_rows: np.ndarray) -> Any:
+        """Rows `indices` of the global batch `batch_rows`: a row source with
+        `take_in_batch(indices, batch_rows)` shapes them by the whole batch
+        (e.g. `PromptBuckets` cuts prompts to the batch's width, the same in
+        every process)."""
+        custom = getattr(self._table.data, "take_in_batch", None)
+        if self._table.kind == "rows" and custom is not None:
+            return custom(indices, batch_rows)
+        return self._table.take(indices)
 
     def _transformed(self, rows: Any) -> Any:
         if self.transform is not None:

@@ -119,7 +119,7 @@ def train_rows(job: Job) -> Any:
     if kind == "lm":
         rows = _text_rows(job)
     elif kind == "grpo":
-        rows = grpo_rows(job, job.config.data.train, "data.train")
+        rows = _bucketed(job, grpo_rows(job, job.config.data.train, "data.train"))
     else:
         rows = post_rows(job, job.config.data.train, "data.train")
     _check_one_batch(job, rows)
@@ -156,6 +156,17 @@ def _check_one_batch(job: Job, rows: Any) -> None:
         + (f"{skipped.rstrip('.')}. " if skipped else "")
         + "Lower data.batch_size or data.seq_len, or add data."
     )
+
+
+def _bucketed(job: Job, rows: data_lib.PostRows) -> Any:
+    """GRPO's training prompts in buckets of `task.prompt_buckets` widths
+    (`data.PromptBuckets`); as they are when only one width is left."""
+    config = job.config
+    width = int(rows.settings["width"])
+    widths = data_lib.bucket_widths(width, config.task.prompt_buckets)
+    if len(widths) == 1:
+        return rows
+    return data_lib.PromptBuckets(rows, rows.lengths(), widths, config.data.batch_size)
 
 
 def grpo_rows(

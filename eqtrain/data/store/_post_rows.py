@@ -115,6 +115,16 @@ class PostRows:
             mask[start:stop].astype(np.float32),
         )
 
+    def lengths(self) -> np.ndarray:
+        """Every example's token count (`int64 [num_examples]`; a prompt
+        store's: each prompt's length), from the parts' ends, without reading a
+        token."""
+        out = []
+        for p in range(len(self.meta["parts"])):
+            ends = np.asarray(self._part(p)[2], np.int64)
+            out.append(np.diff(ends, prepend=0))
+        return np.concatenate(out) if out else np.zeros(0, np.int64)
+
     def record(self, r: int) -> Any:
         """GRPO: kept record `r` (its prompt and other columns), read from its part."""
         p = int(np.searchsorted(self._first, r, side="right")) - 1
