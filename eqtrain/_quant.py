@@ -104,6 +104,10 @@ def _linspace(start: float, end: float, steps: int) -> np.ndarray:
     return np.where(i < steps // 2, up, down).astype(np.float32)
 
 
+DYNAMIC = dynamic_map()
+"""`dynamic_map()`, computed once."""
+
+
 def codebook(kind: str) -> np.ndarray:
     """The values a 4-bit code stands for (`"nf4"`, `"fp4"`), in code order."""
     return {"nf4": NF4, "fp4": FP4}[kind]
@@ -199,7 +203,7 @@ class QuantizedWeight(eqx.Module):
         groups = self.scales2.shape[-1]
         codes = self.scales.reshape(*lead, n)
         codes = jnp.pad(codes, [(0, 0)] * len(lead) + [(0, groups * BLOCK2 - n)])
-        values = jnp.asarray(dynamic_map())[codes.astype(jnp.int32)]
+        values = jnp.asarray(DYNAMIC)[codes.astype(jnp.int32)]
         values = values.reshape(*lead, groups, BLOCK2) * self.scales2[..., None]
         flat = values.reshape(*lead, groups * BLOCK2)[..., :n]
         return flat.reshape(*lead, out, nb) + self.offset[..., None, None]
@@ -299,7 +303,7 @@ def _lut() -> np.ndarray:
     """bitsandbytes' CPU lookup table for 8-bit codes: 65,536 evenly spaced
     points of [-1, 1], each with the first map entry whose midpoint with the
     next is not below it."""
-    table = dynamic_map()
+    table = DYNAMIC
     mid = np.float32(0.5) * (table[:-1] + table[1:])
     points = np.float32(-1) + (
         np.float32(2) * np.arange(_LUT, dtype=np.float32)

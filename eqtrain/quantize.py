@@ -108,16 +108,11 @@ def _dotted(keys: Any) -> str:
     return jtu.keystr(keys, simple=True, separator=".")
 
 
-def _targets(model: Any, spec: Quantize) -> list[tuple[str, Any, str]]:
-    """`(dotted path, module, field)` of each weight `spec` selects."""
-    flat, _ = jtu.tree_flatten_with_path(model, is_leaf=_is_site)
-    out = []
-    for keys, x in flat:
-        if isinstance(x, (Linear, LoRALinear)):
-            out.append((_dotted(keys), x, "weight"))
-        elif isinstance(x, Experts):
-            out += [(f"{_dotted(keys)}.{f}", x, f) for f in EXPERT_WEIGHTS]
-    return [(p, m, f) for p, m, f in out if not spec.skips(p)]
+def _weights(model: Any) -> list[tuple[str, Any]]:
+    """`(dotted path, weight)` of every linear layer's and experts' weight."""
+    found: list[tuple[str, Any]] = []
+    _replace_weights(model, lambda path, w: found.append((path, w)) or w)
+    return found
 
 
 def apply(model: PyTree, spec: Quantize, *, abstract_only: bool = False) -> PyTree:
@@ -140,15 +135,12 @@ def apply(model: PyTree, spec: Quantize, *, abstract_only: bool = False) -> PyTr
         ConfigError: nothing is left to quantize (no linear layer, or `skip`
             keeps them all), or a weight is quantized already.
     """
-    chosen = _targets(model, spec)
-    if any(is_quantized(getattr(m, f)) for _, m, f in chosen):
+    chosen = [(p, w) for p, w in _weights(model) if not spec.skips(p)]
+    if any(is_quantized(w) for _, w in chosen):
         raise ConfigError(
             "this model is quantized already; `quantize.dequantize` it first."
         )
-    chosen = [
-        (p, m, f) for p, m, f in chosen if quantizable(getattr(m, f).shape, spec.kind)
-    ]
-    if not chosen:
+    if not any(quantizable(w.shape, spec.kind) for _, w in chosen):
         raise ConfigError(
             f"`quantize` {spec.kind} finds no weight to quantize in "
             f"{type(model).__name__}: no linear layer outside `skip` "

@@ -191,7 +191,6 @@ def _place_quantized(leaf: Leaf, sharding: Any) -> QuantizedWeight:
     filler = Filler(leaf.quantized)
     for at, tensor in leaf.tensors():
         filler.put(at, tensor)
-        del tensor
     if sharding is None or isinstance(sharding, Sharding):
         return filler.weight(lambda _, a: _put(a, sharding))
     targets = {

@@ -31,7 +31,7 @@ import jax.random as jr
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from .._errors import ConfigError
-from .._quant import QuantizedWeight, apply_linear, dense
+from .._quant import QuantizedWeight, dense, matmul_t
 from ._layers import gated
 
 
@@ -330,12 +330,8 @@ def _expert_product(x: Array, w: Any, group: Array) -> Array:
     """`x @ w[group].T`; a quantized `w` has only that expert's weight
     dequantized, beside the product (`apply_linear`)."""
     if isinstance(w, QuantizedWeight):
-        return apply_linear(_dot_t, x, w.take(group))
-    return _dot_t(x, lax.dynamic_index_in_dim(w, group, keepdims=False))
-
-
-def _dot_t(x: Array, w: Array) -> Array:
-    return lax.dot_general(x, w, (((1,), (1,)), ((), ())))
+        return matmul_t(x, w.take(group))
+    return matmul_t(x, lax.dynamic_index_in_dim(w, group, keepdims=False))
 
 
 def grouped_ffn(
