@@ -1,9 +1,10 @@
 """Attention kernels and their masks: causal attention of one sequence
 (`attention`), dispatching to one fused call (`dot_attention`), causal query
 blocks (`causal_blocks`) or rematerialised query chunks (`blocked_attention`);
-or flash blocks (`_flash.flash_attention`, `implementation="flash"`); the
-masks come from positions and segment ids (`_masks`). A new kernel belongs
-beside these.
+or flash blocks (`_flash.flash_attention`, `implementation="flash"`), or the
+same as Pallas kernels (`_pallas_attention`, `implementation="pallas"`: Triton
+on GPUs, interpreted on the CPU); the masks come from positions and segment
+ids (`_masks`). A new kernel belongs beside these.
 
 Sequence-parallel attention (`_sequence`) and the KV cache's (`_cache`) build on
 these masks and kernels.
@@ -21,6 +22,7 @@ from .._errors import ConfigError
 from .._reduce import row_softmax, row_sum
 from ._flash import flash_attention
 from ._masks import position_mask, segment_mask
+from ._pallas_attention import pallas_attention
 
 
 def attention(
@@ -51,6 +53,9 @@ def attention(
     softmax over key blocks, the probabilities recomputed in the backward pass),
     so that no `[heads, block, seq]` scores exist either; "cudnn": one fused
     GPU kernel (`dot_attention`); None or "xla": XLA's, the causal blocks.
+    "pallas": the flash blocks as Pallas kernels (`pallas_attention`: Triton
+    on GPUs, interpreted on the CPU). cuDNN has no soft-capped kernel: with a
+    `softcap`, "cudnn" takes the Pallas kernels (Gemma 2 on GPUs).
 
     `scale` multiplies the scores (default `head_dim ** -0.5`); `softcap` caps
     them as `softcap * tanh(scores / softcap)` before the mask (Gemma 2).
@@ -59,6 +64,8 @@ def attention(
         segment_ids=segment_ids, sliding_window=sliding_window,
         implementation=implementation, scale=scale, softcap=softcap,
     )  # fmt: skip
+    if implementation == "pallas" or (implementation == "cudnn" and softcap):
+        return pallas_attention(q, k, v, **_flash_args(common))
     if implementation == "cudnn":  # the fused kernel takes the whole sequence
         return one_call_attention(q, k, v, **common)
     if implementation == "flash":
@@ -114,8 +121,8 @@ def dot_attention(
     written out (no fused kernel caps scores): f32 scores `q . k * scale`,
     `softcap * tanh(scores / softcap)`, masked, softmax in f32, cast to `q`'s
     dtype, times `v`. Grouped-query heads as `attention`."""
-    if implementation == "flash":  # a kernel of `attention`; one call is XLA's
-        implementation = None
+    if implementation in ("flash", "pallas"):  # kernels of `attention`; one
+        implementation = None  # masked call is XLA's
     if softcap is None:
         return jax.nn.dot_product_attention(
             q,
@@ -130,7 +137,8 @@ def dot_attention(
     if implementation == "cudnn":
         raise ConfigError(
             "attention soft-capping (attn_logit_softcapping, Gemma 2) has no "
-            "cuDNN kernel; use attention_impl = None or 'xla'."
+            "cuDNN kernel here (a masked or sequence-parallel call); use "
+            "attention_impl = 'pallas', None or 'xla'."
         )
     keep = _grouped_mask(q, k, mask, is_causal, local_window_size)
     return capped_attention(q, k, v, keep, scale=scale, softcap=softcap)

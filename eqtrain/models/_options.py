@@ -112,14 +112,14 @@ def check_runtime(config: Any) -> None:
     as_dtype(config.param_dtype)
 
 
-ATTENTION_IMPLS = (None, "xla", "flash", "cudnn")
+ATTENTION_IMPLS = (None, "xla", "flash", "pallas", "cudnn")
 """The attention kernels (`attention`'s `implementation`)."""
 
 
 def check_attention_impl(attention_impl: Any) -> None:
     if attention_impl not in ATTENTION_IMPLS:
         raise ConfigError(
-            "`attention_impl` must be None, 'xla', 'flash' or 'cudnn'; got "
+            "`attention_impl` must be None, 'xla', 'flash', 'pallas' or 'cudnn'; got "
             f"{attention_impl!r}."
         )
 

@@ -1,0 +1,206 @@
+"""Flash attention as Pallas kernels (`implementation="pallas"`,
+`eqtrain.models._pallas_attention`), run interpreted on the CPU: the same
+values and gradients as the plain attention for every mask the families use
+(causal, packed segments, sliding windows, Gemma 2's soft-cap, grouped-query
+heads), a head size and a sequence that are not whole tiles, in f32 and bf16;
+the kernels lower to Triton for CUDA (forward and both backward kernels); a
+model with `attention_impl="pallas"` trains as the default one; cuDNN's
+soft-capped layers take the Pallas kernels."""
+
+import jax
+import jax.numpy as jnp
+import jax.random as jr
+import numpy as np
+import pytest
+from jax import export
+
+from eqtrain import models
+from eqtrain._errors import ConfigError
+from eqtrain.models import _pallas_attention
+from eqtrain.models._attention import attention
+from eqtrain.models._pallas_attention import pallas_attention
+
+
+def _qkv(seq, heads=4, kv=2, dim=8, dtype=jnp.float32, seed=0):
+    keys = jr.split(jr.key(seed), 3)
+    return tuple(
+        jr.normal(key, (seq, h, dim)).astype(dtype)
+        for key, h in zip(keys, (heads, kv, kv), strict=True)
+    )
+
+
+def _segments(seq):
+    """Three packed examples and a padding tail (id 0)."""
+    cut = [seq // 4, seq // 2 + 3, seq - seq // 8]
+    ids = np.zeros(seq, np.int32)
+    ids[: cut[0]], ids[cut[0] : cut[1]], ids[cut[1] : cut[2]] = 1, 2, 3
+    return jnp.asarray(ids)
+
+
+CASES = {
+    "causal": dict(),
+    "segments": dict(segments=True),
+    "window": dict(segments=True, sliding_window=23),
+    "softcap": dict(softcap=5.0, scale=0.3),
+    "everything": dict(segments=True, sliding_window=40, softcap=8.0),
+}
+
+
+def _keywords(seq, case):
+    opts = dict(CASES[case])
+    segs = _segments(seq) if opts.pop("segments", False) else None
+    kw = dict(segment_ids=segs, sliding_window=opts.pop("sliding_window", None))
+    return kw | opts
+
+
+def _both(seq, case, block):
+    """`(pallas, plain)` functions of (q, k, v) for `CASES[case]`."""
+    kw = _keywords(seq, case)
+
+    def kernel(q, k, v):
+        return pallas_attention(q, k, v, block=block, **kw)
+
+    def plain(q, k, v):  # one masked call over the whole sequence
+        return attention(q, k, v, implementation=None, query_chunk=seq, **kw)
+
+    return kernel, plain
+
+
+def _values_and_grads(fn, q, k, v, cotangent):
+    out, pull = jax.vjp(jax.jit(fn), q, k, v)
+    return (out, *pull(cotangent))
+
+
+def _compare(case, seq, block, *, dim=8, heads=4, kv=2, dtype=jnp.float32, seed=0):
+    q, k, v = _qkv(seq, heads=heads, kv=kv, dim=dim, dtype=dtype, seed=seed)
+    cotangent = jr.normal(jr.key(seed + 7), q.shape).astype(dtype)
+    kernel, plain = _both(seq, case, block)
+    got = _values_and_grads(kernel, q, k, v, cotangent)
+    want = _values_and_grads(plain, q, k, v, cotangent)
+    for name, a, b in zip(("out", "dq", "dk", "dv"), got, want, strict=True):
+        assert a.dtype == dtype and a.shape == b.shape, name
+        a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+        if dtype == jnp.float32:
+            np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-5, err_msg=name)
+        else:  # bf16: 8 bits of mantissa, a few roundings apart
+            np.testing.assert_allclose(a, b, atol=3e-2 * np.abs(b).max(), err_msg=name)
+
+
+# Every mask at once, a head size of 24 (padded to 32) and a sequence of 100
+# (padded to 4 tiles of 32), in both dtypes, in the default suite; the grid
+# under `slow`.
+FAST = {("everything", 100, 32, 24)}
+GRID = [
+    pytest.param(case, seq, block, dim,
+                 marks=() if (case, seq, block, dim) in FAST else pytest.mark.slow)
+    for case in CASES for seq, block, dim in [(100, 32, 24), (96, 16, 8), (40, 64, 8)]
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("case,seq,block,dim", GRID)
+def test_pallas_equals_plain_attention_values_and_gradients(case, seq, block, dim):
+    _compare(case, seq, block, dim=dim)
+
+
+def test_pallas_in_bf16_matches_within_bf16_rounding():
+    _compare("everything", 100, 32, dim=24, dtype=jnp.bfloat16, seed=3)
+
+
+@pytest.mark.slow  # the default suite's time
+def test_multi_query_heads_and_a_single_tile():
+    """One key/value head for eight query heads (their `dk`, `dv` summed);
+    a sequence shorter than a tile is one tile pair."""
+    _compare("segments", 24, 32, heads=8, kv=1, seed=5)
+
+
+def test_the_kernels_lower_to_triton_for_cuda():
+    """The forward and both backward kernels go through Pallas' Triton
+    lowering for CUDA (no GPU needed: `jax.export` lowers for a platform it
+    does not run), with every mask and a bf16 head of 80 (padded to 128): a
+    construct Triton cannot take fails here, not first on a GPU."""
+    seq = 200
+    q, k, v = (x.astype(jnp.bfloat16) for x in _qkv(seq, dim=80))
+    segs = _segments(seq)
+
+    def loss(q, k, v):
+        out = pallas_attention(
+            q, k, v, segment_ids=segs, sliding_window=64, softcap=50.0, interpret=False
+        )
+        return jnp.sum(out.astype(jnp.float32) ** 2)
+
+    checks = [export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
+    grad = jax.jit(jax.grad(loss, (0, 1, 2)))
+    module = export.export(grad, platforms=["cuda"], disabled_checks=checks)(q, k, v)
+    text = module.mlir_module()
+    assert text.count("__gpu$xla.gpu.triton") == 3  # forward, dq, dk/dv
+    assert "num_warps = 8" in text  # a head of 128 after padding
+
+
+def _gemma2(impl):
+    config = models.DecoderConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        sliding_window=24, layer_types=("sliding_attention", "full_attention"),
+        attn_logit_softcapping=20.0, attention_impl=impl, scan_layers=False,
+    )  # fmt: skip
+    return models.Decoder(config, jr.key(0))
+
+
+def test_a_model_with_pallas_attention_trains_as_the_default():
+    """A Gemma-2-like decoder (soft-capped scores, a windowed and a full
+    layer, GQA) on packed rows: the same loss and gradients as XLA's
+    attention."""
+    tokens = jr.randint(jr.key(1), (2, 80), 0, 64)
+    segs = jnp.asarray(np.repeat([[1, 2]], 40, axis=1).repeat(2, axis=0))
+
+    def loss(model):
+        logits = jax.vmap(lambda t, s: model(t, segment_ids=s))(tokens, segs)
+        return jnp.mean(jax.nn.log_softmax(logits)[..., 0])
+
+    got = jax.jit(jax.value_and_grad(loss))(_gemma2("pallas"))
+    want = jax.jit(jax.value_and_grad(loss))(_gemma2(None))
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-6)
+    for a, b in zip(jax.tree.leaves(got[1]), jax.tree.leaves(want[1]), strict=True):
+        np.testing.assert_allclose(a, b, rtol=2e-4, atol=1e-6)
+
+
+def _kernels(fn, *args) -> int:
+    jaxpr = jax.make_jaxpr(fn)(*args)
+    return str(jaxpr).count("pallas_call")
+
+
+def test_cudnn_takes_the_pallas_kernels_for_soft_capped_scores():
+    """cuDNN has no soft-capped kernel: `attention_impl="cudnn"` runs Gemma
+    2's capped layers through the Pallas kernels (the others go to cuDNN,
+    which the CPU cannot trace); a masked call (`dot_attention`) still refuses
+    the cap, naming the kernel that takes it."""
+    q, k, v = _qkv(48)
+    kw = dict(segment_ids=None, sliding_window=None, implementation="cudnn")
+    capped = lambda q, k, v: attention(q, k, v, softcap=10.0, **kw)
+    assert _kernels(capped, q, k, v) == 1
+    assert (
+        _kernels(
+            lambda q, k, v: attention(q, k, v, **kw | {"implementation": "pallas"}),
+            q,
+            k,
+            v,
+        )
+        == 1
+    )
+    from eqtrain.models._attention import dot_attention
+
+    with pytest.raises(ConfigError, match="pallas"):
+        dot_attention(q, k, v, implementation="cudnn", softcap=10.0)
+
+
+def test_bad_tiles_and_tpus_are_refused(monkeypatch):
+    q, k, v = _qkv(32)
+    with pytest.raises(ConfigError, match="power of two"):
+        pallas_attention(q, k, v, block=24)
+    monkeypatch.setattr(_pallas_attention.jax, "default_backend", lambda: "tpu")
+    with pytest.raises(ConfigError, match="TPU"):
+        pallas_attention(q, k, v)
+    with pytest.raises(ConfigError, match="attention_impl"):
+        models.LlamaConfig(vocab_size=8, hidden_size=8, intermediate_size=8,
+                           num_hidden_layers=1, num_attention_heads=1,
+                           attention_impl="triton")  # fmt: skip
