@@ -38,8 +38,10 @@ from .._errors import ConfigError
 
 
 PALLAS_BLOCK = 64
-"""Queries (and keys) per block: 64 x 64 score tiles keep a Triton program's
-registers within an H100's budget at head sizes up to 256."""
+"""Queries (and keys) per block: a 64 x 64 tile of f32 scores, and the
+query, key and value tiles beside it, stay within one Triton program's
+registers at head sizes up to 256 (untimed: docs/performance.md lists what
+remains to measure on a GPU)."""
 
 _NEG = -1e30  # a masked score: finite, so a row without keys yet never gives NaN
 _F32 = jnp.float32
