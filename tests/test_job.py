@@ -402,6 +402,7 @@ ELSEWHERE = {
     "model.remat_offload": "test_memory.py: test_memory_keys_reach_the_job",
     "model.mlp_chunks": "test_memory.py: test_memory_keys_reach_the_job",
     "model.attention_chunk": "test_memory.py: test_memory_keys_reach_the_job",
+    "model.attention_impl": "test_memory.py: test_memory_keys_reach_the_job",
     "model.loss_chunk": "test_memory.py: test_memory_keys_reach_the_job, "
     "test_dry_run_reports_the_compiled_step",
     **{

@@ -248,9 +248,12 @@ def test_memory_keys_reach_the_job(tmp_path):
             "model.mlp_chunks=4",
             "model.loss_chunk=64",
             "model.attention_chunk=8",
+            "model.attention_impl=pallas",
         )
     )
     m = built.model_config
+    assert m.attention_impl == "pallas"
+    assert job.build(_config(tmp_path)).model_config.attention_impl == "auto"
     assert (m.remat, m.remat_save, m.remat_offload) == (
         "custom",
         ("query", "key"),

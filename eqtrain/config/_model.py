@@ -169,6 +169,16 @@ class ModelConfig:
         min=1,
         kind="auto_int",
     )
+    attention_impl: str = setting(
+        "auto",
+        "The attention kernel: `xla` (XLA's, in causal blocks of queries), "
+        "`flash` (flash blocks in JAX), `pallas` (flash attention as Pallas "
+        "kernels: Triton on GPUs, interpreted, slowly, on the CPU; every mask "
+        "and Gemma 2's soft-cap), `cudnn` (cuDNN's fused kernel; needs a GPU; "
+        "soft-capped layers take the Pallas kernels); `auto`: on GPUs cudnn for "
+        "bf16/f16 heads of 8-128 without a soft-cap, else pallas; xla elsewhere.",
+        choices=("auto", "xla", "flash", "pallas", "cudnn"),
+    )
     attention_chunk: int = setting(
         0,
         "Blocked attention: queries go through in blocks of this many, so the "

@@ -36,6 +36,7 @@ NOT_IDENTITY = frozenset(
         "model.remat_offload",
         "model.mlp_chunks",
         "model.attention_chunk",
+        "model.attention_impl",
         "model.scan_layers",
         "model.sequence_parallel",
         "model.sequence_layout",

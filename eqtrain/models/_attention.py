@@ -52,7 +52,8 @@ def attention(
     `implementation="flash"`: flash blocks (`flash_attention`: an online
     softmax over key blocks, the probabilities recomputed in the backward pass),
     so that no `[heads, block, seq]` scores exist either; "cudnn": one fused
-    GPU kernel (`dot_attention`); None or "xla": XLA's, the causal blocks.
+    GPU kernel (`dot_attention`); None or "xla": XLA's, the causal blocks;
+    "auto": `resolved_implementation`.
     "pallas": the flash blocks as Pallas kernels (`pallas_attention`: Triton
     on GPUs, interpreted on the CPU). cuDNN has no soft-capped kernel: with a
     `softcap`, "cudnn" takes the Pallas kernels (Gemma 2 on GPUs).
@@ -60,6 +61,7 @@ def attention(
     `scale` multiplies the scores (default `head_dim ** -0.5`); `softcap` caps
     them as `softcap * tanh(scores / softcap)` before the mask (Gemma 2).
     """
+    implementation = resolved_implementation(implementation, q, softcap)
     common = dict(
         segment_ids=segment_ids, sliding_window=sliding_window,
         implementation=implementation, scale=scale, softcap=softcap,
@@ -73,6 +75,28 @@ def attention(
     if 0 < query_chunk < q.shape[0]:
         return blocked_attention(q, k, v, query_chunk=query_chunk, **common)
     return causal_blocks(q, k, v, **_flash_args(common))  # None or "xla"
+
+
+CUDNN_DTYPES = (jnp.bfloat16, jnp.float16)
+"""The dtypes cuDNN's fused attention takes."""
+CUDNN_HEAD_DIMS = range(8, 129, 8)
+"""The head sizes `"auto"` gives cuDNN's fused attention (multiples of 8 up to
+128, which every cuDNN 9 release takes); larger heads go to the Pallas kernels."""
+
+
+def resolved_implementation(
+    implementation: str | None, q: Array, softcap: float | None
+) -> str | None:
+    """The kernel `"auto"` stands for, for queries `q` (`[..., head_dim]`): on
+    GPUs cuDNN's fused attention where it applies (bf16 or f16 queries, a head
+    size of `CUDNN_HEAD_DIMS`, no soft-cap), else the Pallas kernels; XLA's
+    elsewhere (the CPU, TPUs). Any other value is returned as it is."""
+    if implementation != "auto":
+        return implementation
+    if jax.default_backend() != "gpu":
+        return None
+    fits = q.dtype in CUDNN_DTYPES and q.shape[-1] in CUDNN_HEAD_DIMS
+    return "cudnn" if fits and softcap is None else "pallas"
 
 
 def _flash_args(common: dict[str, Any]) -> dict[str, Any]:
@@ -121,6 +145,7 @@ def dot_attention(
     written out (no fused kernel caps scores): f32 scores `q . k * scale`,
     `softcap * tanh(scores / softcap)`, masked, softmax in f32, cast to `q`'s
     dtype, times `v`. Grouped-query heads as `attention`."""
+    implementation = resolved_implementation(implementation, q, softcap)
     if implementation in ("flash", "pallas"):  # kernels of `attention`; one
         implementation = None  # masked call is XLA's
     if softcap is None:

@@ -51,7 +51,7 @@ class RuntimeFields:
 
     remat: str = "none"
     scan_layers: bool = True
-    attention_impl: str | None = None
+    attention_impl: str | None = "auto"
     remat_save: tuple[str, ...] = ()
     remat_offload: tuple[str, ...] = ()
     mlp_chunks: int | str = 1
@@ -112,14 +112,15 @@ def check_runtime(config: Any) -> None:
     as_dtype(config.param_dtype)
 
 
-ATTENTION_IMPLS = (None, "xla", "flash", "pallas", "cudnn")
+ATTENTION_IMPLS = ("auto", None, "xla", "flash", "pallas", "cudnn")
 """The attention kernels (`attention`'s `implementation`)."""
 
 
 def check_attention_impl(attention_impl: Any) -> None:
     if attention_impl not in ATTENTION_IMPLS:
         raise ConfigError(
-            "`attention_impl` must be None, 'xla', 'flash', 'pallas' or 'cudnn'; got "
+            "`attention_impl` must be 'auto', None, 'xla', 'flash', 'pallas' or "
+            f"'cudnn'; got "
             f"{attention_impl!r}."
         )
 

@@ -13,6 +13,7 @@ import dataclasses
 from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
+import jax
 from jax.sharding import PartitionSpec
 
 from .._errors import ConfigError
@@ -143,11 +144,30 @@ def check_dense(m: Any) -> None:
             )
 
 
+def attention_kernel(impl: str) -> str:
+    """`model.attention_impl`, refused where its kernel cannot run: cuDNN
+    needs a GPU, the Pallas kernels are written for GPUs (Triton) and
+    interpreted on the CPU, which TPUs do not do."""
+    backend = jax.default_backend()
+    if impl == "cudnn" and backend != "gpu":
+        raise ConfigError(
+            f"model.attention_impl = 'cudnn' needs a GPU with cuDNN; this "
+            f"process runs on {backend}. Use 'auto' (cuDNN on GPUs, XLA's "
+            "kernel elsewhere) or 'xla'."
+        )
+    if impl == "pallas" and backend == "tpu":
+        raise ConfigError(
+            "model.attention_impl = 'pallas' is written for GPUs (Triton); on "
+            "TPUs use 'auto', 'flash' or 'xla'."
+        )
+    return impl
+
+
 def runtime_options(m: Any) -> dict[str, Any]:
     """The `[model]` section's runtime options (`remat`, `remat_save`,
-    `remat_offload`, `mlp_chunks`, `attention_chunk`, `scan_layers`,
-    `sequence_parallel`, `sequence_layout`) as model-config fields, for
-    `from_section` and a loaded model's `with_options`."""
+    `remat_offload`, `mlp_chunks`, `attention_chunk`, `attention_impl`,
+    `scan_layers`, `sequence_parallel`, `sequence_layout`) as model-config
+    fields, for `from_section` and a loaded model's `with_options`."""
     split = lambda text: tuple(n.strip() for n in text.split(",") if n.strip())
     return dict(
         remat=m.remat,
@@ -155,6 +175,7 @@ def runtime_options(m: Any) -> dict[str, Any]:
         remat_offload=split(m.remat_offload),
         mlp_chunks=m.mlp_chunks,
         attention_chunk=m.attention_chunk,
+        attention_impl=attention_kernel(m.attention_impl),
         scan_layers=scan_layers(m.scan_layers),
         sequence_parallel=m.sequence_parallel,
         sequence_layout=m.sequence_layout,
