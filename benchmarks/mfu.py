@@ -14,8 +14,10 @@ How:
   forward and backward run in bf16, cast inside the differentiated function: the
   documented mixed-precision path (docs/steps.md; `eqtrain fit`'s
   `loop.precision = "bf16"`). `--param-dtype bfloat16` stores bf16 parameters;
-- attention: cuDNN's fused kernel on CUDA GPUs (`attention_impl="cudnn"`: bf16
-  inputs, head size 64, no mask but the causal one), XLA's elsewhere;
+- attention: the models' default, `attention_impl="auto"`: cuDNN's fused kernel
+  on CUDA GPUs for bf16 heads of 8 to 128 without a soft-cap, eqtrain's Pallas
+  flash kernels for soft-capped scores (Gemma 2) and other heads, XLA's on the
+  CPU; `--attention` names one instead (`pallas`, `flash`, `cudnn`, `xla`);
 - loss: `losses.chunked_causal_lm_loss_fn(chunk=--loss-chunk)` against
   `model.features` and `model.head_weight()`, so the `[tokens, 32000]` logits
   never exist at once (`--loss-chunk 0`: the plain loss);
@@ -57,7 +59,8 @@ Usage:
 
     .venv/bin/python benchmarks/mfu.py [--model 1b|125m|both] [--batch B]
         [--seq 2048] [--steps 10] [--warmup 3] [--rounds 3] [--remat auto]
-        [--loss-chunk 256] [--attention auto|cudnn|xla] [--param-dtype float32]
+        [--loss-chunk 256] [--attention auto|cudnn|pallas|flash|xla]
+        [--param-dtype float32]
         [--peak-tflops T]
     .venv/bin/python benchmarks/mfu.py --quick     # CPU smoke test, ~10 s
 
@@ -88,6 +91,7 @@ from typing import Any  # noqa: E402
 
 import equinox as eqx  # noqa: E402
 import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
 import jax.random as jr  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
@@ -138,12 +142,25 @@ def is_cuda(device: Any) -> bool:
 
 
 def attention_impl(choice: str, device: Any) -> str | None:
-    """`attention_impl` for `LlamaConfig`: cuDNN on CUDA GPUs for `auto`."""
-    if choice == "auto":
-        return "cudnn" if is_cuda(device) else None
+    """`attention_impl` for `LlamaConfig` (`auto`: the library's choice,
+    `eqtrain.models._attention.resolved_implementation`)."""
     if choice == "cudnn" and not is_cuda(device):
         sys.exit(f"--attention cudnn needs a CUDA GPU; this is {device.platform}.")
     return None if choice == "xla" else choice
+
+
+def attention_kernel(config: LlamaConfig) -> str:
+    """The kernel the step's attention runs (`auto` resolved for bf16 heads
+    of the config's size)."""
+    from eqtrain.models._attention import resolved_implementation
+
+    chosen = resolved_implementation(
+        config.attention_impl,
+        jnp.bfloat16,
+        config.head_size,
+        config.attn_logit_softcapping,
+    )
+    return chosen or "xla"
 
 
 def compiled_step(
@@ -275,14 +292,12 @@ def family_config(config: LlamaConfig, family: str, seq: int) -> LlamaConfig:
 
 def model_config(name: str, args: argparse.Namespace, device: Any) -> LlamaConfig:
     """The benchmarked configuration: the size's shape with this run's options
-    (and `--family`'s architecture). cuDNN has no soft-capped scores: Gemma 2
-    takes XLA's attention under `--attention auto`."""
+    (and `--family`'s architecture). cuDNN has no soft-capped scores: under
+    `--attention auto` Gemma 2's attention runs through the Pallas kernels."""
     config = base_config(name)
     if args.family != "llama":
         config = family_config(config, args.family, args.seq)
     choice = args.attention
-    if choice == "auto" and config.attn_logit_softcapping is not None:
-        choice = "xla"
     return dataclasses.replace(
         config,
         max_position_embeddings=args.seq,
@@ -327,7 +342,7 @@ def benchmark(name: str, args: argparse.Namespace) -> dict[str, Any]:
         "seq": args.seq,
         "dtype": "bfloat16",
         "param_dtype": config.param_dtype,
-        "attention": config.attention_impl or "xla",
+        "attention": attention_kernel(config),
         "remat": config.remat,
         "loss_chunk": args.loss_chunk,
         "steps": args.steps,
@@ -379,7 +394,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--loss-chunk", type=int, default=None, help="tokens per chunk; 0: plain loss"
     )
-    parser.add_argument("--attention", choices=["auto", "cudnn", "xla"], default="auto")
+    parser.add_argument(
+        "--attention",
+        choices=["auto", "cudnn", "pallas", "flash", "xla"],
+        default="auto",
+    )
     parser.add_argument(
         "--param-dtype", choices=["float32", "bfloat16"], default="float32"
     )

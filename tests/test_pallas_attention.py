@@ -8,6 +8,7 @@ model with `attention_impl="pallas"` trains as the default one; cuDNN's
 soft-capped layers take the Pallas kernels."""
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 import jax.random as jr
 import numpy as np
@@ -204,3 +205,74 @@ def test_bad_tiles_and_tpus_are_refused(monkeypatch):
         models.LlamaConfig(vocab_size=8, hidden_size=8, intermediate_size=8,
                            num_hidden_layers=1, num_attention_heads=1,
                            attention_impl="triton")  # fmt: skip
+
+
+def _largest(jaxpr) -> int:
+    """The most elements of any value in `jaxpr`, its sub-jaxprs (the
+    kernels' bodies) included."""
+    largest = 0
+    for eqn in jaxpr.eqns:
+        for var in eqn.outvars:
+            largest = max(largest, int(np.prod(getattr(var.aval, "shape", ()))))
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            largest = max(largest, _largest(sub))
+    return largest
+
+
+def test_no_scores_beyond_one_tile_forward_or_backward():
+    """What makes Gemma 2's memory Llama's on a GPU: the gradient of the
+    soft-capped, windowed attention holds no value larger than the inputs'
+    (`[heads, seq, head_dim]`); the scores exist one 64 x 64 tile per
+    program. XLA's written-out capped attention holds `[heads, seq, seq]`."""
+    seq, heads, dim = 1024, 4, 16
+    q, k, v = _qkv(seq, heads=heads, dim=dim)
+
+    def loss(impl):
+        def fn(q, k, v):
+            out = attention(q, k, v, segment_ids=None, sliding_window=512,
+                            implementation=impl, softcap=50.0)  # fmt: skip
+            return jnp.sum(out**2)
+
+        return jax.make_jaxpr(jax.grad(fn, (0, 1, 2)))(q, k, v).jaxpr
+
+    assert _largest(loss("pallas")) <= heads * seq * dim
+    assert _largest(loss(None)) >= heads * seq * seq // 16
+
+
+def test_auto_takes_cudnn_where_it_applies_and_pallas_elsewhere_on_gpus(monkeypatch):
+    """`attention_impl="auto"` (the default): on CUDA GPUs cuDNN's kernel for
+    bf16/f16 heads of 8-128 without a soft-cap, the Pallas kernels for the
+    rest (and on ROCm) on one device; XLA's on the CPU."""
+    from eqtrain.models import _attention
+
+    resolve = _attention.resolved_implementation
+    head = lambda d, dtype=jnp.bfloat16: (dtype, d)
+    assert resolve("auto", *head(64), None) is None  # the CPU
+    monkeypatch.setattr(_attention.jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(_attention, "has_cudnn", lambda: True)
+    assert resolve("auto", *head(64), None) == "cudnn"
+    assert resolve("auto", *head(128, jnp.float16), None) == "cudnn"
+    assert resolve("auto", *head(64), 50.0) == "pallas"  # Gemma 2
+    assert resolve("auto", *head(64, jnp.float32), None) == "pallas"
+    assert resolve("auto", *head(256), None) == "pallas"
+    assert resolve("auto", *head(72), None) == "cudnn"
+    assert resolve("xla", *head(64), None) == "xla"
+    monkeypatch.setattr(_attention, "has_cudnn", lambda: False)  # ROCm
+    assert resolve("auto", *head(64), None) == "pallas"
+    # under a mesh XLA splits over several devices: XLA's kernel (XLA cannot
+    # split a Pallas call); cuDNN's is split by its own rule
+    mesh = jax.sharding.AbstractMesh((4, 2), ("fsdp", "tensor"))
+    with jax.sharding.use_abstract_mesh(mesh):
+        assert resolve("auto", *head(64), 50.0) is None
+        monkeypatch.setattr(_attention, "has_cudnn", lambda: True)
+        assert resolve("auto", *head(64), None) == "cudnn"
+    one = jax.sharding.AbstractMesh((1, 1), ("fsdp", "tensor"))
+    with jax.sharding.use_abstract_mesh(one):
+        assert resolve("auto", *head(64), 50.0) == "pallas"
+    # through `attention`: a soft-capped layer traces the Pallas kernels
+    q, k, v = (x.astype(jnp.bfloat16) for x in _qkv(64, dim=16))
+    capped = lambda q, k, v: attention(
+        q, k, v, segment_ids=None, sliding_window=None, implementation="auto",
+        softcap=50.0,
+    )  # fmt: skip
+    assert _kernels(capped, q, k, v) == 1

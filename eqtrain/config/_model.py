@@ -115,9 +115,11 @@ class ModelConfig:
     moe_impl: str = setting(
         "auto",
         "How tokens reach their experts: `sorted` (grouped by expert, blocked "
-        "products), `ragged` (jax.lax.ragged_dot), `dense` (every expert on "
-        "every token: the reference); `auto`: ragged on TPU, else sorted.",
-        choices=("auto", "sorted", "ragged", "dense"),
+        "products), `pallas` (the same blocks through a Pallas grouped matmul: "
+        "Triton on GPUs, interpreted on CPU, not on TPU), `ragged` "
+        "(jax.lax.ragged_dot), `dense` (every expert on every token: the "
+        "reference); `auto`: ragged on TPU, else sorted.",
+        choices=("auto", "sorted", "pallas", "ragged", "dense"),
     )
     init_std: float = setting(0.02, "Standard deviation of the initial weights.", min=0)
     param_dtype: str = setting(
@@ -176,7 +178,8 @@ class ModelConfig:
         "kernels: Triton on GPUs, interpreted, slowly, on the CPU; every mask "
         "and Gemma 2's soft-cap), `cudnn` (cuDNN's fused kernel; needs a GPU; "
         "soft-capped layers take the Pallas kernels); `auto`: on GPUs cudnn for "
-        "bf16/f16 heads of 8-128 without a soft-cap, else pallas; xla elsewhere.",
+        "bf16/f16 heads of 8-128 without a soft-cap, else pallas on one GPU and "
+        "xla on several; xla elsewhere.",
         choices=("auto", "xla", "flash", "pallas", "cudnn"),
     )
     attention_chunk: int = setting(

@@ -61,7 +61,9 @@ def attention(
     `scale` multiplies the scores (default `head_dim ** -0.5`); `softcap` caps
     them as `softcap * tanh(scores / softcap)` before the mask (Gemma 2).
     """
-    implementation = resolved_implementation(implementation, q, softcap)
+    implementation = resolved_implementation(
+        implementation, q.dtype, q.shape[-1], softcap
+    )
     common = dict(
         segment_ids=segment_ids, sliding_window=sliding_window,
         implementation=implementation, scale=scale, softcap=softcap,
@@ -84,19 +86,44 @@ CUDNN_HEAD_DIMS = range(8, 129, 8)
 128, which every cuDNN 9 release takes); larger heads go to the Pallas kernels."""
 
 
+@functools.cache
+def has_cudnn() -> bool:
+    """Whether this process's GPUs are CUDA's (cuDNN's fused attention; ROCm
+    has none: Triton's kernels run there)."""
+    if jax.default_backend() != "gpu":
+        return False
+    version = getattr(jax.devices()[0].client, "platform_version", "")
+    return "rocm" not in str(version).lower()
+
+
 def resolved_implementation(
-    implementation: str | None, q: Array, softcap: float | None
+    implementation: str | None, dtype: Any, head_dim: int, softcap: float | None
 ) -> str | None:
-    """The kernel `"auto"` stands for, for queries `q` (`[..., head_dim]`): on
-    GPUs cuDNN's fused attention where it applies (bf16 or f16 queries, a head
-    size of `CUDNN_HEAD_DIMS`, no soft-cap), else the Pallas kernels; XLA's
-    elsewhere (the CPU, TPUs). Any other value is returned as it is."""
+    """The kernel `"auto"` stands for, for queries of `dtype` and `head_dim`: on
+    CUDA GPUs cuDNN's fused attention where it applies (bf16 or f16 queries, a
+    head size of `CUDNN_HEAD_DIMS`, no soft-cap), else (and on ROCm) the Pallas
+    kernels on one device, XLA's under a mesh that XLA splits over several
+    (`split_over_devices`); XLA's elsewhere (the CPU, TPUs). Any other value is returned as it is."""
     if implementation != "auto":
         return implementation
     if jax.default_backend() != "gpu":
         return None
-    fits = q.dtype in CUDNN_DTYPES and q.shape[-1] in CUDNN_HEAD_DIMS
-    return "cudnn" if fits and softcap is None else "pallas"
+    fits = dtype in CUDNN_DTYPES and head_dim in CUDNN_HEAD_DIMS
+    if has_cudnn() and fits and softcap is None:
+        return "cudnn"
+    return None if split_over_devices() else "pallas"
+
+
+def split_over_devices() -> bool:
+    """Whether the mesh in context spreads the computation over several
+    devices that XLA partitions (axes not manual: outside a `shard_map`).
+    XLA's partitioner cannot split a Pallas call (a custom call): its inputs
+    would be gathered onto every device, so `"auto"` takes XLA's kernel
+    there."""
+    mesh = jax.sharding.get_abstract_mesh()
+    manual = set(getattr(mesh, "manual_axes", ()))
+    sizes = dict(zip(mesh.axis_names, mesh.axis_sizes, strict=True))
+    return any(size > 1 for name, size in sizes.items() if name not in manual)
 
 
 def _flash_args(common: dict[str, Any]) -> dict[str, Any]:
@@ -145,7 +172,9 @@ def dot_attention(
     written out (no fused kernel caps scores): f32 scores `q . k * scale`,
     `softcap * tanh(scores / softcap)`, masked, softmax in f32, cast to `q`'s
     dtype, times `v`. Grouped-query heads as `attention`."""
-    implementation = resolved_implementation(implementation, q, softcap)
+    implementation = resolved_implementation(
+        implementation, q.dtype, q.shape[-1], softcap
+    )
     if implementation in ("flash", "pallas"):  # kernels of `attention`; one
         implementation = None  # masked call is XLA's
     if softcap is None:

@@ -18,6 +18,7 @@ from jax.sharding import PartitionSpec
 
 from .._errors import ConfigError
 from . import decoder, gpt2
+from ._attention import has_cudnn
 from .archs import ARCHS as DECODER_ARCHS
 
 
@@ -149,11 +150,11 @@ def attention_kernel(impl: str) -> str:
     needs a GPU, the Pallas kernels are written for GPUs (Triton) and
     interpreted on the CPU, which TPUs do not do."""
     backend = jax.default_backend()
-    if impl == "cudnn" and backend != "gpu":
+    if impl == "cudnn" and not has_cudnn():
         raise ConfigError(
-            f"model.attention_impl = 'cudnn' needs a GPU with cuDNN; this "
-            f"process runs on {backend}. Use 'auto' (cuDNN on GPUs, XLA's "
-            "kernel elsewhere) or 'xla'."
+            f"model.attention_impl = 'cudnn' needs a CUDA GPU with cuDNN; this "
+            f"process runs on {backend}. Use 'auto' (cuDNN on CUDA GPUs, XLA's "
+            "kernel on the CPU) or 'xla'."
         )
     if impl == "pallas" and backend == "tpu":
         raise ConfigError(
