@@ -47,6 +47,7 @@ _NEG = -1e30  # a masked score: finite, so a row without keys yet never gives Na
 _F32 = jnp.float32
 _TRANSPOSED_B = (((1,), (1,)), ((), ()))  # a [m, k] . b [n, k] -> [m, n]
 _TRANSPOSED_A = (((0,), (0,)), ((), ()))  # a [k, m] . b [k, n] -> [m, n]
+_PLAIN = (((1,), (0,)), ((), ()))  # a [m, k] . b [k, n] -> [m, n]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,6 +63,10 @@ class _Plan:
     softcap: float | None
     group: int
     interpret: bool
+    precision: lax.Precision | None = None
+    """The products' precision: f32 inputs go through TF32 on GPUs by default,
+    as XLA's products do; `jax_default_matmul_precision = "highest"` makes
+    both exact."""
 
     def key_blocks(self, i: Array) -> tuple[Array, Array]:
         """The key blocks query block `i` sees: `[first, i]`."""
@@ -117,7 +122,7 @@ def pallas_attention(
         block=size, blocks=(seq + pad) // size, window=sliding_window,
         scale=d**-0.5 if scale is None else float(scale),
         softcap=None if softcap is None else float(softcap),
-        group=heads // kv_heads, interpret=interpret,
+        group=heads // kv_heads, interpret=interpret, precision=_precision(),
     )  # fmt: skip
     heads_first = lambda x: jnp.pad(
         x.transpose(1, 0, 2), [(0, 0), (0, pad), (0, width - d)]
@@ -126,6 +131,14 @@ def pallas_attention(
     segs = jnp.pad(segs.astype(jnp.int32), (0, pad), mode="edge")
     out = _attend(plan, heads_first(q), heads_first(k), heads_first(v), segs)
     return out[:, :seq, :d].transpose(1, 0, 2)
+
+
+def _precision() -> lax.Precision | None:
+    """`HIGHEST` where the process asks for exact f32 products (the
+    `jax_default_matmul_precision` setting), else the backend's default."""
+    chosen = str(jax.config.jax_default_matmul_precision or "").lower()
+    exact = chosen in ("highest", "float32", "fp32")
+    return lax.Precision.HIGHEST if exact else None
 
 
 def _interpreted() -> bool:
@@ -155,11 +168,17 @@ def _keep(plan: _Plan, q_pos: Array, q_seg: Array, k_pos: Array, k_seg: Array) -
 
 def _scores(plan: _Plan, q: Array, k: Array) -> Array:
     """A tile's f32 scores `q . k * scale`, capped (before the mask)."""
-    s = lax.dot_general(q, k, _TRANSPOSED_B, preferred_element_type=_F32)
-    s = s * _F32(plan.scale)
+    s = _dot(plan, q, k, _TRANSPOSED_B) * _F32(plan.scale)
     if plan.softcap is not None:
         s = _F32(plan.softcap) * jnp.tanh(s / _F32(plan.softcap))
     return s
+
+
+def _dot(plan: _Plan, a: Array, b: Array, dims: tuple = _PLAIN) -> Array:
+    """A tile product in f32, at the plan's precision."""
+    return lax.dot_general(
+        a, b, dims, precision=plan.precision, preferred_element_type=_F32
+    )
 
 
 def _score_grad(plan: _Plan, s: Array, ds: Array) -> Array:
@@ -184,7 +203,7 @@ def _forward_kernel(plan: _Plan, q_ref, k_ref, v_ref, qs_ref, ks_ref, o_ref, lse
         p = jnp.where(keep, jnp.exp(s - new[:, None]), 0.0)
         fade = jnp.exp(top - new)
         v = v_ref[keys, :]
-        pv = jnp.dot(p.astype(v.dtype), v, preferred_element_type=_F32)
+        pv = _dot(plan, p.astype(v.dtype), v)
         return acc * fade[:, None] + pv, new, total * fade + jnp.sum(p, axis=1)
 
     init = (jnp.zeros(q.shape, _F32), jnp.full((b,), _NEG, _F32), jnp.zeros((b,), _F32))
@@ -216,9 +235,9 @@ def _dq_kernel(plan: _Plan, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref,
         k, v = k_ref[keys, :], v_ref[keys, :]
         keep = _keep(plan, q_pos, q_seg, _positions(j * b, b), ks_ref[keys])
         s, p = _probabilities(plan, q, k, keep, lse)
-        dp = lax.dot_general(do, v, _TRANSPOSED_B, preferred_element_type=_F32)
+        dp = _dot(plan, do, v, _TRANSPOSED_B)
         ds = _score_grad(plan, s, p * (dp - delta[:, None])).astype(k.dtype)
-        return dq + jnp.dot(ds, k, preferred_element_type=_F32)
+        return dq + _dot(plan, ds, k)
 
     dq = lax.fori_loop(*plan.key_blocks(i), fold, jnp.zeros(q.shape, _F32))
     dq_ref[...] = dq.astype(dq_ref.dtype)
@@ -236,14 +255,10 @@ def _dkv_kernel(plan: _Plan, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref,
         q, do = q_ref[rows, :], do_ref[rows, :]
         keep = _keep(plan, _positions(i * b, b), qs_ref[rows], k_pos, k_seg)
         s, p = _probabilities(plan, q, k, keep, lse_ref[rows])
-        dv = dv + lax.dot_general(
-            p.astype(do.dtype), do, _TRANSPOSED_A, preferred_element_type=_F32
-        )
-        dp = lax.dot_general(do, v, _TRANSPOSED_B, preferred_element_type=_F32)
+        dv = dv + _dot(plan, p.astype(do.dtype), do, _TRANSPOSED_A)
+        dp = _dot(plan, do, v, _TRANSPOSED_B)
         ds = _score_grad(plan, s, p * (dp - delta_ref[rows][:, None])).astype(q.dtype)
-        return dk + lax.dot_general(
-            ds, q, _TRANSPOSED_A, preferred_element_type=_F32
-        ), dv
+        return dk + _dot(plan, ds, q, _TRANSPOSED_A), dv
 
     zeros = jnp.zeros(k.shape, _F32)
     dk, dv = lax.fori_loop(*plan.query_blocks(j), fold, (zeros, zeros))
