@@ -191,6 +191,12 @@ def test_generate_quick():
     for side in ("eqtrain", "transformers"):
         assert record[side]["prefill_tokens_per_s"] > 0 and record[side]["total_s"] > 0
     assert set(record["ratio"]) == {"prefill", "decode", "total"}
+    assert record["device"] == "cpu" and record["dtype"] == "float32"
+    assert record["device_kind"]["eqtrain"] == "cpu" and record["date"]
+    # keys and values per row: eqtrain's prompt + new slots, transformers' one fewer
+    cache = record["cache_bytes_per_row"]
+    assert cache["eqtrain"] > cache["transformers"] > 0
+    assert record["peak_device_bytes"] == {"eqtrain": None, "transformers": None}
 
 
 @pytest.mark.slow  # the default suite's time: `nox -s slow`
