@@ -103,7 +103,8 @@ def resolved_implementation(
     CUDA GPUs cuDNN's fused attention where it applies (bf16 or f16 queries, a
     head size of `CUDNN_HEAD_DIMS`, no soft-cap), else (and on ROCm) the Pallas
     kernels on one device, XLA's under a mesh that XLA splits over several
-    (`split_over_devices`); XLA's elsewhere (the CPU, TPUs). Any other value is returned as it is."""
+    (`split_over_devices`); XLA's elsewhere (the CPU, TPUs). Any other value
+    is returned as it is."""
     if implementation != "auto":
         return implementation
     if jax.default_backend() != "gpu":

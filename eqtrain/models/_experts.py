@@ -6,6 +6,10 @@ dispatch, `MOE_IMPLS`), on one device; with one layer's router statistics.
   block), one `[block, hidden] @ [hidden, ff]` product per block in a
   `lax.scan`; blocks past the last expert's are skipped. Exact; each expert
   pads less than one block. The default on CPU and GPU.
+- `"pallas"` (dropless): the blocks of `"sorted"` (of at least 16 rows)
+  through a Pallas grouped matrix product (`_grouped_gemm`; its gradients too):
+  compiled with Triton on GPUs, interpreted on CPU (slow: for tests), refused
+  on TPU. Quantized weights are dequantized whole first.
 - `"ragged"` (dropless): the sorted rows through `jax.lax.ragged_dot`, XLA's
   grouped matrix product. The default on TPU. XLA:CPU computes every group
   densely, and on GPUs XLA's `ragged_dot` is slower than one dense product of
@@ -32,10 +36,11 @@ from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from .._errors import ConfigError
 from .._quant import QuantizedWeight, dense, matmul_t
+from ._grouped_gemm import grouped_matmul
 from ._layers import gated
 
 
-MOE_IMPLS = ("auto", "sorted", "ragged", "dense")
+MOE_IMPLS = ("auto", "sorted", "pallas", "ragged", "dense")
 """`DecoderConfig.moe_impl`: how tokens reach their experts (module docstring);
 `"auto"` is `"ragged"` on TPU and `"sorted"` elsewhere."""
 
@@ -114,14 +119,18 @@ class Experts(eqx.Module):
         h = gated(self.act, mm(x, self.gate_proj), mm(x, self.up_proj))
         return mm(h, self.down_proj)
 
-    def blocked(self, x: Array, sizes: Array, block: int) -> Array:
+    def blocked(
+        self, x: Array, sizes: Array, block: int, *, pallas: bool = False
+    ) -> Array:
         """`ffn` of rows sorted by expert (`sizes[e]` rows of expert `e`), in
-        blocks of rows (`Blocks`): padded once, gate and up in one scan, down
-        in another, unpadded once."""
+        blocks of rows (`Blocks`): padded once, gate and up in one scan (or, with
+        `pallas`, two Pallas kernels over the same layout), down in another,
+        unpadded once."""
         blocks = Blocks.of(sizes, x.shape[0], block)
-        gate, up = blocks.matmul(blocks.pad(x), self.gate_proj, self.up_proj)
+        matmul = blocks.pallas_matmul if pallas else blocks.matmul
+        gate, up = matmul(blocks.pad(x), self.gate_proj, self.up_proj)
         h = gated(self.act, gate, up)
-        return blocks.unpad(blocks.matmul(h, self.down_proj))
+        return blocks.unpad(matmul(h, self.down_proj))
 
 
 def router_stats(
@@ -173,7 +182,7 @@ def dispatch(
     order = jnp.argsort(flat, stable=True)
     rows = order // k  # the token of each sorted assignment
     sizes = jnp.bincount(flat, length=experts.num).astype(jnp.int32)
-    ys = sorted_ffn(experts, x[rows], sizes, ragged=impl == "ragged")
+    ys = sorted_ffn(experts, x[rows], sizes, impl=impl)
     ys = ys * weights.reshape(-1)[order][:, None]
     return jnp.zeros_like(x).at[rows].add(ys)
 
@@ -236,14 +245,19 @@ def arrival_rank(ids: Int[Array, " n"], num: int) -> Int[Array, " n"]:
     return jnp.sum((jnp.cumsum(onehot, axis=0) - 1) * onehot, axis=-1)
 
 
-def sorted_ffn(experts: Experts, xs: Array, sizes: Array, *, ragged: bool) -> Array:
-    """`experts.ffn` of rows sorted by expert (`sizes[e]` rows of expert `e`):
-    through `lax.ragged_dot` (which leaves rows past the groups' total as
-    zeros), or in blocks of rows (`Blocks`)."""
-    if ragged:
+def sorted_ffn(experts: Experts, xs: Array, sizes: Array, *, impl: str) -> Array:
+    """`experts.ffn` of rows sorted by expert (`sizes[e]` rows of expert `e`)
+    by the resolved dropless `impl`: through `lax.ragged_dot` (which leaves rows
+    past the groups' total as zeros), or in blocks of rows (`Blocks`), by a
+    scan (`"sorted"`) or the Pallas kernels (`"pallas"`: blocks of at least
+    16 rows, as Triton's products want)."""
+    if impl == "ragged":
         matmul = lambda a, w: lax.ragged_dot(a, jnp.swapaxes(w, 1, 2), sizes)
         return experts.ffn(xs, matmul)
-    return experts.blocked(xs, sizes, block_size(xs.shape[0], sizes.shape[0]))
+    block = block_size(xs.shape[0], sizes.shape[0])
+    if impl == "pallas":
+        return experts.blocked(xs, sizes, max(16, block), pallas=True)
+    return experts.blocked(xs, sizes, block)
 
 
 def block_size(rows: int, groups: int) -> int:
@@ -325,6 +339,17 @@ class Blocks:
         ys = tuple(y.reshape(self.bound * self.block, -1) for y in ys)
         return ys[0] if len(ws) == 1 else ys
 
+    def pallas_matmul(self, xp: Array, *ws: Any) -> Any:
+        """`matmul` through the Pallas kernels (`grouped_matmul`), one call per
+        `w`; quantized weights are dequantized whole first."""
+        ys = tuple(
+            grouped_matmul(
+                xp, dense(w, xp.dtype), self.group, self.used, block=self.block
+            )
+            for w in ws
+        )
+        return ys[0] if len(ws) == 1 else ys
+
 
 def _expert_product(x: Array, w: Any, group: Array) -> Array:
     """`x @ w[group].T`; a quantized `w` has only that expert's weight
@@ -342,8 +367,7 @@ def grouped_ffn(
     order = jnp.argsort(ids, stable=True)
     sizes = jnp.bincount(ids, length=num + 1).astype(jnp.int32)[:num]
     # the rows of no expert sort last, past the groups' total
-    ragged = options.resolved_impl() == "ragged"
-    ys = sorted_ffn(experts, x[order], sizes, ragged=ragged)
+    ys = sorted_ffn(experts, x[order], sizes, impl=options.resolved_impl())
     in_group = jnp.arange(x.shape[0]) < jnp.sum(sizes)
     ys = jnp.where(in_group[:, None], ys, 0)
     return jnp.zeros_like(ys).at[order].set(ys)

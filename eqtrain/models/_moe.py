@@ -4,7 +4,7 @@ selection, experts as stacked weights, and the ways to send tokens to them.
 A `SparseMoE` works on all the tokens of a batch at once (`x: [tokens, hidden]`,
 see `Decoder.batch_features`): routing is per token, but grouping tokens by
 expert pays off over the whole batch, and the load-balancing loss is a batch
-statistic. The dispatch (`MOE_IMPLS`: sorted, ragged, dense, and the
+statistic. The dispatch (`MOE_IMPLS`: sorted, pallas, ragged, dense, and the
 capacity limit) is described in `_experts`, where it lives.
 """
 

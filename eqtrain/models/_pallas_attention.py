@@ -35,6 +35,11 @@ from jax.experimental import pallas as pl
 from jaxtyping import Array, Float, Int
 
 from .._errors import ConfigError
+from ._pallas import interpreted, matmul_precision
+
+
+ATTENTION_SETTING = "attention_impl = 'auto', 'flash' or 'xla'"
+"""What TPUs take instead of the Pallas attention kernels."""
 
 
 PALLAS_BLOCK = 64
@@ -111,7 +116,8 @@ def pallas_attention(
     dtype's rounding."""
     seq, heads, d = q.shape
     kv_heads = k.shape[1]
-    interpret = _interpreted() if interpret is None else interpret
+    if interpret is None:
+        interpret = interpreted(jax.default_backend(), ATTENTION_SETTING)
     size = block or min(PALLAS_BLOCK, max(16, pl.next_power_of_2(seq)))
     if size < 16 or size & (size - 1):
         raise ConfigError(
@@ -122,7 +128,7 @@ def pallas_attention(
         block=size, blocks=(seq + pad) // size, window=sliding_window,
         scale=d**-0.5 if scale is None else float(scale),
         softcap=None if softcap is None else float(softcap),
-        group=heads // kv_heads, interpret=interpret, precision=_precision(),
+        group=heads // kv_heads, interpret=interpret, precision=matmul_precision(),
     )  # fmt: skip
     heads_first = lambda x: jnp.pad(
         x.transpose(1, 0, 2), [(0, 0), (0, pad), (0, width - d)]
@@ -131,25 +137,6 @@ def pallas_attention(
     segs = jnp.pad(segs.astype(jnp.int32), (0, pad), mode="edge")
     out = _attend(plan, heads_first(q), heads_first(k), heads_first(v), segs)
     return out[:, :seq, :d].transpose(1, 0, 2)
-
-
-def _precision() -> lax.Precision | None:
-    """`HIGHEST` where the process asks for exact f32 products (the
-    `jax_default_matmul_precision` setting), else the backend's default."""
-    chosen = str(jax.config.jax_default_matmul_precision or "").lower()
-    exact = chosen in ("highest", "float32", "fp32")
-    return lax.Precision.HIGHEST if exact else None
-
-
-def _interpreted() -> bool:
-    """Interpreted on the CPU, Triton on GPUs; no kernel for TPUs."""
-    backend = jax.default_backend()
-    if backend == "tpu":
-        raise ConfigError(
-            "attention_impl = 'pallas' is written for GPUs (Triton); on TPUs use "
-            "'flash' or 'xla'."
-        )
-    return backend == "cpu"
 
 
 def _positions(start: Array, size: int) -> Array:
