@@ -69,4 +69,9 @@ step moe 120 "$py" benchmarks/moe.py --rounds 3 --batch 16 --seq 1024 --hidden 1
 #    each side's cache bytes per row.
 step generate 120 "$py" benchmarks/generate.py --device cuda --config 1b --rounds 2
 
+# 7. If time is left: a QLoRA step (nf4 base) against a bf16 base on the GPU
+#    (issue 56's step time, which the CPU measured at 0.99x).
+step qlora_step 90 "$py" benchmarks/qlora.py step --hidden 2048 --layers 8 \
+    --batch 8 --seq 1024 --rounds 3
+
 echo "done after $((SECONDS - start)) s; files in $out"

@@ -8,7 +8,6 @@ model with `attention_impl="pallas"` trains as the default one; cuDNN's
 soft-capped layers take the Pallas kernels."""
 
 import jax
-import jax.extend
 import jax.numpy as jnp
 import jax.random as jr
 import numpy as np
@@ -21,30 +20,7 @@ from eqtrain.models import _pallas_attention
 from eqtrain.models._attention import attention
 from eqtrain.models._pallas_attention import pallas_attention
 
-
-def _qkv(seq, heads=4, kv=2, dim=8, dtype=jnp.float32, seed=0):
-    keys = jr.split(jr.key(seed), 3)
-    return tuple(
-        jr.normal(key, (seq, h, dim)).astype(dtype)
-        for key, h in zip(keys, (heads, kv, kv), strict=True)
-    )
-
-
-def _segments(seq):
-    """Three packed examples and a padding tail (id 0)."""
-    cut = [seq // 4, seq // 2 + 3, seq - seq // 8]
-    ids = np.zeros(seq, np.int32)
-    ids[: cut[0]], ids[cut[0] : cut[1]], ids[cut[1] : cut[2]] = 1, 2, 3
-    return jnp.asarray(ids)
-
-
-CASES = {
-    "causal": dict(),
-    "segments": dict(segments=True),
-    "window": dict(segments=True, sliding_window=23),
-    "softcap": dict(softcap=5.0, scale=0.3),
-    "everything": dict(segments=True, sliding_window=40, softcap=8.0),
-}
+from .test_flash import CASES, _largest, _qkv, _segments
 
 
 def _keywords(seq, case):
@@ -205,18 +181,6 @@ def test_bad_tiles_and_tpus_are_refused(monkeypatch):
         models.LlamaConfig(vocab_size=8, hidden_size=8, intermediate_size=8,
                            num_hidden_layers=1, num_attention_heads=1,
                            attention_impl="triton")  # fmt: skip
-
-
-def _largest(jaxpr) -> int:
-    """The most elements of any value in `jaxpr`, its sub-jaxprs (the
-    kernels' bodies) included."""
-    largest = 0
-    for eqn in jaxpr.eqns:
-        for var in eqn.outvars:
-            largest = max(largest, int(np.prod(getattr(var.aval, "shape", ()))))
-        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
-            largest = max(largest, _largest(sub))
-    return largest
 
 
 def test_no_scores_beyond_one_tile_forward_or_backward():

@@ -322,7 +322,7 @@ MOE_KEYS = {
 # -- refusals: (key, value) -> a fragment of the one-paragraph error -------------
 REFUSED = {
     # cuDNN's kernel needs a GPU; the tests run on the CPU
-    ("model.attention_impl", "cudnn"): "needs a GPU with cuDNN",
+    ("model.attention_impl", "cudnn"): "needs a CUDA GPU with cuDNN",
     ("distributed.processes", "2"): "needs a launcher",
     # the byte tokenizer's 259 ids do not fit a vocabulary of 1
     ("model.vocab_size", "1"): "does not fit the model's vocabulary of 1",
