@@ -135,15 +135,16 @@ CONFIGS = {
 
 def models(args: argparse.Namespace, transformers: Any, torch: Any) -> tuple:
     """transformers' Llama at random init in `args.dtype` on `args.device`, and
-    eqtrain's copy of it (on JAX's default device)."""
+    eqtrain's copy of it (on JAX's default device). `benchmarks/rollout.py`
+    calls it too, with only the sizes: float32 on the CPU, untied, rope theta
+    10000 where its arguments say nothing."""
     from eqtrain import hf
 
+    theta = getattr(args, "rope_theta", None)
+    dtype = getattr(args, "dtype", "float32")
     rope = {}
-    if args.rope_theta is not None:
-        rope["rope_parameters"] = {
-            "rope_type": "default",
-            "rope_theta": args.rope_theta,
-        }
+    if theta is not None:
+        rope["rope_parameters"] = {"rope_type": "default", "rope_theta": theta}
     config = transformers.LlamaConfig(
         vocab_size=args.vocab,
         hidden_size=args.hidden,
@@ -152,7 +153,7 @@ def models(args: argparse.Namespace, transformers: Any, torch: Any) -> tuple:
         num_attention_heads=args.heads,
         num_key_value_heads=args.kv_heads,
         max_position_embeddings=args.prompt + args.new,
-        tie_word_embeddings=args.tie,
+        tie_word_embeddings=getattr(args, "tie", False),
         bos_token_id=1,
         eos_token_id=2,
         pad_token_id=0,
@@ -161,12 +162,12 @@ def models(args: argparse.Namespace, transformers: Any, torch: Any) -> tuple:
     torch.manual_seed(0)
     theirs = transformers.LlamaForCausalLM(config).float().eval()
     # cast before saving: both sides then read the same (rounded) tensors
-    theirs = theirs.to(getattr(torch, args.dtype))
+    theirs = theirs.to(getattr(torch, dtype))
     transformers.utils.logging.disable_progress_bar()
     with tempfile.TemporaryDirectory() as tmp:
         theirs.save_pretrained(tmp)
-        ours, _ = hf.load(tmp, dtype=args.dtype)
-    return ours, theirs.to(torch.device(args.device))
+        ours, _ = hf.load(tmp, dtype=dtype)
+    return ours, theirs.to(torch.device(getattr(args, "device", "cpu")))
 
 
 class Eqtrain:
