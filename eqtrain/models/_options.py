@@ -120,8 +120,7 @@ def check_attention_impl(attention_impl: Any) -> None:
     if attention_impl not in ATTENTION_IMPLS:
         raise ConfigError(
             "`attention_impl` must be 'auto', None, 'xla', 'flash', 'pallas' or "
-            f"'cudnn'; got "
-            f"{attention_impl!r}."
+            f"'cudnn'; got {attention_impl!r}."
         )
 
 

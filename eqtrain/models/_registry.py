@@ -19,6 +19,7 @@ from jax.sharding import PartitionSpec
 from .._errors import ConfigError
 from . import decoder, gpt2
 from ._attention import has_cudnn
+from ._pallas import interpreted
 from .archs import ARCHS as DECODER_ARCHS
 
 
@@ -156,11 +157,8 @@ def attention_kernel(impl: str) -> str:
             f"process runs on {backend}. Use 'auto' (cuDNN on CUDA GPUs, XLA's "
             "kernel on the CPU) or 'xla'."
         )
-    if impl == "pallas" and backend == "tpu":
-        raise ConfigError(
-            "model.attention_impl = 'pallas' is written for GPUs (Triton); on "
-            "TPUs use 'auto', 'flash' or 'xla'."
-        )
+    if impl == "pallas":  # refused where the kernels neither compile nor interpret
+        interpreted(backend, "model.attention_impl = 'auto', 'flash' or 'xla'")
     return impl
 
 
