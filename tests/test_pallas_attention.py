@@ -7,6 +7,7 @@ the kernels lower to Triton for CUDA (forward and both backward kernels); a
 model with `attention_impl="pallas"` trains as the default one; cuDNN's
 soft-capped layers take the Pallas kernels."""
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import jax.random as jr
@@ -16,6 +17,7 @@ from jax import export
 
 from eqtrain import models
 from eqtrain._errors import ConfigError
+from eqtrain._rows import vmap_rows
 from eqtrain.models import _pallas_attention
 from eqtrain.models._attention import attention
 from eqtrain.models._pallas_attention import pallas_attention
@@ -203,6 +205,19 @@ def test_no_scores_beyond_one_tile_forward_or_backward():
     assert _largest(loss(None)) >= heads * seq * seq // 16
 
 
+def _resolved_in_rows(rows, resolve, head):
+    """What `"auto"` resolves to for a soft-capped layer inside `vmap_rows`
+    over `rows` rows."""
+    seen = []
+
+    def one(x):
+        seen.append(resolve("auto", *head(64), 50.0))
+        return x
+
+    jax.make_jaxpr(vmap_rows(one))(jnp.zeros((rows, 4)))
+    return seen[0]
+
+
 def test_auto_takes_cudnn_where_it_applies_and_pallas_elsewhere_on_gpus(monkeypatch):
     """`attention_impl="auto"` (the default): on CUDA GPUs cuDNN's kernel for
     bf16/f16 heads of 8-128 without a soft-cap, the Pallas kernels for the
@@ -223,11 +238,15 @@ def test_auto_takes_cudnn_where_it_applies_and_pallas_elsewhere_on_gpus(monkeypa
     assert resolve("xla", *head(64), None) == "xla"
     monkeypatch.setattr(_attention, "has_cudnn", lambda: False)  # ROCm
     assert resolve("auto", *head(64), None) == "pallas"
-    # under a mesh XLA splits over several devices: XLA's kernel (XLA cannot
-    # split a Pallas call); cuDNN's is split by its own rule
+    # under a mesh XLA splits over several devices: the Pallas kernels where
+    # each device's rows reach them (the losses' `vmap_rows` with rows that
+    # divide over the batch axes), else XLA's (XLA cannot split a Pallas
+    # call); cuDNN's is split by its own rule
     mesh = jax.sharding.AbstractMesh((4, 2), ("fsdp", "tensor"))
     with jax.sharding.use_abstract_mesh(mesh):
-        assert resolve("auto", *head(64), 50.0) is None
+        assert resolve("auto", *head(64), 50.0) is None  # outside `vmap_rows`
+        assert _resolved_in_rows(8, resolve, head) == "pallas"
+        assert _resolved_in_rows(6, resolve, head) is None  # 6 rows over 4
         monkeypatch.setattr(_attention, "has_cudnn", lambda: True)
         assert resolve("auto", *head(64), None) == "cudnn"
     one = jax.sharding.AbstractMesh((1, 1), ("fsdp", "tensor"))
@@ -240,3 +259,71 @@ def test_auto_takes_cudnn_where_it_applies_and_pallas_elsewhere_on_gpus(monkeypa
         softcap=50.0,
     )  # fmt: skip
     assert _kernels(capped, q, k, v) == 1
+
+
+MESH = {"data": 2, "fsdp": 2, "tensor": 2}
+
+
+def test_on_a_mesh_each_device_runs_its_own_rows_and_heads():
+    """Under a `data x fsdp x tensor` mesh the kernels run inside a `shard_map`
+    (XLA cannot split a Pallas call; it would gather every row and head onto
+    each device): lowered for CUDA, each of the forward and backward Triton
+    calls gets a quarter of the rows (`data x fsdp`, through the losses'
+    `vmap_rows`) and half the heads (`tensor`; one of the two key/value heads)."""
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    from eqtrain.models._attention import pallas_on_devices
+    from eqtrain.sharding import make_mesh
+
+    mesh = make_mesh(MESH)
+    rows, seq, heads, kv, dim = 8, 128, 4, 2, 16
+    q, k, v = (
+        jr.normal(jr.key(i), (rows, seq, h, dim), jnp.bfloat16)
+        for i, h in enumerate((heads, kv, kv))
+    )
+    sharding = NamedSharding(mesh, P(("data", "fsdp"), None, "tensor"))
+    q, k, v = (jax.device_put(x, sharding) for x in (q, k, v))
+
+    def loss(q, k, v):
+        one = lambda q, k, v: pallas_on_devices(
+            q, k, v, segment_ids=None, sliding_window=None, softcap=20.0,
+            interpret=False,
+        )  # fmt: skip
+        return jnp.sum(vmap_rows(one)(q, k, v).astype(jnp.float32) ** 2)
+
+    grad = jax.jit(models.under_mesh(jax.grad(loss, (0, 1, 2)), mesh))
+    checks = [export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
+    text = export.export(grad, platforms=["cuda"], disabled_checks=checks)(
+        q, k, v
+    ).mlir_module()
+    calls = [line for line in text.splitlines() if "__gpu$xla.gpu.triton" in line]
+    assert len(calls) == 3  # forward, dq, dk/dv
+    for line in calls:  # the kernels' layout: [rows, heads, seq, head_dim]
+        assert "tensor<2x2x128x16xbf16>" in line and "tensor<2x1x128x16xbf16>" in line
+        assert "tensor<8x" not in line and "x4x128x16" not in line
+
+
+def test_a_model_on_a_mesh_with_pallas_trains_as_on_one_device():
+    """A Gemma-2-like decoder with `attention_impl="pallas"` on a `data x fsdp
+    x tensor` mesh (rows, weights and heads split; the kernels in their
+    `shard_map`): the loss and gradients of XLA's attention on one device."""
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    from eqtrain import losses
+    from eqtrain.sharding import make_mesh
+
+    mesh = make_mesh(MESH)
+    tokens = jr.randint(jr.key(1), (8, 49), 0, 64)
+    segs = jnp.asarray(np.repeat([[1, 2]], 24, axis=1).repeat(8, axis=0))
+    batch = {"tokens": tokens[:, :-1], "targets": tokens[:, 1:], "segment_ids": segs}
+    grad = eqx.filter_value_and_grad(lambda m, b: losses.causal_lm_loss(m, b)[0])
+    want = eqx.filter_jit(grad)(_gemma2(None), batch)
+    rows = NamedSharding(mesh, P(("data", "fsdp")))
+    placed = {name: jax.device_put(x, rows) for name, x in batch.items()}
+    model, step = _gemma2("pallas"), models.under_mesh(grad, mesh)
+    jaxpr = str(jax.make_jaxpr(step)(model, placed))
+    assert "shard_map" in jaxpr and "pallas_call" in jaxpr
+    got = eqx.filter_jit(lambda m, b: step(m, b))(model, placed)
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-6)
+    for a, b in zip(jax.tree.leaves(got[1]), jax.tree.leaves(want[1]), strict=True):
+        np.testing.assert_allclose(a, b, rtol=2e-4, atol=1e-6)

@@ -178,8 +178,9 @@ class ModelConfig:
         "kernels: Triton on GPUs, interpreted, slowly, on the CPU; every mask "
         "and Gemma 2's soft-cap), `cudnn` (cuDNN's fused kernel; needs a GPU; "
         "soft-capped layers take the Pallas kernels); `auto`: on GPUs cudnn for "
-        "bf16/f16 heads of 8-128 without a soft-cap, else pallas on one GPU and "
-        "xla on several; xla elsewhere.",
+        "bf16/f16 heads of 8-128 without a soft-cap, else pallas (on several GPUs "
+        "each device's own rows and heads; xla when the batch does not divide "
+        "over the mesh's batch axes); xla elsewhere.",
         choices=("auto", "xla", "flash", "pallas", "cudnn"),
     )
     attention_chunk: int = setting(

@@ -16,10 +16,12 @@ from typing import Any
 import jax
 import jax.lax as lax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Bool, Float, Int
 
 from .._errors import ConfigError
 from .._reduce import row_softmax, row_sum
+from .._rows import rows_follow_mesh
 from ._flash import flash_attention
 from ._masks import position_mask, segment_mask
 from ._pallas_attention import pallas_attention
@@ -69,7 +71,7 @@ def attention(
         implementation=implementation, scale=scale, softcap=softcap,
     )  # fmt: skip
     if implementation == "pallas" or (implementation == "cudnn" and softcap):
-        return pallas_attention(q, k, v, **_flash_args(common))
+        return pallas_on_devices(q, k, v, **_flash_args(common))
     if implementation == "cudnn":  # the fused kernel takes the whole sequence
         return one_call_attention(q, k, v, **common)
     if implementation == "flash":
@@ -102,9 +104,10 @@ def resolved_implementation(
     """The kernel `"auto"` stands for, for queries of `dtype` and `head_dim`: on
     CUDA GPUs cuDNN's fused attention where it applies (bf16 or f16 queries, a
     head size of `CUDNN_HEAD_DIMS`, no soft-cap), else (and on ROCm) the Pallas
-    kernels on one device, XLA's under a mesh that XLA splits over several
-    (`split_over_devices`); XLA's elsewhere (the CPU, TPUs). Any other value
-    is returned as it is."""
+    kernels: on one device, or under a mesh that XLA splits over several
+    (`split_over_devices`) where each device's rows reach them
+    (`rows_follow_mesh`; `pallas_on_devices` maps them), else XLA's; XLA's
+    elsewhere (the CPU, TPUs). Any other value is returned as it is."""
     if implementation != "auto":
         return implementation
     if jax.default_backend() != "gpu":
@@ -112,19 +115,72 @@ def resolved_implementation(
     fits = dtype in CUDNN_DTYPES and head_dim in CUDNN_HEAD_DIMS
     if has_cudnn() and fits and softcap is None:
         return "cudnn"
-    return None if split_over_devices() else "pallas"
+    return "pallas" if rows_follow_mesh() or not split_over_devices() else None
 
 
 def split_over_devices() -> bool:
     """Whether the mesh in context spreads the computation over several
     devices that XLA partitions (axes not manual: outside a `shard_map`).
     XLA's partitioner cannot split a Pallas call (a custom call): its inputs
-    would be gathered onto every device, so `"auto"` takes XLA's kernel
-    there."""
+    would be gathered onto every device, so the kernels run inside a
+    `shard_map` there (`pallas_on_devices`), and `"auto"` takes them only
+    where each device's rows reach it (`eqtrain._rows.rows_follow_mesh`)."""
+    return any(size > 1 for size in free_axes().values())
+
+
+def free_axes() -> dict[str, int]:
+    """The axes of the mesh in context that XLA partitions (not manual: outside
+    a `shard_map`), and their sizes."""
     mesh = jax.sharding.get_abstract_mesh()
     manual = set(getattr(mesh, "manual_axes", ()))
-    sizes = dict(zip(mesh.axis_names, mesh.axis_sizes, strict=True))
-    return any(size > 1 for name, size in sizes.items() if name not in manual)
+    sizes = zip(mesh.axis_names, mesh.axis_sizes, strict=True)
+    return {name: size for name, size in sizes if name not in manual}
+
+
+def tensor_heads(tensor: int, q: Array, k: Array, v: Array) -> tuple[Array, Array, Any]:
+    """`(k, v, axis)`: the mesh axis of the heads, `"tensor"` (of size `tensor`)
+    when it divides the query heads (whole heads per device, as the
+    tensor-parallel rules put them), else None (gathered); the key/value heads
+    repeated (as GQA groups them) when too few to split."""
+    split = tensor > 1 and q.shape[1] % tensor == 0
+    if split and k.shape[1] % tensor:
+        k, v = (jnp.repeat(x, q.shape[1] // k.shape[1], axis=1) for x in (k, v))
+    return k, v, "tensor" if split else None
+
+
+def pallas_on_devices(
+    q: Float[Array, "seq heads head_dim"],
+    k: Float[Array, "seq kv_heads head_dim"],
+    v: Float[Array, "seq kv_heads head_dim"],
+    *,
+    segment_ids: Int[Array, " seq"] | None,
+    **kernel: Any,
+) -> Float[Array, "seq heads head_dim"]:
+    """`pallas_attention`, on each device's own rows and heads under a mesh
+    that XLA splits (`split_over_devices`): a `shard_map` over every mesh axis,
+    the heads on `tensor` (`tensor_heads`), the rows on the batch axes of the
+    `vmap` around the model (`eqtrain._rows.vmap_rows`), so that nothing is
+    gathered. Elsewhere the kernels as they are."""
+    if not split_over_devices():
+        return pallas_attention(q, k, v, segment_ids=segment_ids, **kernel)
+    free = free_axes()
+    k, v, axis = tensor_heads(free.get("tensor", 1), q, k, v)
+    heads = P(None, axis)
+    segs = jnp.zeros(q.shape[:1], jnp.int32) if segment_ids is None else segment_ids
+    given = segment_ids is not None
+
+    def local(q: Array, k: Array, v: Array, s: Array) -> Array:
+        return pallas_attention(q, k, v, segment_ids=s if given else None, **kernel)
+
+    mapped = jax.shard_map(
+        local,
+        mesh=jax.sharding.get_abstract_mesh(),
+        in_specs=(heads, heads, heads, P()),
+        out_specs=heads,
+        axis_names=set(free),
+        check_vma=False,
+    )
+    return mapped(q, k, v, segs.astype(jnp.int32))
 
 
 def _flash_args(common: dict[str, Any]) -> dict[str, Any]:

@@ -26,7 +26,7 @@ from jaxtyping import Array, Float, Int
 
 from .._errors import ConfigError
 from .._reduce import row_max, row_sum
-from ._attention import attention, dot_attention
+from ._attention import attention, dot_attention, tensor_heads
 from ._masks import position_mask, segment_positions
 
 
@@ -245,13 +245,10 @@ def _over_sequence(
 def _tensor_heads(
     tensor: int, q: Array, k: Array, v: Array
 ) -> tuple[Array, Array, Any]:
-    """`(k, v, spec)`: the heads' partition spec, whole heads on `tensor` when
-    it divides the query heads (else gathered), and the key/value heads
-    repeated when too few to split."""
-    split = tensor > 1 and q.shape[1] % tensor == 0
-    if split and k.shape[1] % tensor:
-        k, v = (jnp.repeat(x, q.shape[1] // k.shape[1], axis=1) for x in (k, v))
-    return k, v, P(AXIS, "tensor" if split else None)
+    """`(k, v, spec)`: the heads' partition spec beside the sequence's
+    (`tensor_heads`)."""
+    k, v, axis = tensor_heads(tensor, q, k, v)
+    return k, v, P(AXIS, axis)
 
 
 def _size(mesh: Any, axis: str) -> int:

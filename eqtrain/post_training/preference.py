@@ -26,6 +26,7 @@ from jaxtyping import Array, ArrayLike, Float, Int, PRNGKeyArray
 
 from .. import lora
 from .._errors import ConfigError
+from .._rows import vmap_rows
 from .._state import trainable_mask
 from ..losses import (
     _logit_options,
@@ -270,9 +271,9 @@ def _logps(
     tokens, targets, mask = rows
     keys = _row_keys(key, tokens.shape[0])
     if not chunk:
-        logits = jax.vmap(lambda t, k: model(t, key=k))(tokens, keys)
+        logits = vmap_rows(lambda t, k: model(t, key=k))(tokens, keys)
         return sequence_logprobs(logits, targets, mask, vocab_size=vocab_size)
-    hidden = jax.vmap(lambda t, k: model.features(t, key=k))(tokens, keys)
+    hidden = vmap_rows(lambda t, k: model.features(t, key=k))(tokens, keys)
     return chunked_sequence_logprobs(
         hidden,
         model.head_weight(key=key),
