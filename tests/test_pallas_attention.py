@@ -262,8 +262,12 @@ def test_auto_takes_cudnn_where_it_applies_and_pallas_elsewhere_on_gpus(monkeypa
 
 
 MESH = {"data": 2, "fsdp": 2, "tensor": 2}
+eight_devices = pytest.mark.skipif(
+    jax.device_count() < 8, reason="a mesh of 8 (the CPU's simulated devices)"
+)
 
 
+@eight_devices
 def test_on_a_mesh_each_device_runs_its_own_rows_and_heads():
     """Under a `data x fsdp x tensor` mesh the kernels run inside a `shard_map`
     (XLA cannot split a Pallas call; it would gather every row and head onto
@@ -303,6 +307,7 @@ def test_on_a_mesh_each_device_runs_its_own_rows_and_heads():
         assert "tensor<8x" not in line and "x4x128x16" not in line
 
 
+@eight_devices
 def test_a_model_on_a_mesh_with_pallas_trains_as_on_one_device():
     """A Gemma-2-like decoder with `attention_impl="pallas"` on a `data x fsdp
     x tensor` mesh (rows, weights and heads split; the kernels in their
