@@ -8,6 +8,7 @@ against `"sorted"` and `"dense"`.
 
 import equinox as eqx
 import jax
+import jax.extend.core
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -283,3 +284,60 @@ def test_decoder_with_pallas_equals_sorted_and_dense(decoder):
             jax.tree.leaves(grads), jax.tree.leaves(ref_grads), strict=True
         ):
             np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5, err_msg=ref)
+
+
+def _kernel_calls(jaxpr, mapped=False):
+    """`(outside, inside)`: the `pallas_call`s of `jaxpr` outside and inside a
+    `shard_map`."""
+    outside = inside = 0
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "pallas_call":
+            inside, outside = (inside + 1, outside) if mapped else (inside, outside + 1)
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            o, i = _kernel_calls(sub, mapped or eqn.primitive.name == "shard_map")
+            outside, inside = outside + o, inside + i
+    return outside, inside
+
+
+@pytest.mark.skipif(
+    jax.device_count() < 8, reason="a mesh of 8 (the CPU's simulated devices)"
+)
+def test_on_a_mesh_each_device_runs_its_own_tokens(decoder):
+    """Under a `data x fsdp x tensor` mesh (XLA cannot split a Pallas call) the
+    layer runs inside a `shard_map`: each of the 8 devices routes an eighth of
+    the tokens through every expert, and the router statistics are summed; the
+    loss and gradients are one device's `sorted` ones. Tokens that do not
+    divide over every axis split over the batch axes alone, or not at all."""
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    from eqtrain.models import under_mesh
+    from eqtrain.models._expert_parallel import kernel_token_axes
+    from eqtrain.models._experts import MoEOptions
+    from eqtrain.sharding import make_mesh
+
+    mesh = make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, 64, (4, 12)))
+
+    def loss(model, tokens, impl):
+        hidden, aux = model.with_options(moe_impl=impl).batch_features(tokens)
+        return jnp.mean(hidden**2) + load_balancing_loss(aux)
+
+    grad = eqx.filter_value_and_grad(loss)
+    want = eqx.filter_jit(grad)(decoder, tokens, "sorted")
+    placed = jax.device_put(tokens, NamedSharding(mesh, P(("data", "fsdp"))))
+    step = under_mesh(grad, mesh)
+    jaxpr = jax.make_jaxpr(step, static_argnums=2)(decoder, placed, "pallas")
+    assert _kernel_calls(jaxpr.jaxpr) == (0, 9)  # 3 products: forward, dx, dw
+    got = eqx.filter_jit(lambda m, t: step(m, t, "pallas"))(decoder, placed)
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(got[1]), jax.tree.leaves(want[1]), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+
+    pallas = MoEOptions(impl="pallas")
+    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+        assert kernel_token_axes(pallas, 48) == ("data", "fsdp", "tensor")
+        assert kernel_token_axes(pallas, 12) == ("data", "fsdp")  # 12 over 8: no
+        assert kernel_token_axes(pallas, 10) == ()
+        assert kernel_token_axes(MoEOptions(impl="sorted"), 48) == ()
+        assert kernel_token_axes(MoEOptions("pallas", capacity_factor=1.0), 48) == ()
+    assert kernel_token_axes(pallas, 48) == ()  # no mesh

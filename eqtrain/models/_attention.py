@@ -24,6 +24,7 @@ from .._reduce import row_softmax, row_sum
 from .._rows import rows_follow_mesh
 from ._flash import flash_attention
 from ._masks import position_mask, segment_mask
+from ._pallas import free_axes, split_over_devices
 from ._pallas_attention import pallas_attention
 
 
@@ -116,25 +117,6 @@ def resolved_implementation(
     if has_cudnn() and fits and softcap is None:
         return "cudnn"
     return "pallas" if rows_follow_mesh() or not split_over_devices() else None
-
-
-def split_over_devices() -> bool:
-    """Whether the mesh in context spreads the computation over several
-    devices that XLA partitions (axes not manual: outside a `shard_map`).
-    XLA's partitioner cannot split a Pallas call (a custom call): its inputs
-    would be gathered onto every device, so the kernels run inside a
-    `shard_map` there (`pallas_on_devices`), and `"auto"` takes them only
-    where each device's rows reach it (`eqtrain._rows.rows_follow_mesh`)."""
-    return any(size > 1 for size in free_axes().values())
-
-
-def free_axes() -> dict[str, int]:
-    """The axes of the mesh in context that XLA partitions (not manual: outside
-    a `shard_map`), and their sizes."""
-    mesh = jax.sharding.get_abstract_mesh()
-    manual = set(getattr(mesh, "manual_axes", ()))
-    sizes = zip(mesh.axis_names, mesh.axis_sizes, strict=True)
-    return {name: size for name, size in sizes if name not in manual}
 
 
 def tensor_heads(tensor: int, q: Array, k: Array, v: Array) -> tuple[Array, Array, Any]:

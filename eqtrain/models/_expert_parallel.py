@@ -1,8 +1,11 @@
-"""Expert parallelism: a sparse layer's experts split over the mesh's `expert`
-axis, the tokens sent to their experts' devices and back with `all_to_all`
-inside a `shard_map` (`expert_parallel`).
+"""A sparse layer inside a `shard_map`. Expert parallelism: the experts split
+over the mesh's `expert` axis, the tokens sent to their experts' devices and
+back with `all_to_all` (`expert_parallel`). And each device's own tokens
+through every expert, for the Pallas grouped products, which XLA cannot split
+(`on_own_tokens`).
 """
 
+import math
 from typing import Any
 
 import equinox as eqx
@@ -15,6 +18,7 @@ from jaxtyping import Array, Bool, Float, PRNGKeyArray
 from .._errors import ConfigError
 from ._experts import MoEOptions, arrival_rank, grouped_ffn, router_stats
 from ._layers import split_key
+from ._pallas import free_axes, split_over_devices
 
 
 def expert_axis_size() -> int:
@@ -61,6 +65,62 @@ def expert_parallel(
         mesh=jax.sharding.get_abstract_mesh(),
         in_specs=(tokens, tokens, _expert_specs(dynamic), P()),
         out_specs=(tokens, P()),
+        check_vma=False,
+    )
+    return fn(x, valid, dynamic, key)
+
+
+def kernel_token_axes(options: MoEOptions, tokens: int) -> tuple[str, ...]:
+    """The mesh axes to split `tokens` tokens over for `on_own_tokens`: where
+    the dropless layer runs the Pallas grouped products (`moe_impl="pallas"`)
+    under a mesh that XLA splits over several devices, every such axis (the
+    batch axes first, as the tokens lie; `tensor` too, so that no two devices
+    repeat a product), else the batch axes alone where the tokens divide over
+    them; () otherwise (the layer as it is: XLA cannot split the kernels and
+    gathers their inputs)."""
+    if options.resolved_impl() != "pallas" or options.capacity_factor is not None:
+        return ()
+    if not split_over_devices():
+        return ()
+    free = {name: size for name, size in free_axes().items() if size > 1}
+    order = ("data", "fsdp", "expert", "sequence")
+    batch = tuple(a for a in order if a in free)
+    every = batch + tuple(a for a in free if a not in order)
+    for axes in (every, batch):
+        ways = math.prod(free[a] for a in axes)
+        if ways > 1 and tokens % ways == 0:
+            return axes
+    return ()
+
+
+def on_own_tokens(
+    layer: eqx.Module,
+    x: Float[Array, "tokens hidden"],
+    valid: Bool[Array, " tokens"] | None,
+    options: MoEOptions,
+    key: PRNGKeyArray | None,
+    axes: tuple[str, ...],
+) -> tuple[Array, dict[str, Array]]:
+    """`layer(x)` (a dropless `SparseMoE`) with the tokens split over the mesh
+    `axes` (`kernel_token_axes`) and every expert on every device (gathered
+    from their splits on entry, as FSDP gathers a layer's weights): each device
+    routes its own tokens and runs them through the experts
+    (`SparseMoE.local`); the router statistics are summed over the devices."""
+    tokens = P(axes)
+    dynamic, static = eqx.partition(layer, eqx.is_array)
+    valid = jnp.ones(x.shape[:1], bool) if valid is None else valid
+
+    def body(x: Array, valid: Array, params: Any, key: Any) -> Any:
+        local = eqx.combine(params, static)
+        y, aux = local.local(x, valid=valid, options=options, key=key)
+        return y, {name: lax.psum(v, axes) for name, v in aux.items()}
+
+    fn = jax.shard_map(
+        body,
+        mesh=jax.sharding.get_abstract_mesh(),
+        in_specs=(tokens, tokens, jax.tree.map(lambda _: P(), dynamic), P()),
+        out_specs=(tokens, P()),
+        axis_names=set(free_axes()),
         check_vma=False,
     )
     return fn(x, valid, dynamic, key)

@@ -19,7 +19,12 @@ import jax.random as jr
 from jaxtyping import Array, Bool, Float, PRNGKeyArray
 
 from .._errors import ConfigError
-from ._expert_parallel import expert_axis_size, expert_parallel
+from ._expert_parallel import (
+    expert_axis_size,
+    expert_parallel,
+    kernel_token_axes,
+    on_own_tokens,
+)
 from ._experts import (
     AUX_KEYS as AUX_KEYS,
     MOE_IMPLS as MOE_IMPLS,
@@ -105,6 +110,21 @@ class SparseMoE(eqx.Module):
         if expert_axis_size() > 1:
             _check_dropless(options)
             return expert_parallel(self, x, valid, options, key)
+        axes = kernel_token_axes(options, x.shape[0])
+        if axes:
+            return on_own_tokens(self, x, valid, options, key, axes)
+        return self.local(x, valid=valid, options=options, key=key)
+
+    def local(
+        self,
+        x: Float[Array, "tokens hidden"],
+        *,
+        valid: Bool[Array, " tokens"] | None,
+        options: MoEOptions,
+        key: PRNGKeyArray | None,
+    ) -> tuple[Float[Array, "tokens hidden"], dict[str, Array]]:
+        """The layer on the tokens it is given, every expert here (as `__call__`
+        without a mesh)."""
         kr, ks, kg = split_key(key, 3)
         logits, weights, ids = self.route(x, kr)
         y, dropped = routed_output(self.experts, x, weights, ids, options)

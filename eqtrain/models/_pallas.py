@@ -31,3 +31,22 @@ def matmul_precision() -> lax.Precision | None:
     chosen = str(jax.config.jax_default_matmul_precision or "").lower()
     exact = chosen in ("highest", "float32", "fp32")
     return lax.Precision.HIGHEST if exact else None
+
+
+def split_over_devices() -> bool:
+    """Whether the mesh in context spreads the computation over several
+    devices that XLA partitions (axes not manual: outside a `shard_map`).
+    XLA's partitioner cannot split a Pallas call (a custom call): its inputs
+    would be gathered onto every device, so the kernels run inside a
+    `shard_map` there (`_attention.pallas_on_devices`,
+    `_expert_parallel.on_own_tokens`)."""
+    return any(size > 1 for size in free_axes().values())
+
+
+def free_axes() -> dict[str, int]:
+    """The axes of the mesh in context that XLA partitions (not manual: outside
+    a `shard_map`), and their sizes."""
+    mesh = jax.sharding.get_abstract_mesh()
+    manual = set(getattr(mesh, "manual_axes", ()))
+    sizes = zip(mesh.axis_names, mesh.axis_sizes, strict=True)
+    return {name: size for name, size in sizes if name not in manual}
