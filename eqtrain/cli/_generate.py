@@ -106,7 +106,10 @@ def generate(
             temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p
         )
         options = job.Options(max_new_tokens, sampling, seed, stops, batch_size)
-        prompts = [job.prompt_tokens(m, _prompt_of(r), chat=chat) for r in rows]
+        prompts = [
+            job.prompt_tokens(m, _prompt_of(r), chat=chat, tools=r.get("tools"))
+            for r in rows
+        ]
         if len(rows) == 1 and file is None and output is None:
             return _print_one(m, prompts[0], options)
         _write(rows, job.complete(m, prompts, options), output)

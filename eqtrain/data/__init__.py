@@ -28,6 +28,7 @@ from ._chat import (
     ChatTemplate as ChatTemplate,
     JinjaChatTemplate as JinjaChatTemplate,
     chat_template as chat_template,
+    check_tools as check_tools,
     read_chat_template as read_chat_template,
 )
 from ._corpus import stdlib_corpus as stdlib_corpus, stdlib_files as stdlib_files

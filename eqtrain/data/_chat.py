@@ -4,6 +4,11 @@ built-in one of `encode_chat`.
 
     template = chat_template(tokenizer.directory)   # its Jinja template, or built-in
     ids, mask = template.encode(messages, tokenizer)
+    ids, mask = template.encode(messages, tokenizer, tools=tools)   # a record's tools
+
+A record's `tools` (function definitions, or a JSON string of them) reach the
+template as `transformers`' `apply_chat_template(messages, tools=tools)` gives
+them; the built-in template cannot write them and refuses a record that has some.
 """
 
 import os
@@ -17,7 +22,8 @@ from ._errors import ChatTemplateError, DataError, PathLike, check_exists
 from ._jinja import compile_template, has_generation_blocks, plain, render_marked
 from ._text import ROLES, encode_chat
 from ._tokenizers import Tokenizer, read_config, token_content
-from ._turns import Turn, located_turns, prompt_end
+from ._tools import Tools, check_tools, refuse_tools
+from ._turns import Render, Turn, located_turns, prompt_end
 
 
 Ids = Int[np.ndarray, " n"]
@@ -43,22 +49,34 @@ SPECIAL_TOKENS = (
     "mask_token",
 )
 TEMPLATE_FILE = "chat_template.jinja"
-# The version of the rule that turns a rendered conversation into its mask: part of
-# the key of every cached or stored chat row, so a change of rule re-makes them.
-MASK_RULE = 2
+# The version of the rule that turns a record into its render and mask (3: the
+# record's `tools` reach the template): part of the key of every cached or stored
+# chat row, so a change of rule re-makes them.
+MASK_RULE = 3
 
 
 @runtime_checkable
 class ChatTemplate(Protocol):
     """Conversations -> `(ids, mask)`: int32 ids and a float32 mask that is 1 on
-    the tokens to learn (assistant answers and their end-of-turn text)."""
+    the tokens to learn (assistant answers and their end-of-turn text).
 
-    def encode(self, messages: Messages, tokenizer: Tokenizer) -> tuple[Ids, Mask]:
+    `tools` is a record's `tools` field (see `check_tools`); the pipelines pass
+    it only to a record that has some, so a template of your own that takes no
+    `tools` keeps working on records without them."""
+
+    def encode(
+        self, messages: Messages, tokenizer: Tokenizer, *, tools: Tools = None
+    ) -> tuple[Ids, Mask]:
         """One conversation; the mask covers every assistant turn."""
         ...
 
     def encode_prompt_completion(
-        self, prompt: Messages, completion: Messages, tokenizer: Tokenizer
+        self,
+        prompt: Messages,
+        completion: Messages,
+        tokenizer: Tokenizer,
+        *,
+        tools: Tools = None,
     ) -> tuple[PromptIds, CompletionIds, CompletionMask]:
         """`(prompt_ids, completion_ids, completion_mask)`: `prompt_ids` ends where
         the assistant's answer starts, and `prompt_ids + completion_ids` is the
@@ -69,15 +87,25 @@ class ChatTemplate(Protocol):
 
 class BuiltinChatTemplate:
     """The template of `encode_chat` (`<|role|>` headers, EOS after answers), for
-    tokenizers without a chat template of their own."""
+    tokenizers without a chat template of their own. It has no way to write tool
+    definitions: a record with tools is refused (`refuse_tools`)."""
 
-    def encode(self, messages: Messages, tokenizer: Tokenizer) -> tuple[Ids, Mask]:
+    def encode(
+        self, messages: Messages, tokenizer: Tokenizer, *, tools: Tools = None
+    ) -> tuple[Ids, Mask]:
         messages = check_messages(messages, ROLES)
+        refuse_tools(tools)
         return encode_chat(messages, tokenizer)
 
     def encode_prompt_completion(
-        self, prompt: Messages, completion: Messages, tokenizer: Tokenizer
+        self,
+        prompt: Messages,
+        completion: Messages,
+        tokenizer: Tokenizer,
+        *,
+        tools: Tools = None,
     ) -> tuple[PromptIds, CompletionIds, CompletionMask]:
+        refuse_tools(tools)
         if not completion:
             raise ChatTemplateError(
                 "the completion has no messages.", reason="with an empty completion"
@@ -101,8 +129,11 @@ class JinjaChatTemplate:
     `loopcontrols` extension, a `tojson` filter that does not escape HTML, the
     globals `raise_exception` (raises `DataError` with the template's message) and
     `strftime_now`, and the variables `messages`, `add_generation_prompt`, the
-    special tokens (`bos_token`, `eos_token`, ...) and `tools`/`documents`
-    (always None). A `{% generation %}` block renders its body.
+    special tokens (`bos_token`, `eos_token`, ...), `tools` (the record's, as
+    `check_tools` reads them: a list of function definitions, or None) and
+    `documents` (always None). A `{% generation %}` block renders its body.
+    Every render made to locate a record's turns and the prompt's end is given
+    the record's tools too.
 
     The mask: a template with `{% generation %}` blocks marks the text to learn
     itself, and the mask is transformers' `return_assistant_tokens_mask`, token
@@ -137,28 +168,47 @@ class JinjaChatTemplate:
         self.marked = has_generation_blocks(source)
 
     def _variables(
-        self, messages: Messages, add_generation_prompt: bool
+        self,
+        messages: Messages,
+        add_generation_prompt: bool,
+        tools: list[dict[str, Any]] | None = None,
     ) -> dict[str, Any]:
-        """What the template is given, as transformers gives it."""
+        """What the template is given, as transformers gives it (`tools` checked
+        by `check_tools`)."""
         return dict(
             self.special_tokens,
             messages=plain(list(messages)),
             add_generation_prompt=add_generation_prompt,
-            tools=None,
+            tools=tools,
             documents=None,
         )
 
-    def render(self, messages: Messages, *, add_generation_prompt: bool = False) -> str:
+    def render(
+        self,
+        messages: Messages,
+        *,
+        add_generation_prompt: bool = False,
+        tools: Tools = None,
+    ) -> str:
         """The template's text for `messages` (as `apply_chat_template(...,
-        tokenize=False)`).
+        tools=tools, tokenize=False)`).
 
         Raises:
             ChatTemplateError: the template raised (e.g. `raise_exception` on a
-                bad role order), or failed on these messages.
+                bad role order), or failed on these messages, or `tools` is
+                malformed.
         """
+        return self._text(messages, add_generation_prompt, check_tools(tools))
+
+    def _text(
+        self,
+        messages: Messages,
+        add_generation_prompt: bool,
+        tools: list[dict[str, Any]] | None,
+    ) -> str:
         try:
             return self._compiled.render(
-                **self._variables(messages, add_generation_prompt)
+                **self._variables(messages, add_generation_prompt, tools)
             )
         except ChatTemplateError:
             raise
@@ -169,23 +219,31 @@ class JinjaChatTemplate:
                 reason=f"rejected by the chat template ({message})",
             ) from error
 
-    def encode(self, messages: Messages, tokenizer: Tokenizer) -> tuple[Ids, Mask]:
+    def encode(
+        self, messages: Messages, tokenizer: Tokenizer, *, tools: Tools = None
+    ) -> tuple[Ids, Mask]:
         messages = check_messages(messages, JINJA_ROLES)
-        text, turns = self._turns(messages, start=0)
+        text, turns = self._turns(messages, check_tools(tools), start=0)
         return _tokens_and_mask(text, turns, tokenizer)
 
     def encode_prompt_completion(
-        self, prompt: Messages, completion: Messages, tokenizer: Tokenizer
+        self,
+        prompt: Messages,
+        completion: Messages,
+        tokenizer: Tokenizer,
+        *,
+        tools: Tools = None,
     ) -> tuple[PromptIds, CompletionIds, CompletionMask]:
         prompt = check_messages(prompt, JINJA_ROLES)
         completion = check_messages(completion, JINJA_ROLES, first=len(prompt))
+        tools = check_tools(tools)
         if not completion:
             raise ChatTemplateError(
                 "the completion has no messages.", reason="with an empty completion"
             )
-        text, turns = self._turns(prompt + completion, start=len(prompt))
+        text, turns = self._turns(prompt + completion, tools, start=len(prompt))
         answer = completion[0]["role"] == "assistant"
-        head = prompt_end(self._render, prompt, text, answer=answer)
+        head = prompt_end(self._renderer(tools), prompt, text, answer=answer)
         if answer and turns and not self.marked:
             # an answer can start inside the generation prompt (a `<think>` the
             # template also writes as the prompt's end): it is the completion's
@@ -200,21 +258,26 @@ class JinjaChatTemplate:
         return prompt_ids, ids, mask
 
     def _turns(
-        self, messages: list[dict[str, Any]], *, start: int
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None,
+        *,
+        start: int,
     ) -> tuple[str, list[Turn]]:
         """The conversation's render and its assistant turns from `start` on: the
-        template's `{% generation %}` blocks, or else the located turns."""
+        template's `{% generation %}` blocks, or else the located turns (every
+        render of a part of the conversation given the same `tools`)."""
         if self.marked:
-            variables = self._variables(messages, False)
+            variables = self._variables(messages, False, tools)
             text, spans = render_marked(self._compiled, **variables)
             return text, [Turn(a, b, b) for a, b in spans]
-        text = self.render(messages)
-        return text, located_turns(self._render, messages, text, start=start)
+        render = self._renderer(tools)
+        text = render(messages, False)
+        return text, located_turns(render, messages, text, start=start)
 
-    def _render(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool
-    ) -> str:
-        return self.render(messages, add_generation_prompt=add_generation_prompt)
+    def _renderer(self, tools: list[dict[str, Any]] | None) -> Render:
+        """`(messages, add_generation_prompt) -> text`, with a record's `tools`."""
+        return lambda messages, gen: self._text(messages, gen, tools)
 
     def __repr__(self) -> str:
         return f"JinjaChatTemplate({len(self.source)} characters)"

@@ -11,7 +11,10 @@ from chat, prompt/completion or preference records with a chat template
 Formats (TRL's): `"chat"` (`messages`), `"prompt_completion"` (`prompt`,
 `completion`: both strings or both message lists) and `"preference"` (`prompt`,
 `chosen`, `rejected`; or, implicitly, `chosen`/`rejected` conversations whose
-shared leading messages are the prompt).
+shared leading messages are the prompt). A record of message lists may carry
+`tools` (function definitions, or a JSON string of them), which the chat template
+is given with every render of it (`_chat.check_tools`); string records are text
+already and do not use them.
 """
 
 import os
@@ -22,7 +25,7 @@ import numpy as np
 
 from .._errors import ConfigError
 from . import _text
-from ._chat import BuiltinChatTemplate, ChatTemplate, chat_template
+from ._chat import BuiltinChatTemplate, ChatTemplate, chat_template, check_tools
 from ._errors import positive
 from ._records import (
     Skip,
@@ -72,7 +75,8 @@ def sft_rows(
 
     Args:
         records: a `datasets.Dataset` (e.g. `from_files("sft.jsonl")`), a list of
-            dicts or a mapping of columns.
+            dicts or a mapping of columns; a record of message lists may carry
+            `tools`, given to the template (`check_tools`).
         tokenizer: any `Tokenizer`; a Jinja template needs `encode_with_offsets`.
         seq_len: S, the row width (rows hold S + 1 tokens: inputs and targets).
         format: `"chat"` or `"prompt_completion"`; inferred from the columns when
@@ -141,7 +145,8 @@ def preference_rows(
     Args:
         records: with `prompt`, `chosen`, `rejected` (strings, or message lists:
             the conversation so far and the assistant replies), or `chosen` and
-            `rejected` conversations whose shared leading messages are the prompt.
+            `rejected` conversations whose shared leading messages are the prompt;
+            and `tools` for message lists, as for `sft_rows`.
         tokenizer: as for `sft_rows`.
         seq_len: S, the row width.
         template: as for `sft_rows`.
@@ -173,7 +178,9 @@ def _preference_encoder(
 
     def fit(row: Any) -> tuple[np.ndarray, ...]:
         prompt, chosen, rejected = preference_fields(row)
-        (p, c, cm), (q, r, rm) = pair(prompt, chosen), pair(prompt, rejected)
+        tools = record_tools(row, prompt)
+        p, c, cm = pair(prompt, chosen, tools)
+        q, r, rm = pair(prompt, rejected, tools)
         if not np.array_equal(p, q):
             raise Skip("with chosen and rejected prompts that tokenize differently")
         _check_learned(cm)
@@ -212,7 +219,7 @@ def _prompt_completion_encoder(
         same_kind(("prompt", prompt), ("completion", completion))
         if is_empty(completion):
             raise Skip("with an empty completion")
-        p, c, mask = pair(prompt, completion)
+        p, c, mask = pair(prompt, completion, record_tools(row, prompt))
         _check_learned(mask)
         p = _truncate_prompt(p, limit, tokenizer.bos_id)
         if len(p) + len(c) > seq_len + 1:
@@ -232,7 +239,9 @@ def _chat_example(
         isinstance(m, Mapping) and m.get("role") == "assistant" for m in messages
     ):
         raise Skip("with no assistant message")
-    ids, mask = template.encode(messages, tokenizer)
+    ids, mask = template.encode(
+        messages, tokenizer, **tools_argument(record_tools(row, messages))
+    )
     ids, mask = ids[: seq_len + 1], mask[: seq_len + 1]  # keep the start
     if not mask[1:].any():  # the first token is never a target
         raise Skip(f"with no assistant token in the first {seq_len + 1} tokens")
@@ -241,16 +250,35 @@ def _chat_example(
 
 def _pair_encoder(
     tokenizer: Tokenizer, template: ChatTemplate
-) -> Callable[[Any, Any], Encoded]:
-    """`(prompt, completion) -> (prompt ids, completion ids, completion mask)` for
-    strings (BOS + prompt, completion + EOS) or message lists (`template`)."""
+) -> Callable[[Any, Any, Any], Encoded]:
+    """`(prompt, completion, tools) -> (prompt ids, completion ids, completion
+    mask)` for strings (BOS + prompt, completion + EOS) or message lists
+    (`template`, given the record's checked `tools`)."""
 
-    def encode(prompt: Any, completion: Any) -> Encoded:
+    def encode(prompt: Any, completion: Any, tools: Any) -> Encoded:
         if isinstance(prompt, str):
             return _encode_text(prompt, completion, tokenizer)
-        return template.encode_prompt_completion(prompt, completion, tokenizer)
+        return template.encode_prompt_completion(
+            prompt, completion, tokenizer, **tools_argument(tools)
+        )
 
     return encode
+
+
+def record_tools(row: Any, messages: Any) -> list[dict[str, Any]] | None:
+    """The `tools` of a record whose `messages` (or prompt) go through a chat
+    template, checked (`check_tools`: a malformed value skips the record); None
+    for text records, which no template renders."""
+    if isinstance(messages, str) or not isinstance(row, Mapping):
+        return None
+    return check_tools(row.get("tools"))
+
+
+def tools_argument(tools: list[dict[str, Any]] | None) -> dict[str, Any]:
+    """The keyword that gives a template a record's tools: none without them, so
+    a `ChatTemplate` of the caller's own that takes no `tools` still works on
+    records that have none."""
+    return {} if tools is None else {"tools": tools}
 
 
 def _encode_text(prompt: str, completion: str, tokenizer: Tokenizer) -> Encoded:

@@ -17,6 +17,7 @@ from .._errors import ConfigError
 from ._errors import DataError, positive, too_few_tokens
 from ._sources import column
 from ._tokenizers import Tokenizer, require_id
+from ._tools import refuse_tools
 
 
 Rows = dict[str, np.ndarray]
@@ -332,16 +333,35 @@ def chat_examples(
 
     Raises:
         DataError: `field` is missing (the error lists the fields there are), the
-            data is empty, or a message is malformed (the error names the record).
+            data is empty, a message is malformed, or a record has `tools`, which
+            this template cannot write (the error names the record).
     """
-    conversations = enumerate(column(records, field))
-    encoded = [_encoded_record(r, messages, tokenizer) for r, messages in conversations]
+    if not isinstance(records, Mapping) and not hasattr(records, "column_names"):
+        records = list(records)  # read twice: the messages, then the tools
+    conversations = column(records, field)
+    tools = _tools_column(records, len(conversations))
+    encoded = [
+        _encoded_record(r, messages, tokenizer, tools[r])
+        for r, messages in enumerate(conversations)
+    ]
     return [ids for ids, _ in encoded], [mask for _, mask in encoded]
 
 
-def _encoded_record(r: int, messages: Any, tokenizer: Tokenizer) -> Item:
-    """`encode_chat` of record `r`'s messages; an error names the record."""
+def _tools_column(records: Any, n: int) -> list[Any]:
+    """Each record's `tools` (None where it has none)."""
+    if isinstance(records, Mapping):
+        values = records.get("tools")
+        return [None] * n if values is None else list(values)
+    if hasattr(records, "column_names"):  # datasets.Dataset
+        return list(records["tools"]) if "tools" in records.column_names else [None] * n
+    return [r.get("tools") if isinstance(r, Mapping) else None for r in records]
+
+
+def _encoded_record(r: int, messages: Any, tokenizer: Tokenizer, tools: Any) -> Item:
+    """`encode_chat` of record `r`'s messages; an error names the record (one with
+    tools among them: the built-in template cannot write them)."""
     try:
+        refuse_tools(tools)
         return encode_chat(messages, tokenizer)
     except DataError as error:
         raise DataError(f"record {r}: {error}") from error

@@ -16,6 +16,11 @@ message j in the render `text` of the conversation:
            `<|eot_id|>`, `<|end|>\n` but not Phi-3's end-of-conversation EOS, which
            is learned after the last turn only).
 
+`render` renders a list of messages with everything else the whole
+conversation's render was given (the record's tools above all: Qwen2.5 writes
+them into the system turn, Llama 3.1 into the first user turn), so that the
+renders of its parts line up with it.
+
 No prefix of the conversation has to render as the conversation does: Qwen3
 (the empty `<think>` block on the last answer only), Phi-3 (EOS after the last
 turn only) and DeepSeek-R1 distills (earlier reasoning dropped) are all located.
@@ -97,7 +102,7 @@ def _prompt_end(
     last user turn, is followed), as far as the two agree."""
     if j == 0:
         return _common_prefix(_render_or_empty(render, [], True), text)
-    marker = _marker(messages)
+    marker = _marker(messages, text)
     marked = _with_content(messages, j - 1, marker)
     whole = render(marked, False)
     prompt = render(marked[:j], True)
@@ -116,7 +121,7 @@ def _own_text(
     """`(first, floor, end)` of assistant message j in `text`: where the
     characters that depend on its content start and end, and where its
     end-of-turn text ends; None if the template does not write its content."""
-    marker = _marker(messages)
+    marker = _marker(messages, text)
     marked = _with_content(messages, j, marker)
     whole = render(marked, False)
     at = whole.find(marker)
@@ -148,9 +153,10 @@ def _with_content(
     return [*messages[:j], {**messages[j], "content": content}, *messages[j + 1 :]]
 
 
-def _marker(messages: list[dict[str, Any]]) -> str:
-    """A string that occurs in no message (private-use characters)."""
-    seen = "".join(str(m.get("content", "")) for m in messages)
+def _marker(messages: list[dict[str, Any]], text: str) -> str:
+    """A string that occurs in no message and nowhere in the render `text` (e.g.
+    in the tool definitions it holds): private-use characters."""
+    seen = "".join(str(m.get("content", "")) for m in messages) + text
     for code in range(0xE000, 0xF8FF):
         marker = chr(code) + "eqtrain" + chr(code + 1)
         if marker not in seen:

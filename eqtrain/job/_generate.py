@@ -169,27 +169,34 @@ def _single_id(tokenizer: Any, text: str) -> int | None:
 
 
 def prompt_tokens(
-    m: Generator, prompt: str | Sequence[Any], *, chat: bool
+    m: Generator, prompt: str | Sequence[Any], *, chat: bool, tools: Any = None
 ) -> np.ndarray:
     """A prompt's token ids: with `chat`, the chat template's render of the
-    messages (a string is one user message) with the generation prompt;
-    otherwise the tokenizer's BOS (when it has one) and the text's tokens, as
-    eqtrain's prompt/completion data starts."""
+    messages (a string is one user message) with the generation prompt and the
+    row's `tools` (function definitions, or a JSON string of them, as a record's
+    `tools` in training data); otherwise the tokenizer's BOS (when it has one)
+    and the text's tokens, as eqtrain's prompt/completion data starts (refused
+    with tools, which only a chat template writes)."""
     if chat:
         messages = (
             [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
         )
-        return _chat_tokens(m, list(messages))
+        return _chat_tokens(m, list(messages), tools)
     if not isinstance(prompt, str):
         raise ConfigError(
             "a prompt of messages needs --chat (the chat template makes them text)."
+        )
+    if _checked_tools(m, tools) is not None:
+        raise ConfigError(
+            "a prompt with 'tools' needs --chat: only the chat template writes the "
+            "tool definitions into the prompt."
         )
     bos = m.tokenizer.bos_id
     ids = np.asarray(m.tokenizer.encode(prompt), np.int32)
     return ids if bos is None else np.concatenate([np.int32([bos]), ids])
 
 
-def _chat_tokens(m: Generator, messages: list[Any]) -> np.ndarray:
+def _chat_tokens(m: Generator, messages: list[Any], tools: Any) -> np.ndarray:
     template, tokenizer = m.template, m.tokenizer
     if template is None:
         raise ConfigError(
@@ -197,15 +204,25 @@ def _chat_tokens(m: Generator, messages: list[Any]) -> np.ndarray:
             "chat_template.jinja and no chat_template in tokenizer_config.json); "
             "drop --chat, or add the model's template there."
         )
+    tools = _checked_tools(m, tools)
     try:
         if isinstance(template, data_lib.JinjaChatTemplate):
-            text = template.render(messages, add_generation_prompt=True)
+            text = template.render(messages, add_generation_prompt=True, tools=tools)
             return np.asarray(tokenizer.encode(text), np.int32)
-        ids, _ = template.encode(messages, tokenizer)  # eqtrain's built-in one
+        # eqtrain's built-in one (it refuses tools)
+        ids, _ = template.encode(messages, tokenizer, tools=tools)
     except data_lib.DataError as e:
         raise ConfigError(f"the chat template of {m.source}: {e}") from None
     header = np.asarray(tokenizer.encode("<|assistant|>\n"), np.int32)
     return np.concatenate([np.asarray(ids, np.int32), header])
+
+
+def _checked_tools(m: Generator, tools: Any) -> list[dict[str, Any]] | None:
+    """A prompt's `tools` as the chat template is given them (None: none)."""
+    try:
+        return data_lib.check_tools(tools)
+    except data_lib.DataError as e:
+        raise ConfigError(f"a prompt for {m.source}: {e}") from None
 
 
 @dataclasses.dataclass(frozen=True)

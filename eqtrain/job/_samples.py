@@ -22,37 +22,38 @@ class Prompts:
     multiple: int
 
 
-def read_prompts(path: Path) -> list[Any]:
+def read_prompts(path: Path) -> tuple[list[Any], list[Any]]:
     """A .txt file's non-empty lines, or a .jsonl file's `prompt` strings and
-    `messages` lists; `ConfigError` naming `log.samples` otherwise."""
+    `messages` lists; with each prompt its `tools` (a .jsonl line's, for the
+    chat template; None without). `ConfigError` naming `log.samples` otherwise."""
     where = f"`log.samples` ({path})"
     if not path.is_file():
         raise ConfigError(f"{where} does not exist (or is not a file).")
     lines = path.read_text(encoding="utf-8").splitlines()
     if path.suffix == ".txt":
-        prompts: list[Any] = [line for line in lines if line.strip()]
+        rows = [(line, None) for line in lines if line.strip()]
     elif path.suffix == ".jsonl":
-        prompts = [_jsonl_prompt(line, n, where) for n, line in _numbered(lines)]
+        rows = [_jsonl_prompt(line, n, where) for n, line in _numbered(lines)]
     else:
         raise ConfigError(f"{where} must be a .txt or .jsonl file of prompts.")
-    if not prompts:
+    if not rows:
         raise ConfigError(f"{where} holds no prompt.")
-    return prompts
+    return [prompt for prompt, _ in rows], [tools for _, tools in rows]
 
 
 def _numbered(lines: list[str]) -> list[tuple[int, str]]:
     return [(n, line) for n, line in enumerate(lines, 1) if line.strip()]
 
 
-def _jsonl_prompt(line: str, n: int, where: str) -> Any:
+def _jsonl_prompt(line: str, n: int, where: str) -> tuple[Any, Any]:
     try:
         row = json.loads(line)
     except ValueError:
         row = None
     if isinstance(row, dict) and isinstance(row.get("prompt"), str):
-        return row["prompt"]
+        return row["prompt"], row.get("tools")
     if isinstance(row, dict) and isinstance(row.get("messages"), list):
-        return row["messages"]
+        return row["messages"], row.get("tools")
     raise ConfigError(
         f'{where}, line {n}: each line must be {{"prompt": "..."}} or '
         '{"messages": [...]}.'
@@ -61,16 +62,17 @@ def _jsonl_prompt(line: str, n: int, where: str) -> Any:
 
 def prompts_of(job: _build.Job) -> Prompts | None:
     """`log.samples` read and tokenized for `job` (None when unset): strings are
-    chat-templated when `data.format = "chat"`, messages always; refused when a
-    prompt does not fit GPT-2's positions. In a multi-process run every process
-    generates (the prompts replicated) and the first one writes."""
+    chat-templated when `data.format = "chat"`, messages always (a line's
+    `tools` with them); refused when a prompt does not fit GPT-2's positions. In
+    a multi-process run every process generates (the prompts replicated) and the
+    first one writes."""
     log = job.config.log
     if log.samples is None:
         return None
-    prompts = read_prompts(Path(log.samples))
+    prompts, tools = read_prompts(Path(log.samples))
     model = _generator(job)
     try:
-        tokens = _tokens(job, model, prompts)
+        tokens = _tokens(job, model, prompts, tools)
         multiple = check_fits(model, tokens, Options(log.samples_max_new_tokens))
     except ConfigError as e:
         raise ConfigError(f"`log.samples` ({log.samples}): {e}") from None
@@ -78,12 +80,15 @@ def prompts_of(job: _build.Job) -> Prompts | None:
     return Prompts(prompts, tokens, stops, multiple)
 
 
-def _tokens(job: _build.Job, model: Generator, prompts: list[Any]) -> list[Any]:
+def _tokens(
+    job: _build.Job, model: Generator, prompts: list[Any], tools: list[Any]
+) -> list[Any]:
     """Each prompt's tokens: strings chat-templated when `data.format = "chat"`,
-    messages always."""
+    messages always, each with its `tools`."""
     chat = data_format(job.config) == "chat"
     return [
-        prompt_tokens(model, p, chat=chat or not isinstance(p, str)) for p in prompts
+        prompt_tokens(model, p, chat=chat or not isinstance(p, str), tools=t)
+        for p, t in zip(prompts, tools, strict=True)
     ]
 
 

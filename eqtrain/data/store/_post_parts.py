@@ -26,7 +26,13 @@ import numpy as np
 
 from .._chat import BuiltinChatTemplate, JinjaChatTemplate
 from .._errors import ChatTemplateError, DataError
-from .._post import _preference_encoder, _sft_encoder, _template as resolved
+from .._post import (
+    _preference_encoder,
+    _sft_encoder,
+    _template as resolved,
+    record_tools,
+    tools_argument,
+)
 from .._readers import Piece, _jsonl_blocks
 from .._records import Skip
 from .._tokenizers import ByteTokenizer, HFTokenizer
@@ -151,15 +157,18 @@ def _pair_examples(fit: Callable[[Any], tuple[np.ndarray, ...]]) -> Examples:
 
 def prompt_ids(record: Any, chat: bool, tokenizer: Any, template: Any) -> np.ndarray:
     """A GRPO record's prompt ids: BOS and the `prompt` text, or the `messages`
-    chat rendered up to the assistant's turn; `Skip` when it has no usable
-    prompt (an empty one included)."""
+    chat rendered up to the assistant's turn (with the record's `tools`); `Skip`
+    when it has no usable prompt (an empty one included)."""
     if chat:
         messages = record.get("messages") if isinstance(record, Mapping) else None
         if not isinstance(messages, list):
             raise Skip("whose 'messages' is not a list")
         turn = [{"role": "assistant", "content": ""}]
         try:
-            ids, _, _ = template.encode_prompt_completion(messages, turn, tokenizer)
+            tools = tools_argument(record_tools(record, messages))
+            ids, _, _ = template.encode_prompt_completion(
+                messages, turn, tokenizer, **tools
+            )
         except DataError as e:
             reason = getattr(e, "reason", None)  # a chat the template refuses
             if reason is None:

@@ -9,11 +9,12 @@ run's tokenizer and chat template, and read back by index (`PostRows`).
                                        each row (and one past the last)
 
 The key is a hash of the identity (the record file's fingerprint, the tokenizer,
-the template, the settings, the eqtrain version). A store is built in
-`post-<key>.tmp<pid>/` and renamed into place when complete, so a killed or
-failed build never leaves a store that opens (its temporary directory is removed
-by the next build). Opening reads `rows.json` only; the parts are mapped when a
-batch first reads them.
+the template and the rule that renders a record with it, the settings, the
+eqtrain version); the records' `tools` are part of the file, so its fingerprint
+covers them. A store is built in `post-<key>.tmp<pid>/` and renamed into place
+when complete, so a killed or failed build never leaves a store that opens (its
+temporary directory is removed by the next build). Opening reads `rows.json`
+only; the parts are mapped when a batch first reads them.
 
 The rows equal `sft_rows` / `preference_rows` of the same records, row by row;
 `PostRows` (`_post_rows`) builds a batch's rows from the stored examples.
@@ -29,6 +30,7 @@ from typing import Any
 
 import numpy as np
 
+from .._chat import MASK_RULE
 from .._errors import DataError, PathLike, positive
 from .._files import BuildLock, default_cache, json_sha256, write_json
 from .._post import _prompt_limit
@@ -92,7 +94,8 @@ def prepare_post(
         identity: what the rows depend on besides the settings (the job passes
             the file's fingerprint, the tokenizer, the template's identity and
             the eqtrain version); default: the fingerprint, the tokenizer's
-            identity and the template's class and source.
+            identity and the template's class, source and `MASK_RULE` (the
+            rule that makes a record's render, its tools included).
         workers: processes that encode (default: the CPU count).
         executor: `"auto"`, `"inline"` or `"processes"`.
         piece_bytes: bytes of the file per part (default 16 MiB).
@@ -163,6 +166,7 @@ def _identity(path: PathLike, tokenizer: Any, template: Any) -> dict[str, Any]:
         "tokenizer": tokenizer_identity(tokenizer),
         "template": [
             type(template).__name__,
+            MASK_RULE,
             getattr(template, "source", None),
             getattr(template, "special_tokens", None),
         ],
