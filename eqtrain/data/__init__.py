@@ -30,6 +30,8 @@ from ._chat import (
     chat_template as chat_template,
     check_tools as check_tools,
     read_chat_template as read_chat_template,
+    read_chat_templates as read_chat_templates,
+    template_identity as template_identity,
 )
 from ._corpus import stdlib_corpus as stdlib_corpus, stdlib_files as stdlib_files
 from ._errors import (

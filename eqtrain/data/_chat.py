@@ -9,6 +9,8 @@ built-in one of `encode_chat`.
 A record's `tools` (function definitions, or a JSON string of them) reach the
 template as `transformers`' `apply_chat_template(messages, tools=tools)` gives
 them; the built-in template cannot write them and refuses a record that has some.
+A model with several named templates (a `default` and a `tool_use` one) renders a
+record with tools with its `tool_use` template, as transformers picks it.
 """
 
 import os
@@ -49,9 +51,14 @@ SPECIAL_TOKENS = (
     "mask_token",
 )
 TEMPLATE_FILE = "chat_template.jinja"
+# transformers 5's folder of named templates beside `TEMPLATE_FILE` (the default):
+# `additional_chat_templates/<name>.jinja`.
+TEMPLATE_DIR = "additional_chat_templates"
+# The named template transformers renders a conversation with tools with.
+TOOL_USE = "tool_use"
 # The version of the rule that turns a record into its render and mask (3: the
 # record's `tools` reach the template): part of the key of every cached or stored
-# chat row, so a change of rule re-makes them.
+# chat row (`template_identity`), so a change of rule re-makes them.
 MASK_RULE = 3
 
 
@@ -120,9 +127,25 @@ class BuiltinChatTemplate:
         return "BuiltinChatTemplate()"
 
 
+class _Compiled:
+    """One Jinja source, compiled, and whether it marks the text to learn with
+    `{% generation %}` blocks."""
+
+    def __init__(self, source: str):
+        self.template = compile_template(source)
+        self.marked = has_generation_blocks(source)
+
+
 class JinjaChatTemplate:
     """A model's Jinja chat template, rendered as `transformers`'
     `apply_chat_template` renders it, and tokenized without added special tokens.
+
+    `source` is the default template. `tool_use` is the model's template named
+    `"tool_use"`, where it has one (Hermes, Command-R): as transformers'
+    `get_chat_template` picks it, a record with tools (`check_tools` not None: a
+    non-empty list) is rendered with it, every partial render that locates the
+    record's turns and the prompt's end included; a record without tools is
+    rendered with `source`, as if there were no `tool_use` template.
 
     The template runs in jinja2's immutable sandbox (templates are data, never
     code), with transformers' environment: `trim_blocks`, `lstrip_blocks`, the
@@ -135,7 +158,8 @@ class JinjaChatTemplate:
     Every render made to locate a record's turns and the prompt's end is given
     the record's tools too.
 
-    The mask: a template with `{% generation %}` blocks marks the text to learn
+    The mask: a template with `{% generation %}` blocks (each of `source` and
+    `tool_use` on its own; `marked` is `source`'s) marks the text to learn
     itself, and the mask is transformers' `return_assistant_tokens_mask`, token
     for token. Any other template is masked from its render of the whole
     conversation (`eqtrain.data._turns`): each assistant turn runs from the end
@@ -161,11 +185,26 @@ class JinjaChatTemplate:
     Needs a tokenizer with `encode_with_offsets` (`HFTokenizer`, `ByteTokenizer`).
     """
 
-    def __init__(self, source: str, special_tokens: Mapping[str, str] | None = None):
+    def __init__(
+        self,
+        source: str,
+        special_tokens: Mapping[str, str] | None = None,
+        *,
+        tool_use: str | None = None,
+    ):
         self.source = source
+        self.tool_use = tool_use
         self.special_tokens = dict(special_tokens or {})
-        self._compiled = compile_template(source)
-        self.marked = has_generation_blocks(source)
+        self._default = _Compiled(source)
+        self._tool_use = None if tool_use is None else _Compiled(tool_use)
+        self.marked = self._default.marked
+
+    def _for(self, tools: list[dict[str, Any]] | None) -> _Compiled:
+        """The template a record with these (checked) `tools` is rendered with:
+        transformers' choice, `tool_use` when there are tools and one exists."""
+        if tools is not None and self._tool_use is not None:
+            return self._tool_use
+        return self._default
 
     def _variables(
         self,
@@ -207,7 +246,7 @@ class JinjaChatTemplate:
         tools: list[dict[str, Any]] | None,
     ) -> str:
         try:
-            return self._compiled.render(
+            return self._for(tools).template.render(
                 **self._variables(messages, add_generation_prompt, tools)
             )
         except ChatTemplateError:
@@ -244,7 +283,7 @@ class JinjaChatTemplate:
         text, turns = self._turns(prompt + completion, tools, start=len(prompt))
         answer = completion[0]["role"] == "assistant"
         head = prompt_end(self._renderer(tools), prompt, text, answer=answer)
-        if answer and turns and not self.marked:
+        if answer and turns and not self._for(tools).marked:
             # an answer can start inside the generation prompt (a `<think>` the
             # template also writes as the prompt's end): it is the completion's
             head = min(head, turns[0].begin)
@@ -266,10 +305,12 @@ class JinjaChatTemplate:
     ) -> tuple[str, list[Turn]]:
         """The conversation's render and its assistant turns from `start` on: the
         template's `{% generation %}` blocks, or else the located turns (every
-        render of a part of the conversation given the same `tools`)."""
-        if self.marked:
+        render of a part of the conversation given the same `tools`, so made by
+        the same template)."""
+        chosen = self._for(tools)
+        if chosen.marked:
             variables = self._variables(messages, False, tools)
-            text, spans = render_marked(self._compiled, **variables)
+            text, spans = render_marked(chosen.template, **variables)
             return text, [Turn(a, b, b) for a, b in spans]
         render = self._renderer(tools)
         text = render(messages, False)
@@ -280,16 +321,35 @@ class JinjaChatTemplate:
         return lambda messages, gen: self._text(messages, gen, tools)
 
     def __repr__(self) -> str:
-        return f"JinjaChatTemplate({len(self.source)} characters)"
+        extra = "" if self.tool_use is None else f", tool_use: {len(self.tool_use)}"
+        return f"JinjaChatTemplate({len(self.source)} characters{extra})"
+
+
+def template_identity(template: Any) -> list[Any]:
+    """What chat rows depend on of `template` (None: plain text), for the keys
+    of cached and stored rows: its class, `MASK_RULE`, its source and special
+    tokens, and its `tool_use` template where it has one (only then, so that the
+    key of a template without one is what it was before there were any)."""
+    key = [
+        type(template).__name__,
+        MASK_RULE,
+        getattr(template, "source", None),
+        getattr(template, "special_tokens", None),
+    ]
+    tool_use = getattr(template, "tool_use", None)
+    if tool_use is not None:
+        key.append({TOOL_USE: tool_use})
+    return key
 
 
 def chat_template(source: PathLike | None = None) -> ChatTemplate:
     """The chat template of a tokenizer directory or a `.jinja` file; the built-in
     one (`encode_chat`'s) for None or a directory without a template.
 
-    A directory's template is its `chat_template.jinja` (as transformers 5's
-    `save_pretrained` writes it), else `tokenizer_config.json`'s `chat_template`
-    (a string, or a list of `{"name", "template"}` of which `"default"` is used).
+    A directory's templates are read as transformers reads them
+    (`read_chat_templates`): its `"default"` one renders records without tools,
+    and its `"tool_use"` one, where it has one, records with tools (see
+    `JinjaChatTemplate`). A `.jinja` file is the one template, for every record.
     The special tokens (`bos_token`, ...) passed to the template come from the
     `tokenizer_config.json` (and a legacy `special_tokens_map.json`) next to it.
     A file other than a `.jinja` one (e.g. a `tokenizer.json`) stands for its
@@ -307,46 +367,101 @@ def chat_template(source: PathLike | None = None) -> ChatTemplate:
         text = _read(path)
         return JinjaChatTemplate(text, read_special_tokens(os.path.dirname(path)))
     directory = path if os.path.isdir(path) else os.path.dirname(path)
-    text = read_chat_template(directory)
-    if text is None:
+    templates = read_chat_templates(directory)
+    if not templates:
         return BuiltinChatTemplate()
-    return JinjaChatTemplate(text, read_special_tokens(directory))
+    return JinjaChatTemplate(
+        templates["default"],
+        read_special_tokens(directory),
+        tool_use=templates.get(TOOL_USE),
+    )
 
 
 def read_chat_template(directory: PathLike) -> str | None:
-    """The Jinja source of `directory`'s chat template, or None if it has none
-    (see `chat_template` for where it is looked for).
+    """The Jinja source of `directory`'s default chat template (the one records
+    without tools are rendered with), or None if it has none (see
+    `read_chat_templates` for where it is looked for).
 
     Raises:
-        DataError: `tokenizer_config.json` does not parse, or lists templates
-            without a `"default"` one.
+        DataError: `tokenizer_config.json` does not parse, or the directory's
+            templates have none named `"default"`.
+    """
+    return read_chat_templates(directory).get("default")
+
+
+def read_chat_templates(directory: PathLike) -> dict[str, str]:
+    """`directory`'s chat templates by name (`"default"`, and e.g. `"tool_use"`,
+    `"rag"`); `{}` if it has none. As transformers 5 loads them: the `.jinja`
+    files, `chat_template.jinja` (the default, as `save_pretrained` writes it) and
+    `additional_chat_templates/<name>.jinja`; only without any of those,
+    `tokenizer_config.json`'s `chat_template` (a string: the default; a list of
+    `{"name", "template"}`, or a mapping of names to templates).
+
+    Raises:
+        DataError: `tokenizer_config.json` does not parse, a template there is
+            not a string, or the templates have none named `"default"`.
     """
     directory = os.fspath(directory)
-    jinja = os.path.join(directory, TEMPLATE_FILE)
-    if os.path.isfile(jinja):
-        return _read(jinja)
-    return _config_template(os.path.join(directory, "tokenizer_config.json"))
+    templates, where = _file_templates(directory), directory
+    if not templates:
+        where = os.path.join(directory, "tokenizer_config.json")
+        templates = _config_templates(where)
+        if templates is None:
+            return {}
+    if "default" not in templates:
+        fix = (
+            f"Add {TEMPLATE_FILE} (the default) beside {TEMPLATE_DIR}/"
+            if where == directory
+            else "Name one 'default'"
+        )
+        raise DataError(
+            f"{where} has chat templates named {sorted(templates)} but none named "
+            f"'default', the one for records without tools. {fix}, or pass the "
+            "`.jinja` file of the one to use."
+        )
+    return templates
 
 
-def _config_template(config_path: str) -> str | None:
-    """`tokenizer_config.json`'s `chat_template`: a string, or the `default` of a
-    list of named ones; None without one."""
+def _file_templates(directory: str) -> dict[str, str]:
+    """The `.jinja` templates of `directory`: `chat_template.jinja` as
+    `"default"`, then each `additional_chat_templates/<name>.jinja` (which, as in
+    transformers, wins over the first for a file named `default.jinja`)."""
+    templates = {}
+    default = os.path.join(directory, TEMPLATE_FILE)
+    if os.path.isfile(default):
+        templates["default"] = _read(default)
+    folder = os.path.join(directory, TEMPLATE_DIR)
+    if os.path.isdir(folder):
+        for name in sorted(os.listdir(folder)):
+            path = os.path.join(folder, name)
+            if name.endswith(".jinja") and os.path.isfile(path):
+                templates[name.removesuffix(".jinja")] = _read(path)
+    return templates
+
+
+def _config_templates(config_path: str) -> dict[str, str] | None:
+    """`tokenizer_config.json`'s `chat_template` by name: a string is the
+    `"default"`, a list of `{"name", "template"}` (or a mapping) names its own;
+    None without one."""
     value = read_config(config_path, "Fix or remove it.").get("chat_template")
+    if value is None:
+        return None
+    if isinstance(value, str):
+        return {"default": value}
     if isinstance(value, list):  # [{"name": ..., "template": ...}, ...]
         value = {t.get("name"): t.get("template") for t in value if isinstance(t, dict)}
-    if isinstance(value, dict):
-        if "default" not in value:
-            raise DataError(
-                f"{config_path} lists chat templates named {sorted(map(str, value))} "
-                "but none named 'default'. Name one 'default', or pass the `.jinja` "
-                "file of the one to use."
-            )
-        value = value["default"]
-    if value is not None and not isinstance(value, str):
+    if not isinstance(value, dict):
         raise DataError(
             f"{config_path}'s chat_template must be a string or a list of "
             f"{{name, template}}; got {type(value).__name__}. Fix the file."
         )
+    for name, template in value.items():
+        if not isinstance(name, str) or not isinstance(template, str):
+            raise DataError(
+                f"{config_path}'s chat_template lists {name!r} with a template of "
+                f"type {type(template).__name__}; each must be a name and a string. "
+                "Fix the file."
+            )
     return value
 
 

@@ -259,7 +259,7 @@ def _post_identity(job: Job, path: Path) -> dict[str, Any]:
         "kind": "post",
         "source": data_lib.fingerprint(path),
         "tokenizer": data_lib.tokenizer_identity(job.tokenizer),
-        "template": _template_identity(template),
+        "template": data_lib.template_identity(template),
         "eqtrain": _version(),  # the rows follow eqtrain's pipelines
         "settings": [
             config.task.kind,
@@ -269,16 +269,6 @@ def _post_identity(job: Job, path: Path) -> dict[str, Any]:
             config.data.pack,
         ],
     }
-
-
-def _template_identity(template: Any) -> list[Any]:
-    """What the rows depend on of a chat template (None: plain text)."""
-    return [
-        type(template).__name__,
-        data_lib.MASK_RULE,
-        getattr(template, "source", None),
-        getattr(template, "special_tokens", None),
-    ]
 
 
 def _skip_note(where: str, report: data_lib.SkipReport) -> str:

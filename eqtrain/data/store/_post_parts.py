@@ -77,6 +77,7 @@ def _template_spec(template: Any) -> dict[str, Any] | None:
             "kind": "jinja",
             "source": template.source,
             "special_tokens": dict(template.special_tokens),
+            "tool_use": template.tool_use,
         }
     return None
 
@@ -97,7 +98,9 @@ def _tokenizer(spec: Mapping[str, Any]) -> Any:
 def _template(spec: Mapping[str, Any]) -> Any:
     if spec["kind"] == "builtin":
         return BuiltinChatTemplate()
-    return JinjaChatTemplate(spec["source"], spec["special_tokens"])
+    return JinjaChatTemplate(
+        spec["source"], spec["special_tokens"], tool_use=spec["tool_use"]
+    )
 
 
 class PostEncoder:

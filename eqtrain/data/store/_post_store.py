@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from .._chat import MASK_RULE
+from .._chat import template_identity
 from .._errors import DataError, PathLike, positive
 from .._files import BuildLock, default_cache, json_sha256, write_json
 from .._post import _prompt_limit
@@ -94,8 +94,9 @@ def prepare_post(
         identity: what the rows depend on besides the settings (the job passes
             the file's fingerprint, the tokenizer, the template's identity and
             the eqtrain version); default: the fingerprint, the tokenizer's
-            identity and the template's class, source and `MASK_RULE` (the
-            rule that makes a record's render, its tools included).
+            identity and `template_identity(template)` (its class, source,
+            `tool_use` template and `MASK_RULE`, the rule that makes a
+            record's render, its tools included).
         workers: processes that encode (default: the CPU count).
         executor: `"auto"`, `"inline"` or `"processes"`.
         piece_bytes: bytes of the file per part (default 16 MiB).
@@ -164,12 +165,7 @@ def _identity(path: PathLike, tokenizer: Any, template: Any) -> dict[str, Any]:
     return {
         "source": fingerprint(path),
         "tokenizer": tokenizer_identity(tokenizer),
-        "template": [
-            type(template).__name__,
-            MASK_RULE,
-            getattr(template, "source", None),
-            getattr(template, "special_tokens", None),
-        ],
+        "template": template_identity(template),
     }
 
 
