@@ -73,19 +73,35 @@ _EXPORT_NAMES = frozenset(
     }
 )
 _EXPORT_SHARD = re.compile(r"(model|pytorch_model)-\d{5}-of-\d{5}\.(safetensors|bin)")
+# transformers 5's folder of named chat templates (`<name>.jinja` files only),
+# which exports write beside `chat_template.jinja`
+TEMPLATE_DIR = "additional_chat_templates"
 
 
 def foreign_files(directory: str | os.PathLike[str]) -> list[str]:
     """The entries of `directory` that are not part of an eqtrain or Hugging Face
-    export (a user's notes, a model card, subdirectories): what replacing the
-    directory with a new export would delete. Sorted."""
+    export (a user's notes, a model card, subdirectories other than a
+    `TEMPLATE_DIR` of `.jinja` files only): what replacing the directory with a
+    new export would delete. Sorted."""
     out = []
     for entry in os.scandir(directory):
         name = entry.name
-        known = name in _EXPORT_NAMES or _EXPORT_SHARD.fullmatch(name)
-        if not known or entry.is_dir(follow_symlinks=False):
+        if entry.is_dir(follow_symlinks=False):
+            known = name == TEMPLATE_DIR and is_template_dir(entry.path)
+        else:
+            known = name in _EXPORT_NAMES or bool(_EXPORT_SHARD.fullmatch(name))
+        if not known:
             out.append(name + ("/" if entry.is_dir() else ""))
     return sorted(out)
+
+
+def is_template_dir(path: str | os.PathLike[str]) -> bool:
+    """Whether the directory `path` holds only `<name>.jinja` files (no links,
+    no subdirectories): chat templates, as an export writes them."""
+    return all(
+        entry.name.endswith(".jinja") and entry.is_file(follow_symlinks=False)
+        for entry in os.scandir(path)
+    )
 
 
 def describe_names(names: list[str], limit: int = 5) -> str:

@@ -37,10 +37,13 @@ class DataConfig:
     )
     chat_template: str = setting(
         "auto",
-        "How conversations become tokens: a `.jinja` file, `builtin` (eqtrain's "
-        "own template), or `auto`: the tokenizer directory's template "
-        "(chat_template.jinja, or tokenizer_config.json's chat_template) when it "
-        "has one, else builtin.",
+        "How conversations become tokens: a `.jinja` file (one template for every "
+        "record), `builtin` (eqtrain's own template), or `auto`: the tokenizer "
+        "directory's templates when it has some, else builtin. They are read as "
+        "transformers reads them: chat_template.jinja (the default) with "
+        "additional_chat_templates/<name>.jinja, else tokenizer_config.json's "
+        "chat_template (a string, or a list of {name, template}); a record with "
+        "tools is rendered with the `tool_use` one where there is one.",
         kind="path",
     )
     max_prompt_len: int | None = setting(

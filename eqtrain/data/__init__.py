@@ -33,6 +33,10 @@ from ._chat import (
     read_chat_templates as read_chat_templates,
     template_identity as template_identity,
 )
+from ._chat_files import (
+    copy_chat_templates as copy_chat_templates,
+    write_chat_templates as write_chat_templates,
+)
 from ._corpus import stdlib_corpus as stdlib_corpus, stdlib_files as stdlib_files
 from ._errors import (
     DataError as DataError,

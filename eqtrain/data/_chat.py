@@ -145,7 +145,10 @@ class JinjaChatTemplate:
     `get_chat_template` picks it, a record with tools (`check_tools` not None: a
     non-empty list) is rendered with it, every partial render that locates the
     record's turns and the prompt's end included; a record without tools is
-    rendered with `source`, as if there were no `tool_use` template.
+    rendered with `source`, as if there were no `tool_use` template. `others`
+    are the model's further named templates (e.g. `"rag"`): never rendered here,
+    only carried, so that `templates` (every one by name) is what an export of a
+    model trained with this template writes.
 
     The template runs in jinja2's immutable sandbox (templates are data, never
     code), with transformers' environment: `trim_blocks`, `lstrip_blocks`, the
@@ -191,13 +194,24 @@ class JinjaChatTemplate:
         special_tokens: Mapping[str, str] | None = None,
         *,
         tool_use: str | None = None,
+        others: Mapping[str, str] | None = None,
     ):
         self.source = source
         self.tool_use = tool_use
+        self.others = dict(others or {})
         self.special_tokens = dict(special_tokens or {})
         self._default = _Compiled(source)
         self._tool_use = None if tool_use is None else _Compiled(tool_use)
         self.marked = self._default.marked
+
+    @property
+    def templates(self) -> dict[str, str]:
+        """Every template by name, as `read_chat_templates` gives them:
+        `"default"` (`source`), `"tool_use"` where there is one, and `others`."""
+        named = {**self.others, "default": self.source}
+        if self.tool_use is not None:
+            named[TOOL_USE] = self.tool_use
+        return named
 
     def _for(self, tools: list[dict[str, Any]] | None) -> _Compiled:
         """The template a record with these (checked) `tools` is rendered with:
@@ -374,6 +388,7 @@ def chat_template(source: PathLike | None = None) -> ChatTemplate:
         templates["default"],
         read_special_tokens(directory),
         tool_use=templates.get(TOOL_USE),
+        others={k: v for k, v in templates.items() if k not in ("default", TOOL_USE)},
     )
 
 
@@ -401,17 +416,13 @@ def read_chat_templates(directory: PathLike) -> dict[str, str]:
         DataError: `tokenizer_config.json` does not parse, a template there is
             not a string, or the templates have none named `"default"`.
     """
-    directory = os.fspath(directory)
-    templates, where = _file_templates(directory), directory
-    if not templates:
-        where = os.path.join(directory, "tokenizer_config.json")
-        templates = _config_templates(where)
-        if templates is None:
-            return {}
+    templates, where = named_templates(directory)
+    if templates is None:
+        return {}
     if "default" not in templates:
         fix = (
             f"Add {TEMPLATE_FILE} (the default) beside {TEMPLATE_DIR}/"
-            if where == directory
+            if where == os.fspath(directory)
             else "Name one 'default'"
         )
         raise DataError(
@@ -420,6 +431,19 @@ def read_chat_templates(directory: PathLike) -> dict[str, str]:
             "`.jinja` file of the one to use."
         )
     return templates
+
+
+def named_templates(directory: PathLike) -> tuple[dict[str, str] | None, str]:
+    """`directory`'s chat templates by name (None: it has none), read as
+    `read_chat_templates` reads them but without asking for a `"default"` one
+    (transformers loads such a directory too), and where they were read (the
+    directory, for its `.jinja` files, or its `tokenizer_config.json`)."""
+    directory = os.fspath(directory)
+    templates = _file_templates(directory)
+    if templates:
+        return templates, directory
+    where = os.path.join(directory, "tokenizer_config.json")
+    return _config_templates(where), where
 
 
 def _file_templates(directory: str) -> dict[str, str]:

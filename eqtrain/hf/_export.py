@@ -4,6 +4,7 @@ Builds on the key maps of `_maps` and the writer of `_safetensors`.
 """
 
 import os
+from collections.abc import Mapping
 from typing import Any
 
 import jax
@@ -12,6 +13,7 @@ import numpy as np
 from .. import lora
 from .._errors import ConfigError
 from ..config import parse_size
+from ..data import write_chat_templates
 from ..models import as_dtype, family
 from ..quantize import dequantize
 from . import _maps, _safetensors
@@ -34,7 +36,7 @@ def export(
     bos_token_id: int | None = None,
     eos_token_id: int | None = None,
     model_type: str | None = None,
-    chat_template: str | None = None,
+    chat_template: str | Mapping[str, str] | None = None,
     overwrite: bool = False,
 ) -> str:
     """Write `model` as a Hugging Face checkpoint directory that
@@ -64,10 +66,13 @@ def export(
             cannot express the config (e.g. Mistral with biases) raises
             `ConfigError` naming what it lacks.
         chat_template: a Jinja chat template (e.g. the one a fine-tuning run
-            rendered its data with) written with an `HFTokenizer`'s files: as
-            `chat_template.jinja` (transformers 5) and in `tokenizer_config.json`
-            (transformers 4), so that `apply_chat_template` formats prompts as
-            the model was trained.
+            rendered its data with), or several by name (`{"default": ...,
+            "tool_use": ...}`, as `tokenizer.chat_template` holds them), written
+            with an `HFTokenizer`'s files: as `chat_template.jinja` and
+            `additional_chat_templates/<name>.jinja` (transformers 5) and in
+            `tokenizer_config.json` (transformers 4: a string, or a list of
+            `{name, template}`), so that `apply_chat_template` formats prompts
+            (with tools: the `tool_use` one) as the model was trained.
         overwrite: replace an existing export at `out_dir`.
 
     Returns:
@@ -207,11 +212,6 @@ def _shard_index(
     }
 
 
-def _write_text(path: str, text: str) -> None:
-    with open(path, "w", encoding="utf-8") as f:
-        f.write(text)
-
-
 def _special_tokens(tokenizer: Any) -> dict[str, Any]:
     """`{"bos_token": ..., "eos_token": ..., "pad_token": ...}`, those it has."""
     names = {}
@@ -223,16 +223,30 @@ def _special_tokens(tokenizer: Any) -> dict[str, Any]:
 
 
 def _write_tokenizer(
-    directory: str, tokenizer: Any, chat_template: str | None = None
+    directory: str,
+    tokenizer: Any,
+    chat_template: str | Mapping[str, str] | None = None,
 ) -> None:
     """tokenizer.json and a `tokenizer_config.json` for `PreTrainedTokenizerFast`
-    (and `chat_template.jinja`, when there is a template)."""
+    (and the chat templates' files, when there are templates)."""
     tokenizer._tok.save(os.path.join(directory, "tokenizer.json"))
-    config = {
+    config: dict[str, Any] = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         **_special_tokens(tokenizer),
     }
     if chat_template is not None:
-        config["chat_template"] = chat_template  # transformers 4 reads it here
-        _write_text(os.path.join(directory, "chat_template.jinja"), chat_template)
+        # transformers 4 reads them here; 5 reads the files, which win
+        config["chat_template"] = _config_templates(chat_template)
+        write_chat_templates(directory, chat_template)
     write_json(os.path.join(directory, "tokenizer_config.json"), config)
+
+
+def _config_templates(templates: str | Mapping[str, str]) -> Any:
+    """`tokenizer_config.json`'s `chat_template`, as transformers writes it
+    without `.jinja` files: the default alone as a string, else a list of
+    `{name, template}`."""
+    if isinstance(templates, str):
+        return templates
+    if list(templates) == ["default"]:
+        return templates["default"]
+    return [{"name": k, "template": v} for k, v in templates.items()]

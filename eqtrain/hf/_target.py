@@ -110,7 +110,9 @@ def _remove_export(path: str) -> None:
     keep = {name.rstrip("/") for name in foreign}
     try:
         for name in os.listdir(path):
-            if name not in keep:
+            if name == _files.TEMPLATE_DIR and name not in keep:
+                _remove_templates(os.path.join(path, name))
+            elif name not in keep:
                 os.remove(os.path.join(path, name))
         if not foreign:
             os.rmdir(path)
@@ -125,3 +127,12 @@ def _remove_export(path: str) -> None:
         ),
         stacklevel=4,  # the `with` in `export` (past _replace and __exit__)
     )
+
+
+def _remove_templates(path: str) -> None:
+    """Delete an old export's folder of named chat templates: its `.jinja`
+    files, then the folder (which a file that appeared meanwhile keeps)."""
+    for entry in os.scandir(path):
+        if entry.name.endswith(".jinja") and entry.is_file(follow_symlinks=False):
+            os.remove(entry.path)
+    os.rmdir(path)

@@ -139,18 +139,16 @@ def _run_config(job: _build.Job, hf_dir: str, tmp: Path) -> Config:
 
 def _tokenizer(job: _build.Job, hf_dir: str, tmp: Path) -> str:
     """`data.tokenizer` of the new run: `auto` becomes the directory's
-    tokenizer.json, copied into the run with its special tokens and chat
-    template (`_rundir.TOKENIZER_FILES`: the run's template and EOS come from
-    beside it), else the byte tokenizer."""
+    tokenizer.json, copied into the run with its special tokens and every chat
+    template (`_rundir.copy_tokenizer_files`: the run's templates and EOS come
+    from beside it), else the byte tokenizer."""
     tokenizer = job.config.data.tokenizer
     if tokenizer != "auto":
         return tokenizer
     source = Path(hf_dir)
     if not (source / "tokenizer.json").exists():
         return "byte"
-    for name in _rundir.TOKENIZER_FILES:
-        if (source / name).is_file():
-            shutil.copyfile(source / name, tmp / name)
+    _rundir.copy_tokenizer_files(source, tmp)
     return str(tmp / "tokenizer.json")
 
 

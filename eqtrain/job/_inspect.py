@@ -152,7 +152,7 @@ def _export_model(
             max_shard_size=job.config.export.max_shard_size,
             tokenizer=job.tokenizer,
             model_type=job.model_type,
-            chat_template=_run_hooks.exported_template(job),
+            chat_template=_run_hooks.exported_templates(job),
             overwrite=overwrite,
         )
     )

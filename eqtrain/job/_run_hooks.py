@@ -131,24 +131,25 @@ def _export_kwargs(job: _build.Job) -> dict[str, Any]:
         which="ema" if export.ema else "model",
         pick=job.exported,  # the policy, at its real vocabulary
     )
-    template = exported_template(job)
-    if template is not None:  # a Jinja chat template
-        kwargs["chat_template"] = template
+    templates = exported_templates(job)
+    if templates is not None:  # a Jinja chat template, and its named others
+        kwargs["chat_template"] = templates
     if job.lora is not None:
         kwargs["spec"] = job.lora
     return kwargs
 
 
-def exported_template(job: _build.Job) -> str | None:
-    """The Jinja chat template a run's Hugging Face export writes beside its
-    tokenizer: the run's own (`job.template`), or for a run on plain text, which
-    has none, the one `data.chat_template` names (`auto`: its tokenizer
-    directory's), so that a model keeps its template; None for the built-in."""
+def exported_templates(job: _build.Job) -> dict[str, str] | None:
+    """The Jinja chat templates, by name, a run's Hugging Face export writes
+    beside its tokenizer: the run's own (`job.template`), or for a run on plain
+    text, which has none, those `data.chat_template` names (`auto`: its tokenizer
+    directory's), so that a model keeps its templates (`tool_use` and any other
+    named one with its default); None for the built-in."""
     template, name = job.template, job.config.data.chat_template
     if template is None and name != "builtin":
         where = name if name != "auto" else getattr(job.tokenizer, "directory", None)
         template = data_lib.chat_template(where)  # None: the built-in one
-    return getattr(template, "source", None)
+    return getattr(template, "templates", None)
 
 
 def samples_hooks(

@@ -11,6 +11,7 @@ from typing import Any
 
 import jax
 
+from .. import data as data_lib
 from .._files import set_default_mode
 from ..config import Config, to_toml
 
@@ -19,14 +20,9 @@ RECORD = "init_from"
 """`<run_dir>/init_from/`: the config and tokenizer files of `model.init_from`
 (no weights), so that the run's architecture and tokenizer never depend on that
 directory staying where it was."""
-TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "chat_template.jinja",
-)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 """A model's tokenizer and what goes with it: its special tokens (which set the
-tokenizer's EOS id) and its chat template (`eqtrain.data.chat_template`)."""
+tokenizer's EOS id); its chat templates come along too (`copy_tokenizer_files`)."""
 RECORD_FILES = ("config.json", "generation_config.json", *TOKENIZER_FILES)
 
 
@@ -61,13 +57,25 @@ def record_init_from(config: Config, run_dir: Path) -> dict[str, Any] | None:
     tmp = Path(tempfile.mkdtemp(prefix=".init_from-", dir=run_dir))
     try:
         set_default_mode(tmp)  # mkdtemp's 0700 is for secrets
-        for name in RECORD_FILES:
-            if (source / name).is_file():
-                shutil.copy2(source / name, tmp / name)
+        copy_tokenizer_files(source, tmp, RECORD_FILES)
         _replace_dir(tmp, run_dir / RECORD)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return _architecture_entry(init_from, run_dir / RECORD)
+
+
+def copy_tokenizer_files(
+    source: Path, target: Path, names: tuple[str, ...] = TOKENIZER_FILES
+) -> None:
+    """Copy the files `names` that `source` has into `target`, a directory being
+    made, with every chat template of `source` (`eqtrain.data.chat_template`
+    reads them beside the tokenizer) in transformers 5's layout, whichever layout
+    `source` has: `chat_template.jinja` and `additional_chat_templates/`. The
+    copies get a new file's mode under the umask, not the source's."""
+    for name in names:
+        if (source / name).is_file():
+            shutil.copyfile(source / name, target / name)
+    data_lib.copy_chat_templates(source, target)
 
 
 def _replace_dir(new: Path, target: Path) -> None:
