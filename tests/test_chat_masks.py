@@ -24,6 +24,8 @@ import pytest
 from eqtrain.data import HFTokenizer, JinjaChatTemplate, sft_rows
 from eqtrain.data._errors import ChatTemplateError
 
+from ._bpe import byte_bpe
+
 
 transformers = pytest.importorskip("transformers")
 trl = pytest.importorskip("trl")
@@ -138,22 +140,9 @@ def chats(name):
 def tokenizer_file(tmp_path_factory):
     """A tiny byte-level BPE (lossless, so learned text can be read back) with
     every family's special tokens."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=500,
-        special_tokens=SPECIALS,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
     text = " ".join(m["content"] for m in CHAT + REASONING + TOOLS)
-    tok.train_from_iterator([text] * 5, trainer)
     path = tmp_path_factory.mktemp("bpe") / "tokenizer.json"
-    tok.save(str(path))
-    return path
+    return byte_bpe(path, [text] * 5, SPECIALS, 500)
 
 
 def hf_tokenizer(path, name):

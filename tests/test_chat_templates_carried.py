@@ -157,7 +157,7 @@ def test_a_folder_of_templates_with_other_files_is_not_an_export(tmp_path):
     assert _files.foreign_files(tmp_path) == [f"{EXTRA}/"]
 
 
-@pytest.mark.parametrize("name", ["../escape", "a/b", "a\\b", "..", ""])
+@pytest.mark.parametrize("name", ["../escape", "a/b", "a\\b", "", "nul\0"])
 def test_a_name_that_is_not_a_file_name_is_refused(tmp_path, name):
     target = tmp_path / "out"
     target.mkdir()
@@ -169,3 +169,11 @@ def test_a_name_that_is_not_a_file_name_is_refused(tmp_path, name):
     with pytest.raises(DataError, match=re.escape(f"named {name!r}")):
         job.import_hf(source, tmp_path / "run")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "src"]
+
+
+def test_dots_stay_in_a_file_name(tmp_path):
+    """`<name>.jinja` keeps dots in the name a file of the folder (transformers
+    writes `v1..2` as it is)."""
+    written = write_chat_templates(tmp_path, {"default": DEFAULT, "v1..2": RAG})
+    assert (tmp_path / EXTRA / "v1..2.jinja").read_text() == RAG
+    assert len(written) == 2

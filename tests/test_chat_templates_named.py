@@ -29,6 +29,8 @@ from eqtrain.data import (
 )
 from eqtrain.data.store import _post_parts, _post_store
 
+from ._bpe import byte_bpe
+
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("tokenizers")
@@ -95,22 +97,9 @@ LAYOUTS = ("config", "files")
 @pytest.fixture(scope="module")
 def tokenizer_file(tmp_path_factory):
     """A tiny byte-level BPE (lossless) with ChatML's special tokens."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=400,
-        special_tokens=["<pad>", "<|im_start|>", "<|im_end|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
     text = " ".join(m["content"] for m in CHAT) + json.dumps(TOOLS) + " # Tools"
-    tok.train_from_iterator([text] * 5, trainer)
     path = tmp_path_factory.mktemp("bpe") / "tokenizer.json"
-    tok.save(str(path))
-    return path
+    return byte_bpe(path, [text] * 5, ["<pad>", "<|im_start|>", "<|im_end|>"], 400)
 
 
 @pytest.fixture(scope="module")

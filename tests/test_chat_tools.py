@@ -33,6 +33,8 @@ from eqtrain.data import (
 from eqtrain.data._errors import ChatTemplateError
 from eqtrain.data.store import _post_parts, _post_store
 
+from ._bpe import byte_bpe
+
 
 transformers = pytest.importorskip("transformers")
 trl = pytest.importorskip("trl")
@@ -121,22 +123,9 @@ LEARNED = {
 def tokenizer_file(tmp_path_factory):
     """A tiny byte-level BPE (lossless: learned text reads back) with the
     templates' special tokens, trained on the chat and the tools' JSON."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=500,
-        special_tokens=SPECIALS,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
     text = " ".join(str(m.get("content")) for m in CHAT) + json.dumps(TOOLS)
-    tok.train_from_iterator([text] * 5, trainer)
     path = tmp_path_factory.mktemp("bpe") / "tokenizer.json"
-    tok.save(str(path))
-    return path
+    return byte_bpe(path, [text] * 5, SPECIALS, 500)
 
 
 @pytest.fixture(scope="module")

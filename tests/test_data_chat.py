@@ -20,6 +20,8 @@ from eqtrain.data import (
     read_chat_template,
 )
 
+from ._bpe import byte_bpe
+
 
 SPECIALS = [
     "<pad>",
@@ -122,21 +124,7 @@ SYSTEM = [{"role": "system", "content": "You are nice."}]
 def build_bpe(directory):
     """A tiny byte-level BPE (lossless, so masks can be checked by decoding),
     saved as `directory/tokenizer.json`."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=400,
-        special_tokens=SPECIALS,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(CORPUS * 3, trainer)
-    path = directory / "tokenizer.json"
-    tok.save(str(path))
-    return path
+    return byte_bpe(directory / "tokenizer.json", CORPUS * 3, SPECIALS, 400)
 
 
 @pytest.fixture(scope="module")

@@ -39,9 +39,10 @@ def write_chat_templates(
     anyone reads is overwritten; `where` names the templates' origin in errors.
 
     Raises:
-        DataError: a name is empty, or holds a path separator or `..`, so that
-            its file could land outside `additional_chat_templates/`. Every
-            name is checked before anything is written.
+        DataError: a name is empty, or holds a path separator (or NUL), so
+            that its file could land outside `additional_chat_templates/`
+            (`<name>.jinja`: the suffix keeps `..` a file name). Every name is
+            checked before anything is written.
     """
     named = {"default": templates} if isinstance(templates, str) else dict(templates)
     paths = {name: _path(os.fspath(directory), name, where) for name in named}
@@ -59,7 +60,7 @@ def _path(directory: str, name: str, where: str | None) -> str:
         raise DataError(
             f"the chat template named {name!r}{origin} cannot be written as a file: "
             f"it would be {TEMPLATE_DIR}/{name}.jinja, and a name must not be empty "
-            "or hold a path separator or '..'. Rename the template."
+            "or hold a path separator. Rename the template."
         )
     if name == "default":
         return os.path.join(directory, TEMPLATE_FILE)
@@ -68,4 +69,4 @@ def _path(directory: str, name: str, where: str | None) -> str:
 
 def _unsafe(name: str) -> bool:
     separators = {"/", "\\", os.sep, os.altsep or "/"}
-    return ".." in name or "\0" in name or any(s in name for s in separators)
+    return "\0" in name or any(s in name for s in separators)

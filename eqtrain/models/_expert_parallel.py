@@ -6,6 +6,7 @@ through every expert, for the Pallas grouped products, which XLA cannot split
 """
 
 import math
+from collections.abc import Callable, Set
 from typing import Any
 
 import equinox as eqx
@@ -50,24 +51,10 @@ def expert_parallel(
     the tokens."""
     ways = expert_axis_size()
     _check_ways(ways, layer.experts.num)
-    axes = token_axes()
-    tokens = P(axes)
-    dynamic, static = eqx.partition(layer, eqx.is_array)
-    valid = jnp.ones(x.shape[:1], bool) if valid is None else valid
-
-    def body(x: Array, valid: Array, params: Any, key: Any) -> Any:
-        local = eqx.combine(params, static)
-        y, aux = _local_expert_parallel(local, x, valid, options, ways, key)
-        return y, {name: lax.psum(v, axes) for name, v in aux.items()}
-
-    fn = jax.shard_map(
-        body,
-        mesh=jax.sharding.get_abstract_mesh(),
-        in_specs=(tokens, tokens, _expert_specs(dynamic), P()),
-        out_specs=(tokens, P()),
-        check_vma=False,
+    run = lambda local, x, valid, key: _local_expert_parallel(
+        local, x, valid, options, ways, key
     )
-    return fn(x, valid, dynamic, key)
+    return _layer_on_devices(layer, x, valid, key, run, token_axes(), P("expert"))
 
 
 def kernel_token_axes(options: MoEOptions, tokens: int) -> tuple[str, ...]:
@@ -106,21 +93,40 @@ def on_own_tokens(
     from their splits on entry, as FSDP gathers a layer's weights): each device
     routes its own tokens and runs them through the experts
     (`SparseMoE.local`); the router statistics are summed over the devices."""
+    run = lambda local, x, valid, key: local.local(
+        x, valid=valid, options=options, key=key
+    )
+    return _layer_on_devices(layer, x, valid, key, run, axes, None, set(free_axes()))
+
+
+def _layer_on_devices(
+    layer: eqx.Module,
+    x: Array,
+    valid: Array | None,
+    key: PRNGKeyArray | None,
+    run: Callable[..., tuple[Array, dict[str, Array]]],
+    axes: tuple[str, ...],
+    experts: P | None,
+    manual: Set[str] = frozenset(),
+) -> tuple[Array, dict[str, Array]]:
+    """`run(layer, x, valid, key)` inside a `shard_map` (over the mesh axes
+    `manual`; empty: all): the tokens split over `axes`, the experts' arrays
+    by `experts` (None: on every device), the rest of the layer on every
+    device; the router statistics summed over `axes`."""
     tokens = P(axes)
     dynamic, static = eqx.partition(layer, eqx.is_array)
     valid = jnp.ones(x.shape[:1], bool) if valid is None else valid
 
     def body(x: Array, valid: Array, params: Any, key: Any) -> Any:
-        local = eqx.combine(params, static)
-        y, aux = local.local(x, valid=valid, options=options, key=key)
+        y, aux = run(eqx.combine(params, static), x, valid, key)
         return y, {name: lax.psum(v, axes) for name, v in aux.items()}
 
     fn = jax.shard_map(
         body,
         mesh=jax.sharding.get_abstract_mesh(),
-        in_specs=(tokens, tokens, jax.tree.map(lambda _: P(), dynamic), P()),
+        in_specs=(tokens, tokens, _layer_specs(dynamic, experts), P()),
         out_specs=(tokens, P()),
-        axis_names=set(free_axes()),
+        axis_names=manual,
         check_vma=False,
     )
     return fn(x, valid, dynamic, key)
@@ -134,11 +140,13 @@ def _check_ways(ways: int, num: int) -> None:
         )
 
 
-def _expert_specs(dynamic: Any) -> Any:
-    """The layer's partition specs: the experts' arrays split over `expert`,
-    everything else replicated."""
+def _layer_specs(dynamic: Any, experts: P | None) -> Any:
+    """The layer's partition specs: the experts' arrays by `experts` (None:
+    replicated), everything else replicated."""
     specs = jax.tree.map(lambda _: P(), dynamic)
-    on_experts = jax.tree.map(lambda _: P("expert"), dynamic.experts)
+    if experts is None:
+        return specs
+    on_experts = jax.tree.map(lambda _: experts, dynamic.experts)
     return eqx.tree_at(lambda m: m.experts, specs, on_experts)
 
 
