@@ -390,9 +390,9 @@ def test_sample_prompts_carry_their_tools(tmp_path):
         {"prompt": "no tools"},
     ]
     path.write_text("".join(json.dumps(line) + "\n" for line in lines))
-    prompts, tools = _samples.read_prompts(path)
+    prompts, extras = _samples.read_prompts(path)
     assert prompts == [CHAT[:2], "2 + 2?", "no tools"]
-    assert tools == [TOOLS, json.dumps(TOOLS), None]
+    assert [e["tools"] for e in extras] == [TOOLS, json.dumps(TOOLS), None]
 
 
 # -- no tools, and refusals ---------------------------------------------------------

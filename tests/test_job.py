@@ -396,6 +396,8 @@ ELSEWHERE = {
     "test_dpo_step_one_is_log_2_in_every_reference_mode",
     "data.format": "test_post_training.py: test_task_kind_and_data_keys_reach_the_rows",
     "data.chat_template": "test_post_training.py: test_task_kind_and_data_keys_...",
+    "data.chat_template_kwargs": "test_chat_template_kwargs.py: "
+    "test_the_config_key_reaches_the_jobs_template_and_rows_key",
     "data.max_prompt_len": "test_post_training.py: test_task_kind_and_data_keys_...",
     "data.pack": "test_post_training.py: test_task_kind_and_data_keys_reach_the_rows",
     "model.remat_save": "test_memory.py: test_memory_keys_reach_the_job",

@@ -64,6 +64,8 @@ FORMS = {
     "data.eval": ["auto", "none"],
     "data.tokenizer": ["auto", "byte"],
     "data.chat_template": ["auto", "builtin"],
+    # a table (here as its JSON string), none, and a name every render sets
+    "data.chat_template_kwargs": ['{"enable_thinking": false}', '""', '{"tools": []}'],
     "checkpoint.resume": ["auto", "never"],
     "optim.no_decay": ['""'],  # "empty: decay all"
     "export.max_shard_size": ["1MB"],
@@ -239,7 +241,12 @@ def companions(key, value):
     if section == "task":  # beta, label_smoothing, orpo_lambda, simpo_gamma
         kind = {"orpo_lambda": "orpo", "simpo_gamma": "simpo"}.get(name, "dpo")
         return [f"task.kind={kind}", *PREF]
-    if key in ("data.chat_template", "data.max_prompt_len", "data.pack"):
+    if key in (
+        "data.chat_template",
+        "data.chat_template_kwargs",
+        "data.max_prompt_len",
+        "data.pack",
+    ):
         return SFT
     if section == "lora" and key != "lora.rank":
         return LORA
@@ -330,6 +337,8 @@ REFUSED = {
     ("data.batch_size", "1"): "must split evenly over the 8 devices",
     # nor one eval row (this crashed in the first evaluation, after a step)
     ("data.eval_rows", "1"): "an eval batch (1 rows",
+    # the template is always given the record's tools
+    ("data.chat_template_kwargs", '{"tools": []}'): "sets 'tools'",
 }
 
 

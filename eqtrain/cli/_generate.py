@@ -107,7 +107,13 @@ def generate(
         )
         options = job.Options(max_new_tokens, sampling, seed, stops, batch_size)
         prompts = [
-            job.prompt_tokens(m, _prompt_of(r), chat=chat, tools=r.get("tools"))
+            job.prompt_tokens(
+                m,
+                _prompt_of(r),
+                chat=chat,
+                tools=r.get("tools"),
+                chat_template_kwargs=r.get("chat_template_kwargs"),
+            )
             for r in rows
         ]
         if len(rows) == 1 and file is None and output is None:

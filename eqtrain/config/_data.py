@@ -46,6 +46,19 @@ class DataConfig:
         "tools is rendered with the `tool_use` one where there is one.",
         kind="path",
     )
+    chat_template_kwargs: str = setting(
+        "",
+        "Variables given to the chat template in every render of every record "
+        "(TRL's `chat_template_kwargs`; transformers' `apply_chat_template(..., "
+        "**kwargs)`): a table, `chat_template_kwargs = {enable_thinking = false}` "
+        "for Qwen3, or a JSON object (`--set 'data.chat_template_kwargs="
+        "{\"enable_thinking\": false}'`). A record's own chat_template_kwargs "
+        "field wins over these, key by key. messages, tools, documents and "
+        "add_generation_prompt are refused (every render sets them). A template "
+        "that does not read a variable ignores it; the builtin template reads "
+        "none. Empty: none.",
+        kind="table",
+    )
     max_prompt_len: int | None = setting(
         None,
         "Prompts longer than this many tokens keep only their end; a row whose "

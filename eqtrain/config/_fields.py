@@ -18,6 +18,7 @@ _KIND_NAMES = {
     "path": "path",
     "names": "names",
     "sources": "sources",
+    "table": "table",
     "auto_int": "integer or 'auto'",
     "auto_bool": "boolean or 'auto'",
 }

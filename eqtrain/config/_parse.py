@@ -101,13 +101,17 @@ def _flatten(data: Mapping[str, Any], source: str) -> list[tuple[str, Any]]:
     return out
 
 
+# The keys whose value may be a table of their own (`[data.chat_template_kwargs]`).
+_TABLE_KEYS = {("data", "sources"), ("data", "chat_template_kwargs")}
+
+
 def _section_items(key: str, value: Any, source: str) -> list[tuple[str, Any]]:
     if not isinstance(value, Mapping):
         raise ConfigError(
             f"`{key}` in {source} must be a table (a `[{key}]` section); got {value!r}."
         )
     for sub, v in value.items():
-        if isinstance(v, Mapping) and not (key, sub) == ("data", "sources"):
+        if isinstance(v, Mapping) and (key, sub) not in _TABLE_KEYS:
             raise ConfigError(
                 f"`{key}.{sub}` in {source} is a table, but [{key}] has no "
                 "sub-sections; write its keys directly under it."

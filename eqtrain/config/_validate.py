@@ -74,7 +74,12 @@ _FORMATS = {
     **{kind: ("preference",) for kind in PREFERENCE_TASKS},
 }
 # The [data] keys of post-training data (an lm run's plain text has none).
-_POST_KEYS = ("data.chat_template", "data.max_prompt_len", "data.pack")
+_POST_KEYS = (
+    "data.chat_template",
+    "data.chat_template_kwargs",
+    "data.max_prompt_len",
+    "data.pack",
+)
 
 
 def validate(config: Config) -> None:

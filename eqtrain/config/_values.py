@@ -2,6 +2,7 @@
 string becomes the key's type (`1e-4`, `10_000`, `"2h30m"`, `"5GB"`, a list of
 names, `data.sources`), then its choices and bounds are checked."""
 
+import json
 import math
 import operator
 import tomllib
@@ -137,6 +138,18 @@ def _sources(value: Any) -> str:
     return format_sources(parse_sources(value))
 
 
+def _table(value: Any) -> str:
+    """A table of template variables (`data.chat_template_kwargs`), or a JSON
+    object string of one, as its canonical JSON string (`""`: none)."""
+    from ..data._template_kwargs import check_template_kwargs
+
+    try:  # its errors name the key and what is wrong
+        table = check_template_kwargs(value, field="data.chat_template_kwargs")
+        return json.dumps(table, sort_keys=True, allow_nan=False) if table else ""
+    except ValueError as e:  # a ChatTemplateError, or NaN
+        raise ValueError(str(e).rstrip(".")) from None
+
+
 def _size(value: Any) -> str:
     if isinstance(value, bool) or not isinstance(value, (int, str)):
         raise ValueError("expected bytes or a size like '5GB'")
@@ -179,6 +192,7 @@ _BY_KIND: dict[str, Callable[[Any], Any]] = {
     "auto_int": _auto("expected an integer or 'auto'"),
     "auto_bool": _auto("expected true, false or 'auto'"),
     "sources": _sources,
+    "table": _table,
     "names": _names,
     "size": _size,
 }

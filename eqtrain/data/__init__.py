@@ -28,6 +28,7 @@ from ._chat import (
     ChatTemplate as ChatTemplate,
     JinjaChatTemplate as JinjaChatTemplate,
     chat_template as chat_template,
+    check_template_kwargs as check_template_kwargs,
     check_tools as check_tools,
     read_chat_template as read_chat_template,
     read_chat_templates as read_chat_templates,

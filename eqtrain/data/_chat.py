@@ -10,7 +10,11 @@ A record's `tools` (function definitions, or a JSON string of them) reach the
 template as `transformers`' `apply_chat_template(messages, tools=tools)` gives
 them; the built-in template cannot write them and refuses a record that has some.
 A model with several named templates (a `default` and a `tool_use` one) renders a
-record with tools with its `tool_use` template, as transformers picks it.
+record with tools with its `tool_use` template, as transformers picks it. A
+record's `chat_template_kwargs` (and a template's own `kwargs`, e.g.
+`data.chat_template_kwargs`) reach a Jinja template as extra variables, as
+`apply_chat_template(messages, **kwargs)` gives them; the built-in template reads
+no variables and ignores them.
 """
 
 import os
@@ -22,6 +26,7 @@ from jaxtyping import Float, Int
 
 from ._errors import ChatTemplateError, DataError, PathLike, check_exists
 from ._jinja import compile_template, has_generation_blocks, plain, render_marked
+from ._template_kwargs import check_template_kwargs
 from ._text import ROLES, encode_chat
 from ._tokenizers import Tokenizer, read_config, token_content
 from ._tools import Tools, check_tools, refuse_tools
@@ -36,6 +41,9 @@ CompletionMask = Float[np.ndarray, " completion"]
 # Lists of {role, content} mappings; annotated loosely so that a malformed one
 # reaches `check_messages` (and its clear error) rather than a type checker.
 Messages = Sequence[Any]
+# A record's `chat_template_kwargs`: a mapping, a JSON string of one, or None;
+# loose for the same reason (`check_template_kwargs` says what is wrong).
+TemplateKwargs = Any
 
 # Roles a message may have under a Jinja template; the template itself may accept
 # fewer (and say so with `raise_exception`).
@@ -57,9 +65,10 @@ TEMPLATE_DIR = "additional_chat_templates"
 # The named template transformers renders a conversation with tools with.
 TOOL_USE = "tool_use"
 # The version of the rule that turns a record into its render and mask (3: the
-# record's `tools` reach the template): part of the key of every cached or stored
-# chat row (`template_identity`), so a change of rule re-makes them.
-MASK_RULE = 3
+# record's `tools` reach the template; 4: its `chat_template_kwargs` too): part of
+# the key of every cached or stored chat row (`template_identity`), so a change of
+# rule re-makes them.
+MASK_RULE = 4
 
 
 @runtime_checkable
@@ -67,12 +76,19 @@ class ChatTemplate(Protocol):
     """Conversations -> `(ids, mask)`: int32 ids and a float32 mask that is 1 on
     the tokens to learn (assistant answers and their end-of-turn text).
 
-    `tools` is a record's `tools` field (see `check_tools`); the pipelines pass
-    it only to a record that has some, so a template of your own that takes no
-    `tools` keeps working on records without them."""
+    `tools` is a record's `tools` field (see `check_tools`) and
+    `chat_template_kwargs` its `chat_template_kwargs` field (see
+    `check_template_kwargs`); the pipelines pass each only to a record that has
+    one, so a template of your own that takes neither keeps working on records
+    without them."""
 
     def encode(
-        self, messages: Messages, tokenizer: Tokenizer, *, tools: Tools = None
+        self,
+        messages: Messages,
+        tokenizer: Tokenizer,
+        *,
+        tools: Tools = None,
+        chat_template_kwargs: TemplateKwargs = None,
     ) -> tuple[Ids, Mask]:
         """One conversation; the mask covers every assistant turn."""
         ...
@@ -84,6 +100,7 @@ class ChatTemplate(Protocol):
         tokenizer: Tokenizer,
         *,
         tools: Tools = None,
+        chat_template_kwargs: TemplateKwargs = None,
     ) -> tuple[PromptIds, CompletionIds, CompletionMask]:
         """`(prompt_ids, completion_ids, completion_mask)`: `prompt_ids` ends where
         the assistant's answer starts, and `prompt_ids + completion_ids` is the
@@ -95,13 +112,22 @@ class ChatTemplate(Protocol):
 class BuiltinChatTemplate:
     """The template of `encode_chat` (`<|role|>` headers, EOS after answers), for
     tokenizers without a chat template of their own. It has no way to write tool
-    definitions: a record with tools is refused (`refuse_tools`)."""
+    definitions: a record with tools is refused (`refuse_tools`). It reads no
+    template variables, so `chat_template_kwargs` changes nothing (as a Jinja
+    template that does not read a variable ignores it); a malformed one is still
+    refused (`check_template_kwargs`)."""
 
     def encode(
-        self, messages: Messages, tokenizer: Tokenizer, *, tools: Tools = None
+        self,
+        messages: Messages,
+        tokenizer: Tokenizer,
+        *,
+        tools: Tools = None,
+        chat_template_kwargs: TemplateKwargs = None,
     ) -> tuple[Ids, Mask]:
         messages = check_messages(messages, ROLES)
         refuse_tools(tools)
+        check_template_kwargs(chat_template_kwargs)
         return encode_chat(messages, tokenizer)
 
     def encode_prompt_completion(
@@ -111,8 +137,10 @@ class BuiltinChatTemplate:
         tokenizer: Tokenizer,
         *,
         tools: Tools = None,
+        chat_template_kwargs: TemplateKwargs = None,
     ) -> tuple[PromptIds, CompletionIds, CompletionMask]:
         refuse_tools(tools)
+        check_template_kwargs(chat_template_kwargs)
         if not completion:
             raise ChatTemplateError(
                 "the completion has no messages.", reason="with an empty completion"
@@ -156,10 +184,14 @@ class JinjaChatTemplate:
     globals `raise_exception` (raises `DataError` with the template's message) and
     `strftime_now`, and the variables `messages`, `add_generation_prompt`, the
     special tokens (`bos_token`, `eos_token`, ...), `tools` (the record's, as
-    `check_tools` reads them: a list of function definitions, or None) and
-    `documents` (always None). A `{% generation %}` block renders its body.
-    Every render made to locate a record's turns and the prompt's end is given
-    the record's tools too.
+    `check_tools` reads them: a list of function definitions, or None),
+    `documents` (always None), and extra variables: the template's `kwargs`
+    (e.g. `data.chat_template_kwargs`) and a record's `chat_template_kwargs`
+    over them (`check_template_kwargs`), which replace a special token of the
+    same name, as `apply_chat_template(messages, **kwargs)` gives them. A
+    `{% generation %}` block renders its body. Every render made to locate a
+    record's turns and the prompt's end is given the record's tools and
+    variables too.
 
     The mask: a template with `{% generation %}` blocks (each of `source` and
     `tool_use` on its own; `marked` is `source`'s) marks the text to learn
@@ -195,11 +227,13 @@ class JinjaChatTemplate:
         *,
         tool_use: str | None = None,
         others: Mapping[str, str] | None = None,
+        kwargs: TemplateKwargs = None,
     ):
         self.source = source
         self.tool_use = tool_use
         self.others = dict(others or {})
         self.special_tokens = dict(special_tokens or {})
+        self.kwargs = check_template_kwargs(kwargs, field="kwargs")
         self._default = _Compiled(source)
         self._tool_use = None if tool_use is None else _Compiled(tool_use)
         self.marked = self._default.marked
@@ -213,6 +247,27 @@ class JinjaChatTemplate:
             named[TOOL_USE] = self.tool_use
         return named
 
+    def with_kwargs(self, kwargs: TemplateKwargs) -> "JinjaChatTemplate":
+        """This template with `kwargs` given to every render (over its own
+        `kwargs`; a record's `chat_template_kwargs` still win), as a trainer's
+        `chat_template_kwargs` are (`data.chat_template_kwargs`).
+
+        Raises:
+            ChatTemplateError: `kwargs` is malformed (`check_template_kwargs`).
+        """
+        return JinjaChatTemplate(
+            self.source,
+            self.special_tokens,
+            tool_use=self.tool_use,
+            others=self.others,
+            kwargs={**self.kwargs, **check_template_kwargs(kwargs, field="kwargs")},
+        )
+
+    def _extra(self, chat_template_kwargs: TemplateKwargs) -> dict[str, Any]:
+        """The variables a record's renders are given besides the conversation:
+        the template's `kwargs`, and the record's own over them."""
+        return {**self.kwargs, **check_template_kwargs(chat_template_kwargs)}
+
     def _for(self, tools: list[dict[str, Any]] | None) -> _Compiled:
         """The template a record with these (checked) `tools` is rendered with:
         transformers' choice, `tool_use` when there are tools and one exists."""
@@ -225,11 +280,14 @@ class JinjaChatTemplate:
         messages: Messages,
         add_generation_prompt: bool,
         tools: list[dict[str, Any]] | None = None,
+        extra: Mapping[str, Any] | None = None,
     ) -> dict[str, Any]:
         """What the template is given, as transformers gives it (`tools` checked
-        by `check_tools`)."""
+        by `check_tools`; `extra` by `check_template_kwargs`, over the special
+        tokens)."""
         return dict(
             self.special_tokens,
+            **(extra or {}),
             messages=plain(list(messages)),
             add_generation_prompt=add_generation_prompt,
             tools=tools,
@@ -242,26 +300,31 @@ class JinjaChatTemplate:
         *,
         add_generation_prompt: bool = False,
         tools: Tools = None,
+        chat_template_kwargs: TemplateKwargs = None,
     ) -> str:
         """The template's text for `messages` (as `apply_chat_template(...,
-        tools=tools, tokenize=False)`).
+        tools=tools, tokenize=False, **kwargs)`, `kwargs` being the template's
+        `kwargs` with `chat_template_kwargs` over them).
 
         Raises:
             ChatTemplateError: the template raised (e.g. `raise_exception` on a
-                bad role order), or failed on these messages, or `tools` is
-                malformed.
+                bad role order), or failed on these messages, or `tools` or
+                `chat_template_kwargs` is malformed.
         """
-        return self._text(messages, add_generation_prompt, check_tools(tools))
+        tools = check_tools(tools)
+        extra = self._extra(chat_template_kwargs)
+        return self._text(messages, add_generation_prompt, tools, extra)
 
     def _text(
         self,
         messages: Messages,
         add_generation_prompt: bool,
         tools: list[dict[str, Any]] | None,
+        extra: Mapping[str, Any],
     ) -> str:
         try:
             return self._for(tools).template.render(
-                **self._variables(messages, add_generation_prompt, tools)
+                **self._variables(messages, add_generation_prompt, tools, extra)
             )
         except ChatTemplateError:
             raise
@@ -273,10 +336,16 @@ class JinjaChatTemplate:
             ) from error
 
     def encode(
-        self, messages: Messages, tokenizer: Tokenizer, *, tools: Tools = None
+        self,
+        messages: Messages,
+        tokenizer: Tokenizer,
+        *,
+        tools: Tools = None,
+        chat_template_kwargs: TemplateKwargs = None,
     ) -> tuple[Ids, Mask]:
         messages = check_messages(messages, JINJA_ROLES)
-        text, turns = self._turns(messages, check_tools(tools), start=0)
+        tools, extra = check_tools(tools), self._extra(chat_template_kwargs)
+        text, turns = self._turns(messages, tools, extra, start=0)
         return _tokens_and_mask(text, turns, tokenizer)
 
     def encode_prompt_completion(
@@ -286,17 +355,18 @@ class JinjaChatTemplate:
         tokenizer: Tokenizer,
         *,
         tools: Tools = None,
+        chat_template_kwargs: TemplateKwargs = None,
     ) -> tuple[PromptIds, CompletionIds, CompletionMask]:
         prompt = check_messages(prompt, JINJA_ROLES)
         completion = check_messages(completion, JINJA_ROLES, first=len(prompt))
-        tools = check_tools(tools)
+        tools, extra = check_tools(tools), self._extra(chat_template_kwargs)
         if not completion:
             raise ChatTemplateError(
                 "the completion has no messages.", reason="with an empty completion"
             )
-        text, turns = self._turns(prompt + completion, tools, start=len(prompt))
+        text, turns = self._turns(prompt + completion, tools, extra, start=len(prompt))
         answer = completion[0]["role"] == "assistant"
-        head = prompt_end(self._renderer(tools), prompt, text, answer=answer)
+        head = prompt_end(self._renderer(tools, extra), prompt, text, answer=answer)
         if answer and turns and not self._for(tools).marked:
             # an answer can start inside the generation prompt (a `<think>` the
             # template also writes as the prompt's end): it is the completion's
@@ -314,36 +384,43 @@ class JinjaChatTemplate:
         self,
         messages: list[dict[str, Any]],
         tools: list[dict[str, Any]] | None,
+        extra: Mapping[str, Any],
         *,
         start: int,
     ) -> tuple[str, list[Turn]]:
         """The conversation's render and its assistant turns from `start` on: the
         template's `{% generation %}` blocks, or else the located turns (every
         render of a part of the conversation given the same `tools`, so made by
-        the same template)."""
+        the same template, and the same `extra` variables)."""
         chosen = self._for(tools)
         if chosen.marked:
-            variables = self._variables(messages, False, tools)
+            variables = self._variables(messages, False, tools, extra)
             text, spans = render_marked(chosen.template, **variables)
             return text, [Turn(a, b, b) for a, b in spans]
-        render = self._renderer(tools)
+        render = self._renderer(tools, extra)
         text = render(messages, False)
         return text, located_turns(render, messages, text, start=start)
 
-    def _renderer(self, tools: list[dict[str, Any]] | None) -> Render:
-        """`(messages, add_generation_prompt) -> text`, with a record's `tools`."""
-        return lambda messages, gen: self._text(messages, gen, tools)
+    def _renderer(
+        self, tools: list[dict[str, Any]] | None, extra: Mapping[str, Any]
+    ) -> Render:
+        """`(messages, add_generation_prompt) -> text`, with a record's `tools`
+        and `extra` variables."""
+        return lambda messages, gen: self._text(messages, gen, tools, extra)
 
     def __repr__(self) -> str:
         extra = "" if self.tool_use is None else f", tool_use: {len(self.tool_use)}"
+        if self.kwargs:
+            extra += f", kwargs: {self.kwargs}"
         return f"JinjaChatTemplate({len(self.source)} characters{extra})"
 
 
 def template_identity(template: Any) -> list[Any]:
     """What chat rows depend on of `template` (None: plain text), for the keys
     of cached and stored rows: its class, `MASK_RULE`, its source and special
-    tokens, and its `tool_use` template where it has one (only then, so that the
-    key of a template without one is what it was before there were any)."""
+    tokens, its `tool_use` template where it has one, and its `kwargs` where it
+    has some (each only then, so that the key of a template without one is what
+    it was before there were any)."""
     key = [
         type(template).__name__,
         MASK_RULE,
@@ -353,6 +430,9 @@ def template_identity(template: Any) -> list[Any]:
     tool_use = getattr(template, "tool_use", None)
     if tool_use is not None:
         key.append({TOOL_USE: tool_use})
+    kwargs = getattr(template, "kwargs", None)
+    if kwargs:
+        key.append({"kwargs": kwargs})
     return key
 
 

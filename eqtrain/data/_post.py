@@ -12,9 +12,11 @@ Formats (TRL's): `"chat"` (`messages`), `"prompt_completion"` (`prompt`,
 `completion`: both strings or both message lists) and `"preference"` (`prompt`,
 `chosen`, `rejected`; or, implicitly, `chosen`/`rejected` conversations whose
 shared leading messages are the prompt). A record of message lists may carry
-`tools` (function definitions, or a JSON string of them), which the chat template
-is given with every render of it (`_chat.check_tools`); string records are text
-already and do not use them.
+`tools` (function definitions, or a JSON string of them) and
+`chat_template_kwargs` (extra template variables, e.g. `{"enable_thinking":
+false}`), which the chat template is given with every render of it
+(`_chat.check_tools`, `check_template_kwargs`); string records are text already
+and do not use them.
 """
 
 import os
@@ -38,6 +40,7 @@ from ._records import (
     record_rows,
     same_kind,
 )
+from ._template_kwargs import FIELD as KWARGS_FIELD, check_template_kwargs
 from ._tokenizers import Tokenizer, require_id
 
 
@@ -178,9 +181,9 @@ def _preference_encoder(
 
     def fit(row: Any) -> tuple[np.ndarray, ...]:
         prompt, chosen, rejected = preference_fields(row)
-        tools = record_tools(row, prompt)
-        p, c, cm = pair(prompt, chosen, tools)
-        q, r, rm = pair(prompt, rejected, tools)
+        extra = template_arguments(row, prompt)
+        p, c, cm = pair(prompt, chosen, extra)
+        q, r, rm = pair(prompt, rejected, extra)
         if not np.array_equal(p, q):
             raise Skip("with chosen and rejected prompts that tokenize differently")
         _check_learned(cm)
@@ -219,7 +222,7 @@ def _prompt_completion_encoder(
         same_kind(("prompt", prompt), ("completion", completion))
         if is_empty(completion):
             raise Skip("with an empty completion")
-        p, c, mask = pair(prompt, completion, record_tools(row, prompt))
+        p, c, mask = pair(prompt, completion, template_arguments(row, prompt))
         _check_learned(mask)
         p = _truncate_prompt(p, limit, tokenizer.bos_id)
         if len(p) + len(c) > seq_len + 1:
@@ -240,7 +243,7 @@ def _chat_example(
     ):
         raise Skip("with no assistant message")
     ids, mask = template.encode(
-        messages, tokenizer, **tools_argument(record_tools(row, messages))
+        messages, tokenizer, **template_arguments(row, messages)
     )
     ids, mask = ids[: seq_len + 1], mask[: seq_len + 1]  # keep the start
     if not mask[1:].any():  # the first token is never a target
@@ -251,34 +254,32 @@ def _chat_example(
 def _pair_encoder(
     tokenizer: Tokenizer, template: ChatTemplate
 ) -> Callable[[Any, Any, Any], Encoded]:
-    """`(prompt, completion, tools) -> (prompt ids, completion ids, completion
+    """`(prompt, completion, extra) -> (prompt ids, completion ids, completion
     mask)` for strings (BOS + prompt, completion + EOS) or message lists
-    (`template`, given the record's checked `tools`)."""
+    (`template`, given the record's `template_arguments` as `extra`)."""
 
-    def encode(prompt: Any, completion: Any, tools: Any) -> Encoded:
+    def encode(prompt: Any, completion: Any, extra: dict[str, Any]) -> Encoded:
         if isinstance(prompt, str):
             return _encode_text(prompt, completion, tokenizer)
-        return template.encode_prompt_completion(
-            prompt, completion, tokenizer, **tools_argument(tools)
-        )
+        return template.encode_prompt_completion(prompt, completion, tokenizer, **extra)
 
     return encode
 
 
-def record_tools(row: Any, messages: Any) -> list[dict[str, Any]] | None:
-    """The `tools` of a record whose `messages` (or prompt) go through a chat
-    template, checked (`check_tools`: a malformed value skips the record); None
-    for text records, which no template renders."""
+def template_arguments(row: Any, messages: Any) -> dict[str, Any]:
+    """The keywords that give a template what a record whose `messages` (or
+    prompt) it renders carries besides them: `tools` (`check_tools`) and
+    `chat_template_kwargs` (`check_template_kwargs`), checked (a malformed value
+    skips the record), each only when the record has some, so that a
+    `ChatTemplate` of the caller's own that takes neither still works on records
+    without them. None for text records, which no template renders."""
     if isinstance(messages, str) or not isinstance(row, Mapping):
-        return None
-    return check_tools(row.get("tools"))
-
-
-def tools_argument(tools: list[dict[str, Any]] | None) -> dict[str, Any]:
-    """The keyword that gives a template a record's tools: none without them, so
-    a `ChatTemplate` of the caller's own that takes no `tools` still works on
-    records that have none."""
-    return {} if tools is None else {"tools": tools}
+        return {}
+    tools = check_tools(row.get("tools"))
+    kwargs = check_template_kwargs(row.get(KWARGS_FIELD))
+    return ({} if tools is None else {"tools": tools}) | (
+        {KWARGS_FIELD: kwargs} if kwargs else {}
+    )
 
 
 def _encode_text(prompt: str, completion: str, tokenizer: Tokenizer) -> Encoded:

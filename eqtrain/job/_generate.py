@@ -169,19 +169,26 @@ def _single_id(tokenizer: Any, text: str) -> int | None:
 
 
 def prompt_tokens(
-    m: Generator, prompt: str | Sequence[Any], *, chat: bool, tools: Any = None
+    m: Generator,
+    prompt: str | Sequence[Any],
+    *,
+    chat: bool,
+    tools: Any = None,
+    chat_template_kwargs: Any = None,
 ) -> np.ndarray:
     """A prompt's token ids: with `chat`, the chat template's render of the
-    messages (a string is one user message) with the generation prompt and the
+    messages (a string is one user message) with the generation prompt, the
     row's `tools` (function definitions, or a JSON string of them, as a record's
-    `tools` in training data); otherwise the tokenizer's BOS (when it has one)
-    and the text's tokens, as eqtrain's prompt/completion data starts (refused
-    with tools, which only a chat template writes)."""
+    `tools` in training data) and its `chat_template_kwargs` (extra template
+    variables, over the template's own `kwargs`); otherwise the tokenizer's BOS
+    (when it has one) and the text's tokens, as eqtrain's prompt/completion data
+    starts (refused with tools or template variables, which only a chat template
+    reads)."""
     if chat:
         messages = (
             [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
         )
-        return _chat_tokens(m, list(messages), tools)
+        return _chat_tokens(m, list(messages), tools, chat_template_kwargs)
     if not isinstance(prompt, str):
         raise ConfigError(
             "a prompt of messages needs --chat (the chat template makes them text)."
@@ -191,12 +198,19 @@ def prompt_tokens(
             "a prompt with 'tools' needs --chat: only the chat template writes the "
             "tool definitions into the prompt."
         )
+    if _checked_kwargs(m, chat_template_kwargs):
+        raise ConfigError(
+            "a prompt with 'chat_template_kwargs' needs --chat: they are variables "
+            "of the chat template, which a text prompt does not go through."
+        )
     bos = m.tokenizer.bos_id
     ids = np.asarray(m.tokenizer.encode(prompt), np.int32)
     return ids if bos is None else np.concatenate([np.int32([bos]), ids])
 
 
-def _chat_tokens(m: Generator, messages: list[Any], tools: Any) -> np.ndarray:
+def _chat_tokens(
+    m: Generator, messages: list[Any], tools: Any, kwargs: Any
+) -> np.ndarray:
     template, tokenizer = m.template, m.tokenizer
     if template is None:
         raise ConfigError(
@@ -204,13 +218,14 @@ def _chat_tokens(m: Generator, messages: list[Any], tools: Any) -> np.ndarray:
             "chat_template.jinja and no chat_template in tokenizer_config.json); "
             "drop --chat, or add the model's template there."
         )
-    tools = _checked_tools(m, tools)
+    tools, kwargs = _checked_tools(m, tools), _checked_kwargs(m, kwargs)
+    extra = {"tools": tools} | ({"chat_template_kwargs": kwargs} if kwargs else {})
     try:
         if isinstance(template, data_lib.JinjaChatTemplate):
-            text = template.render(messages, add_generation_prompt=True, tools=tools)
+            text = template.render(messages, add_generation_prompt=True, **extra)
             return np.asarray(tokenizer.encode(text), np.int32)
-        # eqtrain's built-in one (it refuses tools)
-        ids, _ = template.encode(messages, tokenizer, tools=tools)
+        # eqtrain's built-in one (it refuses tools, and reads no variables)
+        ids, _ = template.encode(messages, tokenizer, **extra)
     except data_lib.DataError as e:
         raise ConfigError(f"the chat template of {m.source}: {e}") from None
     header = np.asarray(tokenizer.encode("<|assistant|>\n"), np.int32)
@@ -221,6 +236,14 @@ def _checked_tools(m: Generator, tools: Any) -> list[dict[str, Any]] | None:
     """A prompt's `tools` as the chat template is given them (None: none)."""
     try:
         return data_lib.check_tools(tools)
+    except data_lib.DataError as e:
+        raise ConfigError(f"a prompt for {m.source}: {e}") from None
+
+
+def _checked_kwargs(m: Generator, kwargs: Any) -> dict[str, Any]:
+    """A prompt's `chat_template_kwargs` as the chat template is given them."""
+    try:
+        return data_lib.check_template_kwargs(kwargs)
     except data_lib.DataError as e:
         raise ConfigError(f"a prompt for {m.source}: {e}") from None
 

@@ -5,6 +5,7 @@ the chat template and the LoRA spec. Each is a function of the config;
 the traced model)."""
 
 import dataclasses
+import json
 import math
 from pathlib import Path
 from typing import Any
@@ -231,7 +232,17 @@ def _axis_sizes(config: Config) -> dict[str, int]:
 
 def chat_template(config: Config, init_from: str | None) -> Any:
     """`data.chat_template` resolved: a `.jinja` file, the built-in template, or
-    (`auto`) the tokenizer directory's template when it has one."""
+    (`auto`) the tokenizer directory's template when it has one; a Jinja one
+    given `data.chat_template_kwargs` in every render (the built-in one reads no
+    variables)."""
+    template = _named_template(config, init_from)
+    kwargs = config.data.chat_template_kwargs
+    if kwargs and isinstance(template, data_lib.JinjaChatTemplate):
+        return template.with_kwargs(json.loads(kwargs))  # checked by the config
+    return template
+
+
+def _named_template(config: Config, init_from: str | None) -> Any:
     name = config.data.chat_template
     if name == "builtin":
         return data_lib.BuiltinChatTemplate()

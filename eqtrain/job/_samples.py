@@ -22,38 +22,47 @@ class Prompts:
     multiple: int
 
 
-def read_prompts(path: Path) -> tuple[list[Any], list[Any]]:
+def read_prompts(path: Path) -> tuple[list[Any], list[dict[str, Any]]]:
     """A .txt file's non-empty lines, or a .jsonl file's `prompt` strings and
-    `messages` lists; with each prompt its `tools` (a .jsonl line's, for the
-    chat template; None without). `ConfigError` naming `log.samples` otherwise."""
+    `messages` lists; with each prompt what else its line gives the chat
+    template (`{"tools": ..., "chat_template_kwargs": ...}`, None where the line
+    has no such field). `ConfigError` naming `log.samples` otherwise."""
     where = f"`log.samples` ({path})"
     if not path.is_file():
         raise ConfigError(f"{where} does not exist (or is not a file).")
     lines = path.read_text(encoding="utf-8").splitlines()
     if path.suffix == ".txt":
-        rows = [(line, None) for line in lines if line.strip()]
+        rows = [(line, _extra({})) for line in lines if line.strip()]
     elif path.suffix == ".jsonl":
         rows = [_jsonl_prompt(line, n, where) for n, line in _numbered(lines)]
     else:
         raise ConfigError(f"{where} must be a .txt or .jsonl file of prompts.")
     if not rows:
         raise ConfigError(f"{where} holds no prompt.")
-    return [prompt for prompt, _ in rows], [tools for _, tools in rows]
+    return [prompt for prompt, _ in rows], [extra for _, extra in rows]
 
 
 def _numbered(lines: list[str]) -> list[tuple[int, str]]:
     return [(n, line) for n, line in enumerate(lines, 1) if line.strip()]
 
 
-def _jsonl_prompt(line: str, n: int, where: str) -> tuple[Any, Any]:
+_KWARGS = "chat_template_kwargs"
+
+
+def _extra(row: dict[str, Any]) -> dict[str, Any]:
+    """A line's fields for the chat template, as `prompt_tokens` takes them."""
+    return {"tools": row.get("tools"), _KWARGS: row.get(_KWARGS)}
+
+
+def _jsonl_prompt(line: str, n: int, where: str) -> tuple[Any, dict[str, Any]]:
     try:
         row = json.loads(line)
     except ValueError:
         row = None
     if isinstance(row, dict) and isinstance(row.get("prompt"), str):
-        return row["prompt"], row.get("tools")
+        return row["prompt"], _extra(row)
     if isinstance(row, dict) and isinstance(row.get("messages"), list):
-        return row["messages"], row.get("tools")
+        return row["messages"], _extra(row)
     raise ConfigError(
         f'{where}, line {n}: each line must be {{"prompt": "..."}} or '
         '{"messages": [...]}.'
@@ -63,16 +72,16 @@ def _jsonl_prompt(line: str, n: int, where: str) -> tuple[Any, Any]:
 def prompts_of(job: _build.Job) -> Prompts | None:
     """`log.samples` read and tokenized for `job` (None when unset): strings are
     chat-templated when `data.format = "chat"`, messages always (a line's
-    `tools` with them); refused when a prompt does not fit GPT-2's positions. In
-    a multi-process run every process generates (the prompts replicated) and the
-    first one writes."""
+    `tools` and `chat_template_kwargs` with them); refused when a prompt does not
+    fit GPT-2's positions. In a multi-process run every process generates (the
+    prompts replicated) and the first one writes."""
     log = job.config.log
     if log.samples is None:
         return None
-    prompts, tools = read_prompts(Path(log.samples))
+    prompts, extras = read_prompts(Path(log.samples))
     model = _generator(job)
     try:
-        tokens = _tokens(job, model, prompts, tools)
+        tokens = _tokens(job, model, prompts, extras)
         multiple = check_fits(model, tokens, Options(log.samples_max_new_tokens))
     except ConfigError as e:
         raise ConfigError(f"`log.samples` ({log.samples}): {e}") from None
@@ -81,14 +90,17 @@ def prompts_of(job: _build.Job) -> Prompts | None:
 
 
 def _tokens(
-    job: _build.Job, model: Generator, prompts: list[Any], tools: list[Any]
+    job: _build.Job,
+    model: Generator,
+    prompts: list[Any],
+    extras: list[dict[str, Any]],
 ) -> list[Any]:
     """Each prompt's tokens: strings chat-templated when `data.format = "chat"`,
-    messages always, each with its `tools`."""
+    messages always, each with its `tools` and `chat_template_kwargs`."""
     chat = data_format(job.config) == "chat"
     return [
-        prompt_tokens(model, p, chat=chat or not isinstance(p, str), tools=t)
-        for p, t in zip(prompts, tools, strict=True)
+        prompt_tokens(model, p, chat=chat or not isinstance(p, str), **extra)
+        for p, extra in zip(prompts, extras, strict=True)
     ]
 
 

@@ -30,8 +30,7 @@ from .._post import (
     _preference_encoder,
     _sft_encoder,
     _template as resolved,
-    record_tools,
-    tools_argument,
+    template_arguments,
 )
 from .._readers import Piece, _jsonl_blocks
 from .._records import Skip
@@ -78,6 +77,7 @@ def _template_spec(template: Any) -> dict[str, Any] | None:
             "source": template.source,
             "special_tokens": dict(template.special_tokens),
             "tool_use": template.tool_use,
+            "kwargs": template.kwargs,
         }
     return None
 
@@ -99,7 +99,10 @@ def _template(spec: Mapping[str, Any]) -> Any:
     if spec["kind"] == "builtin":
         return BuiltinChatTemplate()
     return JinjaChatTemplate(
-        spec["source"], spec["special_tokens"], tool_use=spec["tool_use"]
+        spec["source"],
+        spec["special_tokens"],
+        tool_use=spec["tool_use"],
+        kwargs=spec["kwargs"],
     )
 
 
@@ -160,17 +163,18 @@ def _pair_examples(fit: Callable[[Any], tuple[np.ndarray, ...]]) -> Examples:
 
 def prompt_ids(record: Any, chat: bool, tokenizer: Any, template: Any) -> np.ndarray:
     """A GRPO record's prompt ids: BOS and the `prompt` text, or the `messages`
-    chat rendered up to the assistant's turn (with the record's `tools`); `Skip`
-    when it has no usable prompt (an empty one included)."""
+    chat rendered up to the assistant's turn (with the record's `tools` and
+    `chat_template_kwargs`); `Skip` when it has no usable prompt (an empty one
+    included)."""
     if chat:
         messages = record.get("messages") if isinstance(record, Mapping) else None
         if not isinstance(messages, list):
             raise Skip("whose 'messages' is not a list")
         turn = [{"role": "assistant", "content": ""}]
         try:
-            tools = tools_argument(record_tools(record, messages))
+            extra = template_arguments(record, messages)
             ids, _, _ = template.encode_prompt_completion(
-                messages, turn, tokenizer, **tools
+                messages, turn, tokenizer, **extra
             )
         except DataError as e:
             reason = getattr(e, "reason", None)  # a chat the template refuses
