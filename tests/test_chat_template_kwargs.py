@@ -392,3 +392,14 @@ def test_malformed_kwargs_are_refused(tok, template, case):
     with pytest.raises(ConfigError, match="`data.chat_template_kwargs`") as error:
         config_lib.from_dict({"data": {"chat_template_kwargs": value}})
     assert said in str(error.value)
+
+
+def test_a_toml_date_in_the_config_is_refused():
+    """TOML has dates and times, JSON (and a template's variables as
+    transformers gets them from JSON) does not: refused by name, not turned
+    into a placeholder."""
+    import datetime
+
+    value = {"today": datetime.date(2026, 12, 7)}
+    with pytest.raises(ConfigError, match="a TOML date: write it as a string"):
+        config_lib.from_dict({"data": {"chat_template_kwargs": value}})

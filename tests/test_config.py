@@ -103,6 +103,10 @@ def values_for(field: config.Field) -> st.SearchStrategy[Any]:
         strategy = st.sampled_from(
             ["", "a.jsonl=0.7, b=0.3", "web:c/d=2", [{"path": "x", "weight": 1.5}]]
         )
+    elif field.kind == "table":  # a TOML table, or the JSON --set writes
+        strategy = st.sampled_from(
+            ["", {"enable_thinking": False}, '{"a": [1, "x"]}', {"n": {"m": 2.5}}]
+        )
     elif field.key == "checkpoint.best":
         strategy = st.sampled_from(["eval/loss", "eval/accuracy"]) | st.text()
     elif field.type is int:

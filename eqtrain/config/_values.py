@@ -6,7 +6,7 @@ import json
 import math
 import operator
 import tomllib
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from .._errors import ConfigError
@@ -141,13 +141,29 @@ def _sources(value: Any) -> str:
 def _table(value: Any) -> str:
     """A table of template variables (`data.chat_template_kwargs`), or a JSON
     object string of one, as its canonical JSON string (`""`: none)."""
-    from ..data._template_kwargs import check_template_kwargs
+    from ..data import check_template_kwargs
 
+    _check_json(value)
     try:  # its errors name the key and what is wrong
         table = check_template_kwargs(value, field="data.chat_template_kwargs")
         return json.dumps(table, sort_keys=True, allow_nan=False) if table else ""
     except ValueError as e:  # a ChatTemplateError, or NaN
         raise ValueError(str(e).rstrip(".")) from None
+
+
+def _check_json(value: Any) -> None:
+    """`value` holds only what JSON holds (TOML's dates and times do not)."""
+    if isinstance(value, Mapping):
+        for v in value.values():
+            _check_json(v)
+    elif isinstance(value, list):
+        for v in value:
+            _check_json(v)
+    elif value is not None and not isinstance(value, (str, int, float, bool)):
+        raise ValueError(
+            f"expected strings, numbers, booleans, arrays and tables; got "
+            f"{value!r} (a TOML {type(value).__name__}: write it as a string)"
+        )
 
 
 def _size(value: Any) -> str:
