@@ -1,7 +1,11 @@
-"""A tiny byte-level BPE tokenizer for the chat tests: lossless, so the text a
-mask marks can be decoded and read back."""
+"""The chat tests' tokenizer helpers: a tiny byte-level BPE (lossless, so the
+text a mask marks can be decoded and read back), transformers' ids of a chat,
+and the text a mask marks."""
 
 from pathlib import Path
+from typing import Any
+
+import numpy as np
 
 
 def byte_bpe(path: Path, texts: list[str], specials: list[str], vocab: int) -> Path:
@@ -21,3 +25,24 @@ def byte_bpe(path: Path, texts: list[str], specials: list[str], vocab: int) -> P
     tok.train_from_iterator(texts, trainer)
     tok.save(str(path))
     return path
+
+
+def chat_ids(hf: Any, template: Any, messages: list, **kwargs: Any) -> list[int]:
+    """transformers' ids of `messages` through `template`'s source (`hf`: a
+    `PreTrainedTokenizerFast`; `kwargs`: `apply_chat_template`'s, e.g. `tools`)."""
+    out = hf.apply_chat_template(
+        messages,
+        chat_template=template.source,
+        tokenize=True,
+        return_dict=True,
+        **kwargs,
+    )
+    return [int(i) for i in out["input_ids"]]
+
+
+def learned_text(ids: Any, mask: Any, hf: Any) -> list[str]:
+    """The decoded text of each run of consecutive learned tokens."""
+    mask = np.asarray(mask, np.int64)
+    edges = np.flatnonzero(np.diff(np.concatenate([[0], mask, [0]])))
+    ids = [int(i) for i in ids]
+    return [hf.decode(ids[a:b]) for a, b in zip(edges[::2], edges[1::2], strict=True)]

@@ -33,7 +33,7 @@ from eqtrain.data import (
 from eqtrain.data._errors import ChatTemplateError
 from eqtrain.data.store import _post_parts, _post_store
 
-from ._bpe import byte_bpe
+from ._bpe import byte_bpe, chat_ids, learned_text as runs
 
 
 transformers = pytest.importorskip("transformers")
@@ -153,23 +153,7 @@ def hf_render(hf, template, messages, tools, **kwargs):
 
 
 def hf_ids(hf, template, messages, tools, **kwargs):
-    out = hf.apply_chat_template(
-        messages,
-        tools=tools,
-        chat_template=template.source,
-        tokenize=True,
-        return_dict=True,
-        **kwargs,
-    )
-    return [int(i) for i in out["input_ids"]]
-
-
-def runs(ids, mask, hf):
-    """The decoded text of each run of consecutive learned tokens."""
-    mask = np.asarray(mask, np.int64)
-    edges = np.flatnonzero(np.diff(np.concatenate([[0], mask, [0]])))
-    ids = [int(i) for i in ids]
-    return [hf.decode(ids[a:b]) for a, b in zip(edges[::2], edges[1::2], strict=True)]
+    return chat_ids(hf, template, messages, tools=tools, **kwargs)
 
 
 # -- conversations ------------------------------------------------------------------
