@@ -11,18 +11,17 @@ Llama, imported and exported at step 0: nothing is trained."""
 import json
 import re
 
-import jax.random as jr
 import pytest
 
 import eqtrain.config as config_lib
-import eqtrain.hf
-from eqtrain import _files, job, models
+from eqtrain import _files, job
 from eqtrain.data import DataError, read_chat_templates, write_chat_templates
 from eqtrain.job import _resolve, _rundir
 
 from .test_chat_templates_named import CHAT, DEFAULT, RAG, TOOL_USE, TOOLS
 from .test_cli import inproc
 from .test_generate_cli import write_tokenizer
+from .test_run_identity import hf_dir
 
 
 transformers = pytest.importorskip("transformers")
@@ -37,15 +36,7 @@ def model_dir(path, templates, layout):
     """A tiny Llama in Hugging Face format with test_generate_cli's word-level
     tokenizer and the named `templates`, as Hermes ships them (`"config"`: a
     list in tokenizer_config.json) or as transformers 5 saves them (`"files"`)."""
-    config = models.LlamaConfig(
-        vocab_size=320,
-        hidden_size=8,
-        intermediate_size=16,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        max_position_embeddings=32,
-    )
-    eqtrain.hf.export(models.Llama(config, jr.key(0)), None, path)
+    hf_dir(path)
     write_tokenizer(path, template=False)
     if layout == "config":
         tokenizer_config = json.loads((path / "tokenizer_config.json").read_text())
