@@ -561,6 +561,85 @@ IMPORT_CONFIGS = {
 }
 
 
+# --- codes ------------------------------------------------------------------------
+
+
+def codes_one_thread(x: Any, kind: str) -> tuple[Any, Any]:
+    """A tensor's 4-bit codes and block maxima as eqtrain made them until
+    2026-12-07, the reference the `codes` part times against: one piece of
+    4M values after another on one thread, each value's code found by numpy's
+    binary search over the codebook's midpoints (`np.searchsorted`)."""
+    import numpy as np
+
+    from eqtrain import _quant
+
+    out, width = x.shape
+    codes = np.empty((out, width // 2), np.uint8)
+    absmax = np.empty((out, width // _quant.BLOCK), np.float32)
+    mid, order = _quant._bounds(kind)
+    rows = max(1, 2**22 // width)
+    for r in range(0, out, rows):
+        part = np.asarray(x[r : r + rows], np.float32)
+        scaled, am = _quant._scaled(part.reshape(-1, _quant.BLOCK))
+        q = order[np.searchsorted(mid, scaled.reshape(-1), side="left")]
+        q = q.reshape(part.shape)
+        codes[r : r + rows] = (q[:, 0::2] << 4) | q[:, 1::2]
+        absmax[r : r + rows] = am.reshape(part.shape[0], -1)
+    return codes, absmax
+
+
+def llama8b_linear_values() -> int:
+    """How many values Llama-3.1-8B's linear layers hold (what a quantizing
+    load of it quantizes): attention's four projections and the MLP's three,
+    per layer."""
+    c = LLAMA_3_1_8B
+    hidden, inter = c["hidden_size"], c["intermediate_size"]
+    layers = c["num_hidden_layers"]
+    head = hidden // c["num_attention_heads"]
+    kv = c["num_key_value_heads"] * head
+    return layers * (2 * hidden * hidden + 2 * hidden * kv + 3 * hidden * inter)
+
+
+def run_codes(args: argparse.Namespace) -> None:
+    """nf4 codes of one tensor: `_quant._tensor_4bit` (pieces on every core,
+    a comparison per midpoint) against `codes_one_thread`, alternating in
+    each round; the ratio is the median of per-round ratios (> 1: faster now).
+    The two give the same bytes (checked first)."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    from eqtrain import _quant
+
+    shapes = {"q_proj": (4096, 4096), "mlp_down": (4096, 14336)}
+    if args.quick:
+        shapes = {"quick": (256, 512)}
+    rng = np.random.default_rng(0)
+    for name, shape in shapes.items():
+        x = (rng.standard_normal(shape, np.float32) * 0.02).astype(jnp.bfloat16)
+        ours, theirs = _quant._tensor_4bit(x, "nf4"), codes_one_thread(x, "nf4")
+        assert all(np.array_equal(a, b) for a, b in zip(ours, theirs, strict=True))
+        times: dict[str, list[float]] = {"one_thread": [], "pieces": []}
+        fns = {"one_thread": codes_one_thread, "pieces": _quant._tensor_4bit}
+        for i in range(2 if args.quick else args.rounds):
+            for key in list(fns)[:: 1 if i % 2 == 0 else -1]:
+                start = time.perf_counter()
+                fns[key](x, "nf4")
+                times[key].append(time.perf_counter() - start)
+        ratios = sorted(a / b for a, b in zip(*times.values(), strict=True))
+        pieces_s = statistics.median(times["pieces"])
+        rate = x.size / pieces_s
+        emit({
+            "part": "codes", "tensor": name, "shape": list(shape), "kind": "nf4",
+            "threads": _quant._threads(),
+            "one_thread_ms": round(statistics.median(times["one_thread"]) * 1e3, 1),
+            "pieces_ms": round(pieces_s * 1e3, 1),
+            "ratio": round(statistics.median(ratios), 2),
+            "ratio_range": [round(ratios[0], 2), round(ratios[-1], 2)],
+            "mvalues_per_s": round(rate / 1e6, 1),
+            "llama8b_linear_s": round(llama8b_linear_values() / rate, 1),
+        })  # fmt: skip
+
+
 def maxrss() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
 
@@ -756,6 +835,7 @@ PARTS_RUN = {
     "dry-run": run_dry_run,
     "step": run_step,
     "import-rss": run_import_rss,
+    "codes": run_codes,
 }
 
 
@@ -787,7 +867,9 @@ def main() -> None:
         "--tmp; the plain load is skipped)",
     )
     rss.add_argument("--tmp", default=None, help="where the checkpoint is written")
-    sub.add_parser("all", help="all four (their default options)")
+    codes = sub.add_parser("codes", help="nf4 codes of one tensor: pieces on threads")
+    codes.add_argument("--rounds", type=int, default=5)
+    sub.add_parser("all", help="all five (their default options)")
     args = parser.parse_args()
     defaults = {
         "models": "",

@@ -2,6 +2,10 @@
 products with a quantized weight, LoRA through it, quantizing on read, and the
 shardings of the codes."""
 
+import os
+import signal
+import time
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -103,6 +107,71 @@ def test_double_quantization_equals_bitsandbytes(kind, shape):
     assert agree >= 0.99
     mine = np.asarray(_weight(own, kind).dequantize())
     np.testing.assert_allclose(mine, back, rtol=1e-2, atol=1e-6)
+
+
+@pytest.mark.parametrize("kind", ["nf4", "fp4"])
+def test_each_value_gets_the_code_bucketize_gives(kind):
+    """The nearest code, counted one midpoint at a time, is
+    `torch.bucketize`'s over the midpoints on the values where they could
+    differ: the midpoints themselves (a tie rounds down), their float
+    neighbours, the codebook's values, the ends, both zeros, NaN (past every
+    midpoint, as bucketize puts it) and random values."""
+    import torch
+
+    mid, order = _quant._bounds(kind)
+    edges = [mid, np.nextafter(mid, np.float32(-2)), np.nextafter(mid, np.float32(2))]
+    special = np.array([-1, 1, 0, -0.0, np.nan, -np.inf, np.inf], np.float32)
+    randoms = np.random.default_rng(1).uniform(-1, 1, 5000).astype(np.float32)
+    x = np.concatenate([*edges, _quant.codebook(kind), special, randoms])
+    bucket = torch.bucketize(torch.from_numpy(x), torch.from_numpy(mid), right=False)
+    assert np.array_equal(_quant._nearest(x, kind), order[bucket.numpy()])
+
+
+@pytest.mark.parametrize("kind", ["nf4", "fp4"])
+def test_a_tensor_cut_into_pieces_on_threads_equals_bitsandbytes(kind):
+    """A tensor larger than one piece (its rows quantized on several threads)
+    gives bitsandbytes' codes and block maxima, and any cut of its rows gives
+    the same bytes as one piece."""
+    import torch
+
+    F = _bnb()
+    w = _tensor((2 * _quant._PIECE // 1024 + 3, 1024), jnp.bfloat16)
+    q, state = F.quantize_4bit(
+        torch.from_numpy(w.astype(np.float32)).to(torch.bfloat16),
+        blocksize=64, quant_type=kind, compress_statistics=False,
+    )  # fmt: skip
+    codes, absmax = _quant._tensor_4bit(w, kind)
+    assert np.array_equal(codes.reshape(-1), q.numpy().reshape(-1))
+    assert np.array_equal(absmax.reshape(-1), state.absmax.numpy())
+    for piece in (1, 7 * 1024, w.size):  # a row, 7 rows, all
+        cut = _quant._tensor_4bit(w, kind, piece=piece)
+        assert np.array_equal(cut[0], codes) and np.array_equal(cut[1], absmax)
+
+
+@pytest.mark.filterwarnings("ignore:os.fork.. was called")  # JAX's; numpy alone here
+def test_a_forked_child_quantizes_with_threads_of_its_own():
+    """The pool of quantizing threads is the process's own: a child forked
+    after the parent used it (as a data worker may be) starts its own instead
+    of waiting on threads it does not have."""
+    w = _tensor((3 * _quant._PIECE // 512, 512))
+    codes, _ = _quant._tensor_4bit(w, "nf4")  # the parent's pool, started
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: exit 0 if its codes are the parent's
+        try:
+            same = np.array_equal(_quant._tensor_4bit(w, "nf4")[0], codes)
+            os.write(write, b"1" if same else b"0")
+        finally:
+            os._exit(0)
+    os.close(write)
+    deadline = time.monotonic() + 30
+    while os.waitpid(pid, os.WNOHANG) == (0, 0):
+        if time.monotonic() > deadline:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            pytest.fail("the forked child's quantization did not finish in 30 s")
+        time.sleep(0.05)
+    assert os.read(read, 1) == b"1"
 
 
 def test_int8_equals_bitsandbytes():
