@@ -3,7 +3,9 @@
 directory of a tiny `eqtrain fit`; `generate.stream` against `generate`; and
 `[log] samples`, which generates during that fit."""
 
+import dataclasses
 import json
+import shutil
 
 import jax.random as jr
 import numpy as np
@@ -130,6 +132,71 @@ def test_chat_uses_the_template_and_its_end_of_turn(hf_dir, tmp_path):
     (bare / "tokenizer.json").unlink()  # and no tokenizer: bytes do not fit
     done = inproc("generate", bare, "-p", "hello")
     assert_clean_error(done, "has no tokenizer.json", "vocabulary of 101")
+
+
+# CHATML with a variable of its own before the conversation
+LEAD = "{% if lead is defined %}{{ lead }} {% endif %}" + CHATML
+
+
+def test_chat_template_kwargs_reach_every_prompt_under_a_rows_own(
+    hf_dir, tmp_path, monkeypatch
+):
+    """--chat-template-kwargs gives the chat template its variables in every
+    prompt's render, as transformers' apply_chat_template(**kwargs) does; a
+    --file line's own chat_template_kwargs win over them."""
+    from transformers import AutoTokenizer
+
+    model = tmp_path / "lead"
+    shutil.copytree(hf_dir, model)
+    config = json.loads((model / "tokenizer_config.json").read_text())
+    config["chat_template"] = LEAD
+    (model / "tokenizer_config.json").write_text(json.dumps(config))
+    messages = [{"role": "user", "content": "hello world"}]
+    theirs = AutoTokenizer.from_pretrained(model)
+
+    def ids(**kwargs):
+        out = theirs.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=True, **kwargs
+        )
+        return list(out if isinstance(out, list) else out["input_ids"])
+
+    seen = []
+    real = job.complete
+
+    def complete(m, prompts, options):
+        seen.extend(p.tolist() for p in prompts)
+        return real(m, prompts, options)
+
+    monkeypatch.setattr(job, "complete", complete)
+    prompts = tmp_path / "chat.jsonl"
+    rows = [{"messages": messages}, {"messages": messages}]
+    rows[1]["chat_template_kwargs"] = {"lead": "dog"}
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    flag = ["--chat-template-kwargs", '{"lead": "fox"}']
+    done = inproc("generate", model, "--chat", "--file", prompts, *flag, *NEW)
+    assert done.returncode == 0, done.stderr
+    assert seen == [ids(lead="fox"), ids(lead="dog")]
+    assert ids(lead="fox") != ids()  # the variable changed the prompt
+    # a run's own data.chat_template_kwargs are under the flag's (with_kwargs)
+    m = job.open_model(model)
+    m = dataclasses.replace(m, template=m.template.with_kwargs({"lead": "the"}))
+    given = job.with_template_kwargs(m, {"lead": "fox"})
+    assert job.prompt_tokens(given, messages, chat=True).tolist() == ids(lead="fox")
+    assert job.with_template_kwargs(m, {}) is m
+
+
+@pytest.mark.parametrize(
+    "args, fragments",
+    [
+        (["--chat", "--chat-template-kwargs", "{ lead"], ["not valid JSON"]),
+        (["--chat", "--chat-template-kwargs", "[1]"], ["must be a mapping"]),
+        (["--chat", "--chat-template-kwargs", '{"tools": 1}'], ["sets 'tools'"]),
+        (["--chat-template-kwargs", "{}"], ["needs --chat"]),
+    ],
+)
+def test_bad_chat_template_kwargs_are_one_paragraph(hf_dir, args, fragments):
+    done = inproc("generate", hf_dir, "-p", "hi", *args)
+    assert_clean_error(done, "--chat-template-kwargs", *fragments)
 
 
 @pytest.mark.parametrize(

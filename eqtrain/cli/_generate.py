@@ -45,6 +45,16 @@ Chat = Annotated[
         "a --prompt is one user message.",
     ),
 ]
+TemplateKwargs = Annotated[
+    str | None,
+    typer.Option(
+        "--chat-template-kwargs",
+        help="With --chat: variables for the chat template as a JSON object, e.g. "
+        '\'{"enable_thinking": false}\' for Qwen3, given to every prompt\'s '
+        "render as data.chat_template_kwargs is in training (over a run's own); "
+        "a --file line's chat_template_kwargs win over them.",
+    ),
+]
 MaxNewTokens = Annotated[int, typer.Option(help="The most new tokens per prompt.")]
 Temperature = Annotated[
     float,
@@ -75,6 +85,7 @@ def generate(
     prompt: Prompt = None,
     file: File = None,
     chat: Chat = False,
+    chat_template_kwargs: TemplateKwargs = None,
     max_new_tokens: MaxNewTokens = 128,
     temperature: Temperature = 0.0,
     top_k: TopK = 0,
@@ -98,9 +109,10 @@ def generate(
         from ..generate import Sampling
 
         rows = _rows(prompt, file)
+        kwargs = job.template_kwargs_option(chat_template_kwargs, chat=chat)
         if output is not None:
             output.open()  # a bad --out fails here, before the model loads
-        m = job.open_model(source, step=step)
+        m = job.with_template_kwargs(job.open_model(source, step=step), kwargs)
         stops = job.chat_stop_ids(m) if chat else m.stop_ids
         sampling = Sampling(
             temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p

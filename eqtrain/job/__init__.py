@@ -18,6 +18,8 @@ from ._generate import (
     open_model as open_model,
     prompt_tokens as prompt_tokens,
     stream_text as stream_text,
+    template_kwargs_option as template_kwargs_option,
+    with_template_kwargs as with_template_kwargs,
 )
 from ._import import import_hf as import_hf
 from ._inspect import (

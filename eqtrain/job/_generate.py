@@ -6,7 +6,7 @@ made into tokens (`prompt_tokens`), and batches of them completed
 import contextlib
 import dataclasses
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -161,6 +161,35 @@ def chat_stop_ids(m: Generator) -> tuple[int, ...]:
     names += [name for name in END_OF_TURN if name in source]
     found = [_single_id(m.tokenizer, name) for name in names if name]
     return _ids(*m.stop_ids, *found)
+
+
+OPTION = "--chat-template-kwargs"
+
+
+def template_kwargs_option(text: str | None, *, chat: bool) -> dict[str, Any]:
+    """`eqtrain generate --chat-template-kwargs`'s JSON object, checked as a
+    record's `chat_template_kwargs` is (`{}` when not given)."""
+    if text is None:
+        return {}
+    if not chat:
+        raise ConfigError(
+            f"{OPTION} needs --chat: its variables are the chat template's, which "
+            "a text prompt does not go through. Add --chat, or drop it."
+        )
+    try:
+        return data_lib.check_template_kwargs(text, field=OPTION)
+    except data_lib.DataError as e:
+        raise ConfigError(str(e)) from None
+
+
+def with_template_kwargs(m: Generator, kwargs: Mapping[str, Any]) -> Generator:
+    """`m` with a Jinja chat template given `kwargs` in every render, over its
+    own (a run's `data.chat_template_kwargs`); a prompt's own
+    `chat_template_kwargs` still win. eqtrain's built-in template reads no
+    variables, and a model without a template is refused by the first prompt."""
+    if not kwargs or not isinstance(m.template, data_lib.JinjaChatTemplate):
+        return m
+    return dataclasses.replace(m, template=m.template.with_kwargs(dict(kwargs)))
 
 
 def _single_id(tokenizer: Any, text: str) -> int | None:
