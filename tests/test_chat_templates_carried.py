@@ -139,6 +139,29 @@ def test_export_carries_every_named_template(sources, imported, tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["back"]
 
 
+def test_a_lora_runs_adapter_exports_carry_the_tokenizer(sources, tmp_path):
+    """A LoRA run's adapter exports (the run's own at its end, and `eqtrain
+    export`'s) hold the run's tokenizer and named templates beside PEFT's files,
+    as a TRL trainer's `save_model` writes its tokenizer with an adapter:
+    transformers loads the same tokenizer and templates from the directory, and
+    peft the adapter."""
+    peft = pytest.importorskip("peft")
+    source, run = sources["config"], tmp_path / "run"
+    sets = [f"run_dir={run}", f"model.init_from={source}", "lora.rank=4"]
+    sets += ["loop.steps=1", "data.seq_len=16", "data.batch_size=8", "data.eval=none"]
+    inproc("fit", *[a for s in sets for a in ("--set", s)], check_rc=0)
+    inproc("export", run, tmp_path / "back", check_rc=0)
+    text = "hello world the quick brown fox"
+    for adapter in (run / "hf", tmp_path / "back"):
+        assert (adapter / "adapter_model.safetensors").is_file()
+        assert_layout(adapter)
+        assert hf_of(adapter).chat_template == TEMPLATES
+        assert hf_of(adapter)(text)["input_ids"] == hf_of(source)(text)["input_ids"]
+        assert rendered(adapter, TOOLS) == rendered(source, TOOLS)
+        config = peft.PeftConfig.from_pretrained(str(adapter))
+        assert (config.peft_type, config.r) == ("LORA", 4)
+
+
 def test_a_folder_of_templates_with_other_files_is_not_an_export(tmp_path):
     (tmp_path / "config.json").write_text("{}")
     (tmp_path / EXTRA).mkdir()

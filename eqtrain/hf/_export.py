@@ -92,8 +92,7 @@ def export(
         for name, content in files.items():
             write_json(os.path.join(tmp, name), content)
         _write_weights(tmp, tensors, limit)
-        if tokenizer is not None and hasattr(tokenizer, "_tok"):
-            _write_tokenizer(tmp, tokenizer, chat_template)
+        write_tokenizer_files(tmp, tokenizer, chat_template)
     return out_dir
 
 
@@ -220,6 +219,18 @@ def _special_tokens(tokenizer: Any) -> dict[str, Any]:
         if token_id is not None:
             names[f"{kind}_token"] = tokenizer._tok.id_to_token(token_id)
     return names
+
+
+def write_tokenizer_files(
+    directory: str,
+    tokenizer: Any,
+    chat_template: str | Mapping[str, str] | None = None,
+) -> None:
+    """An `HFTokenizer`'s files (and the chat templates') in `directory`, as
+    `export` writes them; nothing for another tokenizer (the byte one has no
+    file transformers reads) or None."""
+    if tokenizer is not None and hasattr(tokenizer, "_tok"):
+        _write_tokenizer(directory, tokenizer, chat_template)
 
 
 def _write_tokenizer(

@@ -47,9 +47,9 @@ class export_hook:  # noqa: N801 -- a hook factory, named like a function
             `preference.WithReference`; default: the whole model.
         **export_kwargs: passed on to `eqtrain.hf.export` (`dtype`,
             `max_shard_size`, `tokenizer`, `model_type`, ...); an adapter export
-            uses `model_type` and `spec` (the `lora.LoRA`, to record its alpha
-            and rsLoRA as written) only, and writes the state's other trained
-            leaves as PEFT's `modules_to_save`.
+            uses `model_type`, `spec` (the `lora.LoRA`, to record its alpha
+            and rsLoRA as written), `tokenizer` and `chat_template` only, and
+            writes the state's other trained leaves as PEFT's `modules_to_save`.
 
     Example:
         >>> from eqtrain import at_end, every
@@ -110,6 +110,8 @@ class export_hook:  # noqa: N801 -- a hook factory, named like a function
                 model_type=self.export_kwargs.get("model_type"),
                 spec=self.export_kwargs.get("spec"),
                 trained=None if trained is True else trained,
+                tokenizer=self.export_kwargs.get("tokenizer"),
+                chat_template=self.export_kwargs.get("chat_template"),
                 overwrite=True,
             )
             return

@@ -1,6 +1,7 @@
 """LoRA adapters in PEFT's format: `export_adapter` writes the directory
 `peft.PeftModel.save_pretrained` would (adapter_model.safetensors and
-adapter_config.json). `_peft_load` reads one back (safetensors only: a pickled
+adapter_config.json), with the tokenizer's files beside them as TRL's trainers
+save them. `_peft_load` reads one back (safetensors only: a pickled
 adapter is refused).
 
 PEFT names a tensor `base_model.model.<HF module>.lora_A.weight` (`[rank, in]`)
@@ -15,6 +16,7 @@ on read.
 import math
 import os
 import re
+from collections.abc import Mapping
 from typing import Any
 
 import jax.tree_util as jtu
@@ -24,7 +26,7 @@ from .. import lora
 from .._errors import ConfigError
 from ..lora import LoRALinear
 from . import _maps, _safetensors
-from ._export import _num_layers, hf_tensors
+from ._export import _num_layers, hf_tensors, write_tokenizer_files
 from ._json import write_json
 from ._target import atomic_dir, check_target
 
@@ -52,6 +54,8 @@ def export_adapter(
     base_model_name_or_path: str | None = None,
     spec: lora.LoRA | None = None,
     trained: Any = None,
+    tokenizer: Any = None,
+    chat_template: str | Mapping[str, str] | None = None,
     overwrite: bool = False,
 ) -> str:
     """Write the LoRA adapters of `model` as PEFT's adapter directory, atomically.
@@ -59,6 +63,9 @@ def export_adapter(
     `peft.PeftModel.from_pretrained(hf_base, out_dir)` then loads them onto the
     `transformers` model of the same base, without warnings and with the same
     logits. Disabled adapters are written too (they hold the trained values).
+    With `tokenizer`, its files go beside them, as a TRL trainer's
+    `save_model` writes its tokenizer with the adapter:
+    `AutoTokenizer.from_pretrained(out_dir)` loads it.
 
     Args:
         model: a `Llama` or `GPT2` with adapters (`eqtrain.lora.apply`).
@@ -72,6 +79,10 @@ def export_adapter(
             than the adapters (`lora.trainable(..., also=...)`, e.g. the norms)
             are written whole with their modules, as PEFT's `modules_to_save`.
             `None`: the adapters only.
+        tokenizer: an `eqtrain.data.HFTokenizer` whose files are written too
+            (the byte tokenizer has none), as `export` writes them.
+        chat_template: the Jinja chat template(s) written with the tokenizer's
+            files (`export`'s `chat_template`).
         overwrite: replace an earlier export at `out_dir`.
 
     Raises:
@@ -86,7 +97,10 @@ def export_adapter(
     tensors.update(_saved_tensors(model, arch, modules))
     settings = _lora_settings(found, spec, base_model_name_or_path)
     settings.update(_module_settings(model, arch, found, modules))
-    return _write_adapter(os.fspath(out_dir), tensors, settings, overwrite)
+    tokenizer_files = (tokenizer, chat_template)
+    return _write_adapter(
+        os.fspath(out_dir), tensors, settings, tokenizer_files, overwrite
+    )
 
 
 def _adapters(model: Any) -> list[tuple[str, LoRALinear]]:
@@ -263,12 +277,15 @@ def _write_adapter(
     out_dir: str,
     tensors: dict[str, np.ndarray],
     settings: dict[str, Any],
+    tokenizer_files: tuple[Any, Any],
     overwrite: bool,
 ) -> str:
-    """The adapter directory written atomically; `out_dir`."""
+    """The adapter directory (and the tokenizer's files: `(tokenizer,
+    chat_template)`) written atomically; `out_dir`."""
     check_target(out_dir, overwrite)
     with atomic_dir(out_dir, overwrite) as tmp:
         weights = os.path.join(tmp, ADAPTER_WEIGHTS)
         _safetensors.write(weights, tensors, {"format": "pt"})
         write_json(os.path.join(tmp, ADAPTER_CONFIG), settings)
+        write_tokenizer_files(tmp, *tokenizer_files)
     return out_dir

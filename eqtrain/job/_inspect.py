@@ -125,7 +125,7 @@ def _weights(state: Any, ema: bool, path: Any) -> Any:
 def _export_adapter(
     job: _build.Job, state: Any, model: Any, out_dir: Any, overwrite: bool
 ) -> Path:
-    """A LoRA run's adapters, in PEFT's format."""
+    """A LoRA run's adapters, in PEFT's format, with the run's tokenizer."""
     trained = job.exported(state.trainable)
     return Path(
         hf.export_adapter(
@@ -134,6 +134,8 @@ def _export_adapter(
             model_type=job.model_type,
             spec=job.lora,
             trained=trained,
+            tokenizer=job.tokenizer,
+            chat_template=_run_hooks.exported_templates(job),
             overwrite=overwrite,
         )
     )
