@@ -54,13 +54,25 @@ Subcommands (each prints the machine first, then one JSON line per measurement):
        "baseline_mb", "peak_mb", "above_baseline_mb", "ratio",
        "plain_above_baseline_mb", "plain_ratio", "load_s", "plain_load_s"}
 
+- `codes`: the nf4 codes of one random bf16 tensor (Llama-3.1-8B's q_proj,
+  4096 x 4096, and down_proj, 4096 x 14336) as eqtrain makes them (pieces of
+  rows on a thread per core, a comparison per codebook midpoint) against the
+  one-thread binary search it used before (`codes_one_thread`); the bytes are
+  checked equal first, then the two alternate in each round. `ratio` is the
+  median of per-round ratios (> 1: faster now); `llama8b_linear_s` what the
+  rate makes of Llama-3.1-8B's 6.98 B linear weights.
+
+      {"part": "codes", "tensor", "shape", "threads", "one_thread_ms",
+       "pieces_ms", "ratio", "ratio_range", "mvalues_per_s", "llama8b_linear_s"}
+
 Usage (CPU):
 
     JAX_PLATFORMS=cpu .venv/bin/python benchmarks/qlora.py bytes
     JAX_PLATFORMS=cpu .venv/bin/python benchmarks/qlora.py dry-run [--models llama8b]
     JAX_PLATFORMS=cpu .venv/bin/python benchmarks/qlora.py step [--rounds 5]
     JAX_PLATFORMS=cpu .venv/bin/python benchmarks/qlora.py import-rss
-    JAX_PLATFORMS=cpu .venv/bin/python benchmarks/qlora.py [all]    # all four
+    JAX_PLATFORMS=cpu .venv/bin/python benchmarks/qlora.py codes [--rounds 5]
+    JAX_PLATFORMS=cpu .venv/bin/python benchmarks/qlora.py [all]    # all five
     JAX_PLATFORMS=cpu .venv/bin/python benchmarks/qlora.py --quick  # smoke test
 """
 

@@ -295,7 +295,7 @@ def test_qlora_quick():
     records, _ = _quick("qlora.py")
     parts = [r["part"] for r in records]
     assert parts == ["bytes"] * 10 + ["bytes-real"] * 5 + [
-        "dry-run", "dry-run", "dry-run-ratio", "step", "import-rss",
+        "dry-run", "dry-run", "dry-run-ratio", "step", "import-rss", "codes",
     ]  # fmt: skip
     per = {(r["model"], r["kind"], r["double"]): r for r in records[:10]}
     for model in ("llama8b", "qwen3_30b_a3b"):
@@ -308,7 +308,8 @@ def test_qlora_quick():
     assert (bf16["quantize"], nf4["quantize"]) == ("bf16", "nf4")
     assert nf4["parameters_bytes"] < bf16["parameters_bytes"]
     assert 0 < ratio["nf4_over_bf16_peak"] and "model.quantize=nf4" in nf4["command"]
-    step, load = records[18:]
+    step, load, codes = records[18:]
     assert step["bf16_ms"] > 0 and step["nf4_ms"] > 0 and step["ratio"] > 0
     assert abs(step["first_loss"]["nf4"] - step["first_loss"]["bf16"]) < 0.05
     assert load["quantized_mb"] < load["bf16_mb"] and load["load_s"] > 0
+    assert codes["ratio"] > 0 and codes["llama8b_linear_s"] > 0

@@ -50,7 +50,7 @@ TemplateKwargs = Annotated[
     typer.Option(
         "--chat-template-kwargs",
         help="With --chat: variables for the chat template as a JSON object, e.g. "
-        '\'{"enable_thinking": false}\' for Qwen3, given to every prompt\'s '
+        "'{\"enable_thinking\": false}' for Qwen3, given to every prompt's "
         "render as data.chat_template_kwargs is in training (over a run's own); "
         "a --file line's chat_template_kwargs win over them.",
     ),
