@@ -242,18 +242,23 @@ _PIECE = 2**18  # values of a tensor quantized in one piece (1 MiB of float32): 
 # expert's tensor (768 x 2048 in Qwen3-30B-A3B) still spreads over six threads
 
 
+_MOST_THREADS = 16  # past this, memory bandwidth bounds the pieces, not cores
+
+
 def _threads() -> int:
-    """The processor's cores this process may run on."""
+    """The processor's cores this process may run on, at most `_MOST_THREADS`."""
     try:
-        return len(os.sched_getaffinity(0))
+        cores = len(os.sched_getaffinity(0))
     except AttributeError:  # not on Linux
-        return os.cpu_count() or 1
+        cores = os.cpu_count() or 1
+    return max(1, min(cores, _MOST_THREADS))
 
 
 @functools.cache
 def _pool() -> ThreadPoolExecutor:
-    """The threads that quantize a tensor's pieces, one per core (started on
-    first use and kept: loading a model quantizes hundreds of tensors)."""
+    """The threads that quantize a tensor's pieces, one per core (`_threads`;
+    started on first use and kept: loading a model quantizes hundreds of
+    tensors)."""
     return ThreadPoolExecutor(_threads(), thread_name_prefix="eqtrain-quantize")
 
 
