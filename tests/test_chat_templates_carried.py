@@ -11,6 +11,8 @@ Llama, imported and exported at step 0: nothing is trained."""
 import json
 import re
 
+import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import eqtrain.config as config_lib
@@ -19,7 +21,7 @@ from eqtrain.data import DataError, read_chat_templates, write_chat_templates
 from eqtrain.job import _resolve, _rundir
 
 from .test_chat_templates_named import CHAT, DEFAULT, RAG, TOOL_USE, TOOLS
-from .test_cli import inproc
+from .test_cli import assert_clean_error, inproc
 from .test_generate_cli import write_tokenizer
 from .test_run_identity import hf_dir
 
@@ -139,27 +141,60 @@ def test_export_carries_every_named_template(sources, imported, tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["back"]
 
 
+@pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing:FutureWarning")  # peft
 def test_a_lora_runs_adapter_exports_carry_the_tokenizer(sources, tmp_path):
     """A LoRA run's adapter exports (the run's own at its end, and `eqtrain
     export`'s) hold the run's tokenizer and named templates beside PEFT's files,
-    as a TRL trainer's `save_model` writes its tokenizer with an adapter:
-    transformers loads the same tokenizer and templates from the directory, and
-    peft the adapter."""
+    as a TRL trainer's `save_model` writes its tokenizer with an adapter, and
+    name their base by its absolute path: transformers loads the same tokenizer
+    and templates from the directory, `peft.AutoPeftModelForCausalLM` the
+    adapted model (the run's logits), and `eqtrain generate` runs on it."""
     peft = pytest.importorskip("peft")
+    torch = pytest.importorskip("torch")
     source, run = sources["config"], tmp_path / "run"
     sets = [f"run_dir={run}", f"model.init_from={source}", "lora.rank=4"]
     sets += ["loop.steps=1", "data.seq_len=16", "data.batch_size=8", "data.eval=none"]
     inproc("fit", *[a for s in sets for a in ("--set", s)], check_rc=0)
     inproc("export", run, tmp_path / "back", check_rc=0)
     text = "hello world the quick brown fox"
+    ids = np.asarray(hf_of(source)(text)["input_ids"], np.int32)
+    tokens = jnp.asarray(ids)
+    logits = np.asarray(job.open_model(run).model(tokens))
     for adapter in (run / "hf", tmp_path / "back"):
         assert (adapter / "adapter_model.safetensors").is_file()
         assert_layout(adapter)
         assert hf_of(adapter).chat_template == TEMPLATES
-        assert hf_of(adapter)(text)["input_ids"] == hf_of(source)(text)["input_ids"]
+        assert hf_of(adapter)(text)["input_ids"] == ids.tolist()
         assert rendered(adapter, TOOLS) == rendered(source, TOOLS)
         config = peft.PeftConfig.from_pretrained(str(adapter))
         assert (config.peft_type, config.r) == ("LORA", 4)
+        assert config.base_model_name_or_path == str(source.resolve())
+        m = job.open_model(adapter)  # eqtrain generate's: base + adapter
+        assert m.template.templates == TEMPLATES
+        np.testing.assert_allclose(np.asarray(m.model(tokens)), logits, atol=1e-5)
+    theirs = peft.AutoPeftModelForCausalLM.from_pretrained(str(run / "hf")).eval()
+    with torch.no_grad():
+        out = theirs(torch.from_numpy(ids.astype(np.int64))[None]).logits[0]
+    np.testing.assert_allclose(out.numpy(), logits, atol=1e-4)
+    done = inproc(
+        "generate", run / "hf", "--chat", "-p", "hello", "--max-new-tokens", "2"
+    )
+    assert done.returncode == 0, done.stderr
+
+
+@pytest.mark.parametrize("base", [None, "{missing}"])
+def test_an_adapter_without_its_base_is_one_paragraph(sources, tmp_path, base):
+    """`eqtrain generate` on an adapter whose base_model_name_or_path names no
+    local Hugging Face directory says so, and what to do."""
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    missing = str(tmp_path / "nowhere")
+    settings = {"peft_type": "LORA", "r": 4, "lora_alpha": 8, "target_modules": []}
+    settings["base_model_name_or_path"] = base and base.format(missing=missing)
+    (adapter / "adapter_config.json").write_text(json.dumps(settings))
+    done = inproc("generate", adapter, "-p", "hi")
+    said = "names no base model" if base is None else f"names the base {missing},"
+    assert_clean_error(done, said, "eqtrain export RUN OUT --merged")
 
 
 def test_a_folder_of_templates_with_other_files_is_not_an_export(tmp_path):

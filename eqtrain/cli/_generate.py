@@ -21,8 +21,10 @@ from ._shared import errors, json_text
 Source = Annotated[
     str,
     typer.Argument(
-        help="An eqtrain run directory (its latest checkpoint) or a Hugging "
-        "Face model directory (config.json, safetensors, tokenizer.json)."
+        help="An eqtrain run directory (its latest checkpoint), a Hugging "
+        "Face model directory (config.json, safetensors, tokenizer.json) or a "
+        "PEFT adapter directory (on the local base its adapter_config.json "
+        "names)."
     ),
 ]
 Prompt = Annotated[

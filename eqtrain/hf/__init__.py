@@ -26,4 +26,8 @@ from ._load import (
 )
 from ._maps import ARCHS as ARCHS, infer_model_type as infer_model_type
 from ._peft import export_adapter as export_adapter
-from ._peft_load import adapter_spec as adapter_spec, load_adapter as load_adapter
+from ._peft_load import (
+    adapter_base as adapter_base,
+    adapter_spec as adapter_spec,
+    load_adapter as load_adapter,
+)

@@ -48,8 +48,9 @@ class export_hook:  # noqa: N801 -- a hook factory, named like a function
         **export_kwargs: passed on to `eqtrain.hf.export` (`dtype`,
             `max_shard_size`, `tokenizer`, `model_type`, ...); an adapter export
             uses `model_type`, `spec` (the `lora.LoRA`, to record its alpha
-            and rsLoRA as written), `tokenizer` and `chat_template` only, and
-            writes the state's other trained leaves as PEFT's `modules_to_save`.
+            and rsLoRA as written), `base_model_name_or_path`, `tokenizer` and
+            `chat_template` only, and writes the state's other trained leaves
+            as PEFT's `modules_to_save`.
 
     Example:
         >>> from eqtrain import at_end, every
@@ -109,13 +110,17 @@ class export_hook:  # noqa: N801 -- a hook factory, named like a function
                 target,
                 model_type=self.export_kwargs.get("model_type"),
                 spec=self.export_kwargs.get("spec"),
+                base_model_name_or_path=self.export_kwargs.get(
+                    "base_model_name_or_path"
+                ),
                 trained=None if trained is True else trained,
                 tokenizer=self.export_kwargs.get("tokenizer"),
                 chat_template=self.export_kwargs.get("chat_template"),
                 overwrite=True,
             )
             return
-        kwargs = {k: v for k, v in self.export_kwargs.items() if k != "spec"}
+        adapter_only = ("spec", "base_model_name_or_path")
+        kwargs = {k: v for k, v in self.export_kwargs.items() if k not in adapter_only}
         if self.form == "merged":
             model = lora.merge(model)
         export(model, None, target, overwrite=True, **kwargs)

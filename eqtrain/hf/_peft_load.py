@@ -100,6 +100,22 @@ def _spec(settings: dict[str, Any], paths: list[str]) -> lora.LoRA:
 
 
 # -- the files -------------------------------------------------------------------------
+def adapter_base(path: str | os.PathLike[str]) -> str | None:
+    """The base model a PEFT adapter directory names (adapter_config.json's
+    `base_model_name_or_path`) as written: a relative path is the working
+    directory's, as `peft.AutoPeftModelForCausalLM` reads it (a Hub name is
+    no local directory); None when it names none.
+
+    Raises:
+        HFFileNotFoundError, HFFormatError: no adapter_config.json, or not a
+            LoRA adapter eqtrain can load.
+    """
+    base = _read_settings(os.fspath(path)).get("base_model_name_or_path")
+    if not isinstance(base, str) or not base:
+        return None
+    return os.path.expanduser(base)
+
+
 def _read_settings(path: str) -> dict[str, Any]:
     """adapter_config.json, checked to describe a LoRA adapter eqtrain can load."""
     settings = read_object(

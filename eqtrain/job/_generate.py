@@ -61,22 +61,56 @@ class Generator:
 
 def open_model(source: str | os.PathLike[str], *, step: int | None = None) -> Generator:
     """The model in `source`: an eqtrain run directory (its latest checkpoint,
-    or checkpoint `step`) or a Hugging Face directory (config.json, safetensors
-    and a tokenizer.json, or a byte-level vocabulary)."""
+    or checkpoint `step`), a Hugging Face directory (config.json, safetensors
+    and a tokenizer.json, or a byte-level vocabulary) or a PEFT adapter
+    directory on the local base it names."""
     path = Path(source)
     if not path.is_dir():
         raise ConfigError(
             f"{path} is not a directory; pass an eqtrain run directory or a "
             "Hugging Face model directory (config.json + safetensors)."
         )
-    if not (path / "config.json").is_file():
+    adapter = (path / "adapter_config.json").is_file()
+    if not (path / "config.json").is_file() and not adapter:
         return _run_model(path, step)
     if step is not None:
         raise ConfigError(
             f"--step picks a checkpoint of a run, but {path} is a Hugging Face "
             "directory (it has one set of weights); drop --step."
         )
+    if adapter and not (path / "config.json").is_file():
+        return _adapter_model(path)
     return _hf_model(path)
+
+
+def _adapter_model(path: Path) -> Generator:
+    """A PEFT adapter directory's adapter on the base its adapter_config.json
+    names (`base_model_name_or_path`, a local Hugging Face directory), as
+    `peft.AutoPeftModelForCausalLM` loads it; the adapter directory's tokenizer
+    and chat template where it has them (an eqtrain export, as TRL's), else the
+    base's."""
+    base = hf.adapter_base(path)
+    if base is None or not (Path(base) / "config.json").is_file():
+        named = "names no base model" if base is None else f"names the base {base},"
+        where = "" if base is None else " which is not a Hugging Face directory here"
+        raise ConfigError(
+            f"{path} is a PEFT adapter whose adapter_config.json {named}{where}; "
+            "set base_model_name_or_path there to the base model's directory, or "
+            "generate from the run that trained it (eqtrain generate RUN) or from "
+            "a merged export (eqtrain export RUN OUT --merged)."
+        )
+    m = _hf_model(Path(base))
+    try:
+        model = hf.load_adapter(m.model, path)
+    except (hf.HFFormatError, hf.HFFileNotFoundError) as e:
+        raise ConfigError(f"cannot load the adapter {path}: {e}") from None
+    if (path / "tokenizer.json").is_file():
+        tokenizer = _tokenizer(hf.tokenizer_for(path))
+        _check_vocab(path, tokenizer, model.config.vocab_size)
+        stops = _ids(tokenizer.eos_id, *hf.generation_eos(Path(base)))
+        m = dataclasses.replace(m, tokenizer=tokenizer, stop_ids=stops)
+    template = _template(path) or m.template
+    return dataclasses.replace(m, model=model, source=path, template=template)
 
 
 def _hf_model(path: Path) -> Generator:

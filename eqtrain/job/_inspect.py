@@ -133,6 +133,7 @@ def _export_adapter(
             out_dir,
             model_type=job.model_type,
             spec=job.lora,
+            base_model_name_or_path=_run_hooks.adapter_base(job),
             trained=trained,
             tokenizer=job.tokenizer,
             chat_template=_run_hooks.exported_templates(job),

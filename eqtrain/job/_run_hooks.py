@@ -136,7 +136,17 @@ def _export_kwargs(job: _build.Job) -> dict[str, Any]:
         kwargs["chat_template"] = templates
     if job.lora is not None:
         kwargs["spec"] = job.lora
+        kwargs["base_model_name_or_path"] = adapter_base(job)
     return kwargs
+
+
+def adapter_base(job: _build.Job) -> str | None:
+    """What a LoRA run's adapter export names as its base
+    (`base_model_name_or_path`): `model.init_from` as an absolute path, so that
+    `peft.AutoPeftModelForCausalLM.from_pretrained(adapter)` and `eqtrain
+    generate ADAPTER` find it from any directory; None without one."""
+    init_from = job.config.model.init_from
+    return str(Path(init_from).resolve()) if init_from else None
 
 
 def exported_templates(job: _build.Job) -> dict[str, str] | None:
