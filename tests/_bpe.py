@@ -46,3 +46,21 @@ def learned_text(ids: Any, mask: Any, hf: Any) -> list[str]:
     edges = np.flatnonzero(np.diff(np.concatenate([[0], mask, [0]])))
     ids = [int(i) for i in ids]
     return [hf.decode(ids[a:b]) for a, b in zip(edges[::2], edges[1::2], strict=True)]
+
+
+def assert_same_rows(
+    tok: Any, template: Any, messages: list[Any], **field: Any
+) -> None:
+    """A conversation's `sft_rows` with a record field that says "none" (`tools`,
+    `chat_template_kwargs`) equal its rows without the field."""
+    from eqtrain.data import sft_rows
+
+    def rows(record: dict[str, Any]) -> dict[str, Any]:
+        kw = dict(format="chat", template=template, seq_len=512)
+        return sft_rows([record], tok, **kw)[0]
+
+    without = rows({"messages": messages})
+    with_field = rows({"messages": messages, **field})
+    assert with_field.keys() == without.keys()
+    for key in without:
+        np.testing.assert_array_equal(with_field[key], without[key])

@@ -30,7 +30,7 @@ from eqtrain.data import (
 from eqtrain.data._errors import ChatTemplateError
 from eqtrain.data.store import _post_parts
 
-from ._bpe import byte_bpe, chat_ids as hf_ids, learned_text as runs
+from ._bpe import assert_same_rows, byte_bpe, chat_ids as hf_ids, learned_text as runs
 
 
 transformers = pytest.importorskip("transformers")
@@ -316,18 +316,7 @@ def test_generate_and_sample_prompts_carry_their_kwargs(tok, hf, template, tmp_p
 @pytest.mark.parametrize("none", [None, {}, "", " ", "{}", "null"])
 def test_no_kwargs_is_as_before(tok, template, none):
     assert check_template_kwargs(none) == {}
-    without, _ = sft_rows(
-        [{"messages": CHAT}], tok, format="chat", template=template, seq_len=512
-    )
-    with_none, _ = sft_rows(
-        [{"messages": CHAT, "chat_template_kwargs": none}],
-        tok,
-        format="chat",
-        template=template,
-        seq_len=512,
-    )
-    for key in without:
-        np.testing.assert_array_equal(with_none[key], without[key])
+    assert_same_rows(tok, template, CHAT, chat_template_kwargs=none)
 
 
 def test_the_builtin_template_ignores_kwargs():

@@ -33,7 +33,7 @@ from eqtrain.data import (
 from eqtrain.data._errors import ChatTemplateError
 from eqtrain.data.store import _post_parts, _post_store
 
-from ._bpe import byte_bpe, chat_ids, learned_text as runs
+from ._bpe import assert_same_rows, byte_bpe, chat_ids, learned_text as runs
 
 
 transformers = pytest.importorskip("transformers")
@@ -385,18 +385,7 @@ def test_no_tools_is_as_before(tokenizer_file, tok, none):
     template = template_of("llama3_1")
     assert check_tools(none) is None
     chat = [m for m in CHAT if m["role"] != "tool" and "tool_calls" not in m]
-    without, report = sft_rows(
-        [{"messages": chat}], tok, format="chat", template=template, seq_len=512
-    )
-    with_none, _ = sft_rows(
-        [{"messages": chat, "tools": none}],
-        tok,
-        format="chat",
-        template=template,
-        seq_len=512,
-    )
-    for key in without:
-        np.testing.assert_array_equal(with_none[key], without[key])
+    assert_same_rows(tok, template, chat, tools=none)
     builtin = BuiltinChatTemplate()
     ids, mask = builtin.encode(chat, ByteTokenizer(), tools=none)
     np.testing.assert_array_equal(ids, builtin.encode(chat, ByteTokenizer())[0])

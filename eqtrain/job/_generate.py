@@ -99,31 +99,29 @@ def _adapter_model(path: Path) -> Generator:
             "generate from the run that trained it (eqtrain generate RUN) or from "
             "a merged export (eqtrain export RUN OUT --merged)."
         )
-    m = _hf_model(Path(base))
+    own = path if (path / "tokenizer.json").is_file() else None
+    m = _hf_model(Path(base), tokenizer_dir=own)
     try:
         model = hf.load_adapter(m.model, path)
     except (hf.HFFormatError, hf.HFFileNotFoundError) as e:
         raise ConfigError(f"cannot load the adapter {path}: {e}") from None
-    if (path / "tokenizer.json").is_file():
-        tokenizer = _tokenizer(hf.tokenizer_for(path))
-        _check_vocab(path, tokenizer, model.config.vocab_size)
-        stops = _ids(tokenizer.eos_id, *hf.generation_eos(Path(base)))
-        m = dataclasses.replace(m, tokenizer=tokenizer, stop_ids=stops)
     template = _template(path) or m.template
     return dataclasses.replace(m, model=model, source=path, template=template)
 
 
-def _hf_model(path: Path) -> Generator:
-    """A Hugging Face directory's model, tokenizer, end ids and chat template."""
+def _hf_model(path: Path, tokenizer_dir: Path | None = None) -> Generator:
+    """A Hugging Face directory's model, tokenizer, end ids and chat template;
+    the tokenizer from `tokenizer_dir`'s tokenizer.json where given (an
+    adapter directory's own)."""
     try:
-        name = hf.tokenizer_for(path)
+        name = hf.tokenizer_for(tokenizer_dir or path)
         model, _ = hf.load(path)
     except (hf.HFFormatError, hf.HFFileNotFoundError) as e:
         raise ConfigError(
             f"cannot load the Hugging Face directory {path}: {e}"
         ) from None
     tokenizer = _tokenizer(name)
-    _check_vocab(path, tokenizer, model.config.vocab_size)
+    _check_vocab(tokenizer_dir or path, tokenizer, model.config.vocab_size)
     stops = _ids(tokenizer.eos_id, *hf.generation_eos(path))
     return Generator(model, tokenizer, stops, path, _template(path), _positions(model))
 
